@@ -1,0 +1,1 @@
+"""moectl verbs, one module per group; each exposes `register(subparsers)`."""

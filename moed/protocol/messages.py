@@ -1,0 +1,188 @@
+"""The protocol as data: one tagged msgspec Struct per request, exactly one reply type.
+
+Rules kept here (DESIGN.md, style 1):
+- fields are only ever appended, always with defaults, so old peers still decode;
+- a tag is never reused;
+- `REPLY_TYPE` maps every request type to its single reply type (an `Error`
+  may replace any reply);
+- requests with `ack=False` get no reply at all, not even an `Error`: the client
+  does not wait for them, so a reply would desynchronise the stream.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class Message(msgspec.Struct, tag_field="t", array_like=False, omit_defaults=True):
+    pass
+
+
+# ---- requests -----------------------------------------------------------
+
+
+class Hello(Message, tag="hello"):
+    version: int
+    client_name: str = ""
+
+
+class Ping(Message, tag="ping"):
+    pass
+
+
+class OpenModel(Message, tag="open_model"):
+    path: str
+
+
+class Acquire(Message, tag="acquire"):
+    """Pin `experts` of `layer` until released; `release` piggybacks earlier leases."""
+
+    model_id: int
+    layer: int
+    experts: list[int]
+    timeout_s: float | None = None
+    release: list[int] = []
+
+
+class Release(Message, tag="release"):
+    lease_ids: list[int]
+    ack: bool = True
+
+
+class Prefetch(Message, tag="prefetch"):
+    model_id: int
+    layer: int
+    experts: list[int]
+    ack: bool = False
+
+
+class GetStats(Message, tag="stats"):
+    pass
+
+
+class ListModels(Message, tag="models"):
+    pass
+
+
+# ---- replies ------------------------------------------------------------
+
+
+class Error(Message, tag="error"):
+    code: int
+    message: str
+
+
+class HelloReply(Message, tag="hello_reply"):
+    version: int
+    daemon_version: str
+    daemon_pid: int
+    peer_uid: int
+    peer_pid: int
+
+
+class Pong(Message, tag="pong"):
+    time_ns: int
+
+
+class PartExtent(msgspec.Struct, array_like=True):
+    """Where one part (gate/up/down/gate_up) of one layer's experts lives in the file."""
+
+    part: str
+    shard: int               # index into ModelInfo.files
+    offset: int              # absolute file offset of expert 0
+    bytes_per_expert: int
+    ggml_type: int
+    shape: list[int]         # the tensor's GGUF shape (ne0, ne1, n_expert)
+
+
+class LayerInfo(msgspec.Struct, array_like=True):
+    layer: int
+    class_id: int
+    parts: list[PartExtent]
+
+
+class SegmentInfo(msgspec.Struct):
+    """One shared-memory segment: the slots of one size class.
+
+    Part `k` of slot `i` is at `part_off[k] + i * part_stride[k]` and is
+    `part_bytes[k]` long; every `part_off` and `part_stride` is page-aligned.
+    The file descriptor travels beside the reply (SCM_RIGHTS), in the order of
+    `ModelInfo.segments`, opened read-only.
+    """
+
+    class_id: int
+    capacity: int
+    part_names: list[str]
+    part_bytes: list[int]
+    part_off: list[int]
+    part_stride: list[int]
+    segment_bytes: int
+
+
+class ModelInfo(Message, tag="model_info"):
+    model_id: int
+    path: str
+    files: list[str]
+    moe_layers: list[int]
+    n_experts: int
+    n_expert_used: int
+    parts: list[str]
+    layers: list[LayerInfo]
+    segments: list[SegmentInfo]
+
+
+class Granted(Message, tag="granted"):
+    """The lease: slot `slots[j]` of segment `class_id` holds `experts[j]`."""
+
+    lease_id: int
+    class_id: int
+    slots: list[int]
+
+
+class Released(Message, tag="released"):
+    count: int
+
+
+class Prefetched(Message, tag="prefetched"):
+    queued: int
+
+
+class StatsReply(Message, tag="stats_reply"):
+    stats: dict[str, Any]
+
+
+class ModelsReply(Message, tag="models_reply"):
+    models: list[dict[str, Any]]
+
+
+Request = Union[Hello, Ping, OpenModel, Acquire, Release, Prefetch, GetStats, ListModels]
+Reply = Union[Error, HelloReply, Pong, ModelInfo, Granted, Released, Prefetched, StatsReply, ModelsReply]
+
+REPLY_TYPE: dict[type, type] = {
+    Hello: HelloReply,
+    Ping: Pong,
+    OpenModel: ModelInfo,
+    Acquire: Granted,
+    Release: Released,
+    Prefetch: Prefetched,
+    GetStats: StatsReply,
+    ListModels: ModelsReply,
+}
+
+REQUEST_TYPES: tuple[type, ...] = Request.__args__  # type: ignore[attr-defined]
+REPLY_TYPES: tuple[type, ...] = Reply.__args__  # type: ignore[attr-defined]
+
+
+def wants_reply(request: Message) -> bool:
+    """False for fire-and-forget requests (`ack=False`)."""
+    return getattr(request, "ack", True)
+
+
+__all__ = [
+    "PROTOCOL_VERSION", "Message", "Request", "Reply", "REPLY_TYPE", "REQUEST_TYPES",
+    "REPLY_TYPES", "wants_reply", "PartExtent", "LayerInfo", "SegmentInfo",
+] + [t.__name__ for t in REQUEST_TYPES + REPLY_TYPES]
