@@ -1,0 +1,119 @@
+"""moectl verbs that read and write GGUF files: make-model, index, align.
+
+All three work on files only (no daemon). Bad input is a one-line error and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from moed.protocol.errors import MoedError
+from moed.protocol.sizes import format_size
+
+
+def register(sub) -> None:
+    p = sub.add_parser("make-model", help="write a tiny qwen3moe test model (GGUF)")
+    p.add_argument("out", metavar="OUT.gguf")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--used", type=int, default=2, help="experts per token (top-k)")
+    p.add_argument("--embd", type=int, default=64)
+    p.add_argument("--ff", type=int, default=64, help="expert feed-forward length")
+    p.add_argument("--quant", default="q8_0", choices=["q8_0", "q4_0", "q4_k"])
+    p.add_argument("--layer-quants", default=None, metavar="Q,Q,...",
+                   help="one quant per layer (mixed size classes)")
+    p.add_argument("--align", type=int, default=32, help="general.alignment (4096: page-aligned experts)")
+    p.add_argument("--split", type=int, default=1, help="number of shards")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default: minimal)")
+    p.add_argument("--ctx", type=int, default=256, help="context length")
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.set_defaults(func=_make_model)
+
+    p = sub.add_parser("index", help="show where a GGUF's routed experts live")
+    p.add_argument("model", metavar="MODEL.gguf")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_index)
+
+    p = sub.add_parser("align", help="rewrite a GGUF with 4096-byte alignment (page-aligned experts)")
+    p.add_argument("src", metavar="IN")
+    p.add_argument("dst", metavar="OUT")
+    p.add_argument("--alignment", type=int, default=4096, help=argparse.SUPPRESS)
+    p.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    p.add_argument("--no-verify", action="store_true", help="skip comparing every tensor after writing")
+    p.set_defaults(func=_align)
+
+
+def _fail(msg: str) -> int:
+    print(f"moectl: {msg}", file=sys.stderr)
+    return 2
+
+
+def _make_model(args) -> int:
+    from moed.lab.makemodel import make_model
+    try:
+        paths = make_model(args.out, layers=args.layers, experts=args.experts, used=args.used,
+                           embd=args.embd, ff=args.ff, quant=args.quant,
+                           layer_quants=args.layer_quants, align=args.align, split=args.split,
+                           seed=args.seed, vocab=args.vocab, ctx=args.ctx, heads=args.heads,
+                           kv_heads=args.kv_heads)
+    except ValueError as exc:
+        return _fail(f"make-model: {exc}")
+    except OSError as exc:
+        return _fail(f"make-model: {exc.filename}: {exc.strerror}")
+    for p in paths:
+        print(p)
+    return 0
+
+
+def _index(args) -> int:
+    from moed.daemon.catalog import Catalog
+    cat = Catalog.open(args.model)
+    if args.json:
+        print(json.dumps(cat.to_dict()))
+        return 0
+    _print_index(cat)
+    return 0
+
+
+def _print_index(cat) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from moed.daemon.catalog import _ranges
+    console = Console()
+    aligned = ("yes" if cat.page_aligned else
+               "partly" if any(e.page_aligned for e in cat.layers.values()) else "no")
+    console.print(f"[bold]{cat.path}[/bold]  ({cat.arch}, {len(cat.files)} file(s), "
+                  f"alignment {cat.alignment})")
+    console.print(f"layers {cat.n_layers}, MoE layers {_ranges(cat.moe_layers)}, experts "
+                  f"{cat.n_experts}, top-k {cat.n_expert_used}, parts {'+'.join(cat.parts)}")
+    console.print(f"routed expert bytes {format_size(cat.expert_bytes_total)}, "
+                  f"page-aligned expert extents: {aligned}")
+    table = Table("class", "layers", "type", *cat.parts, "expert", "aligned",
+                  title="bytes per expert, by size class")
+    for i, (key, layers) in enumerate(cat.size_classes.items()):
+        types = sorted({cat.layers[l].parts[p].type_name for l in layers for p, _ in key})
+        table.add_row(str(i), _ranges(layers), ",".join(types), *(str(b) for _, b in key),
+                      str(sum(b for _, b in key)),
+                      "yes" if all(cat.layers[l].page_aligned for l in layers) else "no")
+    console.print(table)
+    for f in cat.files:
+        console.print(f"  {f}")
+
+
+def _align(args) -> int:
+    from moed.gguf_align import align_gguf
+    try:
+        align_gguf(args.src, args.dst, alignment=args.alignment, overwrite=args.force,
+                   verify=not args.no_verify, progress=True)
+    except MoedError:
+        raise
+    except (ValueError, FileExistsError) as exc:
+        return _fail(f"align: {exc}")
+    except OSError as exc:
+        return _fail(f"align: {exc.filename or ''}: {exc.strerror}")
+    return 0

@@ -1,0 +1,303 @@
+"""Expert catalog: where every routed expert's bytes live in a (possibly split) GGUF.
+
+API summary
+-----------
+    cat = Catalog.open(path)         # first shard of a split file, or a plain .gguf
+    cat.files                        # tuple[str, ...] absolute shard paths, in order
+    cat.identity                     # tuple[(st_dev, st_ino, st_size, st_mtime_ns), ...] per shard;
+                                     #   hashable: two opens of one file compare equal
+    cat.moe_layers                   # tuple[int, ...] block indices with routed experts
+    cat.n_experts, cat.n_expert_used # experts per layer, top-k
+    cat.parts                        # tuple[str, ...] e.g. ("gate", "up", "down") or ("gate_up", "down")
+    cat.layers[l]                    # LayerEntry(layer, parts: {part: PartExtent}, size_class, ...)
+    cat.layers[l].parts[p]           # PartExtent(shard, path, offset, bytes_per_expert, ggml_type,
+                                     #            type_name, shape)  -- shape in ggml order (ne0, ne1, n_expert)
+    cat.extent(l, e, p)              # (shard_path, absolute_offset, length) of expert e's part p
+    cat.size_classes                 # {SizeClass: tuple[layer, ...]}; SizeClass = ((part, bytes), ...)
+    cat.size_class(l)                # the layer's SizeClass
+    cat.page_aligned                 # every part of every layer page-aligned (also per layer/part)
+    cat.expert_bytes(l)              # sum of the parts' bytes for one expert of layer l
+    cat.check_current()              # raises ModelStale if any shard changed since open
+    cat.to_dict()                    # JSON-ready summary (moectl index --json)
+
+`Catalog.open` raises `moed.protocol.errors.BadModelFile` (clear message naming the
+file) for: a missing file, not GGUF, a truncated file (header or tensor data past
+EOF), no routed experts, a missing shard, shards that disagree (split keys, expert
+counts, part sets). Lookups raise UnknownLayer / UnknownExpert / BadRequest.
+
+Invariants:
+- Expert `e` of a part lives at `offset + e * bytes_per_expert`, `bytes_per_expert =
+  n_bytes / n_expert`, entirely inside its shard (checked at open).
+- Only headers are read (see moed.gguf_header): opening is fast even for big models
+  with big vocabularies, and no tensor data is touched.
+- `identity` is taken before the headers are parsed, so any later change to a shard
+  is visible to `check_current`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from moed.gguf_header import Header, read_header, type_name
+from moed.protocol.errors import BadModelFile, BadRequest, ModelStale, UnknownExpert, UnknownLayer
+from moed.protocol.layout import PAGE
+
+PART_ORDER = ("gate", "up", "down", "gate_up")
+EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.weight$")
+SHARD_RE = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
+
+FileIdentity = tuple[int, int, int, int]          # st_dev, st_ino, st_size, st_mtime_ns
+SizeClass = tuple[tuple[str, int], ...]           # ((part, bytes_per_expert), ...) in part order
+
+
+@dataclass(frozen=True)
+class PartExtent:
+    shard: int                   # index into Catalog.files
+    path: str
+    offset: int                  # absolute offset of expert 0 in the shard
+    bytes_per_expert: int
+    ggml_type: int
+    type_name: str
+    shape: tuple[int, ...]       # ggml order (ne0, ne1, n_expert)
+
+    @property
+    def page_aligned(self) -> bool:
+        return self.offset % PAGE == 0 and self.bytes_per_expert % PAGE == 0
+
+    def expert_offset(self, expert: int) -> int:
+        return self.offset + expert * self.bytes_per_expert
+
+
+@dataclass(frozen=True)
+class LayerEntry:
+    layer: int
+    parts: dict[str, PartExtent]
+
+    @property
+    def size_class(self) -> SizeClass:
+        return tuple((name, p.bytes_per_expert) for name, p in self.parts.items())
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(p.bytes_per_expert for p in self.parts.values())
+
+    @property
+    def page_aligned(self) -> bool:
+        return all(p.page_aligned for p in self.parts.values())
+
+
+@dataclass(frozen=True)
+class Catalog:
+    path: str                              # the first shard, absolute
+    files: tuple[str, ...]
+    identity: tuple[FileIdentity, ...]
+    arch: str
+    n_layers: int                          # block_count (dense layers included)
+    moe_layers: tuple[int, ...]
+    n_experts: int
+    n_expert_used: int
+    parts: tuple[str, ...]
+    layers: dict[int, LayerEntry]
+    alignment: int                         # general.alignment of the first shard
+
+    # ------------------------------------------------------------------ open
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> "Catalog":
+        first_path = os.path.abspath(os.fspath(path))
+        first_id = _identity(first_path)
+        first = read_header(first_path)
+        files = _shard_files(first_path, first)
+        identity = (first_id,) + tuple(_identity(f) for f in files[1:])
+        headers = [first] + [read_header(f) for f in files[1:]]
+        _check_split(headers)
+        return _build(first_path, files, identity, headers)
+
+    # ------------------------------------------------------------------ lookups
+
+    def layer(self, layer: int) -> LayerEntry:
+        entry = self.layers.get(layer)
+        if entry is None:
+            raise UnknownLayer(f"layer {layer} has no routed experts (MoE layers: "
+                               f"{_ranges(self.moe_layers)})")
+        return entry
+
+    def extent(self, layer: int, expert: int, part: str) -> tuple[str, int, int]:
+        """(shard_path, absolute_offset, length) of one expert's part."""
+        p = self.layer(layer).parts.get(part)
+        if p is None:
+            raise BadRequest(f"unknown part {part!r} (model has {', '.join(self.parts)})")
+        if not 0 <= expert < self.n_experts:
+            raise UnknownExpert(f"expert {expert} out of range 0..{self.n_experts - 1}")
+        return p.path, p.expert_offset(expert), p.bytes_per_expert
+
+    def size_class(self, layer: int) -> SizeClass:
+        return self.layer(layer).size_class
+
+    def expert_bytes(self, layer: int) -> int:
+        return self.layer(layer).expert_bytes
+
+    @property
+    def size_classes(self) -> dict[SizeClass, tuple[int, ...]]:
+        out: dict[SizeClass, list[int]] = {}
+        for layer in self.moe_layers:
+            out.setdefault(self.layers[layer].size_class, []).append(layer)
+        return {k: tuple(v) for k, v in out.items()}
+
+    @property
+    def page_aligned(self) -> bool:
+        return all(e.page_aligned for e in self.layers.values())
+
+    @property
+    def expert_bytes_total(self) -> int:
+        return sum(e.expert_bytes for e in self.layers.values()) * self.n_experts
+
+    def check_current(self) -> None:
+        """Raise ModelStale if any shard was replaced or modified since open."""
+        for f, ident in zip(self.files, self.identity):
+            try:
+                now = _identity(f)
+            except BadModelFile:
+                raise ModelStale(f"{f}: model file disappeared; open it again") from None
+            if now != ident:
+                raise ModelStale(f"{f}: model file changed since it was opened; open it again")
+
+    def to_dict(self) -> dict:
+        return {
+            "path": self.path,
+            "files": list(self.files),
+            "arch": self.arch,
+            "n_layers": self.n_layers,
+            "moe_layers": list(self.moe_layers),
+            "n_experts": self.n_experts,
+            "n_expert_used": self.n_expert_used,
+            "parts": list(self.parts),
+            "alignment": self.alignment,
+            "page_aligned": self.page_aligned,
+            "expert_bytes_total": self.expert_bytes_total,
+            "size_classes": [
+                {"parts": {p: b for p, b in key}, "expert_bytes": sum(b for _, b in key),
+                 "layers": list(layers),
+                 "page_aligned": all(self.layers[l].page_aligned for l in layers),
+                 "types": sorted({self.layers[l].parts[p].type_name for l in layers for p, _ in key})}
+                for key, layers in self.size_classes.items()],
+            "layers": {str(l): {p: {"shard": x.shard, "offset": x.offset,
+                                    "bytes_per_expert": x.bytes_per_expert,
+                                    "type": x.type_name, "shape": list(x.shape),
+                                    "page_aligned": x.page_aligned}
+                                for p, x in e.parts.items()}
+                       for l, e in self.layers.items()},
+        }
+
+
+# ---------------------------------------------------------------------- helpers
+
+def _identity(path: str) -> FileIdentity:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise BadModelFile(f"{path}: no such file") from None
+    except OSError as exc:
+        raise BadModelFile(f"{path}: cannot stat: {exc.strerror}") from None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _shard_files(path: str, first: Header) -> tuple[str, ...]:
+    count = first.get("split.count", 1)
+    number = first.get("split.no", 0)
+    if not isinstance(count, int) or count <= 1:
+        return (path,)
+    if number != 0:
+        raise BadModelFile(f"{path}: this is shard {number + 1} of {count}; open the first shard")
+    m = SHARD_RE.match(path)
+    if not m or int(m.group(2)) != 1 or int(m.group(3)) != count:
+        raise BadModelFile(f"{path}: split into {count} shards, but the name does not follow "
+                           f"llama.cpp's PREFIX-00001-of-{count:05d}.gguf naming")
+    files = tuple(f"{m.group(1)}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1))
+    missing = [f for f in files if not os.path.exists(f)]
+    if missing:
+        raise BadModelFile(f"{path}: missing shard(s) of {count}: {', '.join(missing)}")
+    return files
+
+
+def _check_split(headers: list[Header]) -> None:
+    count = len(headers)
+    if count == 1:
+        return
+    for i, h in enumerate(headers):
+        if h.get("split.no") != i or h.get("split.count") != count:
+            raise BadModelFile(f"{h.path}: split keys say shard {h.get('split.no')} of "
+                               f"{h.get('split.count')}, expected shard {i} of {count}")
+    expected = headers[0].get("split.tensors.count")
+    found = sum(len(h.tensors) for h in headers)
+    if expected is not None and expected != found:
+        raise BadModelFile(f"{headers[0].path}: split.tensors.count is {expected} but the "
+                           f"{count} shards hold {found} tensors")
+
+
+def _build(path: str, files, identity, headers: list[Header]) -> Catalog:
+    first = headers[0]
+    arch = first.get("general.architecture")
+    if not isinstance(arch, str):
+        raise BadModelFile(f"{path}: no general.architecture key")
+    found: dict[int, dict[str, PartExtent]] = {}
+    for shard, h in enumerate(headers):
+        for t in h.tensors:
+            m = EXPERT_RE.match(t.name)
+            if m:
+                found.setdefault(int(m.group(1)), {})[m.group(2)] = _extent(shard, h, t)
+    if not found:
+        raise BadModelFile(f"{path}: no routed expert tensors (blk.N.ffn_*_exps.weight); "
+                           f"not a mixture-of-experts model")
+    n_experts = _expert_count(path, arch, first, found)
+    n_used = first.get(f"{arch}.expert_used_count")
+    if not isinstance(n_used, int) or not 1 <= n_used <= n_experts:
+        raise BadModelFile(f"{path}: {arch}.expert_used_count is {n_used!r}; "
+                           f"expected 1..{n_experts}")
+    layers = {l: LayerEntry(l, {p: parts[p] for p in PART_ORDER if p in parts})
+              for l, parts in sorted(found.items())}
+    part_sets = {tuple(e.parts) for e in layers.values()}
+    if len(part_sets) != 1:
+        detail = "; ".join(f"layer {l}: {'+'.join(e.parts)}" for l, e in layers.items())
+        raise BadModelFile(f"{path}: MoE layers have different expert parts ({detail})")
+    n_layers = first.get(f"{arch}.block_count", max(layers) + 1)
+    return Catalog(path, tuple(files), tuple(identity), arch, int(n_layers), tuple(layers),
+                   n_experts, n_used, part_sets.pop(), layers, first.alignment)
+
+
+def _extent(shard: int, h: Header, t) -> PartExtent:
+    if len(t.dims) != 3 or t.dims[2] == 0:
+        raise BadModelFile(f"{h.path}: expert tensor {t.name!r} has shape {list(t.dims)}, "
+                           f"expected [ne0, ne1, n_expert]")
+    return PartExtent(shard, h.path, t.offset, t.n_bytes // t.dims[2], t.ggml_type,
+                      type_name(t.ggml_type), tuple(t.dims))
+
+
+def _expert_count(path: str, arch: str, first: Header, found) -> int:
+    counts = {p.shape[2] for parts in found.values() for p in parts.values()}
+    declared = first.get(f"{arch}.expert_count")
+    if len(counts) != 1:
+        detail = "; ".join(f"{p.path} layer {l} {name}: {p.shape[2]}"
+                           for l, parts in sorted(found.items()) for name, p in parts.items())
+        raise BadModelFile(f"{path}: expert tensors disagree on the number of experts ({detail})")
+    n = counts.pop()
+    if declared is not None and declared != n:
+        raise BadModelFile(f"{path}: {arch}.expert_count is {declared} but expert tensors hold {n}")
+    return n
+
+
+def _ranges(values) -> str:
+    values = sorted(values)
+    if not values:
+        return "none"
+    out, start, prev = [], values[0], values[0]
+    for v in values[1:] + [None]:
+        if v is not None and v == prev + 1:
+            prev = v
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if v is not None:
+            start = prev = v
+    return ",".join(out)

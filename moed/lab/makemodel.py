@@ -1,0 +1,285 @@
+"""Test-model generator: tiny, real qwen3moe GGUF files that llama.cpp loads and runs.
+
+`make_model(path, ...)` writes a qwen3moe-architecture model with random weights
+(deterministic from `seed`) and a small SentencePiece-style vocabulary with byte
+fallback, so llama.cpp tokenizes any text. Nothing but this generator is checked in;
+tests and the demo make their models with it.
+
+Invariants:
+- Routed experts are `blk.N.ffn_{gate,up,down}_exps.weight`, quantized with q8_0,
+  q4_0 or q4_k (per layer with `layer_quants`, which makes mixed size classes).
+  Dense weights are F16 (matrices) and F32 (norms, router).
+- `align` becomes `general.alignment` in every shard (llama.cpp reads each shard's
+  own alignment), so with `align=4096` an expert whose byte size is a multiple of
+  4096 starts on a page boundary.
+- `split=N` writes llama.cpp's shard naming `X-00001-of-0000N.gguf` with the
+  `split.no / split.count / split.tensors.count` keys in every shard; general
+  metadata lives in the first shard. The first returned path is the one to load.
+- The same arguments always produce the same bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import re
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGUFWriter, GGMLQuantizationType, GGML_QUANT_SIZES, quants
+from gguf.constants import Keys, TokenType
+
+ARCH = "qwen3moe"
+QUANTS = {
+    "q8_0": GGMLQuantizationType.Q8_0,
+    "q4_0": GGMLQuantizationType.Q4_0,
+    "q4_k": GGMLQuantizationType.Q4_K,
+}
+SHARD_RE = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+
+# A few whole-word tokens so sampled text looks like text; everything else falls
+# back to single characters or bytes.
+_WORDS = ("the", "of", "and", "to", "in", "is", "that", "it", "was", "for", "on",
+          "are", "with", "as", "be", "at", "this", "have", "from", "or", "one",
+          "by", "not", "but", "what", "all", "were", "we", "when", "your", "can",
+          "expert", "model", "memory", "page", "drive", "token", "hello", "world")
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def shard_paths(path: str | pathlib.Path, split: int) -> list[pathlib.Path]:
+    """llama.cpp's shard names for `path` (`X.gguf` -> `X-0000i-of-0000N.gguf`)."""
+    path = pathlib.Path(path)
+    if split <= 1:
+        return [path]
+    stem = SHARD_RE.sub("", path.name)
+    stem = stem[:-5] if stem.endswith(".gguf") else stem
+    return [path.with_name(f"{stem}-{i:05d}-of-{split:05d}.gguf") for i in range(1, split + 1)]
+
+
+# --------------------------------------------------------------------------- vocab
+
+def build_vocab(size: int | None = None) -> tuple[list[str], list[float], list[int]]:
+    """(tokens, scores, types): <unk> <s> </s>, 256 byte tokens, characters, words."""
+    tokens = ["<unk>", "<s>", "</s>"]
+    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [TokenType.BYTE] * 256
+    pieces = ["\u2581"] + [chr(c) for c in range(33, 127)]
+    pieces += ["\u2581" + w for w in _WORDS]
+    tokens += pieces
+    types += [TokenType.NORMAL] * len(pieces)
+    if size is not None:
+        if size < len(tokens):
+            raise ValueError(f"vocab must be at least {len(tokens)} tokens, got {size}")
+        extra = [f"\u2581tok{i}" for i in range(size - len(tokens))]
+        tokens += extra
+        types += [TokenType.NORMAL] * len(extra)
+    # SentencePiece merges prefer higher scores: longer pieces win.
+    scores = [0.0 if t in (TokenType.CONTROL, TokenType.UNKNOWN, TokenType.BYTE)
+              else -100.0 + len(tok) for tok, t in zip(tokens, types)]
+    return tokens, scores, [int(t) for t in types]
+
+
+# --------------------------------------------------------------------------- quantization
+
+def _quantize_q4_k(data: np.ndarray) -> np.ndarray:
+    """Q4_K blocks (gguf-py only dequantizes it): 256 values -> d, dmin, 12 scale bytes, 128 nibbles.
+
+    A plain min/max fit per 32-value sub-block, not llama.cpp's iterative search:
+    good enough for random test weights, and exact in layout (checked against
+    gguf.quants.dequantize in the tests).
+    """
+    rows = data.reshape(-1, 256).astype(np.float32)
+    n = rows.shape[0]
+    sub = rows.reshape(n, 8, 32)
+    mn = np.minimum(sub.min(axis=-1), 0.0)               # (n, 8), <= 0
+    scale = (sub.max(axis=-1) - mn) / 15.0               # (n, 8), >= 0
+    d = scale.max(axis=-1) / 63.0                        # (n,)
+    dmin = (-mn).max(axis=-1) / 63.0
+    d16, dmin16 = d.astype(np.float16), dmin.astype(np.float16)
+    d32, dmin32 = d16.astype(np.float32), dmin16.astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d32[:, None] > 0, np.rint(scale / d32[:, None]), 0).clip(0, 63).astype(np.uint8)
+        m = np.where(dmin32[:, None] > 0, np.rint(-mn / dmin32[:, None]), 0).clip(0, 63).astype(np.uint8)
+        step = d32[:, None] * sc                         # (n, 8)
+        offs = dmin32[:, None] * m
+        q = np.where(step[..., None] > 0, np.rint((sub + offs[..., None]) / step[..., None]), 0)
+    q = q.clip(0, 15).astype(np.uint8)                   # (n, 8, 32)
+    qs = (q[:, 0::2, :] | (q[:, 1::2, :] << 4)).reshape(n, 128)
+    scales = np.empty((n, 12), np.uint8)
+    scales[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    scales[:, 4:8] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)
+    blocks = np.concatenate([d16.view(np.uint8).reshape(n, 2), dmin16.view(np.uint8).reshape(n, 2),
+                             scales, qs], axis=-1)
+    return blocks.reshape(*data.shape[:-1], data.shape[-1] // 256 * 144)
+
+
+def quantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """Raw bytes of `data` in `qtype`, shaped like gguf-py's quantize (last axis in bytes)."""
+    block, _ = GGML_QUANT_SIZES[qtype]
+    if data.shape[-1] % block:
+        raise ValueError(f"{qtype.name} needs rows that are a multiple of {block} values, "
+                         f"got {data.shape[-1]}")
+    if qtype == GGMLQuantizationType.Q4_K:
+        return _quantize_q4_k(data)
+    return quants.quantize(data.astype(np.float32), qtype)
+
+
+# --------------------------------------------------------------------------- model
+
+@dataclass(frozen=True)
+class Geometry:
+    layers: int
+    experts: int
+    used: int
+    embd: int
+    ff: int
+    heads: int
+    kv_heads: int
+    ctx: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.embd // self.heads
+
+
+def _check(g: Geometry, layer_quants: list[str], split: int, align: int) -> None:
+    if min(g.layers, g.experts, g.used, g.embd, g.ff, g.heads, g.kv_heads, g.ctx, split) < 1:
+        raise ValueError("all sizes must be positive")
+    if g.used > g.experts:
+        raise ValueError(f"used ({g.used}) must not exceed experts ({g.experts})")
+    if g.embd % g.heads or g.heads % g.kv_heads:
+        raise ValueError("embd must be a multiple of heads, heads a multiple of kv_heads")
+    if align < 8 or align & (align - 1):
+        raise ValueError(f"align must be a power of two >= 8, got {align}")
+    for q in layer_quants:
+        if q not in QUANTS:
+            raise ValueError(f"unknown quant {q!r} (use {', '.join(QUANTS)})")
+        block, _ = GGML_QUANT_SIZES[QUANTS[q]]
+        if g.embd % block or g.ff % block:
+            raise ValueError(f"{q} needs embd and ff to be multiples of {block} "
+                             f"(got embd={g.embd}, ff={g.ff})")
+
+
+def _tensors(g: Geometry, layer_quants: list[str], vocab_size: int, seed: int):
+    """Yield (name, array, raw_dtype or None) in file order."""
+    rng = np.random.default_rng(seed)
+
+    def mat(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape, dtype=np.float32) / math.sqrt(shape[-1]))
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32)
+
+    hd = g.head_dim
+    yield "token_embd.weight", rng.standard_normal((vocab_size, g.embd), dtype=np.float32).astype(np.float16), None
+    for i in range(g.layers):
+        qt = QUANTS[layer_quants[i]]
+        p = f"blk.{i}."
+        yield p + "attn_norm.weight", norm(g.embd), None
+        yield p + "attn_q.weight", mat(g.heads * hd, g.embd).astype(np.float16), None
+        yield p + "attn_k.weight", mat(g.kv_heads * hd, g.embd).astype(np.float16), None
+        yield p + "attn_v.weight", mat(g.kv_heads * hd, g.embd).astype(np.float16), None
+        yield p + "attn_output.weight", mat(g.embd, g.heads * hd).astype(np.float16), None
+        yield p + "attn_q_norm.weight", norm(hd), None
+        yield p + "attn_k_norm.weight", norm(hd), None
+        yield p + "ffn_norm.weight", norm(g.embd), None
+        # A strong router spreads the choices over all experts.
+        yield p + "ffn_gate_inp.weight", 4.0 * mat(g.experts, g.embd), None
+        yield p + "ffn_gate_exps.weight", quantize(mat(g.experts, g.ff, g.embd), qt), qt
+        yield p + "ffn_up_exps.weight", quantize(mat(g.experts, g.ff, g.embd), qt), qt
+        yield p + "ffn_down_exps.weight", quantize(mat(g.experts, g.embd, g.ff), qt), qt
+    yield "output_norm.weight", norm(g.embd), None
+    yield "output.weight", mat(vocab_size, g.embd).astype(np.float16), None
+
+
+def _add_metadata(w: GGUFWriter, g: Geometry, tokens, scores, types) -> None:
+    a = ARCH
+    w.add_name("moed test model")
+    w.add_uint32(Keys.LLM.CONTEXT_LENGTH.format(arch=a), g.ctx)
+    w.add_uint32(Keys.LLM.EMBEDDING_LENGTH.format(arch=a), g.embd)
+    w.add_uint32(Keys.LLM.BLOCK_COUNT.format(arch=a), g.layers)
+    w.add_uint32(Keys.LLM.FEED_FORWARD_LENGTH.format(arch=a), g.ff)
+    w.add_uint32(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH.format(arch=a), g.ff)
+    w.add_uint32(Keys.LLM.EXPERT_COUNT.format(arch=a), g.experts)
+    w.add_uint32(Keys.LLM.EXPERT_USED_COUNT.format(arch=a), g.used)
+    w.add_uint32(Keys.Attention.HEAD_COUNT.format(arch=a), g.heads)
+    w.add_uint32(Keys.Attention.HEAD_COUNT_KV.format(arch=a), g.kv_heads)
+    w.add_uint32(Keys.Attention.KEY_LENGTH.format(arch=a), g.head_dim)
+    w.add_uint32(Keys.Attention.VALUE_LENGTH.format(arch=a), g.head_dim)
+    w.add_float32(Keys.Attention.LAYERNORM_RMS_EPS.format(arch=a), 1e-6)
+    w.add_float32(Keys.Rope.FREQ_BASE.format(arch=a), 10000.0)
+    w.add_string(Keys.Tokenizer.MODEL, "llama")
+    w.add_array(Keys.Tokenizer.LIST, tokens)
+    w.add_array(Keys.Tokenizer.SCORES, scores)
+    w.add_array(Keys.Tokenizer.TOKEN_TYPE, types)
+    w.add_uint32(Keys.Tokenizer.UNK_ID, 0)
+    w.add_uint32(Keys.Tokenizer.BOS_ID, 1)
+    w.add_uint32(Keys.Tokenizer.EOS_ID, 2)
+    w.add_bool(Keys.Tokenizer.ADD_BOS, True)
+    w.add_bool(Keys.Tokenizer.ADD_EOS, False)
+    w.add_string(Keys.Tokenizer.CHAT_TEMPLATE, _CHAT_TEMPLATE)
+
+
+def _chunks(items: list, n: int) -> list[list]:
+    """`items` cut into `n` contiguous runs of near-equal length."""
+    size = math.ceil(len(items) / n)
+    return [items[i * size:(i + 1) * size] for i in range(n)]
+
+
+def make_model(path: str | pathlib.Path, *, layers: int = 4, experts: int = 8, used: int = 2,
+               embd: int = 64, ff: int = 64, quant: str = "q8_0",
+               layer_quants: list[str] | str | None = None, align: int = 32, split: int = 1,
+               seed: int = 0, vocab: int | None = None, ctx: int = 256, heads: int = 4,
+               kv_heads: int = 2) -> list[pathlib.Path]:
+    """Write the model; returns its shard paths (the first is the one to load)."""
+    g = Geometry(layers, experts, used, embd, ff, heads, kv_heads, ctx)
+    if isinstance(layer_quants, str):
+        layer_quants = layer_quants.split(",")
+    lq = list(layer_quants) if layer_quants else [quant] * layers
+    if len(lq) != layers:
+        raise ValueError(f"layer_quants has {len(lq)} entries for {layers} layers")
+    _check(g, lq, split, align)
+    tokens, scores, types = build_vocab(vocab)
+    tensors = list(_tensors(g, lq, len(tokens), seed))
+    if split > len(tensors):
+        raise ValueError(f"split ({split}) exceeds the number of tensors ({len(tensors)})")
+    paths = shard_paths(path, split)
+    for path_i in paths:
+        path_i.parent.mkdir(parents=True, exist_ok=True)
+    for i, (p, chunk) in enumerate(zip(paths, _chunks(tensors, split))):
+        _write_shard(p, i, split, len(tensors), chunk, align,
+                     (lambda w: _add_metadata(w, g, tokens, scores, types)) if i == 0 else None)
+    return paths
+
+
+def _write_shard(path: pathlib.Path, index: int, count: int, total_tensors: int,
+                 tensors: list, align: int, add_metadata) -> None:
+    w = GGUFWriter(path, ARCH)
+    if add_metadata is not None:
+        add_metadata(w)
+    if count > 1:
+        w.add_uint16(Keys.Split.LLM_KV_SPLIT_NO, index)
+        w.add_uint16(Keys.Split.LLM_KV_SPLIT_COUNT, count)
+        w.add_int32(Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT, total_tensors)
+    if align != 32 or count > 1:
+        w.add_custom_alignment(align)
+    for name, data, raw_dtype in tensors:
+        w.add_tensor(name, data, raw_dtype=raw_dtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def aligned_geometry(quant: str = "q8_0") -> dict:
+    """embd/ff that make every expert part a multiple of 4096 bytes for `quant`.
+
+    q8_0 stores 32 values in 34 bytes, q4_0 in 18, q4_k 256 in 144: in each case
+    `embd * ff` must be a multiple of 65536 (17 and 9 are odd), so 256 x 256.
+    """
+    return {"embd": 256, "ff": 256, "align": 4096, "quant": quant}
