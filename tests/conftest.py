@@ -1,0 +1,73 @@
+"""Session-wide test models, written once by the project's own generator.
+
+Fixtures (all session-scoped; the files are shared, so never modify them: copy
+into `tmp_path` first if a test needs to damage a model):
+
+- `model_factory(**make_model_kwargs) -> Path`: the first shard of a model made
+  with `moed.lab.makemodel.make_model`, cached by its arguments;
+  `model_factory.shards(**kwargs) -> list[Path]` gives every shard.
+- `tiny_model`: 4 layers, 8 experts, top-2, q8_0, embd 64 (unaligned: copy path).
+- `aligned_model`: 4 layers, 8 experts, top-2, q8_0, embd=ff=256, alignment 4096, so
+  every expert part is 69632 = 17 pages and page-aligned (zero-copy path).
+- `split_model`: `tiny_model`'s geometry in 3 shards (first shard's path).
+- `mixed_model`: layers q8_0, q4_0, q8_0, q4_0: two size classes.
+- `llama_cpp`: the llama_cpp module, or the test is skipped where it is not installed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+
+import pytest
+
+from moed.lab.makemodel import make_model
+
+
+class ModelFactory:
+    """Makes models under one directory, each set of arguments once."""
+
+    def __init__(self, root: pathlib.Path):
+        self.root = root
+        self._made: dict[str, list[pathlib.Path]] = {}
+
+    def shards(self, **kwargs) -> list[pathlib.Path]:
+        key = json.dumps(kwargs, sort_keys=True, default=str)
+        if key not in self._made:
+            name = hashlib.sha1(key.encode()).hexdigest()[:12]
+            self._made[key] = make_model(self.root / name / "model.gguf", **kwargs)
+        return list(self._made[key])
+
+    def __call__(self, **kwargs) -> pathlib.Path:
+        return self.shards(**kwargs)[0]
+
+
+@pytest.fixture(scope="session")
+def model_factory(tmp_path_factory) -> ModelFactory:
+    return ModelFactory(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(model_factory) -> pathlib.Path:
+    return model_factory()
+
+
+@pytest.fixture(scope="session")
+def aligned_model(model_factory) -> pathlib.Path:
+    return model_factory(embd=256, ff=256, align=4096)
+
+
+@pytest.fixture(scope="session")
+def split_model(model_factory) -> pathlib.Path:
+    return model_factory(split=3)
+
+
+@pytest.fixture(scope="session")
+def mixed_model(model_factory) -> pathlib.Path:
+    return model_factory(layer_quants="q8_0,q4_0,q8_0,q4_0")
+
+
+@pytest.fixture(scope="session")
+def llama_cpp():
+    return pytest.importorskip("llama_cpp")
