@@ -1,0 +1,105 @@
+"""moectl verbs that talk to a running daemon: ping, stats, models."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from moed.client import Client
+from moed.protocol.sizes import format_size
+
+
+def register(sub) -> None:
+    p = sub.add_parser("ping", help="check that the daemon answers, and how fast")
+    p.add_argument("-n", type=int, default=1, help="round trips to time")
+    p.set_defaults(func=cmd_ping)
+    p = sub.add_parser("stats", help="budget, hits, reads, models and tenants")
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.set_defaults(func=cmd_stats)
+    p = sub.add_parser("models", help="open models and who uses them")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_models)
+
+
+def cmd_ping(args) -> int:
+    with Client(args.socket, "moectl") as c:
+        times = []
+        for _ in range(max(1, args.n)):
+            t0 = time.perf_counter()
+            c.ping()
+            times.append((time.perf_counter() - t0) * 1e6)
+        times.sort()
+        h = c.hello
+        print(f"moed {h.daemon_version} pid {h.daemon_pid} on {c.socket_path}: "
+              f"round trip {times[len(times) // 2]:.0f} µs (median of {len(times)})")
+    return 0
+
+
+def cmd_stats(args) -> int:
+    with Client(args.socket, "moectl") as c:
+        stats = c.stats()
+    if args.json:
+        print(json.dumps(stats, sort_keys=True))
+    else:
+        print_stats(stats)
+    return 0
+
+
+def print_stats(s: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    t = Table(title=f"moed {s['version']} (pid {s['pid']}, up {s['uptime_s']:.0f} s)", show_header=False)
+    t.add_column(style="bold")
+    t.add_column()
+    pct = lambda a, b: f"{100 * a / b:.1f}%" if b else "-"  # noqa: E731
+    rows = [
+        ("budget", f"{format_size(s['used_bytes'])} used of {format_size(s['budget_bytes'])} "
+                   f"({pct(s['used_bytes'], s['budget_bytes'])}), {s['resident_experts']} experts resident"),
+        ("pinned", f"{format_size(s['pinned_bytes'])} of {format_size(s['pin_budget_bytes'])}"),
+        ("locked", "yes" if s["locked"] else f"NO: {s['lock_error']}"),
+        ("hits / misses", f"{s['hits']} / {s['misses']} (hit rate {pct(s['hits'], s['hits'] + s['misses'])})"),
+        ("prefetch", f"{s['prefetches']} issued, {s['prefetch_hits']} hit, {s['wasted_prefetches']} wasted"),
+        ("read", f"{format_size(s['bytes_read'])}, {s['read_errors']} errors, "
+                 f"{'O_DIRECT' if s['direct_io'] else 'buffered'}, {s['reads_in_flight']} in flight"),
+        ("evictions", str(s["evictions"])),
+        ("memory", f"{format_size(s['mem_available_bytes'])} available, floor {format_size(s['mem_floor_bytes'])}"),
+        ("connections", str(s["connections"])),
+    ]
+    for k, v in rows:
+        t.add_row(k, v)
+    console.print(t)
+    _print_models(console, s["models"])
+    tt = Table(title="tenants")
+    for col in ("uid", "names", "hits", "misses", "hit rate", "read", "resident", "leases"):
+        tt.add_column(col)
+    for r in s["tenants"]:
+        tt.add_row(str(r["uid"]), ",".join(r["names"]), str(r["hits"]), str(r["misses"]),
+                   pct(r["hits"], r["hits"] + r["misses"]), format_size(r["bytes_read"]),
+                   format_size(r["resident_bytes"]), str(r["leases"]))
+    console.print(tt)
+
+
+def _print_models(console, models: list[dict]) -> None:
+    from rich.table import Table
+
+    t = Table(title="models")
+    for col in ("id", "path", "layers", "experts", "top-k", "resident", "io", "users"):
+        t.add_column(col)
+    for r in models:
+        t.add_row(str(r["model_id"]), r["path"] + (" (stale)" if r["stale"] else ""), str(r["moe_layers"]),
+                  str(r["n_experts"]), str(r["n_expert_used"]), str(r["resident_experts"]),
+                  "direct" if r["direct_io"] else "buffered", ",".join(map(str, r["users"])))
+    console.print(t)
+
+
+def cmd_models(args) -> int:
+    with Client(args.socket, "moectl") as c:
+        models = c.models()
+    if args.json:
+        print(json.dumps(models, sort_keys=True))
+    else:
+        from rich.console import Console
+        _print_models(Console(), models)
+    return 0

@@ -1,0 +1,256 @@
+"""Blocking client: one Unix-socket connection, requests answered in order.
+
+Latency is the point: one `sendall` and as few `recv` calls as the reply needs,
+no asyncio. Releases never cost a round trip: `Lease.release()` sends a
+fire-and-forget Release, and `acquire(..., release=[...])` piggybacks releases
+on the next acquire.
+
+A dead daemon raises `DaemonUnavailable` promptly (the socket closes, or
+`timeout_s` passes without a reply); the client does not reconnect by itself
+(call `reconnect()`), since leases and models from the old connection are gone.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+import msgspec
+import numpy as np
+
+from moed.protocol import errors
+from moed.protocol import messages as m
+from moed.protocol.framing import HEADER, MAX_FRAME_BYTES, reply_decoder
+
+from .segments import Segment
+
+DEFAULT_SOCKET = "/run/moed/moed.sock"
+_encoder = msgspec.msgpack.Encoder()
+
+
+def default_socket_path() -> str:
+    return os.environ.get("MOED_SOCKET", DEFAULT_SOCKET)
+
+
+class Client:
+    def __init__(self, socket_path: str | None = None, client_name: str = "",
+                 timeout_s: float | None = 120.0):
+        self.socket_path = socket_path or default_socket_path()
+        self.client_name = client_name or f"pid{os.getpid()}"
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._buf = bytearray()
+        self._segments: dict[int, Segment] = {}
+        self.hello: m.HelloReply | None = None
+        self.connect()
+
+    # ---- connection ------------------------------------------------------
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout_s)
+        try:
+            sock.connect(self.socket_path)
+        except OSError as exc:
+            sock.close()
+            raise errors.DaemonUnavailable(f"cannot connect to moed at {self.socket_path}: {exc.strerror or exc}") from None
+        self._sock = sock
+        self._buf.clear()
+        self.hello = self.request(m.Hello(m.PROTOCOL_VERSION, self.client_name))
+
+    def reconnect(self) -> None:
+        """Drop the old connection (its leases are gone) and connect again."""
+        self.close()
+        self.connect()
+
+    def close(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            finally:
+                self._sock = None
+        for seg in self._segments.values():
+            seg.close()
+        self._segments.clear()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- wire --------------------------------------------------------------
+
+    def request(self, msg, fds: bool = False):
+        """Send one request and return its reply (raising the typed error it carries)."""
+        frame = _encoder.encode(msg)
+        with self._lock:
+            sock = self._live()
+            try:
+                sock.sendall(HEADER.pack(len(frame)) + frame)
+                reply, got_fds = self._recv_reply(sock, fds)
+            except (OSError, EOFError) as exc:
+                self._broken(exc)
+        if isinstance(reply, m.Error):
+            for fd in got_fds:
+                os.close(fd)
+            raise errors.error_for(reply.code, reply.message)
+        return (reply, got_fds) if fds else reply
+
+    def send(self, msg) -> None:
+        """Send a fire-and-forget request (`ack=False`): no reply will come."""
+        frame = _encoder.encode(msg)
+        with self._lock:
+            sock = self._live()
+            try:
+                sock.sendall(HEADER.pack(len(frame)) + frame)
+            except OSError as exc:
+                self._broken(exc)
+
+    def _live(self) -> socket.socket:
+        if self._sock is None:
+            raise errors.DaemonUnavailable("not connected (call reconnect())")
+        return self._sock
+
+    def _broken(self, exc: BaseException):
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+        if isinstance(exc, TimeoutError):
+            raise errors.DaemonUnavailable(f"moed did not answer within {self.timeout_s}s") from None
+        raise errors.DaemonUnavailable(f"connection to moed lost: {exc or 'closed'}") from None
+
+    def _recv_reply(self, sock: socket.socket, want_fds: bool):
+        fds: list[int] = []
+        buf = self._buf
+        while True:
+            if len(buf) >= 4:
+                (n,) = HEADER.unpack_from(buf)
+                if n > MAX_FRAME_BYTES:
+                    raise EOFError(f"reply frame of {n} bytes")
+                if len(buf) >= 4 + n:
+                    payload = bytes(buf[4 : 4 + n])
+                    del buf[: 4 + n]
+                    return reply_decoder.decode(payload), fds
+            if want_fds:
+                data, new_fds, _, _ = socket.recv_fds(sock, 1 << 16, 16)
+                fds.extend(new_fds)
+            else:
+                data = sock.recv(1 << 16)
+            if not data:
+                raise EOFError("daemon closed the connection")
+            buf += data
+
+    # ---- verbs ---------------------------------------------------------------
+
+    def ping(self) -> int:
+        return self.request(m.Ping()).time_ns
+
+    def stats(self) -> dict:
+        return self.request(m.GetStats()).stats
+
+    def models(self) -> list[dict]:
+        return self.request(m.ListModels()).models
+
+    def open_model(self, path: str | os.PathLike) -> "ModelHandle":
+        info, fds = self.request(m.OpenModel(os.fspath(path)), fds=True)
+        if len(fds) != len(info.segments):
+            for fd in fds:
+                os.close(fd)
+            raise errors.InternalError(f"expected {len(info.segments)} segment descriptors, got {len(fds)}")
+        for seg_info, fd in zip(info.segments, fds):
+            if seg_info.class_id in self._segments:
+                os.close(fd)
+            else:
+                self._segments[seg_info.class_id] = Segment(seg_info, fd)
+        return ModelHandle(self, info)
+
+    def segment(self, class_id: int) -> Segment:
+        return self._segments[class_id]
+
+
+class ModelHandle:
+    """One open model on this connection; geometry mirrors the daemon's catalog."""
+
+    def __init__(self, client: Client, info: m.ModelInfo):
+        self.client = client
+        self.info = info
+        self.model_id = info.model_id
+        self.path = info.path
+        self.files = info.files
+        self.moe_layers = info.moe_layers
+        self.n_experts = info.n_experts
+        self.n_expert_used = info.n_expert_used
+        self.parts = info.parts
+        self._layers = {L.layer: L for L in info.layers}
+
+    def layer(self, layer: int) -> m.LayerInfo:
+        try:
+            return self._layers[layer]
+        except KeyError:
+            raise errors.UnknownLayer(f"no routed experts in layer {layer}") from None
+
+    def segment(self, class_id: int) -> Segment:
+        return self.client.segment(class_id)
+
+    def acquire(self, layer: int, experts, timeout: float | None = None, release=()) -> "Lease":
+        """Pin `experts` of `layer`; blocks until they are resident. `release` piggybacks."""
+        experts = [int(e) for e in experts]
+        rel = [lease._take_for_release() for lease in release]
+        g = self.client.request(m.Acquire(self.model_id, layer, experts, timeout, [r for r in rel if r]))
+        return Lease(self, layer, list(dict.fromkeys(experts)), g)
+
+    def prefetch(self, layer: int, experts) -> None:
+        """Ask for experts to be read ahead; never waits, never errors back."""
+        self.client.send(m.Prefetch(self.model_id, layer, [int(e) for e in experts], ack=False))
+
+
+class Lease:
+    """Experts pinned in the RAM tier until released (or the connection closes)."""
+
+    __slots__ = ("model", "layer", "experts", "lease_id", "class_id", "slots", "_segment", "_live")
+
+    def __init__(self, model: ModelHandle, layer: int, experts: list[int], granted: m.Granted):
+        self.model = model
+        self.layer = layer
+        self.experts = experts
+        self.lease_id = granted.lease_id
+        self.class_id = granted.class_id
+        self.slots = dict(zip(experts, granted.slots))
+        self._segment = model.segment(granted.class_id)
+        self._live = True
+
+    @property
+    def segment(self) -> Segment:
+        return self._segment
+
+    def slot(self, expert: int) -> int:
+        return self.slots[expert]
+
+    def view(self, expert: int, part: str) -> np.ndarray:
+        if not self._live:
+            raise errors.UnknownLease(f"lease {self.lease_id} was released")
+        try:
+            slot = self.slots[expert]
+        except KeyError:
+            raise errors.UnknownExpert(f"expert {expert} is not in this lease ({self.experts})") from None
+        return self._segment.view(slot, part)
+
+    def _take_for_release(self) -> int | None:
+        if not self._live:
+            return None
+        self._live = False
+        return self.lease_id
+
+    def release(self) -> None:
+        lease_id = self._take_for_release()
+        if lease_id is not None and self.model.client._sock is not None:
+            self.model.client.send(m.Release([lease_id], ack=False))
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()

@@ -1,0 +1,102 @@
+"""The daemon's configuration: one typed, frozen object, validated at start.
+
+Sources, later wins: defaults, the TOML file (`--config`), command-line flags.
+Unknown keys, wrong types and impossible values fail at start with a message
+naming the key. Every `*_bytes` key also accepts a size string ("4GiB").
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from typing import Any, Literal
+
+import msgspec
+
+from moed.protocol.sizes import parse_size
+
+DEFAULT_SOCKET = "/run/moed/moed.sock"
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class TenantConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Budget share of one tenant (a uid, or a user name resolved at start)."""
+
+    floor_bytes: int = 0        # its experts are not evicted by others below this
+    ceiling_bytes: int = 0      # 0: no ceiling
+
+
+class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    socket_path: str = DEFAULT_SOCKET
+    ram_budget_bytes: int = 1 << 30
+    mem_floor_bytes: int = 0
+    pin_budget_bytes: int = 0
+    policy: Literal["lru", "lfu"] = "lru"
+    reader_threads: int = 8
+    chunk_bytes: int = 256 << 10
+    direct_io: Literal["auto", "on", "off"] = "auto"
+    require_mlock: bool = False
+    acquire_timeout_s: float = 60.0
+    shutdown_grace_s: float = 5.0
+    mem_sample_s: float = 0.2
+    socket_mode: int = 0o660
+    socket_group: str = ""
+    model_roots: list[str] = []
+    verify: bool = False
+    max_clients: int = 256
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    tenants: dict[str, TenantConfig] = {}
+
+    def __post_init__(self):
+        checks = [
+            (self.ram_budget_bytes > 0, "ram_budget_bytes must be positive"),
+            (self.reader_threads >= 1, "reader_threads must be at least 1"),
+            (self.chunk_bytes >= 4096 and self.chunk_bytes % 4096 == 0,
+             "chunk_bytes must be a positive multiple of 4096"),
+            (self.acquire_timeout_s > 0, "acquire_timeout_s must be positive"),
+            (self.shutdown_grace_s >= 0, "shutdown_grace_s must not be negative"),
+            (self.mem_sample_s > 0, "mem_sample_s must be positive"),
+            (0 <= self.socket_mode <= 0o777, "socket_mode must be a permission mode like 0o660"),
+            (self.mem_floor_bytes >= 0 and self.pin_budget_bytes >= 0, "sizes must not be negative"),
+        ]
+        for ok, why in checks:
+            if not ok:
+                raise ValueError(why)
+
+
+def _sizes(raw: dict[str, Any], where: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in raw.items():
+        if isinstance(value, dict):
+            value = _sizes(value, f"{where}{key}.")
+        elif key.endswith("_bytes") and isinstance(value, (str, int)):
+            try:
+                value = parse_size(value)
+            except ValueError as exc:
+                raise ConfigError(f"{where}{key}: {exc}") from None
+        out[key] = value
+    return out
+
+
+def load_config(path: str | None = None, **overrides: Any) -> Config:
+    """Build the Config from an optional TOML file plus non-None overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    if "socket_path" not in raw and "MOED_SOCKET" in os.environ:
+        raw["socket_path"] = os.environ["MOED_SOCKET"]
+    raw.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return msgspec.convert(_sizes(raw), Config)
+    except (msgspec.ValidationError, ValueError) as exc:
+        where = f"{path}: " if path else ""
+        raise ConfigError(f"{where}{exc}") from None

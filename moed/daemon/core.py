@@ -1,0 +1,348 @@
+"""The daemon's state and the operations sessions call: open, acquire, release, prefetch.
+
+Runs on the event loop thread only; reader threads reach it through
+`loop.call_soon_threadsafe`. It drives the pure `Store`, starts reads for the
+slots the store reserves, and resolves the futures acquires wait on.
+
+What must happen before what:
+- a slot's bytes are read and its pages locked before the slot is READY, and
+  only READY slots are ever granted;
+- a lease's references are taken in one `Store.acquire` call, and given back
+  exactly once (release, a failed read, or the connection closing);
+- pages of a dropped slot go back to the kernel before anything else runs on
+  the loop (`_settle`), so locked memory never exceeds the budget for long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import psutil
+
+from moed import __version__
+from moed.protocol import errors
+from moed.protocol.layout import PAGE
+
+from .config import Config
+from .models import LayerPlan, Model, class_key, file_identity, model_info, open_catalog
+from .ramtier import RamTier
+from .reader import ModelFile, ReaderPool, ReadJob
+from .stats import Counters, Tenant
+from .store import ExpertKey, Slot, Store, Want
+from .policy import make_policy
+
+log = logging.getLogger("moed")
+
+
+@dataclass(eq=False)
+class Lease:
+    lease_id: int
+    model: Model
+    layer: int
+    slots: list[Slot]
+    generations: list[int]
+    tenant: Tenant
+
+
+@dataclass(eq=False)
+class Loading:
+    """A read in flight for one slot; every acquire of that key awaits `done`."""
+
+    job: ReadJob
+    done: asyncio.Future
+    generation: int
+    waiters: int = 0
+
+
+class Daemon:
+    def __init__(self, config: Config):
+        self.config = config
+        self.started_at = time.time()
+        self.pid = os.getpid()
+        self.version = __version__
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.store = Store(config.ram_budget_bytes, make_policy(config.policy), config.pin_budget_bytes)
+        self.ramtier = RamTier(config.ram_budget_bytes + config.pin_budget_bytes)
+        self.reader = ReaderPool(config.reader_threads, config.chunk_bytes)
+        self.counters = Counters()
+        self.tenants: dict[int, Tenant] = {}
+        self.models: dict[int, Model] = {}
+        self._by_identity: dict[tuple, Model] = {}
+        self._classes: dict[tuple, int] = {}
+        self._loading: dict[Slot, Loading] = {}
+        self._room_waiters: list[asyncio.Future] = []
+        self._model_ids = itertools.count(1)
+        self._lease_ids = itertools.count(1)
+        self.sessions: set = set()
+
+    # ---- models ----------------------------------------------------------
+
+    async def open_model(self, path: str) -> Model:
+        real = os.path.realpath(path)
+        try:
+            identity = file_identity(real)
+        except FileNotFoundError:
+            raise errors.BadModelFile(f"{path}: no such file") from None
+        except OSError as exc:
+            raise errors.BadModelFile(f"{path}: {exc.strerror}") from None
+        model = self._by_identity.get((real, identity))
+        if model is not None and not model.stale:
+            return model
+        catalog = await asyncio.get_running_loop().run_in_executor(None, open_catalog, real)
+        model = self._by_identity.get((real, identity))   # someone else opened it meanwhile
+        if model is None:
+            model = self._add_model(real, identity, catalog)
+        return model
+
+    def _add_model(self, path: str, identity: tuple, catalog) -> Model:
+        self._retire_older(path)
+        try:
+            files = [ModelFile(str(f), self.config.direct_io) for f in catalog.files]
+        except OSError as exc:
+            raise errors.BadModelFile(f"{path}: {exc.strerror or exc}") from None
+        layers = {}
+        for layer, entry in catalog.layers.items():
+            key = class_key(entry)
+            class_id = self._class_for(key)
+            parts = [(files[entry.parts[p].shard], entry.parts[p].offset, size) for p, size in key]
+            layers[layer] = LayerPlan(class_id, parts)
+        model = Model(next(self._model_ids), path, catalog, identity, files, layers)
+        model.info = model_info(model, self.ramtier.segments)
+        self.models[model.model_id] = model
+        self._by_identity[(path, identity)] = model
+        log.info("opened model %d: %s (%d MoE layers, %d experts, top-%d, direct_io=%s)",
+                 model.model_id, path, len(layers), catalog.n_experts, catalog.n_expert_used, model.direct_io)
+        return model
+
+    def _retire_older(self, path: str) -> None:
+        """A changed file is a new model; the old one drains and goes."""
+        for (p, _), old in list(self._by_identity.items()):
+            if p == path and not old.stale:
+                old.stale = True
+                log.info("model %d: %s changed on disk; draining the old version", old.model_id, path)
+                self._maybe_drop_stale(old)
+
+    def _maybe_drop_stale(self, model: Model) -> None:
+        if not model.stale or any(L.model is model for s in self.sessions for L in s.leases.values()):
+            return
+        self.store.drop_model(model.model_id)
+        self._settle()
+        if not any(key.model_id == model.model_id for key in self.store.table):
+            self.models.pop(model.model_id, None)
+            self._by_identity.pop((model.path, model.identity), None)
+            model.close()
+
+    def _class_for(self, key: tuple) -> int:
+        class_id = self._classes.get(key)
+        if class_id is None:
+            class_id = len(self._classes) + 1
+            names = [p for p, _ in key]
+            seg = self.ramtier.add_segment(class_id, names, [b for _, b in key])
+            self.store.add_class(class_id, seg.slot_bytes, seg.capacity)
+            self._classes[key] = class_id
+        return class_id
+
+    def model_for(self, model_id: int) -> Model:
+        model = self.models.get(model_id)
+        if model is None:
+            raise errors.UnknownModel(f"no open model with id {model_id}")
+        if model.stale:
+            raise errors.ModelStale(f"{model.path} changed on disk; open it again")
+        return model
+
+    def tenant(self, uid: int, name: str = "") -> Tenant:
+        t = self.tenants.get(uid)
+        if t is None:
+            t = self.tenants[uid] = Tenant(uid)
+        if name:
+            t.names.add(name)
+        return t
+
+    # ---- acquire -----------------------------------------------------------
+
+    def _wants(self, model: Model, layer: int, experts: list[int]) -> list[Want]:
+        plan = model.layers.get(layer)
+        if plan is None:
+            raise errors.UnknownLayer(f"model {model.model_id} has no routed experts in layer {layer} "
+                                      f"(MoE layers: {sorted(model.layers)[:8]}...)")
+        n = model.catalog.n_experts
+        wants = []
+        for e in dict.fromkeys(experts):
+            if not 0 <= e < n:
+                raise errors.UnknownExpert(f"expert {e} out of range 0..{n - 1} (layer {layer})")
+            wants.append(Want(ExpertKey(model.model_id, layer, e), plan.class_id))
+        if not wants:
+            raise errors.BadRequest("acquire needs at least one expert")
+        return wants
+
+    def try_acquire(self, model: Model, layer: int, experts: list[int], tenant: Tenant):
+        """Fast path: a lease if everything is resident now, else the work to wait on.
+
+        Returns (lease, None) on an immediate grant, or (None, coroutine-args).
+        """
+        wants = self._wants(model, layer, experts)
+        plan = self._plan(wants, tenant)
+        if plan is not None and not plan.to_load and not plan.loading:
+            return self._grant(model, layer, plan, tenant), None
+        return None, (wants, plan)
+
+    def _plan(self, wants, tenant):
+        try:
+            plan = self.store.acquire(wants, owner=tenant)
+        except ValueError as exc:
+            raise errors.RequestTooLarge(str(exc)) from None
+        if plan is not None:
+            self._count(plan, tenant)
+            self._settle()
+            for slot in plan.to_load:
+                self._start_read(slot, demand=True)
+            for slot in plan.loading:
+                self._loading[slot].waiters += 1
+                self.reader.promote(self._loading[slot].job)
+        return plan
+
+    def _count(self, plan, tenant: Tenant) -> None:
+        c = self.counters
+        c.hits += plan.hits
+        c.misses += plan.misses
+        tenant.hits += plan.hits
+        tenant.misses += plan.misses
+        for slot in plan.slots:
+            if self.store.use_prefetched(slot):
+                c.prefetch_hits += 1
+
+    async def acquire_slow(self, model: Model, layer: int, wants, plan, tenant: Tenant,
+                           timeout_s: float | None) -> Lease:
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.config.acquire_timeout_s)
+        while plan is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise errors.BudgetExhausted(
+                    f"no room for {len(wants)} experts of layer {layer} before the timeout: "
+                    f"the budget is held by leases ({self.store.used_bytes} of {self.store.budget_bytes} bytes used)")
+            await self._wait_for_room(left)
+            plan = self._plan(wants, tenant)
+        pending = [self._loading[s].done for s in plan.to_load + plan.loading if s in self._loading]
+        if pending:
+            try:
+                results = await asyncio.gather(*pending, return_exceptions=True)
+            except asyncio.CancelledError:     # the connection closed while reads were in flight
+                self._unref(plan.slots, plan.generations)
+                raise
+            failures = [r for r in results if isinstance(r, BaseException)]
+            if failures:
+                self._unref(plan.slots, plan.generations)
+                raise failures[0] if isinstance(failures[0], errors.MoedError) else errors.ReadError(str(failures[0]))
+        return self._grant(model, layer, plan, tenant)
+
+    def _grant(self, model: Model, layer: int, plan, tenant: Tenant) -> Lease:
+        return Lease(next(self._lease_ids), model, layer, plan.slots, plan.generations, tenant)
+
+    async def _wait_for_room(self, timeout_s: float) -> None:
+        fut = self.loop.create_future()
+        self._room_waiters.append(fut)
+        try:
+            await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            if fut in self._room_waiters:
+                self._room_waiters.remove(fut)
+
+    def _room_changed(self) -> None:
+        waiters, self._room_waiters = self._room_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    # ---- reads -------------------------------------------------------------
+
+    def _start_read(self, slot: Slot, demand: bool) -> None:
+        key = slot.key
+        plan = self.models[key.model_id].layers[key.layer]
+        seg = self.ramtier.segments[slot.class_id]
+        pieces = [(f, off + key.expert * size, size, seg.part_addr(slot.index, k))
+                  for k, (f, off, size) in enumerate(plan.parts)]
+        gen = slot.generation
+        job = ReadJob(pieces, self._read_done_thread, demand=demand, tag=(slot, gen))
+        self._loading[slot] = Loading(job, self.loop.create_future(), gen)
+        if not demand:
+            self.counters.prefetches += 1
+        self.reader.submit(job)
+
+    def _read_done_thread(self, job: ReadJob, err: BaseException | None) -> None:
+        """Reader thread: lock the filled pages, then hand over to the loop."""
+        slot, gen = job.tag
+        if err is None:
+            self.ramtier.lock_slot(self.ramtier.segments[slot.class_id], slot.index)
+        self.loop.call_soon_threadsafe(self._read_done, slot, gen, job, err)
+
+    def _read_done(self, slot: Slot, gen: int, job: ReadJob, err: BaseException | None) -> None:
+        loading = self._loading.get(slot)
+        if loading is None or loading.job is not job:
+            return
+        del self._loading[slot]
+        self.counters.bytes_read += job.bytes_total
+        if slot.owner is not None:
+            slot.owner.bytes_read += job.bytes_total
+        if err is None:
+            self.store.loaded(slot)
+            loading.done.set_result(None)
+        else:
+            self.counters.read_errors += 1
+            log.error("read of %s failed: %s", slot.key, err)
+            self.store.failed(slot)
+            self._settle()
+            loading.done.set_exception(errors.ReadError(f"reading {tuple(slot.key or ())} failed: {err}"))
+            loading.done.exception()   # mark retrieved: a prefetch has no awaiter
+        self._room_changed()
+
+    def _settle(self) -> None:
+        """Give the pages of dropped slots back to the kernel."""
+        for slot in self.store.take_dropped():
+            self.ramtier.release_slot(self.ramtier.segments[slot.class_id], slot.index)
+
+    # ---- release / prefetch --------------------------------------------------
+
+    def release(self, lease: Lease) -> None:
+        self._unref(lease.slots, lease.generations)
+        if lease.model.stale:
+            self._maybe_drop_stale(lease.model)
+
+    def _unref(self, slots, generations) -> None:
+        for slot, gen in zip(slots, generations):
+            self.store.release(slot, gen)
+        self._room_changed()
+
+    def prefetch(self, model: Model, layer: int, experts: list[int], tenant: Tenant) -> int:
+        queued = 0
+        for want in self._wants(model, layer, experts):
+            slot = self.store.prefetch(want, owner=tenant)
+            if slot is not None:
+                self._settle()
+                self._start_read(slot, demand=False)
+                queued += 1
+        return queued
+
+    # ---- stats ---------------------------------------------------------------
+
+    def stats(self) -> dict:
+        from .stats import snapshot
+        return snapshot(self)
+
+    def mem_available_bytes(self) -> int:
+        return psutil.virtual_memory().available
+
+    def close(self) -> None:
+        self.reader.close()
+        for model in self.models.values():
+            model.close()
+        self.ramtier.close()
+
+
+__all__ = ["Daemon", "Lease", "PAGE"]

@@ -1,0 +1,96 @@
+"""Open models: catalog plus open files plus each layer's size class.
+
+A model is identified by its files' identity (device, inode, size, mtime of
+every shard), so two engines opening the same file share one `Model`, one set
+of slots and one set of file descriptors. A file that changed since it was
+opened is a new identity: the old model goes stale, refuses new acquires, and
+its slots are dropped once its last lease is released.
+
+Size classes are keyed by their parts' names and byte sizes and shared across
+models: two models with the same expert geometry share a segment.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from moed.protocol import errors
+from moed.protocol.messages import LayerInfo, ModelInfo, PartExtent
+
+from .catalog import Catalog
+from .reader import ModelFile
+
+PART_ORDER = ("gate", "up", "down", "gate_up")
+
+ClassKey = tuple[tuple[str, int], ...]
+
+
+@dataclass(eq=False)
+class LayerPlan:
+    class_id: int
+    # per part, in the segment's part order: (file, offset of expert 0, bytes per expert)
+    parts: list[tuple[ModelFile, int, int]]
+
+
+@dataclass(eq=False)
+class Model:
+    model_id: int
+    path: str
+    catalog: Catalog
+    identity: tuple
+    files: list[ModelFile]
+    layers: dict[int, LayerPlan]
+    info: ModelInfo | None = None
+    stale: bool = False
+    sessions: set = field(default_factory=set)
+
+    @property
+    def direct_io(self) -> bool:
+        return all(f.direct for f in self.files)
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+
+
+def class_key(entry) -> ClassKey:
+    """The size class of one catalog layer: its parts in canonical order with sizes."""
+    names = sorted(entry.parts, key=lambda p: PART_ORDER.index(p) if p in PART_ORDER else 99)
+    return tuple((p, entry.parts[p].bytes_per_expert) for p in names)
+
+
+def file_identity(path: str) -> tuple:
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def open_catalog(path: str) -> Catalog:
+    try:
+        return Catalog.open(path)
+    except errors.MoedError:
+        raise
+    except FileNotFoundError:
+        raise errors.BadModelFile(f"{path}: no such file") from None
+    except OSError as exc:
+        raise errors.BadModelFile(f"{path}: {exc.strerror or exc}") from None
+    except Exception as exc:  # noqa: BLE001 - a parser bug on odd input is still bad input
+        raise errors.BadModelFile(f"{path}: cannot read as GGUF ({exc})") from None
+
+
+def model_info(model: Model, class_segments: dict[int, object]) -> ModelInfo:
+    cat = model.catalog
+    layers = []
+    for layer in sorted(model.layers):
+        entry = cat.layers[layer]
+        key = class_key(entry)
+        parts = [PartExtent(p, entry.parts[p].shard, entry.parts[p].offset, size,
+                            entry.parts[p].ggml_type, list(entry.parts[p].shape)) for p, size in key]
+        layers.append(LayerInfo(layer, model.layers[layer].class_id, parts))
+    used = sorted({plan.class_id for plan in model.layers.values()})
+    return ModelInfo(
+        model_id=model.model_id, path=model.path, files=[str(f) for f in cat.files],
+        moe_layers=sorted(model.layers), n_experts=cat.n_experts, n_expert_used=cat.n_expert_used,
+        parts=list(dict.fromkeys(p for L in layers for p in (x.part for x in L.parts))),
+        layers=layers, segments=[class_segments[c].info() for c in used],
+    )

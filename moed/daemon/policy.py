@@ -1,0 +1,112 @@
+"""Eviction policies over the evictable slots of the shared budget.
+
+A policy sees only slots that may be evicted right now: READY, unreferenced and
+not pinned. The store adds a slot when it becomes evictable (its last lease is
+released, or a prefetch completes) and removes it when it is referenced again,
+so `victim()` never returns a slot someone holds. Policies are pure: no I/O,
+no clocks (time is the store's access counter).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Protocol
+
+
+class EvictionPolicy(Protocol):
+    name: str
+
+    def add(self, slot) -> None: ...
+    def remove(self, slot) -> None: ...
+    def victim(self): ...
+    def touch(self, slot) -> None: ...
+    def __len__(self) -> int: ...
+
+
+class LRU:
+    """One least-recently-used order over every evictable slot of every model.
+
+    A dict keeps insertion order, so the first key is the least recently
+    released slot; add/remove/victim are O(1).
+    """
+
+    name = "lru"
+
+    def __init__(self):
+        self._order: dict = {}
+
+    def add(self, slot) -> None:
+        self._order[slot] = None
+
+    def remove(self, slot) -> None:
+        self._order.pop(slot, None)
+
+    def touch(self, slot) -> None:
+        """Called on every access (hit or load); LRU needs only add/remove order."""
+
+    def victim(self):
+        return next(iter(self._order), None)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+
+class DecayingLFU:
+    """Least-frequently-used with counts halved every `half_life` accesses.
+
+    Scores are kept in the log domain with time folded in,
+    `log2(count at t) + t / half_life`, so scores taken at different times
+    compare correctly and never need rescaling. Victim lookup is a lazy heap;
+    an entry is stale once its slot was touched again or left the policy.
+    """
+
+    name = "lfu"
+
+    def __init__(self, half_life: int = 64 * 8):
+        self._half_life = half_life
+        self._clock = 0
+        self._score: dict = {}    # key -> log-domain score
+        self._heap: list = []
+        self._members: set = set()
+        self._seq = 0
+
+    def touch(self, slot) -> None:
+        self._clock += 1
+        now = self._clock / self._half_life
+        old = self._score.get(slot.key)
+        decayed = 0.0 if old is None else 2.0 ** (old - now)
+        self._score[slot.key] = math.log2(decayed + 1.0) + now
+
+    def add(self, slot) -> None:
+        self._members.add(slot)
+        self._seq += 1
+        heapq.heappush(self._heap, (self._score.get(slot.key, 0.0), self._seq, slot))
+
+    def remove(self, slot) -> None:
+        self._members.discard(slot)
+
+    def victim(self):
+        heap = self._heap
+        while heap:
+            score, _, slot = heap[0]
+            if slot in self._members and score == self._score.get(slot.key, 0.0):
+                return slot
+            heapq.heappop(heap)
+            if slot in self._members:      # touched since it was pushed
+                self._seq += 1
+                heapq.heappush(heap, (self._score.get(slot.key, 0.0), self._seq, slot))
+        return None
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+
+POLICIES = {"lru": LRU, "lfu": DecayingLFU}
+
+
+def make_policy(name: str) -> EvictionPolicy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown eviction policy {name!r}; choose from {sorted(POLICIES)}") from None

@@ -1,0 +1,139 @@
+"""The RAM tier: one shared-memory segment per size class, locked slot by slot.
+
+Each segment is an anonymous memfd (it has no name, so nothing survives the
+daemon, kill -9 included) mapped shared and read-write in the daemon only.
+Clients get a read-only descriptor of it (reopened through /proc with O_RDONLY)
+and can map it only PROT_READ.
+
+The segment is sparse: a slot's pages exist only once it is filled. A slot is
+mlocked just before its bytes are read in and its pages are given back with
+MADV_REMOVE when the store drops it, so locked memory follows the store's
+`used_bytes`, never the segment's virtual size.
+
+If mlock fails (RLIMIT_MEMLOCK too low, no CAP_IPC_LOCK), the tier keeps
+serving unlocked and says so (`locked` is False, with the reason), unless the
+daemon was told to require locking, in which case `MlockUnavailable` is raised
+at startup by `probe_mlock`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from moed.protocol.layout import PAGE, slot_layout
+from moed.protocol.messages import SegmentInfo
+
+from . import libc
+
+log = logging.getLogger("moed.ramtier")
+
+
+class MlockUnavailable(RuntimeError):
+    pass
+
+
+class Segment:
+    def __init__(self, class_id: int, part_names: list[str], part_bytes: list[int], capacity: int):
+        self.class_id = class_id
+        self.part_names = list(part_names)
+        self.part_bytes = list(part_bytes)
+        self.capacity = capacity
+        self.part_off, self.part_stride, self.size_bytes = slot_layout(part_bytes, capacity)
+        self.slot_bytes = sum(self.part_stride)
+        self.fd = os.memfd_create(f"moed-class-{class_id}", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, max(self.size_bytes, PAGE))
+        self.addr = libc.mmap(max(self.size_bytes, PAGE), libc.PROT_READ | libc.PROT_WRITE,
+                              libc.MAP_SHARED, self.fd)
+
+    def info(self) -> SegmentInfo:
+        return SegmentInfo(self.class_id, self.capacity, self.part_names, self.part_bytes,
+                           self.part_off, self.part_stride, self.size_bytes)
+
+    def part_addr(self, index: int, k: int) -> int:
+        return self.addr + self.part_off[k] + index * self.part_stride[k]
+
+    def ranges(self, index: int):
+        """(address, length) of every part of slot `index`."""
+        return [(self.part_addr(index, k), self.part_stride[k]) for k in range(len(self.part_bytes))]
+
+    def readonly_fd(self) -> int:
+        """A new read-only descriptor of the segment, for one client."""
+        return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+    def close(self) -> None:
+        libc.munmap(self.addr, max(self.size_bytes, PAGE))
+        os.close(self.fd)
+
+
+class RamTier:
+    def __init__(self, capacity_bytes: int):
+        """`capacity_bytes`: the most any class may ever hold (budget plus pin budget)."""
+        self.capacity_bytes = capacity_bytes
+        self.segments: dict[int, Segment] = {}
+        self.locked = True
+        self.lock_error = ""
+        self.locked_bytes = 0
+        self._mutex = threading.Lock()
+
+    def add_segment(self, class_id: int, part_names: list[str], part_bytes: list[int]) -> Segment:
+        slot_bytes = sum(-(-b // PAGE) * PAGE for b in part_bytes)
+        capacity = max(1, self.capacity_bytes // slot_bytes)
+        seg = Segment(class_id, part_names, part_bytes, capacity)
+        self.segments[class_id] = seg
+        return seg
+
+    def lock_slot(self, seg: Segment, index: int) -> None:
+        """Populate and lock a slot's pages (called from reader threads)."""
+        if not self.locked:
+            return
+        try:
+            for addr, length in seg.ranges(index):
+                libc.mlock(addr, length)
+        except OSError as exc:
+            self._lock_failed(str(exc))
+            return
+        with self._mutex:
+            self.locked_bytes += seg.slot_bytes
+
+    def _lock_failed(self, why: str) -> None:
+        with self._mutex:
+            if self.locked:
+                self.locked = False
+                self.lock_error = why
+                log.warning("mlock failed (%s): expert memory is NOT locked and may be swapped or "
+                            "reclaimed; raise LimitMEMLOCK or grant CAP_IPC_LOCK", why)
+
+    def release_slot(self, seg: Segment, index: int) -> None:
+        """Unlock a slot and hand its pages back to the kernel."""
+        for addr, length in seg.ranges(index):
+            if self.locked:
+                try:
+                    libc.munlock(addr, length)
+                except OSError:
+                    pass
+            libc.madvise(addr, length, libc.MADV_REMOVE)
+        if self.locked:
+            with self._mutex:
+                self.locked_bytes = max(0, self.locked_bytes - seg.slot_bytes)
+
+    def close(self) -> None:
+        for seg in self.segments.values():
+            seg.close()
+        self.segments.clear()
+
+
+def probe_mlock(required: bool) -> tuple[bool, str]:
+    """Lock one page to learn whether mlock works here; raise if required and it does not."""
+    addr = libc.mmap(PAGE, libc.PROT_READ | libc.PROT_WRITE, libc.MAP_PRIVATE | libc.MAP_ANONYMOUS)
+    try:
+        libc.mlock(addr, PAGE)
+        libc.munlock(addr, PAGE)
+        return True, ""
+    except OSError as exc:
+        if required:
+            raise MlockUnavailable(f"mlock is not permitted ({exc}); raise LimitMEMLOCK or grant CAP_IPC_LOCK") from exc
+        return False, str(exc)
+    finally:
+        libc.munmap(addr, PAGE)

@@ -1,0 +1,273 @@
+"""The slot state machine and the one byte budget shared by every model and tenant.
+
+Pure: no I/O, no clocks, no asyncio. The server drives it and the RAM tier
+follows the page effects it reports (`take_dropped`).
+
+Invariants, kept here:
+- A slot is EMPTY, LOADING or READY. Only LOADING and READY slots are in the
+  table, and each holds exactly one expert key.
+- `used_bytes` is the sum of `slot_bytes` over non-EMPTY slots and never
+  exceeds `budget_bytes`; pinned slots count against `pin_budget_bytes`
+  instead and are outside `used_bytes`.
+- A slot's `refs` is the number of leases (granted or waiting) that hold it.
+  A slot is evictable iff READY, refs == 0 and not pinned; exactly the
+  evictable slots are in the policy, so the policy can never pick a held slot.
+- An acquire is all-or-nothing: either every expert gets a reference (and the
+  missing ones a LOADING slot), or nothing changes and the caller waits.
+- Every (slot, generation) pair names one residency of one key; a stale pair
+  (the load failed, the slot was reused) is ignored on release.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from .policy import LRU, EvictionPolicy
+
+
+class ExpertKey(NamedTuple):
+    model_id: int
+    layer: int
+    expert: int
+
+
+class SlotState(enum.IntEnum):
+    EMPTY = 0
+    LOADING = 1
+    READY = 2
+
+
+@dataclass(eq=False, slots=True)
+class Slot:
+    class_id: int
+    index: int
+    slot_bytes: int
+    state: SlotState = SlotState.EMPTY
+    key: ExpertKey | None = None
+    refs: int = 0
+    pinned: bool = False
+    generation: int = 0
+    prefetched: bool = False   # loaded by a prefetch, not yet used by a lease
+    owner: object = None       # tenant charged for the residency (stats only)
+
+
+@dataclass(eq=False)
+class SizeClass:
+    class_id: int
+    slot_bytes: int
+    capacity: int
+    slots: list[Slot] = field(default_factory=list)
+    free: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.slots = [Slot(self.class_id, i, self.slot_bytes) for i in range(self.capacity)]
+        self.free = list(range(self.capacity - 1, -1, -1))   # pop() yields slot 0 first
+
+
+class Want(NamedTuple):
+    key: ExpertKey
+    class_id: int
+
+
+@dataclass(slots=True)
+class Plan:
+    """The outcome of a successful acquire: one slot per wanted key, in order."""
+
+    slots: list[Slot]
+    generations: list[int]
+    to_load: list[Slot]      # this acquire must start their reads
+    loading: list[Slot]      # someone else's read is in flight; wait for it
+    hits: int
+    misses: int
+
+
+class Store:
+    def __init__(self, budget_bytes: int, policy: EvictionPolicy | None = None,
+                 pin_budget_bytes: int = 0):
+        self.budget_bytes = budget_bytes
+        self.pin_budget_bytes = pin_budget_bytes
+        self.used_bytes = 0
+        self.pinned_bytes = 0
+        self.policy = policy if policy is not None else LRU()
+        self.classes: dict[int, SizeClass] = {}
+        self.table: dict[ExpertKey, Slot] = {}
+        self.evictable_bytes = 0
+        self.evictions = 0
+        self._dropped: list[Slot] = []   # slots whose pages the RAM tier should give back
+
+    # ---- classes --------------------------------------------------------
+
+    def add_class(self, class_id: int, slot_bytes: int, capacity: int) -> SizeClass:
+        if class_id in self.classes:
+            raise ValueError(f"size class {class_id} exists")
+        cls = SizeClass(class_id, slot_bytes, capacity)
+        self.classes[class_id] = cls
+        return cls
+
+    # ---- acquire --------------------------------------------------------
+
+    def acquire(self, wants: list[Want], owner: object = None) -> Plan | None:
+        """Reference every wanted key, reserving LOADING slots for misses.
+
+        Returns None (and changes nothing) when the misses cannot be made room
+        for now; raises ValueError when they never could.
+        """
+        table = self.table
+        slots = [table.get(w.key) for w in wants]
+        missing = [w for w, s in zip(wants, slots) if s is None]
+        if missing:
+            need = sum(self.classes[w.class_id].slot_bytes for w in missing)
+            if need > self.budget_bytes:
+                raise ValueError(f"request needs {need} bytes, the budget is {self.budget_bytes}")
+            held_here = sum(s.slot_bytes for s in slots if s is not None and s.refs == 0 and self._is_evictable(s))
+            room = self.budget_bytes - self.used_bytes + self.evictable_bytes - held_here
+            if need > room:
+                return None
+        to_load, loading, hits = [], [], 0
+        for s in slots:
+            if s is not None:
+                self._ref(s)
+                if s.state == SlotState.LOADING:
+                    loading.append(s)
+                else:
+                    hits += 1
+        for i, s in enumerate(slots):
+            if s is None:
+                s = self._reserve(wants[i], owner)
+                slots[i] = s
+                to_load.append(s)
+        return Plan(slots, [s.generation for s in slots], to_load, loading, hits, len(to_load))
+
+    def prefetch(self, want: Want, owner: object = None) -> Slot | None:
+        """Reserve a LOADING slot for a key not resident, without evicting a held slot.
+
+        Returns None when the key is resident or in flight, or nothing can be
+        evicted. The slot has no references; it becomes evictable once READY.
+        """
+        if want.key in self.table:
+            return None
+        cls = self.classes[want.class_id]
+        if cls.slot_bytes > self.budget_bytes - self.used_bytes + self.evictable_bytes:
+            return None
+        slot = self._reserve(want, owner)
+        slot.refs = 0
+        slot.prefetched = True
+        return slot
+
+    def _is_evictable(self, s: Slot) -> bool:
+        return s.state == SlotState.READY and s.refs == 0 and not s.pinned
+
+    def _ref(self, s: Slot) -> None:
+        if self._is_evictable(s):
+            self.policy.remove(s)
+            self.evictable_bytes -= s.slot_bytes
+        s.refs += 1
+        self.policy.touch(s)
+
+    def _reserve(self, want: Want, owner: object) -> Slot:
+        cls = self.classes[want.class_id]
+        slot = None
+        while self.budget_bytes - self.used_bytes < cls.slot_bytes:
+            victim = self._evict_one()
+            if victim.class_id == cls.class_id:
+                slot = victim          # same size: reuse its pages as they are
+                break
+            self._drop(victim)
+        if slot is None:
+            if not cls.free:
+                raise RuntimeError(f"size class {cls.class_id} has no free slot index (capacity {cls.capacity})")
+            slot = cls.slots[cls.free.pop()]
+            self.used_bytes += cls.slot_bytes
+        slot.state = SlotState.LOADING
+        slot.key = want.key
+        slot.refs = 1
+        slot.generation += 1
+        slot.prefetched = False
+        slot.owner = owner
+        self.table[want.key] = slot
+        self.policy.touch(slot)
+        return slot
+
+    def _evict_one(self) -> Slot:
+        victim = self.policy.victim()
+        if victim is None:
+            raise RuntimeError("store accounting broken: room promised but nothing evictable")
+        self.policy.remove(victim)
+        self.evictable_bytes -= victim.slot_bytes
+        del self.table[victim.key]
+        victim.key = None
+        victim.state = SlotState.EMPTY
+        self.evictions += 1
+        return victim
+
+    def _drop(self, slot: Slot) -> None:
+        """Return an EMPTY slot's index and bytes; its pages go back to the kernel."""
+        self.used_bytes -= slot.slot_bytes
+        self.classes[slot.class_id].free.append(slot.index)
+        slot.generation += 1
+        self._dropped.append(slot)
+
+    # ---- completion and release ----------------------------------------
+
+    def loaded(self, slot: Slot) -> None:
+        """A read finished: LOADING -> READY."""
+        assert slot.state == SlotState.LOADING
+        slot.state = SlotState.READY
+        if self._is_evictable(slot):
+            self.policy.add(slot)
+            self.evictable_bytes += slot.slot_bytes
+
+    def failed(self, slot: Slot) -> None:
+        """A read failed: the slot is dropped; every holder's reference dies with it."""
+        if slot.state != SlotState.LOADING:
+            return
+        del self.table[slot.key]
+        slot.key = None
+        slot.state = SlotState.EMPTY
+        slot.refs = 0
+        self._drop(slot)
+
+    def release(self, slot: Slot, generation: int) -> None:
+        if slot.generation != generation or slot.refs <= 0:
+            return
+        slot.refs -= 1
+        if self._is_evictable(slot):
+            self.policy.add(slot)
+            self.evictable_bytes += slot.slot_bytes
+
+    def use_prefetched(self, slot: Slot) -> bool:
+        """True once, the first time a prefetched slot is hit."""
+        if slot.prefetched:
+            slot.prefetched = False
+            return True
+        return False
+
+    # ---- shrinking ------------------------------------------------------
+
+    def shrink(self, target_used_bytes: int) -> int:
+        """Evict unreferenced slots until used <= target; returns bytes freed."""
+        freed = 0
+        while self.used_bytes > target_used_bytes and self.evictable_bytes > 0:
+            victim = self._evict_one()
+            self._drop(victim)
+            freed += victim.slot_bytes
+        return freed
+
+    def take_dropped(self) -> list[Slot]:
+        """Slots emptied since the last call (their pages can be given back)."""
+        out, self._dropped = self._dropped, []
+        return out
+
+    def drop_model(self, model_id: int) -> None:
+        """Forget every unreferenced slot of a model (it was closed or went stale)."""
+        for key in [k for k in self.table if k.model_id == model_id]:
+            slot = self.table[key]
+            if self._is_evictable(slot):
+                self.policy.remove(slot)
+                self.evictable_bytes -= slot.slot_bytes
+                del self.table[key]
+                slot.key = None
+                slot.state = SlotState.EMPTY
+                self._drop(slot)
