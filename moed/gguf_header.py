@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import mmap
 import os
+import re
 import struct
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from moed.protocol.errors import BadModelFile
 
 GGUF_MAGIC = b"GGUF"
+SHARD_RE = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4
 
@@ -243,3 +245,59 @@ def _place(path: str, size: int, alignment: int, data_offset: int,
         raise BadModelFile(f"{path}: truncated: tensor {name!r} ends at byte {offset + n_bytes} "
                            f"but the file has {size} bytes")
     return TensorInfo(name, dims, ggml_type, offset, n_bytes)
+
+
+# ---------------------------------------------------------------------- split files
+
+def shard_names(first: str | os.PathLike, count: int) -> list[str]:
+    """llama.cpp's names for `count` shards; `first` is `X.gguf` or `X-00001-of-0000N.gguf`."""
+    first = os.fspath(first)
+    if count <= 1:
+        return [first]
+    m = SHARD_RE.match(first)
+    prefix = m.group(1) if m else (first[:-5] if first.endswith(".gguf") else first)
+    return [f"{prefix}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
+
+
+def split_files(path: str, first: Header) -> list[str]:
+    """Every shard of the model whose first shard is `path` (just `[path]` if not split)."""
+    count = first.get("split.count", 1)
+    number = first.get("split.no", 0)
+    if not isinstance(count, int) or count <= 1:
+        return [path]
+    if number != 0:
+        raise BadModelFile(f"{path}: this is shard {number + 1} of {count}; open the first shard")
+    m = SHARD_RE.match(path)
+    if not m or int(m.group(2)) != 1 or int(m.group(3)) != count:
+        raise BadModelFile(f"{path}: split into {count} shards, but the name does not follow "
+                           f"llama.cpp's PREFIX-00001-of-{count:05d}.gguf naming")
+    files = shard_names(path, count)
+    missing = [f for f in files if not os.path.exists(f)]
+    if missing:
+        raise BadModelFile(f"{path}: missing shard(s) of {count}: {', '.join(missing)}")
+    return files
+
+
+def check_split(headers: list[Header]) -> None:
+    """Shards must number themselves 0..N-1 of N and hold split.tensors.count tensors."""
+    count = len(headers)
+    if count == 1:
+        return
+    for i, h in enumerate(headers):
+        if h.get("split.no") != i or h.get("split.count") != count:
+            raise BadModelFile(f"{h.path}: split keys say shard {h.get('split.no')} of "
+                               f"{h.get('split.count')}, expected shard {i} of {count}")
+    expected = headers[0].get("split.tensors.count")
+    found = sum(len(h.tensors) for h in headers)
+    if expected is not None and expected != found:
+        raise BadModelFile(f"{headers[0].path}: split.tensors.count is {expected} but the "
+                           f"{count} shards hold {found} tensors")
+
+
+def read_split(path: str | os.PathLike) -> list[Header]:
+    """Headers of every shard, checked to agree, first shard first."""
+    path = os.path.abspath(os.fspath(path))
+    first = read_header(path)
+    headers = [first] + [read_header(f) for f in split_files(path, first)[1:]]
+    check_split(headers)
+    return headers

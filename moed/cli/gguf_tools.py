@@ -107,13 +107,26 @@ def _print_index(cat) -> None:
 
 def _align(args) -> int:
     from moed.gguf_align import align_gguf
+    from moed.daemon.catalog import Catalog
     try:
-        align_gguf(args.src, args.dst, alignment=args.alignment, overwrite=args.force,
-                   verify=not args.no_verify, progress=True)
+        outs = align_gguf(args.src, args.dst, alignment=args.alignment, overwrite=args.force,
+                          verify=not args.no_verify, progress=sys.stderr.isatty())
     except MoedError:
         raise
-    except (ValueError, FileExistsError) as exc:
+    except (ValueError, FileExistsError, FileNotFoundError) as exc:
         return _fail(f"align: {exc}")
     except OSError as exc:
-        return _fail(f"align: {exc.filename or ''}: {exc.strerror}")
+        return _fail(f"align: {exc.filename or ''}: {exc.strerror or exc}")
+    for out in outs:
+        print(out)
+    try:
+        cat = Catalog.open(outs[0])
+    except MoedError:
+        return 0                        # not a MoE model: nothing more to say
+    parts = [p for e in cat.layers.values() for p in e.parts.values()]
+    aligned = sum(p.page_aligned for p in parts)
+    print(f"{aligned} of {len(parts)} expert tensors page-aligned"
+          + ("" if aligned == len(parts) else
+             " (the others' bytes per expert are not a multiple of 4096)"),
+          file=sys.stderr)
     return 0

@@ -40,13 +40,12 @@ import os
 import re
 from dataclasses import dataclass
 
-from moed.gguf_header import Header, read_header, type_name
+from moed.gguf_header import Header, check_split, read_header, split_files, type_name
 from moed.protocol.errors import BadModelFile, BadRequest, ModelStale, UnknownExpert, UnknownLayer
 from moed.protocol.layout import PAGE
 
 PART_ORDER = ("gate", "up", "down", "gate_up")
 EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.weight$")
-SHARD_RE = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
 
 FileIdentity = tuple[int, int, int, int]          # st_dev, st_ino, st_size, st_mtime_ns
 SizeClass = tuple[tuple[str, int], ...]           # ((part, bytes_per_expert), ...) in part order
@@ -109,10 +108,10 @@ class Catalog:
         first_path = os.path.abspath(os.fspath(path))
         first_id = _identity(first_path)
         first = read_header(first_path)
-        files = _shard_files(first_path, first)
+        files = split_files(first_path, first)
         identity = (first_id,) + tuple(_identity(f) for f in files[1:])
         headers = [first] + [read_header(f) for f in files[1:]]
-        _check_split(headers)
+        check_split(headers)
         return _build(first_path, files, identity, headers)
 
     # ------------------------------------------------------------------ lookups
@@ -202,39 +201,6 @@ def _identity(path: str) -> FileIdentity:
     except OSError as exc:
         raise BadModelFile(f"{path}: cannot stat: {exc.strerror}") from None
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-def _shard_files(path: str, first: Header) -> tuple[str, ...]:
-    count = first.get("split.count", 1)
-    number = first.get("split.no", 0)
-    if not isinstance(count, int) or count <= 1:
-        return (path,)
-    if number != 0:
-        raise BadModelFile(f"{path}: this is shard {number + 1} of {count}; open the first shard")
-    m = SHARD_RE.match(path)
-    if not m or int(m.group(2)) != 1 or int(m.group(3)) != count:
-        raise BadModelFile(f"{path}: split into {count} shards, but the name does not follow "
-                           f"llama.cpp's PREFIX-00001-of-{count:05d}.gguf naming")
-    files = tuple(f"{m.group(1)}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1))
-    missing = [f for f in files if not os.path.exists(f)]
-    if missing:
-        raise BadModelFile(f"{path}: missing shard(s) of {count}: {', '.join(missing)}")
-    return files
-
-
-def _check_split(headers: list[Header]) -> None:
-    count = len(headers)
-    if count == 1:
-        return
-    for i, h in enumerate(headers):
-        if h.get("split.no") != i or h.get("split.count") != count:
-            raise BadModelFile(f"{h.path}: split keys say shard {h.get('split.no')} of "
-                               f"{h.get('split.count')}, expected shard {i} of {count}")
-    expected = headers[0].get("split.tensors.count")
-    found = sum(len(h.tensors) for h in headers)
-    if expected is not None and expected != found:
-        raise BadModelFile(f"{headers[0].path}: split.tensors.count is {expected} but the "
-                           f"{count} shards hold {found} tensors")
 
 
 def _build(path: str, files, identity, headers: list[Header]) -> Catalog:

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import math
 import pathlib
-import re
 from dataclasses import dataclass
 
 import numpy as np
 from gguf import GGUFWriter, GGMLQuantizationType, GGML_QUANT_SIZES, quants
 from gguf.constants import Keys, TokenType
+
+from moed.gguf_header import shard_names
 
 ARCH = "qwen3moe"
 QUANTS = {
@@ -35,7 +36,6 @@ QUANTS = {
     "q4_0": GGMLQuantizationType.Q4_0,
     "q4_k": GGMLQuantizationType.Q4_K,
 }
-SHARD_RE = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 
 # A few whole-word tokens so sampled text looks like text; everything else falls
 # back to single characters or bytes.
@@ -51,12 +51,7 @@ _CHAT_TEMPLATE = (
 
 def shard_paths(path: str | pathlib.Path, split: int) -> list[pathlib.Path]:
     """llama.cpp's shard names for `path` (`X.gguf` -> `X-0000i-of-0000N.gguf`)."""
-    path = pathlib.Path(path)
-    if split <= 1:
-        return [path]
-    stem = SHARD_RE.sub("", path.name)
-    stem = stem[:-5] if stem.endswith(".gguf") else stem
-    return [path.with_name(f"{stem}-{i:05d}-of-{split:05d}.gguf") for i in range(1, split + 1)]
+    return [pathlib.Path(p) for p in shard_names(path, split)]
 
 
 # --------------------------------------------------------------------------- vocab
