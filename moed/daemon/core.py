@@ -207,11 +207,14 @@ class Daemon:
         return plan
 
     def _count(self, plan, tenant: Tenant) -> None:
+        # A key whose read is already in flight is a miss that costs no read.
         c = self.counters
+        misses = plan.misses + len(plan.loading)
         c.hits += plan.hits
-        c.misses += plan.misses
+        c.misses += misses
+        c.joined_reads += len(plan.loading)
         tenant.hits += plan.hits
-        tenant.misses += plan.misses
+        tenant.misses += misses
         for slot in plan.slots:
             if self.store.use_prefetched(slot):
                 c.prefetch_hits += 1

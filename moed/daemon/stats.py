@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 class Counters:
     hits: int = 0
     misses: int = 0
+    joined_reads: int = 0
     prefetches: int = 0
     prefetch_hits: int = 0
     wasted_prefetches: int = 0
@@ -92,6 +93,7 @@ def snapshot(daemon) -> dict:
         "hits": c.hits,
         "misses": c.misses,
         "hit_rate": c.hits / (c.hits + c.misses) if c.hits + c.misses else 0.0,
+        "joined_reads": c.joined_reads,
         "prefetches": c.prefetches,
         "prefetch_hits": c.prefetch_hits,
         "wasted_prefetches": c.wasted_prefetches,
