@@ -17,6 +17,7 @@ import functools
 import mmap
 import os
 import re
+import stat
 import struct
 from dataclasses import dataclass, field
 
@@ -177,7 +178,12 @@ def read_header(path: str | os.PathLike) -> Header:
     except OSError as exc:
         raise BadModelFile(f"{path}: cannot open: {exc.strerror}") from None
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise BadModelFile(f"{path}: is a directory")
+        if not stat.S_ISREG(st.st_mode):
+            raise BadModelFile(f"{path}: not a regular file")
+        size = st.st_size
         if size < 24:
             head = os.pread(fd, 4, 0)
             if head != GGUF_MAGIC:

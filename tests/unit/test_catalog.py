@@ -1,0 +1,252 @@
+"""Catalog on generated GGUF files: extents, size classes, alignment, identity, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+
+from moed.ctl import main as moectl
+from moed.daemon.catalog import Catalog
+from moed.gguf_header import read_header
+from moed.protocol.errors import BadModelFile, BadRequest, ModelStale, UnknownExpert, UnknownLayer
+
+EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(\w+)_exps\.weight$")
+
+
+def q8_bytes(rows: int, cols: int) -> int:
+    return rows * cols // 32 * 34
+
+
+def q4_bytes(rows: int, cols: int) -> int:
+    return rows * cols // 32 * 18
+
+
+def file_experts(paths):
+    """{(layer, part): (path, bytes of every expert)} computed from GGUFReader's tensor data."""
+    out = {}
+    for path in paths:
+        for t in gguf.GGUFReader(path).tensors:
+            m = EXPERT.match(t.name)
+            if m:
+                raw = np.asarray(t.data).view(np.uint8).reshape(int(t.shape[2]), -1)
+                out[(int(m.group(1)), m.group(2))] = (str(path), raw)
+    return out
+
+
+def read_extent(path: str, offset: int, length: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(length)
+
+
+def copy_shards(src_first, dst_dir):
+    cat = Catalog.open(src_first)
+    out = []
+    for f in cat.files:
+        out.append(dst_dir / os.path.basename(f))
+        shutil.copy(f, out[-1])
+    return out
+
+
+# ---------------------------------------------------------------------- contents
+
+def test_tiny_model_geometry(tiny_model):
+    cat = Catalog.open(tiny_model)
+    assert cat.arch == "qwen3moe"
+    assert cat.moe_layers == (0, 1, 2, 3) and cat.n_layers == 4
+    assert (cat.n_experts, cat.n_expert_used) == (8, 2)
+    assert cat.parts == ("gate", "up", "down")
+    assert cat.files == (str(tiny_model),)
+    size = q8_bytes(64, 64)
+    assert list(cat.size_classes.items()) == [((("gate", size), ("up", size), ("down", size)), (0, 1, 2, 3))]
+    assert cat.expert_bytes(0) == 3 * size
+    assert cat.layers[0].parts["gate"].type_name == "Q8_0"
+    assert cat.layers[0].parts["down"].shape == (64, 64, 8)
+    assert cat.alignment == 32 and not cat.page_aligned
+
+
+@pytest.mark.parametrize("fixture", ["tiny_model", "split_model", "aligned_model", "mixed_model"])
+def test_every_extent_holds_the_tensor_bytes(fixture, request):
+    cat = Catalog.open(request.getfixturevalue(fixture))
+    truth = file_experts(cat.files)
+    assert set(truth) == {(l, p) for l in cat.moe_layers for p in cat.parts}
+    for (layer, part), (path, raw) in truth.items():
+        for e in range(cat.n_experts):
+            shard, offset, length = cat.extent(layer, e, part)
+            assert shard == path
+            assert length == raw.shape[1]
+            assert read_extent(shard, offset, length) == raw[e].tobytes()
+
+
+def test_split_model_spans_shards(split_model):
+    cat = Catalog.open(split_model)
+    assert len(cat.files) == 3 and len(cat.identity) == 3
+    assert [os.path.basename(f) for f in cat.files] == [
+        f"model-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    assert len({p.shard for e in cat.layers.values() for p in e.parts.values()}) >= 2
+    assert Catalog.open(split_model).identity == cat.identity
+
+
+def test_mixed_quants_make_size_classes(mixed_model):
+    cat = Catalog.open(mixed_model)
+    q8, q4 = q8_bytes(64, 64), q4_bytes(64, 64)
+    assert cat.size_classes == {
+        (("gate", q8), ("up", q8), ("down", q8)): (0, 2),
+        (("gate", q4), ("up", q4), ("down", q4)): (1, 3),
+    }
+    assert cat.layers[1].parts["up"].type_name == "Q4_0"
+
+
+def test_aligned_model_is_page_aligned(aligned_model):
+    cat = Catalog.open(aligned_model)
+    assert cat.alignment == 4096 and cat.page_aligned
+    for e in cat.layers.values():
+        for p in e.parts.values():
+            assert p.offset % 4096 == 0 and p.bytes_per_expert == q8_bytes(256, 256) == 17 * 4096
+
+
+def test_q4_k_layers(model_factory):
+    cat = Catalog.open(model_factory(embd=256, ff=256, layer_quants="q4_k,q8_0,q4_k,q8_0"))
+    assert cat.layers[0].parts["gate"].type_name == "Q4_K"
+    assert cat.layers[0].parts["gate"].bytes_per_expert == 256 * 256 // 256 * 144
+    assert len(cat.size_classes) == 2
+
+
+def test_identity_and_staleness(tiny_model, tmp_path):
+    path = tmp_path / "m.gguf"
+    shutil.copy(tiny_model, path)
+    a, b = Catalog.open(path), Catalog.open(path)
+    assert a.identity == b.identity and hash(a.identity) == hash(b.identity)
+    st = os.stat(path)
+    assert a.identity[0] == (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    a.check_current()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    with pytest.raises(ModelStale):
+        a.check_current()
+    os.unlink(path)
+    with pytest.raises(ModelStale):
+        b.check_current()
+
+
+def test_lookup_errors(tiny_model):
+    cat = Catalog.open(tiny_model)
+    with pytest.raises(UnknownLayer):
+        cat.extent(4, 0, "gate")
+    with pytest.raises(UnknownExpert):
+        cat.extent(0, 8, "gate")
+    with pytest.raises(UnknownExpert):
+        cat.extent(0, -1, "gate")
+    with pytest.raises(BadRequest):
+        cat.extent(0, 0, "gate_up")
+
+
+def test_to_dict_is_json(split_model):
+    d = json.loads(json.dumps(Catalog.open(split_model).to_dict()))
+    assert d["n_experts"] == 8 and d["n_expert_used"] == 2 and len(d["files"]) == 3
+    assert d["size_classes"][0]["layers"] == [0, 1, 2, 3]
+
+
+def test_moectl_index(mixed_model, capsys):
+    assert moectl(["index", str(mixed_model), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert len(d["size_classes"]) == 2 and d["page_aligned"] is False
+    assert moectl(["index", str(mixed_model)]) == 0
+    out = capsys.readouterr().out
+    assert "top-k 2" in out and "Q4_0" in out and "page-aligned expert extents: no" in out
+
+
+# ---------------------------------------------------------------------- header parser
+
+def test_header_matches_gguf_reader(split_model):
+    for path in Catalog.open(split_model).files:
+        ours, theirs = read_header(path), gguf.GGUFReader(path)
+        assert ours.data_offset == theirs.data_offset
+        assert [(t.name, t.offset, t.n_bytes, t.ggml_type) for t in ours.tensors] == [
+            (t.name, t.data_offset, t.n_bytes, int(t.tensor_type)) for t in theirs.tensors]
+        for key, field in theirs.fields.items():
+            if key.startswith("GGUF."):
+                continue
+            assert ours.get(key) == pytest.approx(field.contents()), key
+
+
+# ---------------------------------------------------------------------- bad files
+
+def expect_bad(path, *words):
+    with pytest.raises(BadModelFile) as err:
+        Catalog.open(path)
+    for w in words:
+        assert w in str(err.value), str(err.value)
+    return str(err.value)
+
+
+def test_missing_file(tmp_path):
+    expect_bad(tmp_path / "nope.gguf", "no such file")
+
+
+def test_not_gguf(tmp_path):
+    p = tmp_path / "text.gguf"
+    p.write_text("this is not a model at all, just some text\n")
+    expect_bad(p, "not a GGUF")
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    expect_bad(tmp_path / "empty.gguf", "not a GGUF")
+    expect_bad(tmp_path, "directory")
+
+
+def test_truncated_data(tiny_model, tmp_path):
+    p = tmp_path / "cut.gguf"
+    data = tiny_model.read_bytes()
+    p.write_bytes(data[:-100])
+    expect_bad(p, "truncated", "output.weight")
+
+
+def test_truncated_header(tiny_model, tmp_path):
+    p = tmp_path / "cut.gguf"
+    p.write_bytes(tiny_model.read_bytes()[:300])
+    expect_bad(p, "truncated")
+
+
+def test_no_routed_experts(tmp_path):
+    p = tmp_path / "dense.gguf"
+    w = gguf.GGUFWriter(p, "llama")
+    w.add_tensor("token_embd.weight", np.zeros((16, 32), np.float32))
+    w.add_tensor("blk.0.ffn_gate.weight", np.zeros((32, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    expect_bad(p, "no routed expert")
+
+
+def test_missing_shard(split_model, tmp_path):
+    shards = copy_shards(split_model, tmp_path)
+    shards[1].unlink()
+    expect_bad(shards[0], "missing shard", shards[1].name)
+
+
+def test_shards_that_disagree_on_experts(model_factory, split_model, tmp_path):
+    shards = copy_shards(split_model, tmp_path)
+    other = Catalog.open(model_factory(split=3, experts=4)).files
+    shutil.copy(other[2], shards[2])
+    expect_bad(shards[0], "experts")
+
+
+def test_shard_with_wrong_split_number(split_model, tmp_path):
+    shards = copy_shards(split_model, tmp_path)
+    shutil.copy(shards[1], shards[2])
+    expect_bad(shards[0], "split keys")
+
+
+def test_open_second_shard(split_model):
+    expect_bad(Catalog.open(split_model).files[1], "first shard")
+
+
+def test_split_file_with_wrong_name(split_model, tmp_path):
+    p = tmp_path / "renamed.gguf"
+    shutil.copy(split_model, p)
+    expect_bad(p, "naming")
