@@ -1,0 +1,177 @@
+"""moectl verbs that run llama.cpp with experts from moed: generate, chat, trace.
+
+What this module owns: the terminal side of `StreamedLlama` (streaming tokens as
+they come, the daemon's hit rate for this run at the end) and recording routing
+traces. Errors print one line and exit 2 (moed.ctl does that for MoedError; bad
+files and llama.cpp failures are turned into the same here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import warnings
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text with experts served by moed")
+    _model_args(p)
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate (default 64)")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="chat at the terminal with experts served by moed")
+    _model_args(p)
+    p.add_argument("-n", "--n-predict", type=int, default=256, help="most tokens per reply (default 256)")
+    p.add_argument("--system", default="", help="system prompt")
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("trace", help="record every step's routed experts per layer")
+    _model_args(p)
+    p.add_argument("--prompt-file", required=True, help="prompts, one per line (blank lines skipped)")
+    p.add_argument("-n", "--n-predict", type=int, default=64, help="decode steps per prompt (default 64)")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    p.add_argument("-o", "--output", required=True, help="trace file to write")
+    p.set_defaults(func=cmd_trace)
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="GGUF model (first shard of a split model)")
+    p.add_argument("--ctx", type=int, default=2048, help="context length (default 2048)")
+    p.add_argument("--batch", type=int, default=512, help="prompt batch size (default 512)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: llama.cpp's)")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--verbose", action="store_true", help="show llama.cpp's load log")
+
+
+# ---- shared --------------------------------------------------------------
+
+
+class _Session:
+    """A client plus a StreamedLlama, and the daemon counters at start (for this run's hit rate)."""
+
+    def __init__(self, args: argparse.Namespace):
+        from moed.client import Client
+        from moed.engines.llama_cpp import StreamedLlama
+
+        if not os.path.exists(args.model):
+            raise SystemExit(_fail(f"no such model file: {args.model}"))
+        self.client = Client(args.socket, client_name=f"moectl {args.verb}")
+        try:
+            self.llm = StreamedLlama(args.model, client=self.client, n_ctx=args.ctx, n_batch=args.batch,
+                                     n_ubatch=args.batch, n_threads=args.threads, seed=args.seed,
+                                     verbose=args.verbose)
+        except ValueError as exc:  # llama.cpp refused the file
+            self.client.close()
+            raise SystemExit(_fail(str(exc)))
+        except BaseException:
+            self.client.close()
+            raise
+        self.start = self.client.stats()
+        self.t0 = time.perf_counter()
+
+    def close(self) -> None:
+        self.llm.close()
+        self.client.close()
+
+    def report(self, n_tokens: int, out=sys.stderr) -> None:
+        now = self.client.stats()
+        dt = time.perf_counter() - self.t0
+        hits = now.get("hits", 0) - self.start.get("hits", 0)
+        misses = now.get("misses", 0) - self.start.get("misses", 0)
+        read = now.get("bytes_read", 0) - self.start.get("bytes_read", 0)
+        rate = f"{100.0 * hits / (hits + misses):.1f}%" if hits + misses else "n/a"
+        from moed.protocol.sizes import format_size
+
+        print(f"\n[moed] {n_tokens} tokens in {dt:.1f} s ({n_tokens / dt if dt else 0:.2f} tok/s); "
+              f"daemon hit rate {rate} ({hits} hits, {misses} misses), read {format_size(read)}", file=out)
+
+
+def _fail(message: str) -> int:
+    print(f"moectl: {message}", file=sys.stderr)
+    return 2
+
+
+def _sampling(args: argparse.Namespace) -> dict:
+    if args.temp <= 0:
+        return {"temperature": 0.0, "top_k": 1}
+    return {"temperature": args.temp}
+
+
+# ---- generate / chat -----------------------------------------------------
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    s = _Session(args)
+    try:
+        n = 0
+        for chunk in s.llm.create_completion(args.prompt, max_tokens=args.n_predict, stream=True,
+                                             seed=args.seed, **_sampling(args)):
+            sys.stdout.write(chunk["choices"][0]["text"])
+            sys.stdout.flush()
+            n += 1
+        sys.stdout.write("\n")
+        s.report(n)
+    finally:
+        s.close()
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    s = _Session(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    total = 0
+    interactive = sys.stdin.isatty()
+    try:
+        while True:
+            if interactive:
+                sys.stdout.write("> ")
+                sys.stdout.flush()
+            line = sys.stdin.readline()
+            if not line or line.strip() in ("/exit", "/quit"):
+                break
+            if not line.strip():
+                continue
+            messages.append({"role": "user", "content": line.rstrip("\n")})
+            reply = []
+            for chunk in s.llm.create_chat_completion(messages, max_tokens=args.n_predict, stream=True,
+                                                      seed=args.seed, **_sampling(args)):
+                text = chunk["choices"][0]["delta"].get("content") or ""
+                if text:
+                    sys.stdout.write(text)
+                    sys.stdout.flush()
+                    reply.append(text)
+                    total += 1
+            sys.stdout.write("\n")
+            messages.append({"role": "assistant", "content": "".join(reply)})
+        s.report(total)
+    finally:
+        s.close()
+    return 0
+
+
+# ---- trace ---------------------------------------------------------------
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from moed.engines.tracing import record_trace
+
+    with open(args.prompt_file, encoding="utf-8") as f:
+        prompts = [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        return _fail(f"{args.prompt_file} holds no prompts")
+    s = _Session(args)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("default")
+            steps = record_trace(s.llm, prompts, args.output, n_predict=args.n_predict, chat=args.chat,
+                                 model_name=os.path.basename(args.model))
+        print(f"[moed] wrote {steps} steps for {len(prompts)} prompts to {args.output}", file=sys.stderr)
+        s.report(steps)
+    finally:
+        s.close()
+    return 0
+

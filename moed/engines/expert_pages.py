@@ -1,0 +1,208 @@
+"""The routed-expert address ranges inside llama.cpp's mapping of a model, page by page.
+
+What this module owns: turning every routed-expert byte range of the model mapping
+into inaccessible memory at install, and making one expert's bytes visible at
+its own address (`show`) or inaccessible again (`hide`).
+
+Invariants:
+- After `install`, an address of a routed expert holds either that expert's true
+  bytes (it is shown), or zeros, or faults (PROT_NONE). It never holds another
+  expert's bytes. Only bytes on a page shared with dense data or with a
+  neighbouring shown expert can be readable while hidden, and those read as zero
+  or as this expert's own bytes.
+- Zero-copy spans (expert 0 and the stride page-aligned) map the daemon's slot
+  pages straight in with MAP_SHARED|MAP_FIXED, read-only. The slot behind an
+  address is remembered: showing the same slot again is one mprotect, and only a
+  changed slot costs a new mapping.
+- Copy spans copy into private anonymous pages. A page is made writable while any
+  shown expert covers it (per-page count), and dropped (MADV_DONTNEED, PROT_NONE)
+  when the count falls to zero, so a copy engine never accumulates the model.
+- Dense bytes that share a page with expert bytes are copied into a private
+  anonymous page at install and stay readable; the expert bytes there are zeroed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+
+from moed.engines import vm
+from moed.engines.vm import PAGE, PROT_NONE, PROT_READ, PROT_WRITE, page_ceil, page_floor
+
+
+@dataclass(frozen=True)
+class PartSpan:
+    """One routed-expert tensor (one part of one layer) as it sits in our address space."""
+
+    layer: int
+    part: str
+    addr: int                # address of expert 0
+    bytes_per_expert: int
+    n_experts: int
+
+    @property
+    def zero_copy(self) -> bool:
+        return self.addr % PAGE == 0 and self.bytes_per_expert % PAGE == 0
+
+    def expert_addr(self, expert: int) -> int:
+        return self.addr + expert * self.bytes_per_expert
+
+    @property
+    def end(self) -> int:
+        return self.addr + self.n_experts * self.bytes_per_expert
+
+
+def merge(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+@dataclass
+class _ZeroCopyState:
+    key: tuple[int, int] | None = None   # (segment identity, offset) mapped here
+    visible: bool = False
+
+
+@dataclass
+class PageStats:
+    maps: int = 0          # MAP_FIXED of a slot (the slot behind an address changed)
+    reprotects: int = 0    # same slot shown again: one mprotect
+    copies: int = 0
+    copy_bytes: int = 0
+    hides: int = 0
+
+
+@dataclass
+class ExpertPages:
+    """All routed-expert spans of one loaded model (every shard mapping together)."""
+
+    spans: list[PartSpan]
+    stats: PageStats = field(default_factory=PageStats)
+
+    def __post_init__(self) -> None:
+        self._by_key = {(s.layer, s.part): s for s in self.spans}
+        self._expert_runs = merge([(s.addr, s.end) for s in self.spans])
+        self._mixed_pages = self._find_mixed_pages()
+        self._page_refs: dict[int, int] = {}
+        self._zc: dict[tuple[int, str, int], _ZeroCopyState] = {}
+
+    # ---- install ---------------------------------------------------------
+
+    def _find_mixed_pages(self) -> set[int]:
+        """Pages holding both routed-expert bytes and anything else (dense bytes, padding)."""
+        mixed = set()
+        for s, e in self._expert_runs:
+            if s % PAGE:
+                mixed.add(page_floor(s))
+            if e % PAGE:
+                mixed.add(page_floor(e))
+        return mixed
+
+    def install(self) -> None:
+        """Make every routed-expert byte inaccessible; keep dense bytes on shared pages readable.
+
+        Must run before the first decode and while the file mapping is still intact
+        (the dense bytes of mixed pages are read from it).
+        """
+        saved = {p: ctypes.string_at(p, PAGE) for p in self._mixed_pages}
+        for s, e in self._expert_runs:
+            lo, hi = page_floor(s), page_ceil(e)
+            vm.map_fixed(lo, hi - lo, PROT_NONE)
+        for page, content in saved.items():
+            vm.mprotect(page, PAGE, PROT_READ | PROT_WRITE)
+            ctypes.memmove(page, content, PAGE)
+            for s, e in self._expert_runs:
+                lo, hi = max(s, page), min(e, page + PAGE)
+                if lo < hi:
+                    ctypes.memset(lo, 0, hi - lo)
+
+    def dense_runs(self, vmas: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Parts of the model's mapping that are not pure expert pages (to lock)."""
+        pure = [(page_ceil(s), page_floor(e)) for s, e in self._expert_runs]
+        pure = [(s, e) for s, e in pure if s < e]
+        out = []
+        for lo, hi in merge(vmas + [(p, p + PAGE) for p in self._mixed_pages]):
+            pos = lo
+            for s, e in pure:
+                if e <= pos or s >= hi:
+                    continue
+                if s > pos:
+                    out.append((pos, s))
+                pos = max(pos, e)
+            if pos < hi:
+                out.append((pos, hi))
+        return out
+
+    # ---- show / hide -----------------------------------------------------
+
+    def span(self, layer: int, part: str) -> PartSpan:
+        return self._by_key[(layer, part)]
+
+    def show_mapped(self, span: PartSpan, expert: int, seg_key: int, fd: int, offset: int) -> None:
+        """Zero copy: the slot's pages at `offset` of segment `fd` appear at the expert's address."""
+        state = self._zc.setdefault((span.layer, span.part, expert), _ZeroCopyState())
+        addr, n = span.expert_addr(expert), span.bytes_per_expert
+        key = (seg_key, offset)
+        if state.key == key:
+            if not state.visible:
+                vm.mprotect(addr, n, PROT_READ)
+                self.stats.reprotects += 1
+        else:
+            vm.map_fixed(addr, n, PROT_READ, fd, offset)
+            state.key = key
+            self.stats.maps += 1
+        state.visible = True
+
+    def show_copied(self, span: PartSpan, expert: int, src_addr: int) -> None:
+        """Copy path: copy the expert's bytes from `src_addr` into private pages at its address."""
+        addr, n = span.expert_addr(expert), span.bytes_per_expert
+        fresh = []
+        for page in range(page_floor(addr), page_ceil(addr + n), PAGE):
+            refs = self._page_refs.get(page, 0)
+            self._page_refs[page] = refs + 1
+            if refs == 0 and page not in self._mixed_pages:
+                fresh.append(page)
+        for lo, hi in merge([(p, p + PAGE) for p in fresh]):
+            vm.mprotect(lo, hi - lo, PROT_READ | PROT_WRITE)
+        ctypes.memmove(addr, src_addr, n)
+        self.stats.copies += 1
+        self.stats.copy_bytes += n
+
+    def hide(self, span: PartSpan, expert: int) -> None:
+        if span.zero_copy:
+            self._hide_mapped(span, expert)
+        else:
+            self._hide_copied(span, expert)
+        self.stats.hides += 1
+
+    def _hide_mapped(self, span: PartSpan, expert: int) -> None:
+        state = self._zc.get((span.layer, span.part, expert))
+        if state is not None and state.visible:
+            vm.mprotect(span.expert_addr(expert), span.bytes_per_expert, PROT_NONE)
+            state.visible = False
+
+    def _hide_copied(self, span: PartSpan, expert: int) -> None:
+        addr, n = span.expert_addr(expert), span.bytes_per_expert
+        dropped = []
+        for page in range(page_floor(addr), page_ceil(addr + n), PAGE):
+            refs = self._page_refs.get(page, 0) - 1
+            if refs < 0:
+                raise RuntimeError(f"hide of an expert that is not shown: layer {span.layer} {span.part} {expert}")
+            if refs == 0:
+                del self._page_refs[page]
+            else:
+                self._page_refs[page] = refs
+            if page in self._mixed_pages:
+                # Dense bytes stay; this expert's bytes on the shared page go back to zero.
+                lo, hi = max(addr, page), min(addr + n, page + PAGE)
+                ctypes.memset(lo, 0, hi - lo)
+            elif refs == 0:
+                dropped.append(page)
+        for lo, hi in merge([(p, p + PAGE) for p in dropped]):
+            vm.madvise(lo, hi - lo, vm.MADV_DONTNEED)
+            vm.mprotect(lo, hi - lo, PROT_NONE)

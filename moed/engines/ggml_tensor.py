@@ -1,0 +1,115 @@
+"""The ctypes view of `struct ggml_tensor` for the ggml inside llama-cpp-python 0.3.36.
+
+What this module owns: the field layout, reading a tensor's name without
+building a Python string per node, and reading the routed expert ids of an
+`ffn_moe_topk-<layer>` tensor.
+
+Invariants:
+- The layout is that of ggml.h in the pinned llama-cpp-python; `layout_matches()`
+  checks it against the library (`ggml_tensor_overhead()` is the object header
+  plus `sizeof(struct ggml_tensor)`), and the engine refuses to run if it does not.
+- `ffn_moe_topk` is a view (argsort, then the first k columns), so its rows are
+  `nb[1]` bytes apart, not `k * 4`: ids are always read through the strides.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+
+import numpy as np
+
+GGML_MAX_DIMS = 4
+GGML_MAX_OP_PARAMS = 64
+GGML_MAX_SRC = 10
+GGML_MAX_NAME = 64
+GGML_TYPE_I32 = 26
+# sizeof(struct ggml_object): offs, size (size_t), next (ptr), type (enum), padding[4].
+GGML_OBJECT_SIZE = 32
+
+
+class GgmlTensor(ctypes.Structure):
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * GGML_MAX_DIMS),
+        ("nb", ctypes.c_size_t * GGML_MAX_DIMS),
+        ("op", ctypes.c_int),
+        ("op_params", ctypes.c_int32 * (GGML_MAX_OP_PARAMS // 4)),
+        ("flags", ctypes.c_int32),
+        ("src", ctypes.c_void_p * GGML_MAX_SRC),
+        ("view_src", ctypes.c_void_p),
+        ("view_offs", ctypes.c_size_t),
+        ("data", ctypes.c_void_p),
+        ("name", ctypes.c_char * GGML_MAX_NAME),
+        ("extra", ctypes.c_void_p),
+        ("padding", ctypes.c_char * 8),
+    ]
+
+
+NAME_OFFSET = GgmlTensor.name.offset
+TOPK_PREFIX = b"ffn_moe_topk-"
+_TOPK_NAME = re.compile(rb"ffn_moe_topk-(\d+)\Z")
+
+
+def ggml_base_library() -> ctypes.CDLL:
+    """libggml-base from the installed llama-cpp-python (it exports ggml_tensor_overhead)."""
+    import llama_cpp  # noqa: F401  (loads the shared libraries)
+    from pathlib import Path
+
+    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    for name in ("libggml-base.so", "libggml.so", "libllama.so"):
+        path = lib_dir / name
+        if path.exists():
+            lib = ctypes.CDLL(str(path))
+            if hasattr(lib, "ggml_tensor_overhead"):
+                return lib
+    raise RuntimeError(f"no ggml library exporting ggml_tensor_overhead in {lib_dir}")
+
+
+def layout_matches() -> bool:
+    """True when our struct has the size the library allocates per tensor."""
+    lib = ggml_base_library()
+    lib.ggml_tensor_overhead.restype = ctypes.c_size_t
+    return lib.ggml_tensor_overhead() == GGML_OBJECT_SIZE + ctypes.sizeof(GgmlTensor)
+
+
+def topk_layer(tensor_ptr: int) -> int | None:
+    """The layer of an `ffn_moe_topk-<layer>` tensor, else None.
+
+    Called for every graph node on the ask pass, so it first compares the fixed
+    prefix with one `string_at` and only then parses.
+    """
+    head = ctypes.string_at(tensor_ptr + NAME_OFFSET, len(TOPK_PREFIX))
+    if head != TOPK_PREFIX:
+        return None
+    match = _TOPK_NAME.match(ctypes.string_at(tensor_ptr + NAME_OFFSET))
+    return int(match.group(1)) if match else None
+
+
+def topk_ids(tensor_ptr: int) -> np.ndarray:
+    """The (n_tokens, k) int32 expert ids of a computed topk tensor, copied out.
+
+    The returned array is a copy: the graph's buffer is reused by later nodes.
+    """
+    t = GgmlTensor.from_address(tensor_ptr)
+    if t.type != GGML_TYPE_I32:
+        raise RuntimeError(f"ffn_moe_topk has ggml type {t.type}, expected I32: ggml layout mismatch")
+    k, n_rows = int(t.ne[0]), int(t.ne[1]) * int(t.ne[2]) * int(t.ne[3])
+    if n_rows == 0 or k == 0:
+        return np.empty((0, k), dtype=np.int32)
+    nb0, nb1 = int(t.nb[0]), int(t.nb[1])
+    span = (n_rows - 1) * nb1 + k * nb0
+    raw = (ctypes.c_char * span).from_address(t.data)
+    view = np.ndarray((n_rows, k), dtype=np.int32, buffer=raw, strides=(nb1, nb0))
+    return view.copy()
+
+
+def topk_view(tensor_ptr: int) -> np.ndarray:
+    """A writable strided view of the ids in place (benchmarks force routes through it)."""
+    t = GgmlTensor.from_address(tensor_ptr)
+    k, n_rows = int(t.ne[0]), int(t.ne[1])
+    nb0, nb1 = int(t.nb[0]), int(t.nb[1])
+    span = (n_rows - 1) * nb1 + k * nb0
+    raw = (ctypes.c_char * span).from_address(t.data)
+    return np.ndarray((n_rows, k), dtype=np.int32, buffer=raw, strides=(nb1, nb0))

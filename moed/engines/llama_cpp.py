@@ -1,0 +1,211 @@
+"""`StreamedLlama`: llama-cpp-python's `Llama` with its routed experts served by moed.
+
+What this module owns: loading llama.cpp so that the experts are left to the
+daemon (DESIGN.md "Engine integration"), and keeping `Llama`'s whole API
+(`__call__`, `create_completion`, `create_chat_completion`, `tokenize`, `eval`, ...).
+
+How it hooks in without copying `Llama.__init__`: while the base constructor
+runs, `llama_cpp.llama.internals` is swapped (under a lock) for a copy whose
+`LlamaModel` forces `load_mode=MMAP`, `use_extra_bufts=False`, no GPU layers, and
+installs the expert pages right after the load, and whose `LlamaContext` sets
+`cb_eval` and finishes every `decode` by releasing the last layer.
+
+Invariants:
+- Pinned to llama-cpp-python==0.3.36; the ggml tensor layout is checked at start.
+- Every decode ends with no lease held, also when it fails.
+- A prompt batch whose experts cannot be held at once lowers `n_batch` (halving)
+  with a RuntimeWarning and retries from the first token not yet evaluated; at
+  `n_batch == 1` the daemon's error propagates. Nothing fails silently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import types
+import warnings
+from typing import Sequence
+
+import llama_cpp
+import llama_cpp.llama as _llama_module
+from llama_cpp import Llama
+
+from moed.engines.sources import ExpertSource, MoedSource
+from moed.engines.streamer import ExpertStreamer, RouteHook, snapshot_bases
+from moed.protocol.errors import BudgetExhausted, RequestTooLarge
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+_HOOK_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _constructing(internals: types.ModuleType):
+    """Run a `Llama.__init__` with `internals` in place of llama_cpp's (one at a time)."""
+    with _HOOK_LOCK:
+        saved = _llama_module.internals
+        _llama_module.internals = internals
+        try:
+            yield
+        finally:
+            _llama_module.internals = saved
+
+
+def _unpacked_internals() -> types.ModuleType:
+    """llama_cpp's internals with weight repacking off (tensors stay at their file offsets)."""
+    real = _llama_module.internals
+    proxy = types.ModuleType(real.__name__)
+    proxy.__dict__.update(real.__dict__)
+
+    def load_model(*, path_model: str, params, verbose: bool = True):
+        params.use_extra_bufts = False
+        return real.LlamaModel(path_model=path_model, params=params, verbose=verbose)
+
+    proxy.LlamaModel = load_model
+    return proxy
+
+
+class UnpackedLlama(Llama):
+    """`llama_cpp.Llama`, resident, with weight repacking (`use_extra_bufts`) off.
+
+    StreamedLlama cannot repack (a repacked tensor leaves its file offset), and on
+    x86 llama.cpp repacks q4_0 into interleaved blocks whose kernels round
+    differently (about 1e-7 relative). This is the resident engine running the
+    same kernels: the reference for bit-exact comparisons and a fair baseline.
+    """
+
+    def __init__(self, model_path: str, **llama_kwargs):
+        with _constructing(_unpacked_internals()):
+            super().__init__(model_path=model_path, **llama_kwargs)
+
+
+def _hooked_internals(streamer: ExpertStreamer) -> types.ModuleType:
+    """A copy of `llama_cpp._internals` whose model and context classes stream experts."""
+    real = _llama_module.internals
+    proxy = types.ModuleType(real.__name__)
+    proxy.__dict__.update(real.__dict__)
+
+    def load_model(*, path_model: str, params, verbose: bool = True):
+        params.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP
+        params.use_extra_bufts = False  # a repacked tensor would not sit at its file offset
+        params.n_gpu_layers = 0
+        before = snapshot_bases(streamer.source.files)
+        model = real.LlamaModel(path_model=path_model, params=params, verbose=verbose)
+        try:
+            streamer.install(before)
+        except BaseException:
+            model.close()
+            raise
+        return model
+
+    class StreamedContext(real.LlamaContext):
+        def __init__(self, *, model, params, verbose: bool = True):
+            params.cb_eval = streamer.c_callback
+            params.cb_eval_user_data = None
+            super().__init__(model=model, params=params, verbose=verbose)
+
+        def decode(self, batch):
+            try:
+                super().decode(batch)
+            except RuntimeError as exc:
+                err = streamer.take_error()
+                if err is not None:
+                    raise err from exc
+                raise
+            finally:
+                streamer.finish()
+
+    proxy.LlamaModel = load_model
+    proxy.LlamaContext = StreamedContext
+    return proxy
+
+
+class StreamedLlama(Llama):
+    """A drop-in for `llama_cpp.Llama(model_path=..., ...)` whose routed experts come from moed.
+
+    `client`: a `moed.client.Client`; when None, one is opened on `socket_path`
+    (default `$MOED_SOCKET` or /run/moed/moed.sock) and closed with this object.
+    `acquire_timeout_s`: how long an acquire may wait for budget (None: forever).
+    `route_hook`: benchmark only, may overwrite the router's ids in place.
+    """
+
+    def __init__(self, model_path: str, *, client=None, socket_path: str | None = None,
+                 acquire_timeout_s: float | None = None, route_hook: RouteHook | None = None,
+                 source: ExpertSource | None = None, **llama_kwargs):
+        self._check_kwargs(llama_kwargs)
+        self._own_client = None
+        if source is None:
+            if client is None:
+                from moed.client import Client
+
+                client = self._own_client = Client(socket_path, client_name=f"StreamedLlama[{os.getpid()}]")
+            source = MoedSource(client, model_path, timeout_s=acquire_timeout_s)
+        self.moed_client = client
+        self.streamer = ExpertStreamer(source, route_hook=route_hook)
+        try:
+            with _constructing(_hooked_internals(self.streamer)):
+                super().__init__(model_path=model_path, **llama_kwargs)
+            self._check_capacity()
+        except BaseException:
+            self._close_client()
+            raise
+
+    @staticmethod
+    def _check_kwargs(kwargs: dict) -> None:
+        if kwargs.get("use_mmap") is False:
+            raise ValueError("StreamedLlama needs use_mmap=True: the experts are mapped into llama.cpp's mapping")
+        if kwargs.pop("use_mlock", False):
+            warnings.warn("StreamedLlama ignores use_mlock: it locks the dense weights itself "
+                          "(locking the experts would read the whole model)", RuntimeWarning, stacklevel=3)
+        if kwargs.get("n_gpu_layers", 0):
+            warnings.warn("StreamedLlama runs the experts on the CPU; n_gpu_layers is ignored",
+                          RuntimeWarning, stacklevel=3)
+            kwargs["n_gpu_layers"] = 0
+
+    def _check_capacity(self) -> None:
+        """A single token's experts must fit in one acquire, or nothing can ever run."""
+        src = self.streamer.source
+        for layer in src.moe_layers:
+            cap = src.capacity(layer)
+            if cap is not None and cap < src.n_expert_used:
+                raise RequestTooLarge(f"layer {layer}: the daemon holds at most {cap} experts of this size, "
+                                      f"one token needs {src.n_expert_used}")
+
+    # ---- evaluation with batch lowering ----------------------------------
+
+    def eval(self, tokens: Sequence[int]) -> None:
+        tokens = list(tokens)
+        start = self.n_tokens
+        while True:
+            try:
+                return super().eval(tokens[self.n_tokens - start:])
+            except (RequestTooLarge, BudgetExhausted) as exc:
+                if self.n_batch <= 1:
+                    raise
+                lowered = max(1, self.n_batch // 2)
+                warnings.warn(f"moed: a batch of {self.n_batch} tokens routes to more experts than the "
+                              f"daemon can hold at once ({type(exc).__name__}: {exc}); "
+                              f"lowering n_batch to {lowered}", RuntimeWarning, stacklevel=2)
+                self.n_batch = lowered
+
+    # ---- lifecycle -------------------------------------------------------
+
+    def stream_stats(self) -> dict:
+        s = self.streamer.stats
+        p = self.streamer.pages.stats if self.streamer.pages else None
+        out = dict(vars(s))
+        if p is not None:
+            out.update({f"pages_{k}": v for k, v in vars(p).items()})
+        return out
+
+    def _close_client(self) -> None:
+        client, self._own_client = getattr(self, "_own_client", None), None
+        if client is not None:
+            client.close()
+
+    def close(self) -> None:
+        super().close()
+        self._close_client()
+
+
+__all__ = ["StreamedLlama", "UnpackedLlama", "LLAMA_CPP_PYTHON_VERSION"]

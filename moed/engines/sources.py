@@ -1,0 +1,106 @@
+"""Where an engine's routed experts come from: the `ExpertSource` interface and moed's.
+
+What this module owns: the narrow interface the llama.cpp adapter needs from a
+provider of expert bytes (extents per layer, acquire with piggybacked release,
+release, and for every granted expert either a (segment, fd, offset) to map or an
+address to copy from), and its implementation over the moed client.
+
+Invariants:
+- A `Grant` is valid from `acquire` until it is released (by `release` or by
+  being passed as `release=` to the next acquire); its bytes do not change
+  while it is held, and the engine reads them only in that window.
+- The moed source never opens the model file for expert bytes: everything comes
+  from the daemon's read-only segments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+
+@dataclass(frozen=True)
+class ExpertExtent:
+    """One part of one layer's routed experts in a model file (expert e at offset + e * bytes)."""
+
+    part: str
+    shard: int
+    offset: int
+    bytes_per_expert: int
+
+
+class Grant(Protocol):
+    layer: int
+    experts: list[int]
+
+    def mapping(self, expert: int, part: str) -> tuple[tuple[int, int], int, int]:
+        """(segment key, fd, byte offset) of the expert's part, for a MAP_SHARED mapping."""
+
+    def address(self, expert: int, part: str) -> int:
+        """Address of the expert's part in this process's read-only view of it."""
+
+
+class ExpertSource(Protocol):
+    files: list[str]
+    moe_layers: list[int]
+    n_experts: int
+    n_expert_used: int
+
+    def extents(self, layer: int) -> list[ExpertExtent]: ...
+
+    def acquire(self, layer: int, experts: Sequence[int], release: Grant | None = None) -> Grant: ...
+
+    def release(self, grant: Grant) -> None: ...
+
+    def capacity(self, layer: int) -> int | None:
+        """Most experts of `layer` one acquire can ever hold (None: unknown)."""
+
+
+class MoedGrant:
+    """A moed `Lease` plus the segment its slots live in."""
+
+    __slots__ = ("lease", "segment", "layer", "experts", "_seg_key")
+
+    def __init__(self, lease, segment, seg_key: tuple[int, int]):
+        self.lease = lease
+        self.segment = segment
+        self.layer = lease.layer
+        self.experts = list(lease.experts)
+        self._seg_key = seg_key
+
+    def mapping(self, expert: int, part: str) -> tuple[tuple[int, int], int, int]:
+        return self._seg_key, self.segment.fd, self.segment.part_offset(self.lease.slot(expert), part)
+
+    def address(self, expert: int, part: str) -> int:
+        return self.segment.base + self.segment.part_offset(self.lease.slot(expert), part)
+
+
+class MoedSource:
+    """Experts served by a moed daemon through `moed.client`."""
+
+    def __init__(self, client, model_path: str, timeout_s: float | None = None):
+        self.client = client
+        self.model = client.open_model(model_path)
+        self.timeout_s = timeout_s
+        self.files = list(self.model.files)
+        self.moe_layers = list(self.model.moe_layers)
+        self.n_experts = self.model.n_experts
+        self.n_expert_used = self.model.n_expert_used
+        self._layers = {l: self.model.layer(l) for l in self.moe_layers}
+
+    def extents(self, layer: int) -> list[ExpertExtent]:
+        return [ExpertExtent(p.part, p.shard, p.offset, p.bytes_per_expert) for p in self._layers[layer].parts]
+
+    def acquire(self, layer: int, experts: Sequence[int], release: MoedGrant | None = None) -> MoedGrant:
+        prior = [release.lease] if release is not None else []
+        lease = self.model.acquire(layer, list(experts), timeout=self.timeout_s, release=prior)
+        return MoedGrant(lease, self.model.segment(lease.class_id), (self.model.model_id, lease.class_id))
+
+    def release(self, grant: MoedGrant) -> None:
+        grant.lease.release()
+
+    def capacity(self, layer: int) -> int | None:
+        return self.model.segment(self._layers[layer].class_id).info.capacity
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
+        self.model.prefetch(layer, list(experts))

@@ -1,0 +1,225 @@
+"""The per-layer expert cycle inside llama.cpp's eval callback.
+
+What this module owns: installing a source's experts into a loaded model's
+mapping (inaccessible until acquired, dense pages locked, expert pages dropped
+from the page cache), and the callback that, at every `ffn_moe_topk-<layer>`,
+reads the routed ids, releases the previous layer's grant, acquires this layer's
+distinct experts and makes them visible.
+
+Invariants (what must happen before what):
+- `install` runs after llama.cpp mapped the model and before the first decode.
+- At the topk of layer L every expert matmul of earlier layers has run (the CPU
+  graph is one split in layer order), so the previous grant is hidden and then
+  released in the same round trip as L's acquire.
+- Pages are hidden before their grant is released: once the daemon may reuse a
+  slot, this process can no longer read it.
+- `finish` (after llama_decode returns) hides and releases what is still held, so
+  an idle engine pins nothing.
+- An exception in the callback is stored and the callback answers False, which
+  aborts the graph; the decode wrapper re-raises the stored exception. Nothing is
+  swallowed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from moed.engines import ggml_tensor, vm
+from moed.engines.expert_pages import ExpertPages, PartSpan
+from moed.engines.sources import ExpertSource, Grant
+
+log = logging.getLogger("moed.engine")
+
+# A benchmark hook: called with (layer, ids) where ids is the writable (n_tokens, k)
+# view of the router's choice; it may overwrite ids before the expert matmuls run.
+RouteHook = Callable[[int, np.ndarray], None]
+# An observer: called with (layer, ids copy) at every routed layer (traces).
+RouteObserver = Callable[[int, np.ndarray], None]
+
+
+@dataclass
+class StreamStats:
+    layers: int = 0              # acquires
+    experts: int = 0             # experts acquired, summed over acquires
+    acquire_s: float = 0.0       # time inside acquire (round trip + daemon reads)
+    show_s: float = 0.0          # time mapping / copying pages
+    decodes: int = 0
+    dense_locked_bytes: int = 0
+    dense_lock_error: str = ""
+    dropped_expert_cache_bytes: int = 0
+
+
+def snapshot_bases(files: list[str]) -> set[int]:
+    """Mapping bases of `files` that exist before a load (so they are not mistaken for ours)."""
+    out = set()
+    for path in files:
+        st = os.stat(path)
+        want = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+        out |= {v.start - v.offset for v in vm.read_maps() if (v.dev[0], v.dev[1], v.inode) == want}
+    return out
+
+
+class ExpertStreamer:
+    """Owns the expert pages of one loaded llama.cpp model and the eval callback that fills them."""
+
+    def __init__(self, source: ExpertSource, route_hook: RouteHook | None = None):
+        if not ggml_tensor.layout_matches():
+            raise RuntimeError("struct ggml_tensor layout does not match this llama.cpp; "
+                               "moed supports llama-cpp-python==0.3.36")
+        self.source = source
+        self.route_hook = route_hook
+        self.observers: list[RouteObserver] = []
+        self.stats = StreamStats()
+        self.pages: ExpertPages | None = None
+        self.held: Grant | None = None
+        self.error: BaseException | None = None
+        self._parts: dict[int, list[PartSpan]] = {}
+        # Kept referenced for as long as llama.cpp may call it.
+        self.c_callback = ggml_tensor_callback_type()(self._callback)
+
+    # ---- install ---------------------------------------------------------
+
+    def install(self, bases_before: set[int]) -> None:
+        bases = self._find_bases(bases_before)
+        spans = []
+        for layer in self.source.moe_layers:
+            for ext in self.source.extents(layer):
+                spans.append(PartSpan(layer, ext.part, bases[ext.shard] + ext.offset,
+                                      ext.bytes_per_expert, self.source.n_experts))
+        self.pages = ExpertPages(spans)
+        self.pages.install()
+        for span in spans:
+            self._parts.setdefault(span.layer, []).append(span)
+        self._drop_expert_cache()
+        self._lock_dense(bases)
+
+    def _find_bases(self, bases_before: set[int]) -> list[int]:
+        bases = []
+        for path in self.source.files:
+            base = vm.file_mapping_base(path, bases_before)
+            if base is None:
+                raise RuntimeError(f"llama.cpp did not mmap {path}: load with use_mmap=True")
+            bases.append(base)
+        return bases
+
+    def _drop_expert_cache(self) -> None:
+        """llama.cpp populated the whole mapping at load; give the expert pages back to the kernel."""
+        for shard, path in enumerate(self.source.files):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                for layer in self.source.moe_layers:
+                    for ext in self.source.extents(layer):
+                        if ext.shard == shard:
+                            n = ext.bytes_per_expert * self.source.n_experts
+                            os.posix_fadvise(fd, ext.offset, n, os.POSIX_FADV_DONTNEED)
+                            self.stats.dropped_expert_cache_bytes += n
+            finally:
+                os.close(fd)
+
+    def _lock_dense(self, bases: list[int]) -> None:
+        """mlock what is left of the mapping: the dense weights must never be re-read per token."""
+        vmas = []
+        for base, path in zip(bases, self.source.files):
+            vmas += vm.mapped_ranges(base, path)
+        for lo, hi in self.pages.dense_runs(vmas):
+            try:
+                vm.mlock(lo, hi - lo)
+                self.stats.dense_locked_bytes += hi - lo
+            except OSError as exc:
+                if not self.stats.dense_lock_error:
+                    self.stats.dense_lock_error = str(exc)
+                    warnings.warn(f"moed: could not lock the dense weights ({exc}); under memory "
+                                  "pressure they will be re-read from disk (raise RLIMIT_MEMLOCK)",
+                                  RuntimeWarning, stacklevel=2)
+
+    # ---- the eval callback -----------------------------------------------
+
+    def _callback(self, tensor: int, ask: bool, _user_data) -> bool:
+        try:
+            layer = ggml_tensor.topk_layer(tensor)
+            if ask or layer is None:
+                return layer is not None
+            self.on_layer(layer, self._route(layer, tensor))
+            return True
+        except BaseException as exc:  # noqa: BLE001 - must not unwind through C
+            self.error = exc
+            return False
+
+    def _route(self, layer: int, tensor: int) -> np.ndarray:
+        if self.route_hook is not None:
+            self.route_hook(layer, ggml_tensor.topk_view(tensor))
+        ids = ggml_tensor.topk_ids(tensor)
+        for observe in self.observers:
+            observe(layer, ids)
+        return ids
+
+    def on_layer(self, layer: int, ids: np.ndarray) -> None:
+        experts = [int(e) for e in np.unique(ids) if e >= 0]
+        prev, self.held = self.held, None
+        if prev is not None:
+            self._hide(prev)
+        t0 = time.perf_counter()
+        try:
+            grant = self.source.acquire(layer, experts, release=prev)
+        except BaseException:
+            if prev is not None:
+                self._release_quietly(prev)
+            raise
+        t1 = time.perf_counter()
+        self.held = grant
+        self._show(grant)
+        self.stats.acquire_s += t1 - t0
+        self.stats.show_s += time.perf_counter() - t1
+        self.stats.layers += 1
+        self.stats.experts += len(experts)
+
+    def _show(self, grant: Grant) -> None:
+        pages = self.pages
+        for span in self._parts[grant.layer]:
+            for expert in grant.experts:
+                if span.zero_copy:
+                    key, fd, offset = grant.mapping(expert, span.part)
+                    pages.show_mapped(span, expert, key, fd, offset)
+                else:
+                    pages.show_copied(span, expert, grant.address(expert, span.part))
+
+    def _hide(self, grant: Grant) -> None:
+        for span in self._parts[grant.layer]:
+            for expert in grant.experts:
+                self.pages.hide(span, expert)
+
+    def _release_quietly(self, grant: Grant) -> None:
+        try:
+            self.source.release(grant)
+        except Exception as exc:  # the lease may already be gone with the failed acquire
+            log.debug("release after failed acquire: %s", exc)
+
+    def finish(self) -> None:
+        """After llama_decode: hide and release what the last layer holds."""
+        self.stats.decodes += 1
+        prev, self.held = self.held, None
+        if prev is not None:
+            self._hide(prev)
+            self.source.release(prev)
+
+    def take_error(self) -> BaseException | None:
+        err, self.error = self.error, None
+        return err
+
+
+def ggml_tensor_callback_type():
+    import llama_cpp
+
+    return llama_cpp.ggml_backend_sched_eval_callback
+
+
+def address_of(array: np.ndarray) -> int:
+    return array.ctypes.data_as(ctypes.c_void_p).value or 0
