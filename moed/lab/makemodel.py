@@ -160,36 +160,78 @@ def _check(g: Geometry, layer_quants: list[str], split: int, align: int) -> None
                              f"(got embd={g.embd}, ff={g.ff})")
 
 
-def _tensors(g: Geometry, layer_quants: list[str], vocab_size: int, seed: int):
-    """Yield (name, array, raw_dtype or None) in file order."""
-    rng = np.random.default_rng(seed)
+@dataclass(frozen=True)
+class _Spec:
+    """One tensor to write: numpy-order shape, how to fill it, and its quant type."""
+    name: str
+    shape: tuple[int, ...]
+    kind: str                               # embd | norm | f16 | router | experts
+    qtype: GGMLQuantizationType | None = None
 
-    def mat(*shape: int) -> np.ndarray:
-        return (rng.standard_normal(shape, dtype=np.float32) / math.sqrt(shape[-1]))
+    @property
+    def nbytes(self) -> int:
+        if self.qtype is not None:
+            block, size = GGML_QUANT_SIZES[self.qtype]
+            return math.prod(self.shape) // block * size
+        return math.prod(self.shape) * (4 if self.kind in ("norm", "router") else 2)
 
-    def norm(n: int) -> np.ndarray:
-        return (1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32)
+    @property
+    def byte_shape(self) -> tuple[int, ...]:
+        if self.qtype is None:
+            return self.shape
+        block, size = GGML_QUANT_SIZES[self.qtype]
+        return (*self.shape[:-1], self.shape[-1] // block * size)
 
+    @property
+    def dtype(self):
+        if self.qtype is not None:
+            return np.uint8
+        return np.float32 if self.kind in ("norm", "router") else np.float16
+
+
+def _plan(g: Geometry, layer_quants: list[str], vocab_size: int) -> list[_Spec]:
+    """Every tensor of the model, in file order."""
     hd = g.head_dim
-    yield "token_embd.weight", rng.standard_normal((vocab_size, g.embd), dtype=np.float32).astype(np.float16), None
+    specs = [_Spec("token_embd.weight", (vocab_size, g.embd), "embd")]
     for i in range(g.layers):
         qt = QUANTS[layer_quants[i]]
         p = f"blk.{i}."
-        yield p + "attn_norm.weight", norm(g.embd), None
-        yield p + "attn_q.weight", mat(g.heads * hd, g.embd).astype(np.float16), None
-        yield p + "attn_k.weight", mat(g.kv_heads * hd, g.embd).astype(np.float16), None
-        yield p + "attn_v.weight", mat(g.kv_heads * hd, g.embd).astype(np.float16), None
-        yield p + "attn_output.weight", mat(g.embd, g.heads * hd).astype(np.float16), None
-        yield p + "attn_q_norm.weight", norm(hd), None
-        yield p + "attn_k_norm.weight", norm(hd), None
-        yield p + "ffn_norm.weight", norm(g.embd), None
-        # A strong router spreads the choices over all experts.
-        yield p + "ffn_gate_inp.weight", 4.0 * mat(g.experts, g.embd), None
-        yield p + "ffn_gate_exps.weight", quantize(mat(g.experts, g.ff, g.embd), qt), qt
-        yield p + "ffn_up_exps.weight", quantize(mat(g.experts, g.ff, g.embd), qt), qt
-        yield p + "ffn_down_exps.weight", quantize(mat(g.experts, g.embd, g.ff), qt), qt
-    yield "output_norm.weight", norm(g.embd), None
-    yield "output.weight", mat(vocab_size, g.embd).astype(np.float16), None
+        specs += [
+            _Spec(p + "attn_norm.weight", (g.embd,), "norm"),
+            _Spec(p + "attn_q.weight", (g.heads * hd, g.embd), "f16"),
+            _Spec(p + "attn_k.weight", (g.kv_heads * hd, g.embd), "f16"),
+            _Spec(p + "attn_v.weight", (g.kv_heads * hd, g.embd), "f16"),
+            _Spec(p + "attn_output.weight", (g.embd, g.heads * hd), "f16"),
+            _Spec(p + "attn_q_norm.weight", (hd,), "norm"),
+            _Spec(p + "attn_k_norm.weight", (hd,), "norm"),
+            _Spec(p + "ffn_norm.weight", (g.embd,), "norm"),
+            _Spec(p + "ffn_gate_inp.weight", (g.experts, g.embd), "router"),
+            _Spec(p + "ffn_gate_exps.weight", (g.experts, g.ff, g.embd), "experts", qt),
+            _Spec(p + "ffn_up_exps.weight", (g.experts, g.ff, g.embd), "experts", qt),
+            _Spec(p + "ffn_down_exps.weight", (g.experts, g.embd, g.ff), "experts", qt),
+        ]
+    specs += [_Spec("output_norm.weight", (g.embd,), "norm"),
+              _Spec("output.weight", (vocab_size, g.embd), "f16")]
+    return specs
+
+
+def _fill(spec: _Spec, rng: np.random.Generator) -> np.ndarray:
+    """The tensor's data; experts are made one at a time to bound memory on big models."""
+    def mat(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape, dtype=np.float32) / np.float32(math.sqrt(shape[-1]))
+
+    if spec.kind == "embd":
+        return rng.standard_normal(spec.shape, dtype=np.float32).astype(np.float16)
+    if spec.kind == "norm":
+        return (1.0 + 0.1 * rng.standard_normal(spec.shape, dtype=np.float32)).astype(np.float32)
+    if spec.kind == "f16":
+        return mat(*spec.shape).astype(np.float16)
+    if spec.kind == "router":
+        return 4.0 * mat(*spec.shape)        # a strong router spreads choices over all experts
+    out = np.empty(spec.byte_shape, np.uint8)
+    for e in range(spec.shape[0]):
+        out[e] = quantize(mat(*spec.shape[1:]), spec.qtype)
+    return out
 
 
 def _add_metadata(w: GGUFWriter, g: Geometry, tokens, scores, types) -> None:
@@ -240,20 +282,22 @@ def make_model(path: str | pathlib.Path, *, layers: int = 4, experts: int = 8, u
         raise ValueError(f"layer_quants has {len(lq)} entries for {layers} layers")
     _check(g, lq, split, align)
     tokens, scores, types = build_vocab(vocab)
-    tensors = list(_tensors(g, lq, len(tokens), seed))
-    if split > len(tensors):
-        raise ValueError(f"split ({split}) exceeds the number of tensors ({len(tensors)})")
+    specs = _plan(g, lq, len(tokens))
+    if split > len(specs):
+        raise ValueError(f"split ({split}) exceeds the number of tensors ({len(specs)})")
     paths = shard_paths(path, split)
     for path_i in paths:
         path_i.parent.mkdir(parents=True, exist_ok=True)
-    for i, (p, chunk) in enumerate(zip(paths, _chunks(tensors, split))):
-        _write_shard(p, i, split, len(tensors), chunk, align,
+    rng = np.random.default_rng(seed)       # one stream, consumed in file order
+    for i, (p, chunk) in enumerate(zip(paths, _chunks(specs, split))):
+        _write_shard(p, i, split, len(specs), chunk, align, rng,
                      (lambda w: _add_metadata(w, g, tokens, scores, types)) if i == 0 else None)
     return paths
 
 
 def _write_shard(path: pathlib.Path, index: int, count: int, total_tensors: int,
-                 tensors: list, align: int, add_metadata) -> None:
+                 specs: list[_Spec], align: int, rng: np.random.Generator, add_metadata) -> None:
+    """Header first, then each tensor made and written in turn (never all in memory)."""
     w = GGUFWriter(path, ARCH)
     if add_metadata is not None:
         add_metadata(w)
@@ -263,11 +307,14 @@ def _write_shard(path: pathlib.Path, index: int, count: int, total_tensors: int,
         w.add_int32(Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT, total_tensors)
     if align != 32 or count > 1:
         w.add_custom_alignment(align)
-    for name, data, raw_dtype in tensors:
-        w.add_tensor(name, data, raw_dtype=raw_dtype)
+    for spec in specs:
+        w.add_tensor_info(spec.name, spec.byte_shape, np.dtype(spec.dtype), spec.nbytes,
+                          raw_dtype=spec.qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    w.write_ti_data_to_file()
+    for spec in specs:
+        w.write_tensor_data(_fill(spec, rng))
     w.close()
 
 
