@@ -118,7 +118,7 @@ def _align(args) -> int:
     except OSError as exc:
         return _fail(f"align: {exc.filename or ''}: {exc.strerror or exc}")
     for out in outs:
-        print(out)
+        print(out, flush=True)
     try:
         cat = Catalog.open(outs[0])
     except MoedError:

@@ -36,6 +36,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ from moed.gguf_header import Header, check_split, read_header, split_files, type
 from moed.protocol.errors import BadModelFile, BadRequest, ModelStale, UnknownExpert, UnknownLayer
 from moed.protocol.layout import PAGE
 
-PART_ORDER = ("gate", "up", "down", "gate_up")
+PART_ORDER = ("gate", "up", "gate_up", "down")   # slot layout order
 EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.weight$")
 
 FileIdentity = tuple[int, int, int, int]          # st_dev, st_ino, st_size, st_mtime_ns
@@ -138,7 +139,7 @@ class Catalog:
     def expert_bytes(self, layer: int) -> int:
         return self.layer(layer).expert_bytes
 
-    @property
+    @functools.cached_property
     def size_classes(self) -> dict[SizeClass, tuple[int, ...]]:
         out: dict[SizeClass, list[int]] = {}
         for layer in self.moe_layers:

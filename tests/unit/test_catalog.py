@@ -250,3 +250,55 @@ def test_split_file_with_wrong_name(split_model, tmp_path):
     p = tmp_path / "renamed.gguf"
     shutil.copy(split_model, p)
     expect_bad(p, "naming")
+
+
+# ---------------------------------------------------------------------- other layouts
+
+def write_moe(path, layers: dict[int, dict[str, tuple[int, int, int]]], n_expert_kv=None, used=2):
+    """A minimal GGUF with expert tensors {layer: {part: (n_expert, ne1, ne0)}} in Q8_0."""
+    w = gguf.GGUFWriter(path, "testmoe")
+    w.add_uint32("testmoe.block_count", max(layers) + 1)
+    if n_expert_kv is not None:
+        w.add_uint32("testmoe.expert_count", n_expert_kv)
+    w.add_uint32("testmoe.expert_used_count", used)
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    for layer, parts in layers.items():
+        for part, (n, ne1, ne0) in parts.items():
+            raw = np.arange(n * ne1 * ne0 // 32 * 34, dtype=np.uint32).astype(np.uint8)
+            w.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", raw.reshape(n, ne1, ne0 // 32 * 34),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_fused_gate_up_and_leading_dense_layers(tmp_path):
+    p = write_moe(tmp_path / "fused.gguf", {
+        l: {"gate_up": (4, 128, 64), "down": (4, 64, 64)} for l in (2, 3, 5)}, n_expert_kv=4)
+    cat = Catalog.open(p)
+    assert cat.moe_layers == (2, 3, 5) and cat.n_layers == 6
+    assert cat.parts == ("gate_up", "down")
+    assert cat.layers[3].parts["gate_up"].bytes_per_expert == 128 * 64 // 32 * 34
+    truth = file_experts([p])
+    for (layer, part), (_, raw) in truth.items():
+        for e in range(4):
+            assert read_extent(*cat.extent(layer, e, part)) == raw[e].tobytes()
+    with pytest.raises(UnknownLayer):
+        cat.extent(0, 0, "down")
+
+
+def test_layers_with_different_parts(tmp_path):
+    p = write_moe(tmp_path / "odd.gguf", {0: {"gate": (4, 32, 32), "up": (4, 32, 32), "down": (4, 32, 32)},
+                                          1: {"gate": (4, 32, 32), "down": (4, 32, 32)}})
+    expect_bad(p, "different expert parts", "layer 1: gate+down")
+
+
+def test_expert_counts_disagree(tmp_path):
+    p = write_moe(tmp_path / "n.gguf", {0: {"gate": (4, 32, 32)}, 1: {"gate": (6, 32, 32)}})
+    expect_bad(p, "disagree on the number of experts")
+    p = write_moe(tmp_path / "kv.gguf", {0: {"gate": (4, 32, 32)}}, n_expert_kv=8)
+    expect_bad(p, "expert_count is 8")
+    p = write_moe(tmp_path / "used.gguf", {0: {"gate": (4, 32, 32)}}, used=5)
+    expect_bad(p, "expert_used_count")
