@@ -112,6 +112,9 @@ class Daemon:
             parts = [(files[entry.parts[p].shard], entry.parts[p].offset, size) for p, size in key]
             layers[layer] = LayerPlan(class_id, parts)
         model = Model(next(self._model_ids), path, catalog, identity, files, layers)
+        model.wants = {layer: [Want(ExpertKey(model.model_id, layer, e), plan.class_id)
+                               for e in range(catalog.n_experts)]
+                       for layer, plan in layers.items()}
         model.info = model_info(model, self.ramtier.segments)
         self.models[model.model_id] = model
         self._by_identity[(path, identity)] = model
@@ -166,18 +169,21 @@ class Daemon:
     # ---- acquire -----------------------------------------------------------
 
     def _wants(self, model: Model, layer: int, experts: list[int]) -> list[Want]:
-        plan = model.layers.get(layer)
-        if plan is None:
+        table = model.wants.get(layer)
+        if table is None:
             raise errors.UnknownLayer(f"model {model.model_id} has no routed experts in layer {layer} "
-                                      f"(MoE layers: {sorted(model.layers)[:8]}...)")
-        n = model.catalog.n_experts
-        wants = []
-        for e in dict.fromkeys(experts):
-            if not 0 <= e < n:
-                raise errors.UnknownExpert(f"expert {e} out of range 0..{n - 1} (layer {layer})")
-            wants.append(Want(ExpertKey(model.model_id, layer, e), plan.class_id))
-        if not wants:
+                                      f"(MoE layers: {sorted(model.layers)})")
+        if not experts:
             raise errors.BadRequest("acquire needs at least one expert")
+        try:
+            wants = [table[e] for e in experts]
+        except (IndexError, TypeError):
+            wants = []
+        if len(wants) != len(experts) or min(experts) < 0:
+            bad = next((e for e in experts if not 0 <= e < len(table)), experts[0])
+            raise errors.UnknownExpert(f"expert {bad} out of range 0..{len(table) - 1} (layer {layer})")
+        if len(set(experts)) != len(experts):
+            wants = list(dict.fromkeys(wants))
         return wants
 
     def try_acquire(self, model: Model, layer: int, experts: list[int], tenant: Tenant):
@@ -215,9 +221,10 @@ class Daemon:
         c.joined_reads += len(plan.loading)
         tenant.hits += plan.hits
         tenant.misses += misses
-        for slot in plan.slots:
-            if self.store.use_prefetched(slot):
-                c.prefetch_hits += 1
+        if c.prefetches:
+            for slot in plan.slots:
+                if self.store.use_prefetched(slot):
+                    c.prefetch_hits += 1
 
     async def acquire_slow(self, model: Model, layer: int, wants, plan, tenant: Tenant,
                            timeout_s: float | None) -> Lease:
@@ -318,9 +325,11 @@ class Daemon:
             self._maybe_drop_stale(lease.model)
 
     def _unref(self, slots, generations) -> None:
+        release = self.store.release
         for slot, gen in zip(slots, generations):
-            self.store.release(slot, gen)
-        self._room_changed()
+            release(slot, gen)
+        if self._room_waiters:
+            self._room_changed()
 
     def prefetch(self, model: Model, layer: int, experts: list[int], tenant: Tenant) -> int:
         queued = 0

@@ -42,6 +42,7 @@ class Model:
     files: list[ModelFile]
     layers: dict[int, LayerPlan]
     info: ModelInfo | None = None
+    wants: dict = field(default_factory=dict)   # layer -> [Want per expert], built once: the hit path indexes it
     stale: bool = False
     sessions: set = field(default_factory=set)
 

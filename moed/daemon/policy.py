@@ -16,6 +16,7 @@ from typing import Protocol
 
 class EvictionPolicy(Protocol):
     name: str
+    wants_touch: bool       # False: the store may skip touch() (LRU orders by release)
 
     def add(self, slot) -> None: ...
     def remove(self, slot) -> None: ...
@@ -32,6 +33,7 @@ class LRU:
     """
 
     name = "lru"
+    wants_touch = False
 
     def __init__(self):
         self._order: dict = {}
@@ -62,6 +64,7 @@ class DecayingLFU:
     """
 
     name = "lfu"
+    wants_touch = True
 
     def __init__(self, half_life: int = 64 * 8):
         self._half_life = half_life

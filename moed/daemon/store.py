@@ -39,6 +39,9 @@ class SlotState(enum.IntEnum):
     READY = 2
 
 
+READY = SlotState.READY
+
+
 @dataclass(eq=False, slots=True)
 class Slot:
     class_id: int
@@ -116,28 +119,38 @@ class Store:
         """
         table = self.table
         slots = [table.get(w.key) for w in wants]
-        missing = [w for w, s in zip(wants, slots) if s is None]
-        if missing:
+        if None in slots:
+            missing = [w for w, s in zip(wants, slots) if s is None]
             need = sum(self.classes[w.class_id].slot_bytes for w in missing)
             if need > self.budget_bytes:
                 raise ValueError(f"request needs {need} bytes, the budget is {self.budget_bytes}")
-            held_here = sum(s.slot_bytes for s in slots if s is not None and s.refs == 0 and self._is_evictable(s))
+            held_here = sum(s.slot_bytes for s in slots if s is not None and self._is_evictable(s))
             room = self.budget_bytes - self.used_bytes + self.evictable_bytes - held_here
             if need > room:
                 return None
-        to_load, loading, hits = [], [], 0
+        # The hit path: inlined _ref, since it runs for every expert of every acquire.
+        loading, hits = [], 0
+        policy = self.policy
+        touch = policy.touch if policy.wants_touch else None
         for s in slots:
-            if s is not None:
-                self._ref(s)
-                if s.state == SlotState.LOADING:
-                    loading.append(s)
-                else:
-                    hits += 1
-        for i, s in enumerate(slots):
             if s is None:
-                s = self._reserve(wants[i], owner)
-                slots[i] = s
-                to_load.append(s)
+                continue
+            if s.refs == 0 and s.state is READY and not s.pinned:
+                policy.remove(s)
+                self.evictable_bytes -= s.slot_bytes
+            s.refs += 1
+            if touch is not None:
+                touch(s)
+            if s.state is READY:
+                hits += 1
+            else:
+                loading.append(s)
+        to_load = []
+        if len(loading) + hits < len(slots):
+            for i, s in enumerate(slots):
+                if s is None:
+                    s = slots[i] = self._reserve(wants[i], owner)
+                    to_load.append(s)
         return Plan(slots, [s.generation for s in slots], to_load, loading, hits, len(to_load))
 
     def prefetch(self, want: Want, owner: object = None) -> Slot | None:
@@ -157,14 +170,15 @@ class Store:
         return slot
 
     def _is_evictable(self, s: Slot) -> bool:
-        return s.state == SlotState.READY and s.refs == 0 and not s.pinned
+        return s.state is READY and s.refs == 0 and not s.pinned
 
     def _ref(self, s: Slot) -> None:
         if self._is_evictable(s):
             self.policy.remove(s)
             self.evictable_bytes -= s.slot_bytes
         s.refs += 1
-        self.policy.touch(s)
+        if self.policy.wants_touch:
+            self.policy.touch(s)
 
     def _reserve(self, want: Want, owner: object) -> Slot:
         cls = self.classes[want.class_id]
@@ -187,7 +201,8 @@ class Store:
         slot.prefetched = False
         slot.owner = owner
         self.table[want.key] = slot
-        self.policy.touch(slot)
+        if self.policy.wants_touch:
+            self.policy.touch(slot)
         return slot
 
     def _evict_one(self) -> Slot:
@@ -233,7 +248,7 @@ class Store:
         if slot.generation != generation or slot.refs <= 0:
             return
         slot.refs -= 1
-        if self._is_evictable(slot):
+        if slot.refs == 0 and slot.state is READY and not slot.pinned:
             self.policy.add(slot)
             self.evictable_bytes += slot.slot_bytes
 
