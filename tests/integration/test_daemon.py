@@ -183,7 +183,7 @@ def _direct_io_refused(directory: str) -> bool:
 
 
 @pytest.fixture
-def no_direct_dir(tmp_path):
+def no_direct_dir():
     """A directory on a filesystem that refuses O_DIRECT: /dev/shm on older kernels, else ramfs."""
     shm = tempfile.mkdtemp(prefix="moed-test-", dir="/dev/shm")
     if _direct_io_refused(shm):
@@ -191,15 +191,17 @@ def no_direct_dir(tmp_path):
         shutil.rmtree(shm)
         return
     shutil.rmtree(shm)   # tmpfs supports O_DIRECT since Linux 6.6; ramfs never does
-    mnt = tmp_path / "ramfs"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mnt)], capture_output=True).returncode != 0:
+    mnt = tempfile.mkdtemp(prefix="moed-ramfs-", dir="/tmp")
+    if subprocess.run(["mount", "-t", "ramfs", "ramfs", mnt], capture_output=True).returncode != 0:
+        os.rmdir(mnt)
         pytest.skip("no filesystem here refuses O_DIRECT (tmpfs accepts it, ramfs cannot be mounted)")
     try:
-        assert _direct_io_refused(str(mnt))
-        yield str(mnt)
+        assert _direct_io_refused(mnt)
+        yield mnt
     finally:
-        subprocess.run(["umount", str(mnt)])
+        # lazy: the daemon (torn down after this fixture) may still hold the file open
+        subprocess.run(["umount", "-l", mnt])
+        os.rmdir(mnt)
 
 
 def test_buffered_fallback_where_o_direct_is_refused(daemon, tiny_model, no_direct_dir):
