@@ -302,3 +302,31 @@ def test_expert_counts_disagree(tmp_path):
     expect_bad(p, "expert_count is 8")
     p = write_moe(tmp_path / "used.gguf", {0: {"gate": (4, 32, 32)}}, used=5)
     expect_bad(p, "expert_used_count")
+
+
+# ---------------------------------------------------------------------- damaged files never crash
+
+def test_any_truncation_is_bad_model_file(tiny_model, tmp_path):
+    data = tiny_model.read_bytes()
+    header_end = read_header(tiny_model).data_offset
+    p = tmp_path / "cut.gguf"
+    for n in list(range(0, 64)) + list(range(64, header_end, 97)) + [len(data) - 1]:
+        p.write_bytes(data[:n])
+        with pytest.raises(BadModelFile):
+            Catalog.open(p)
+
+
+def test_random_corruption_is_bad_model_file_or_opens(tiny_model, tmp_path):
+    data = bytearray(tiny_model.read_bytes())
+    header_end = read_header(tiny_model).data_offset
+    rng = np.random.default_rng(0)
+    p = tmp_path / "bad.gguf"
+    for _ in range(300):
+        bad = bytearray(data)
+        for pos in rng.integers(4, header_end, size=rng.integers(1, 4)):
+            bad[pos] = int(rng.integers(0, 256))
+        p.write_bytes(bad)
+        try:
+            Catalog.open(p)
+        except BadModelFile:
+            pass
