@@ -105,6 +105,9 @@ def _hooked_internals(streamer: ExpertStreamer) -> types.ModuleType:
             super().__init__(model=model, params=params, verbose=verbose)
 
         def decode(self, batch):
+            # A callback that answers False stops the graph but llama_decode still
+            # returns 0 (ggml's scheduler only breaks out of the split), so the
+            # stored error is checked on success too: those logits are garbage.
             try:
                 super().decode(batch)
             except RuntimeError as exc:
@@ -114,6 +117,9 @@ def _hooked_internals(streamer: ExpertStreamer) -> types.ModuleType:
                 raise
             finally:
                 streamer.finish()
+            err = streamer.take_error()
+            if err is not None:
+                raise err
 
     proxy.LlamaModel = load_model
     proxy.LlamaContext = StreamedContext

@@ -16,8 +16,9 @@ Invariants (what must happen before what):
 - `finish` (after llama_decode returns) hides and releases what is still held, so
   an idle engine pins nothing.
 - An exception in the callback is stored and the callback answers False, which
-  aborts the graph; the decode wrapper re-raises the stored exception. Nothing is
-  swallowed.
+  stops the graph (and every later graph of that decode at its first routed
+  layer); the decode wrapper re-raises the stored exception even though
+  llama_decode reports success. Nothing is swallowed.
 """
 
 from __future__ import annotations
@@ -147,6 +148,10 @@ class ExpertStreamer:
             layer = ggml_tensor.topk_layer(tensor)
             if ask or layer is None:
                 return layer is not None
+            if self.error is not None:
+                # An earlier layer failed: stop this graph at its first routed layer,
+                # before any expert matmul could read pages nobody acquired.
+                return False
             self.on_layer(layer, self._route(layer, tensor))
             return True
         except BaseException as exc:  # noqa: BLE001 - must not unwind through C

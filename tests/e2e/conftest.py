@@ -1,0 +1,63 @@
+"""e2e fixtures: the real daemon (tests/support.DaemonProcess) and llama.cpp reference runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.support import DaemonProcess
+
+LLAMA_KW = dict(n_ctx=256, n_batch=64, n_ubatch=64, logits_all=True, n_threads=2, verbose=False, seed=0)
+PROMPT = b"the expert model reads memory pages from the drive, one token at a time"
+
+
+@pytest.fixture
+def start_daemon():
+    """`start_daemon(budget="64MiB", *extra_args)` -> DaemonProcess, killed after the test."""
+    started: list[DaemonProcess] = []
+
+    def start(budget: str = "64MiB", *args: str, **kw) -> DaemonProcess:
+        d = DaemonProcess(budget, *args, **kw)
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        d.kill()
+
+
+def greedy_logits(llm, tokens: list[int], steps: int = 32) -> np.ndarray:
+    """Logits of every prompt position (one batch) and of `steps` greedy decode steps."""
+    llm.reset()
+    llm.eval(tokens)
+    rows = [llm.scores[: llm.n_tokens].copy()]
+    for _ in range(steps):
+        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        rows.append(llm.scores[llm.n_tokens - 1 : llm.n_tokens].copy())
+    return np.concatenate(rows)
+
+
+def assert_bit_equal(a: np.ndarray, b: np.ndarray) -> None:
+    assert a.shape == b.shape
+    differ = a.view(np.uint32) != b.view(np.uint32)
+    assert not differ.any(), (f"{int(differ.any(axis=1).sum())} of {a.shape[0]} rows differ, "
+                              f"max |diff| {float(np.abs(a - b).max())}")
+
+
+@pytest.fixture(scope="session")
+def reference_logits(llama_cpp):
+    """`reference_logits(path)`: resident llama.cpp (same kernels), cached per model."""
+    from moed.engines.llama_cpp import UnpackedLlama
+
+    cache: dict[str, tuple[list[int], np.ndarray]] = {}
+
+    def get(path) -> tuple[list[int], np.ndarray]:
+        key = str(path)
+        if key not in cache:
+            llm = UnpackedLlama(key, **LLAMA_KW)
+            tokens = llm.tokenize(PROMPT)
+            cache[key] = (tokens, greedy_logits(llm, tokens))
+            llm.close()
+        return cache[key]
+
+    return get

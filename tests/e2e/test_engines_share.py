@@ -1,0 +1,83 @@
+"""Several engine processes on one daemon: same text as alone; a killed engine harms nobody."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = ("hello world, the model", "memory pages on the drive")
+N_TOKENS = 40
+
+
+def spawn(socket: str, model, prompt: str, n: int = N_TOKENS, *mode: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tests.e2e.worker", socket, str(model), prompt, str(n), *mode],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def result(proc: subprocess.Popen, timeout_s: float = 120) -> dict:
+    out, err = proc.communicate(timeout=timeout_s)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def read_lines(proc: subprocess.Popen, count: int, timeout_s: float = 60) -> None:
+    """Wait (with a deadline) until the process printed `count` lines."""
+    deadline = time.monotonic() + timeout_s
+    seen = 0
+    while seen < count:
+        left = deadline - time.monotonic()
+        assert left > 0, "engine made no progress"
+        ready, _, _ = select.select([proc.stdout], [], [], left)
+        if ready:
+            line = proc.stdout.readline()
+            assert line, f"engine exited early: {proc.stderr.read()[-3000:]}"
+            seen += 1
+
+
+@pytest.fixture
+def small_daemon(start_daemon):
+    # ~21 slots of the tiny model's 32 experts: the engines share and evict.
+    return start_daemon("512KiB")
+
+
+def test_two_engines_produce_the_same_text_as_each_alone(small_daemon, tiny_model):
+    alone = [result(spawn(small_daemon.socket, tiny_model, p)) for p in PROMPTS]
+    procs = [spawn(small_daemon.socket, tiny_model, p) for p in PROMPTS]
+    together = [result(p) for p in procs]
+    assert together == alone
+    stats = small_daemon.client("check").stats()
+    assert len(stats["models"]) == 1
+    assert stats["hits"] > 0 and stats["evictions"] > 0
+
+
+def test_killed_engine_leaves_daemon_and_other_engine_unharmed(small_daemon, tiny_model):
+    want = result(spawn(small_daemon.socket, tiny_model, PROMPTS[1]))
+    victim = spawn(small_daemon.socket, tiny_model, PROMPTS[0], 0, "--forever")
+    try:
+        read_lines(victim, 20)                     # mid-generation
+        other = spawn(small_daemon.socket, tiny_model, PROMPTS[1])
+        read_lines(victim, 5)
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(30)
+        assert result(other) == want
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+            victim.wait()
+    with small_daemon.client("check") as c:
+        c.ping()
+        stats = c.stats()
+    assert all(t["leases"] == 0 for t in stats["tenants"])
+    assert small_daemon.proc.poll() is None
+    assert "Traceback" not in small_daemon.log()
+    # and the daemon still serves a fresh engine the same text
+    assert result(spawn(small_daemon.socket, tiny_model, PROMPTS[1])) == want

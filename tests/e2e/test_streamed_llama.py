@@ -1,0 +1,104 @@
+"""StreamedLlama against resident llama.cpp, bit for bit, with experts from the real daemon."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+from tests.e2e.conftest import LLAMA_KW, PROMPT, assert_bit_equal, greedy_logits
+
+pytestmark = pytest.mark.e2e
+
+
+def streamed(daemon, path, **kw):
+    from moed.engines.llama_cpp import StreamedLlama
+
+    client = daemon.client("e2e")
+    return StreamedLlama(str(path), client=client, **{**LLAMA_KW, **kw}), client
+
+
+def run_streamed(daemon, path) -> tuple[np.ndarray, dict, dict]:
+    llm, client = streamed(daemon, path)
+    try:
+        tokens = llm.tokenize(PROMPT)
+        logits = greedy_logits(llm, tokens)
+        return logits, llm.stream_stats(), client.stats()
+    finally:
+        llm.close()
+        client.close()
+
+
+def test_ggml_layout_and_pinned_version(llama_cpp):
+    from moed.engines import ggml_tensor
+    from moed.engines.llama_cpp import LLAMA_CPP_PYTHON_VERSION
+
+    assert llama_cpp.__version__ == LLAMA_CPP_PYTHON_VERSION
+    assert ggml_tensor.layout_matches()
+
+
+@pytest.mark.parametrize("model, budget, path_kind", [
+    ("aligned_model", "64MiB", "zero_copy"),
+    ("tiny_model", "64MiB", "copy"),
+    ("split_model", "64MiB", "copy"),
+    ("mixed_model", "64MiB", "copy"),
+    ("tiny_model", "256KiB", "evicting"),     # ~10 slots of 32 experts: evicted between layers
+    ("aligned_model", "2MiB", "evicting"),
+])
+def test_logits_bit_exact(request, start_daemon, reference_logits, model, budget, path_kind):
+    path = request.getfixturevalue(model)
+    _, want = reference_logits(path)
+    got, engine, daemon_stats = run_streamed(start_daemon(budget), path)
+    assert_bit_equal(got, want)
+    assert engine["decodes"] >= 33 and engine["layers"] > 0
+    if path_kind == "zero_copy":
+        assert engine["pages_maps"] > 0 and engine["pages_copies"] == 0
+    if path_kind == "copy":
+        assert engine["pages_copies"] > 0 and engine["pages_maps"] == 0
+    if path_kind == "evicting":
+        assert daemon_stats["evictions"] > 0
+    assert daemon_stats["tenants"][0]["leases"] == 0 or all(t["leases"] == 0 for t in daemon_stats["tenants"])
+
+
+def test_aligned_copy_of_a_model_gives_identical_logits(start_daemon, reference_logits, model_factory, tmp_path):
+    from moed.gguf_align import align_gguf
+
+    original = model_factory(embd=256, ff=256)           # 32-byte alignment: copy path
+    aligned = align_gguf(original, tmp_path / "aligned.gguf")[0]
+    _, want = reference_logits(original)
+    got, engine, _ = run_streamed(start_daemon(), aligned)
+    assert_bit_equal(got, want)
+    assert engine["pages_maps"] > 0 and engine["pages_copies"] == 0
+
+
+def test_reading_an_unserved_expert_faults(start_daemon, aligned_model):
+    d = start_daemon()
+    r = subprocess.run([sys.executable, "-m", "tests.e2e.worker", d.socket, str(aligned_model), "x", "1",
+                        "--touch-expert"], capture_output=True, text=True, timeout=60)
+    assert "touching" in r.stdout and "read an unserved expert" not in r.stdout
+    assert r.returncode == -11, r.stderr[-2000:]
+
+
+def test_batch_too_large_for_budget_lowers_n_batch(start_daemon, tiny_model):
+    from moed.engines.llama_cpp import UnpackedLlama
+
+    # 4 slots of 8 experts: a long prompt batch routes to more than 4 experts per layer.
+    d = start_daemon("96KiB")
+    llm, client = streamed(d, tiny_model)
+    try:
+        tokens = llm.tokenize(PROMPT)
+        with pytest.warns(RuntimeWarning, match="lowering n_batch"):
+            got = greedy_logits(llm, tokens, steps=8)
+        assert llm.n_batch < LLAMA_KW["n_batch"]
+        ref = UnpackedLlama(str(tiny_model), **{**LLAMA_KW, "n_batch": llm.n_batch, "n_ubatch": llm.n_batch})
+        with warnings.catch_warnings():
+            want = greedy_logits(ref, tokens, steps=8)
+        ref.close()
+        assert np.array_equal(got.argmax(axis=1), want.argmax(axis=1))
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+    finally:
+        llm.close()
+        client.close()

@@ -1,0 +1,60 @@
+"""An engine process for e2e tests: StreamedLlama on a daemon, greedy text out.
+
+    python -m tests.e2e.worker SOCKET MODEL PROMPT N            -> prints JSON {"text", "tokens"}
+    python -m tests.e2e.worker SOCKET MODEL PROMPT N --forever  -> prints "tok" per token, forever
+    python -m tests.e2e.worker SOCKET MODEL PROMPT N --touch-expert -> reads an unserved expert (must die)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import sys
+
+from moed.client import Client
+from moed.engines.llama_cpp import StreamedLlama
+
+LLAMA_KW = dict(n_ctx=256, n_batch=64, n_ubatch=64, n_threads=1, verbose=False, seed=0)
+
+
+def greedy(llm: StreamedLlama, prompt: str, n: int) -> list[int]:
+    llm.reset()
+    out = []
+    for tok in llm.generate(llm.tokenize(prompt.encode()), top_k=1, temp=0.0, reset=True):
+        out.append(int(tok))
+        if len(out) >= n:
+            break
+    return out
+
+
+def main(argv: list[str]) -> int:
+    socket, model, prompt, n = argv[:4]
+    mode = argv[4] if len(argv) > 4 else ""
+    client = Client(socket, "e2e-worker")
+    llm = StreamedLlama(model, client=client, **LLAMA_KW)
+    if mode == "--touch-expert":
+        span = llm.streamer.pages.spans[0]
+        print("touching", flush=True)
+        ctypes.string_at(span.expert_addr(1), 1)  # no lease: must fault
+        print("read an unserved expert", flush=True)
+        return 0
+    if mode == "--forever":
+        while True:
+            for _ in greedy_stream(llm, prompt):
+                print("tok", flush=True)
+    tokens = greedy(llm, prompt, int(n))
+    print(json.dumps({"tokens": tokens, "text": llm.detokenize(tokens).decode(errors="replace")}), flush=True)
+    llm.close()
+    client.close()
+    return 0
+
+
+def greedy_stream(llm: StreamedLlama, prompt: str):
+    for i, tok in enumerate(llm.generate(llm.tokenize(prompt.encode()), top_k=1, temp=0.0, reset=True)):
+        yield tok
+        if i >= 200:
+            return
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
