@@ -53,7 +53,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 class _Session:
     """A client plus a StreamedLlama, and the daemon counters at start (for this run's hit rate)."""
 
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: argparse.Namespace, **llama_kwargs):
         from moed.client import Client
         from moed.engines.llama_cpp import StreamedLlama
 
@@ -63,7 +63,7 @@ class _Session:
         try:
             self.llm = StreamedLlama(args.model, client=self.client, n_ctx=args.ctx, n_batch=args.batch,
                                      n_ubatch=args.batch, n_threads=args.threads, seed=args.seed,
-                                     verbose=args.verbose)
+                                     verbose=args.verbose, **llama_kwargs)
         except ValueError as exc:  # llama.cpp refused the file
             self.client.close()
             raise SystemExit(_fail(str(exc)))
@@ -163,7 +163,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
         prompts = [line.rstrip("\n") for line in f if line.strip()]
     if not prompts:
         return _fail(f"{args.prompt_file} holds no prompts")
-    s = _Session(args)
+    s = _Session(args, logits_all=True)   # every token's route in every layer
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("default")

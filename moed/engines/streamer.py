@@ -23,13 +23,12 @@ Invariants (what must happen before what):
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -42,8 +41,14 @@ log = logging.getLogger("moed.engine")
 # A benchmark hook: called with (layer, ids) where ids is the writable (n_tokens, k)
 # view of the router's choice; it may overwrite ids before the expert matmuls run.
 RouteHook = Callable[[int, np.ndarray], None]
-# An observer: called with (layer, ids copy) at every routed layer (traces).
-RouteObserver = Callable[[int, np.ndarray], None]
+
+
+class RouteObserver(Protocol):
+    """Sees every routed layer's ids (a copy) and the end of every decode (traces)."""
+
+    def route(self, layer: int, ids: np.ndarray) -> None: ...
+
+    def decoded(self) -> None: ...
 
 
 @dataclass
@@ -162,8 +167,8 @@ class ExpertStreamer:
         if self.route_hook is not None:
             self.route_hook(layer, ggml_tensor.topk_view(tensor))
         ids = ggml_tensor.topk_ids(tensor)
-        for observe in self.observers:
-            observe(layer, ids)
+        for observer in self.observers:
+            observer.route(layer, ids)
         return ids
 
     def on_layer(self, layer: int, ids: np.ndarray) -> None:
@@ -214,6 +219,8 @@ class ExpertStreamer:
         if prev is not None:
             self._hide(prev)
             self.source.release(prev)
+        for observer in self.observers:
+            observer.decoded()
 
     def take_error(self) -> BaseException | None:
         err, self.error = self.error, None
@@ -225,6 +232,3 @@ def ggml_tensor_callback_type():
 
     return llama_cpp.ggml_backend_sched_eval_callback
 
-
-def address_of(array: np.ndarray) -> int:
-    return array.ctypes.data_as(ctypes.c_void_p).value or 0

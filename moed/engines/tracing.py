@@ -1,0 +1,89 @@
+"""Recording routing traces from a running StreamedLlama (`moectl trace`).
+
+What this module owns: turning the eval callback's per-layer ids into steps of
+`moed.lab.traces` (one step per llama_decode: 'P' for prompt batches, 'D' for
+generated tokens) and driving greedy generation over a list of prompts.
+
+Invariants:
+- The engine must compute every token's route in every layer, so it is created
+  with `logits_all=True` (otherwise llama.cpp routes only the output token in the
+  last layer and the step would be ragged); `record_trace` checks this.
+- A decode that spans several ubatches is still one step: rows are concatenated
+  in token order per layer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moed.lab.traces import DECODE, PROMPT, TraceWriter
+
+
+class TraceRecorder:
+    """A RouteObserver that appends one trace step per decode."""
+
+    def __init__(self, writer: TraceWriter, moe_layers: list[int]):
+        self.writer = writer
+        self.index = {layer: i for i, layer in enumerate(moe_layers)}
+        self.kind = PROMPT
+        self._rows: dict[int, list[np.ndarray]] = {}
+
+    def route(self, layer: int, ids: np.ndarray) -> None:
+        self._rows.setdefault(self.index[layer], []).append(ids)
+
+    def decoded(self) -> None:
+        if not self._rows:
+            return
+        per_layer = [np.concatenate(self._rows.get(i, [np.empty((0, 0), np.int32)]))
+                     for i in range(len(self.index))]
+        self._rows = {}
+        self.writer.append_step(self.kind, per_layer)
+
+
+def chat_prompt(llm, text: str) -> str:
+    """`text` as one user turn in the model's own chat template."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    template = llm.metadata.get("tokenizer.chat_template")
+    if not template:
+        raise ValueError("the model has no chat template (tokenizer.chat_template); drop --chat")
+    vocab = llm._model
+    fmt = Jinja2ChatFormatter(template, eos_token=vocab.token_get_text(vocab.token_eos()),
+                              bos_token=vocab.token_get_text(vocab.token_bos()))
+    return fmt(messages=[{"role": "user", "content": text}]).prompt
+
+
+def record_trace(llm, prompts: list[str], output: str, *, n_predict: int, chat: bool = False,
+                 model_name: str = "") -> int:
+    """Run each prompt then `n_predict` greedy tokens; save the trace; return its step count."""
+    if not llm._logits_all:
+        raise ValueError("record_trace needs an engine created with logits_all=True")
+    src = llm.streamer.source
+    bytes_per_expert = sum(e.bytes_per_expert for e in src.extents(src.moe_layers[0]))
+    writer = TraceWriter(len(src.moe_layers), src.n_experts, src.n_expert_used,
+                         bytes_per_expert=bytes_per_expert, layer_ids=src.moe_layers,
+                         meta={"model": model_name, "engine": "moed StreamedLlama", "prompts": len(prompts),
+                               "n_predict": n_predict, "chat": chat, "sampling": "greedy"})
+    recorder = TraceRecorder(writer, src.moe_layers)
+    llm.streamer.observers.append(recorder)
+    try:
+        eos = llm.token_eos()
+        for text in prompts:
+            _run_prompt(llm, recorder, chat_prompt(llm, text) if chat else text, n_predict, eos)
+    finally:
+        llm.streamer.observers.remove(recorder)
+    trace = writer.finish()
+    trace.save(output)
+    return trace.n_steps
+
+
+def _run_prompt(llm, recorder: TraceRecorder, text: str, n_predict: int, eos: int) -> None:
+    llm.reset()
+    recorder.kind = PROMPT
+    llm.eval(llm.tokenize(text.encode("utf-8"), special=True))
+    recorder.kind = DECODE
+    for _ in range(n_predict):
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        if token == eos or llm.n_tokens >= llm.n_ctx():
+            break
+        llm.eval([token])
