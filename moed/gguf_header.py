@@ -34,6 +34,7 @@ MAX_DIMS = 4
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?",
             10: "Q", 11: "q", 12: "d"}
 T_STRING, T_ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 
 
 @dataclass(frozen=True)
@@ -139,12 +140,14 @@ class _Cursor:
                 self.pos += n
             elif sub == T_STRING:
                 # The hot loop for big vocabularies: lengths only, no decoding.
-                unpack, buf, pos, size = struct.unpack_from, self.buf, self.pos, self.size
-                for _ in range(count):
-                    if pos + 8 > size:
-                        self.pos = pos
-                        self.need(8)
-                    pos += 8 + unpack("<Q", buf, pos)[0]
+                # unpack_from raises past the end of the buffer: that is the bounds check.
+                unpack, buf, pos = _U64.unpack_from, self.buf, self.pos
+                try:
+                    for _ in range(count):
+                        pos += 8 + unpack(buf, pos)[0]
+                except (struct.error, OverflowError):
+                    self.pos = min(pos, self.size + 1)
+                    self.need(8)
                 self.pos = pos
                 self.need(0)
             elif sub == T_ARRAY:
