@@ -532,3 +532,20 @@ def replay_many(trace: Trace, policies: Sequence[str], sizes: Sequence[float] | 
     points: list[tuple[float | None, int | None]] = (
         [(s, None) for s in sizes] if sizes is not None else [(None, n) for n in slots or ()])
     return [replay(acc, p, size, n) for size, n in points for p in check_policies(policies)]
+
+
+def simulate(policy: str, keys: Sequence[int], cap: int, counted: Sequence[bool] | None = None,
+             token: Sequence[int] | None = None) -> list[bool]:
+    """Hit (True) or miss per access of ONE cache of `cap` slots over raw keys.
+
+    For hand-worked cases and tests: a per-layer policy here is just its single
+    cache. `counted` (default: all) matters only to opt/g-opt's next-use rule;
+    `token` (default: one token per access) only to g-lfu and g-hot's decay.
+    """
+    impl = _IMPL[check_policies([policy])[0]]
+    arr = np.asarray(keys, dtype=np.int64)
+    cnt = np.ones(len(arr), bool) if counted is None else np.asarray(counted, dtype=bool)
+    kwargs: dict[str, Any] = {"token": list(range(len(arr))) if token is None else list(token)}
+    if policy in ("opt", "g-opt"):
+        kwargs["nxt"] = next_counted_use(arr, cnt).tolist()
+    return [bool(h) for h in impl(arr.tolist(), cap, **kwargs)]
