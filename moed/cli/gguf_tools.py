@@ -31,6 +31,8 @@ def register(sub) -> None:
     p.add_argument("--ctx", type=int, default=256, help="context length")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--random-experts", action="store_true",
+                   help="fill experts with random quant blocks (fast; for big benchmark models)")
     p.set_defaults(func=_make_model)
 
     p = sub.add_parser("index", help="show where a GGUF's routed experts live")
@@ -59,7 +61,7 @@ def _make_model(args) -> int:
                            embd=args.embd, ff=args.ff, quant=args.quant,
                            layer_quants=args.layer_quants, align=args.align, split=args.split,
                            seed=args.seed, vocab=args.vocab, ctx=args.ctx, heads=args.heads,
-                           kv_heads=args.kv_heads)
+                           kv_heads=args.kv_heads, random_experts=args.random_experts)
     except ValueError as exc:
         return _fail(f"make-model: {exc}")
     except OSError as exc:

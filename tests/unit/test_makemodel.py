@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from moed.ctl import main as moectl
-from moed.lab.makemodel import aligned_geometry, build_vocab, make_model, quantize
+from moed.lab.makemodel import aligned_geometry, build_vocab, make_model, quantize, random_blocks
 
 Q = gguf.GGMLQuantizationType
 
@@ -74,6 +74,20 @@ def test_quantize_round_trips(qtype):
     assert np.abs(back - x).max() <= step
 
 
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_K])
+def test_random_blocks_are_well_scaled(qtype):
+    x = gguf.quants.dequantize(random_blocks(32, 512, qtype, np.random.default_rng(0)), qtype)
+    assert x.shape == (32, 512) and np.isfinite(x).all()
+    assert 0.8 < x.std() * np.sqrt(512) < 1.2
+
+
+def test_random_experts_model(tmp_path):
+    a = make_model(tmp_path / "a.gguf", random_experts=True, quant="q4_0")[0]
+    b = make_model(tmp_path / "b.gguf", random_experts=True, quant="q4_0")[0]
+    assert a.read_bytes() == b.read_bytes()
+    assert a.read_bytes() != make_model(tmp_path / "c.gguf", quant="q4_0")[0].read_bytes()
+
+
 def test_aligned_geometry_gives_page_multiples():
     g = aligned_geometry()
     assert g["embd"] * g["ff"] // 32 * 34 % 4096 == 0
@@ -115,9 +129,10 @@ def test_llama_cpp_loads_and_runs(llama_cpp, tiny_model, split_model, aligned_mo
                                   model_factory):
     """Every flavour loads in llama.cpp and gives finite logits; split == unsplit bit for bit."""
     q4k = model_factory(embd=256, ff=256, quant="q4_k", layers=2)
+    fast = model_factory(embd=256, ff=256, layer_quants="q4_k,q4_0,q8_0", layers=3, random_experts=True)
     logits = {}
     for name, path in [("tiny", tiny_model), ("split", split_model), ("aligned", aligned_model),
-                       ("mixed", mixed_model), ("q4k", q4k)]:
+                       ("mixed", mixed_model), ("q4k", q4k), ("random", fast)]:
         llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=1, logits_all=True,
                               verbose=False)
         tokens = llm.tokenize("Hello, wörld! the expert 42".encode())
