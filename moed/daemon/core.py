@@ -11,6 +11,14 @@ What must happen before what:
   exactly once (release, a failed read, or the connection closing);
 - pages of a dropped slot go back to the kernel before anything else runs on
   the loop (`_settle`), so locked memory never exceeds the budget for long.
+
+Prefetch: a prefetch only reserves a slot the store can make room for without
+touching a held one, and its read queues behind every demand read. A demand
+acquire of a key being prefetched joins that read and promotes it. A queued
+prefetch whose read has not started is dropped (its slot goes back, counted as
+wasted) when it is no longer wanted: the same source prefetches the same
+(model, layer) again without it, the source's connection closes, or a demand
+acquire finds no room while unreferenced prefetches hold the budget.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import itertools
 import logging
 import os
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import psutil
@@ -33,7 +42,7 @@ from .models import LayerPlan, Model, class_key, file_identity, model_info, open
 from .ramtier import RamTier
 from .reader import ModelFile, ReaderPool, ReadJob
 from .stats import Counters, Tenant
-from .store import ExpertKey, Slot, Store, Want
+from .store import ExpertKey, Slot, SlotState, Store, Want
 from .policy import make_policy
 
 log = logging.getLogger("moed")
@@ -77,6 +86,8 @@ class Daemon:
         self._loading: dict[Slot, Loading] = {}
         self._room_waiters: list[asyncio.Future] = []
         self._model_ids = itertools.count(1)
+        # source (a session) -> (model_id, layer) -> [(slot, generation)] of its prefetches
+        self._prefetched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._lease_ids = itertools.count(1)
         self.sessions: set = set()
 
@@ -202,6 +213,8 @@ class Daemon:
             plan = self.store.acquire(wants, owner=tenant)
         except ValueError as exc:
             raise errors.RequestTooLarge(str(exc)) from None
+            while plan is None and self._cancel_newest_prefetch():
+                plan = self.store.acquire(wants, owner=tenant)   # demand goes before read-ahead
         if plan is not None:
             self._count(plan, tenant)
             self._settle()
@@ -331,13 +344,21 @@ class Daemon:
         if self._room_waiters:
             self._room_changed()
 
-    def prefetch(self, model: Model, layer: int, experts: list[int], tenant: Tenant) -> int:
+    def prefetch(self, model: Model, layer: int, experts: list[int], tenant: Tenant,
+                 source: object = None) -> int:
+        """Queue reads of the experts not resident; returns how many were queued.
+
+        `source` (the session) supersedes its own earlier prefetches of this layer.
+        """
+        wants = self._wants(model, layer, experts)
+        mine = self._supersede(source, (model.model_id, layer), {w.key for w in wants})
         queued = 0
-        for want in self._wants(model, layer, experts):
+        for want in wants:
             slot = self.store.prefetch(want, owner=tenant)
             if slot is not None:
                 self._settle()
                 self._start_read(slot, demand=False)
+                mine.append((slot, slot.generation))
                 queued += 1
         return queued
 
@@ -349,6 +370,46 @@ class Daemon:
 
     def mem_available_bytes(self) -> int:
         return psutil.virtual_memory().available
+
+    def _supersede(self, source, where: tuple, keep: set) -> list:
+        """Cancel `source`'s queued prefetches at `where` not in `keep`; returns the list to extend."""
+        if source is None:
+            return []
+        by_layer = self._prefetched.setdefault(source, {})
+        alive = []
+        for slot, gen in by_layer.get(where, ()):
+            if slot.generation != gen or slot.state != SlotState.LOADING:
+                continue                      # its read finished or failed: nothing to drop
+            if slot.key in keep or not self._cancel_prefetch(slot):
+                alive.append((slot, gen))
+        by_layer[where] = alive
+        return alive
+
+    def forget_prefetches(self, source) -> None:
+        """The source went away: its prefetches whose reads have not started are dropped."""
+        for entries in self._prefetched.pop(source, {}).values():
+            for slot, gen in entries:
+                if slot.generation == gen and slot.state == SlotState.LOADING:
+                    self._cancel_prefetch(slot)
+
+    def _cancel_newest_prefetch(self) -> bool:
+        """Drop the newest queued, unreferenced prefetch; False if there is none."""
+        for slot in reversed(list(self._loading)):
+            if slot.prefetched and not slot.refs and self._cancel_prefetch(slot):
+                return True
+        return False
+
+    def _cancel_prefetch(self, slot: Slot) -> bool:
+        """Drop an unreferenced prefetch if none of its reads has started."""
+        loading = self._loading.get(slot)
+        if loading is None or slot.refs or not slot.prefetched or not self.reader.cancel(loading.job):
+            return False
+        del self._loading[slot]
+        self.store.cancel_prefetch(slot)
+        self._settle()
+        loading.done.cancel()
+        self._room_changed()
+        return True
 
     def close(self) -> None:
         self.reader.close()

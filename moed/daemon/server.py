@@ -79,6 +79,7 @@ class Session(asyncio.Protocol):
         leases, self.leases = list(self.leases.values()), {}
         for lease in leases:
             self.daemon.release(lease)
+        self.daemon.forget_prefetches(self)       # its queued read-ahead is no longer wanted
         self.tenant.pids.discard(self.pid)
         if leases:
             log.info("connection of pid %d closed holding %d leases; released them", self.pid, len(leases))
@@ -237,7 +238,7 @@ class Session(asyncio.Protocol):
 
     def on_prefetch(self, msg: m.Prefetch):
         model = self._model(msg.model_id)
-        return m.Prefetched(self.daemon.prefetch(model, msg.layer, msg.experts, self.tenant))
+        return m.Prefetched(self.daemon.prefetch(model, msg.layer, msg.experts, self.tenant, source=self))
 
     def on_stats(self, msg: m.GetStats):
         return m.StatsReply(self.daemon.stats())

@@ -18,7 +18,6 @@ class Counters:
     joined_reads: int = 0
     prefetches: int = 0
     prefetch_hits: int = 0
-    wasted_prefetches: int = 0
     bytes_read: int = 0
     read_errors: int = 0
     bad_frames: int = 0
@@ -96,7 +95,7 @@ def snapshot(daemon) -> dict:
         "joined_reads": c.joined_reads,
         "prefetches": c.prefetches,
         "prefetch_hits": c.prefetch_hits,
-        "wasted_prefetches": c.wasted_prefetches,
+        "wasted_prefetches": store.wasted_prefetches,
         "bytes_read": c.bytes_read,
         "read_errors": c.read_errors,
         "reads_in_flight": len(daemon._loading),

@@ -16,6 +16,8 @@ Invariants, kept here:
   missing ones a LOADING slot), or nothing changes and the caller waits.
 - Every (slot, generation) pair names one residency of one key; a stale pair
   (the load failed, the slot was reused) is ignored on release.
+- A prefetched slot (`prefetched`) that leaves the table before any lease used
+  it (evicted, or its queued read cancelled) counts once in `wasted_prefetches`.
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ class Store:
         self.table: dict[ExpertKey, Slot] = {}
         self.evictable_bytes = 0
         self.evictions = 0
+        self.wasted_prefetches = 0   # prefetched slots gone before any use
         self._dropped: list[Slot] = []   # slots whose pages the RAM tier should give back
 
     # ---- classes --------------------------------------------------------
@@ -158,8 +161,14 @@ class Store:
 
         Returns None when the key is resident or in flight, or nothing can be
         evicted. The slot has no references; it becomes evictable once READY.
+        A resident evictable key is moved to the recent end of the policy
+        instead: it is about to be wanted, so it should not be the next victim.
         """
-        if want.key in self.table:
+        resident = self.table.get(want.key)
+        if resident is not None:
+            if self._is_evictable(resident):
+                self.policy.remove(resident)
+                self.policy.add(resident)
             return None
         cls = self.classes[want.class_id]
         if cls.slot_bytes > self.budget_bytes - self.used_bytes + self.evictable_bytes:
@@ -168,6 +177,13 @@ class Store:
         slot.refs = 0
         slot.prefetched = True
         return slot
+
+    def cancel_prefetch(self, slot: Slot) -> None:
+        """A queued prefetch was dropped before its read started: give the slot back."""
+        if slot.state != SlotState.LOADING or slot.refs or not slot.prefetched:
+            raise ValueError("only an unreferenced prefetch still loading can be cancelled")
+        self.wasted_prefetches += 1
+        self.failed(slot)
 
     def _is_evictable(self, s: Slot) -> bool:
         return s.state is READY and s.refs == 0 and not s.pinned
@@ -215,6 +231,9 @@ class Store:
         victim.key = None
         victim.state = SlotState.EMPTY
         self.evictions += 1
+        if victim.prefetched:          # read ahead, never used
+            victim.prefetched = False
+            self.wasted_prefetches += 1
         return victim
 
     def _drop(self, slot: Slot) -> None:
