@@ -21,8 +21,6 @@ from moed.protocol.messages import LayerInfo, ModelInfo, PartExtent
 from .catalog import Catalog
 from .reader import ModelFile
 
-PART_ORDER = ("gate", "up", "down", "gate_up")
-
 ClassKey = tuple[tuple[str, int], ...]
 
 
@@ -56,9 +54,8 @@ class Model:
 
 
 def class_key(entry) -> ClassKey:
-    """The size class of one catalog layer: its parts in canonical order with sizes."""
-    names = sorted(entry.parts, key=lambda p: PART_ORDER.index(p) if p in PART_ORDER else 99)
-    return tuple((p, entry.parts[p].bytes_per_expert) for p in names)
+    """The size class of one catalog layer: its parts in the catalog's order, with sizes."""
+    return entry.size_class
 
 
 def file_identity(path: str) -> tuple:

@@ -1,0 +1,99 @@
+"""The main job on an embedded default: `scripts/demo [MODEL.gguf]`.
+
+Generates a small MoE model when none is given (cached under .cache/demo/),
+starts moed with a RAM budget smaller than the model's routed experts, runs
+two engine processes at once whose experts are served by the daemon, prints
+`moectl stats`, and stops everything cleanly (the daemon exits 0).
+
+Engines are `StreamedLlama` (llama.cpp through llama-cpp-python) generating
+text; where llama-cpp-python is not installed, two plain clients stand in and
+replay random routes, checking every byte against the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def default_model() -> Path:
+    from moed.lab.makemodel import make_model
+    path = ROOT / ".cache" / "demo" / "demo-qwen3moe.gguf"
+    if not path.exists():
+        print(f"demo: generating a small qwen3moe model at {path}", flush=True)
+        tmp = path.with_suffix(".tmp.gguf")
+        make_model(tmp, layers=8, experts=32, used=4, embd=256, ff=256, quant="q8_0", align=4096, seed=7)
+        tmp.rename(path)
+    return path
+
+
+def routed_bytes(model: Path) -> int:
+    from moed.daemon.catalog import Catalog
+    cat = Catalog.open(model)
+    return sum(cat.expert_bytes(layer) * cat.n_experts for layer in cat.moe_layers)
+
+
+def start_daemon(sock: str, budget: int) -> subprocess.Popen:
+    from moed.client import Client
+    from moed.protocol.errors import DaemonUnavailable
+    proc = subprocess.Popen([sys.executable, "-m", "moed.daemon.main", "--socket", sock,
+                             "--ram-budget", str(budget), "--log-level", "warning"])
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"demo: moed exited with {proc.returncode}")
+        try:
+            Client(sock, timeout_s=2).close()
+            return proc
+        except DaemonUnavailable:
+            time.sleep(0.05)
+    proc.kill()
+    raise SystemExit("demo: moed did not start within 20 s")
+
+
+def engine_command(sock: str, model: Path, prompt: str, name: str) -> list[str]:
+    try:
+        import llama_cpp  # noqa: F401
+        from moed.engines import llama_cpp as _streamed  # noqa: F401
+        return [sys.executable, "-m", "moed.ctl", "--socket", sock, "generate", str(model),
+                "--prompt", prompt, "-n", "48"]
+    except ImportError:
+        return [sys.executable, "-m", "moed.demo_client", sock, str(model), name]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="scripts/demo")
+    ap.add_argument("model", nargs="?", help="a MoE GGUF (default: a generated small qwen3moe)")
+    ap.add_argument("--budget-fraction", type=float, default=0.5,
+                    help="RAM budget as a share of the model's routed expert bytes")
+    args = ap.parse_args(argv)
+    model = Path(args.model).resolve() if args.model else default_model()
+    total = routed_bytes(model)
+    budget = max(int(total * args.budget_fraction), 1 << 20)
+    sock = os.path.join(tempfile.mkdtemp(prefix="moed-demo-", dir="/tmp"), "moed.sock")
+    print(f"demo: model {model} ({total / 2**20:.1f} MiB of routed experts), "
+          f"moed budget {budget / 2**20:.1f} MiB", flush=True)
+    daemon = start_daemon(sock, budget)
+    try:
+        prompts = [("engine-a", "The quick brown fox"), ("engine-b", "Once upon a time")]
+        procs = [subprocess.Popen(engine_command(sock, model, p, name)) for name, p in prompts]
+        codes = [p.wait() for p in procs]
+        if any(codes):
+            print(f"demo: an engine failed: exit codes {codes}", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "moed.ctl", "--socket", sock, "stats"], check=False)
+    finally:
+        daemon.terminate()
+        rc = daemon.wait(15)
+    print(f"demo: moed stopped (exit {rc})")
+    return 1 if rc or any(codes) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
