@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import traceback
 import types
 import warnings
 from typing import Sequence
@@ -31,6 +32,7 @@ import llama_cpp
 import llama_cpp.llama as _llama_module
 from llama_cpp import Llama
 
+from moed.engines import ggml_tensor
 from moed.engines.sources import ExpertSource, MoedSource
 from moed.engines.streamer import ExpertStreamer, RouteHook, snapshot_bases
 from moed.protocol.errors import BudgetExhausted, RequestTooLarge
@@ -51,7 +53,26 @@ def _constructing(internals: types.ModuleType):
             _llama_module.internals = saved
 
 
-def _unpacked_internals() -> types.ModuleType:
+class _RouteCallback:
+    """An eval callback that only lets a route hook rewrite the top-k ids (benchmarks)."""
+
+    def __init__(self, hook: RouteHook):
+        self.hook = hook
+        self.c_callback = llama_cpp.ggml_backend_sched_eval_callback(self._callback)
+
+    def _callback(self, tensor: int, ask: bool, _user_data) -> bool:
+        layer = ggml_tensor.topk_layer(tensor)
+        if ask or layer is None:
+            return layer is not None
+        try:
+            self.hook(layer, ggml_tensor.topk_view(tensor))
+            return True
+        except BaseException:  # noqa: BLE001 - must not unwind through C
+            traceback.print_exc()
+            return False
+
+
+def _unpacked_internals(route: _RouteCallback | None = None) -> types.ModuleType:
     """llama_cpp's internals with weight repacking off (tensors stay at their file offsets)."""
     real = _llama_module.internals
     proxy = types.ModuleType(real.__name__)
@@ -61,7 +82,14 @@ def _unpacked_internals() -> types.ModuleType:
         params.use_extra_bufts = False
         return real.LlamaModel(path_model=path_model, params=params, verbose=verbose)
 
+    def new_context(*, model, params, verbose: bool = True):
+        if route is not None:
+            params.cb_eval = route.c_callback
+            params.cb_eval_user_data = None
+        return real.LlamaContext(model=model, params=params, verbose=verbose)
+
     proxy.LlamaModel = load_model
+    proxy.LlamaContext = new_context
     return proxy
 
 
@@ -72,10 +100,12 @@ class UnpackedLlama(Llama):
     x86 llama.cpp repacks q4_0 into interleaved blocks whose kernels round
     differently (about 1e-7 relative). This is the resident engine running the
     same kernels: the reference for bit-exact comparisons and a fair baseline.
+    `route_hook` (benchmarks only) may rewrite the router's top-k ids in place.
     """
 
-    def __init__(self, model_path: str, **llama_kwargs):
-        with _constructing(_unpacked_internals()):
+    def __init__(self, model_path: str, *, route_hook: RouteHook | None = None, **llama_kwargs):
+        self._route = _RouteCallback(route_hook) if route_hook is not None else None
+        with _constructing(_unpacked_internals(self._route)):
             super().__init__(model_path=model_path, **llama_kwargs)
 
 
