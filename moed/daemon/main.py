@@ -33,12 +33,19 @@ from .server import Session
 log = logging.getLogger("moed")
 
 
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="moed", description="The MoE expert streaming daemon (foreground).")
     p.add_argument("--socket", dest="socket_path", help="Unix socket path (default: $MOED_SOCKET or /run/moed/moed.sock)")
-    p.add_argument("--ram-budget", dest="ram_budget_bytes", type=parse_size, help="RAM tier budget, e.g. 8GiB")
-    p.add_argument("--mem-floor", dest="mem_floor_bytes", type=parse_size, help="keep MemAvailable above this")
-    p.add_argument("--pin-budget", dest="pin_budget_bytes", type=parse_size, help="pinned partition (host mirror)")
+    p.add_argument("--ram-budget", dest="ram_budget_bytes", type=_size, help="RAM tier budget, e.g. 8GiB")
+    p.add_argument("--mem-floor", dest="mem_floor_bytes", type=_size, help="keep MemAvailable above this")
+    p.add_argument("--pin-budget", dest="pin_budget_bytes", type=_size, help="pinned partition (host mirror)")
     p.add_argument("--config", help="TOML configuration file")
     p.add_argument("--direct-io", choices=["auto", "on", "off"], help="O_DIRECT reads (auto: probe, fall back)")
     p.add_argument("--require-mlock", action="store_true", default=None, help="refuse to start if memory cannot be locked")
@@ -102,7 +109,9 @@ async def serve(config: Config) -> None:
              daemon.version, config.socket_path, format_size(config.ram_budget_bytes),
              format_size(config.mem_floor_bytes), daemon.ramtier.locked, config.policy)
     sd_notify("READY=1")
+    daemon.memguard.start()
     await stop.wait()
+    await daemon.memguard.stop()
     sd_notify("STOPPING=1")
     log.info("stopping")
     server.close()
