@@ -33,6 +33,8 @@ def register(sub) -> None:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--random-experts", action="store_true",
                    help="fill experts with random quant blocks (fast; for big benchmark models)")
+    p.add_argument("--like", default=None, metavar="TRACE",
+                   help="take layers, experts and top-k from a routing trace (overrides those flags)")
     p.set_defaults(func=_make_model)
 
     p = sub.add_parser("index", help="show where a GGUF's routed experts live")
@@ -56,6 +58,10 @@ def _fail(msg: str) -> int:
 
 def _make_model(args) -> int:
     from moed.lab.makemodel import make_model
+    if args.like:                       # the trace's routing geometry wins
+        from moed.lab.replay import like_trace
+        from moed.lab.traces import Trace
+        vars(args).update(like_trace(Trace.load(args.like)))
     try:
         paths = make_model(args.out, layers=args.layers, experts=args.experts, used=args.used,
                            embd=args.embd, ff=args.ff, quant=args.quant,
