@@ -240,33 +240,34 @@ def _slru(keys: list[int], cap: int, **_: Any) -> bytearray:
 
 
 class _ScoreHeap:
-    """Evict-the-minimum cache over (score tuple, key) with lazy deletion: an entry
-    is live iff it equals the key's current tuple in `cache`."""
+    """Evict-the-minimum cache over (a, b, key) entries with lazy deletion: the
+    cache maps a key to its live entry, and a heap entry is live iff it is that
+    very object (stale ones are skipped when they surface)."""
 
     def __init__(self, cap: int):
         self.cap = cap
         self.cache: dict[int, tuple] = {}
         self.heap: list[tuple] = []
-        self.limit = 4 * cap + 1024
+        self.limit = 2 * cap + 64
 
-    def touch(self, k: int, prio: tuple) -> bool:
+    def touch(self, k: int, a: Any, b: int) -> bool:
         cache = self.cache
         was = k in cache
         if not was and len(cache) >= self.cap:
-            heap = self.heap
-            while True:
-                entry = heapq.heappop(heap)
-                if cache.get(entry[-1]) == entry[:-1]:
-                    del cache[entry[-1]]
-                    break
-        cache[k] = prio
-        heapq.heappush(self.heap, (*prio, k))
+            heap, pop = self.heap, heapq.heappop
+            entry = pop(heap)
+            while cache.get(entry[2]) is not entry:
+                entry = pop(heap)
+            del cache[entry[2]]
+        entry = (a, b, k)
+        cache[k] = entry
+        heapq.heappush(self.heap, entry)
         if len(self.heap) > self.limit:
             self.rebuild()
         return was
 
     def rebuild(self) -> None:
-        self.heap = [(*p, k) for k, p in self.cache.items()]
+        self.heap = list(self.cache.values())
         heapq.heapify(self.heap)
 
 
@@ -279,7 +280,7 @@ def _lfu(keys: list[int], cap: int, **_: Any) -> bytearray:
     for i, k in enumerate(keys):
         n = counts.get(k, 0) + 1
         counts[k] = n
-        if c.touch(k, (n, i)):
+        if c.touch(k, n, i):
             hit[i] = 1
     return hit
 
@@ -295,7 +296,7 @@ def _g_lfu(keys: list[int], cap: int, token: list[int], **_: Any) -> bytearray:
     for i, k in enumerate(keys):
         s = score.get(k, 0) + (1 << (token[i] // LFU_HALVE_EVERY_TOKENS))
         score[k] = s
-        if c.touch(k, (s, i)):
+        if c.touch(k, s, i):
             hit[i] = 1
     return hit
 
@@ -317,11 +318,11 @@ def _g_hot(keys: list[int], cap: int, token: list[int], **_: Any) -> bytearray:
             f = 2.0 ** (-shift / HOT_HALF_LIFE_TOKENS)
             base += shift
             hot = {key: v * f for key, v in hot.items()}
-            c.cache = {key: (p[0] * f, p[1]) for key, p in c.cache.items()}
+            c.cache = {key: (e[0] * f, e[1], key) for key, e in c.cache.items()}
             c.rebuild()
         h = hot.get(k, 0.0) + 2.0 ** ((t - base) / HOT_HALF_LIFE_TOKENS)
         hot[k] = h
-        if c.touch(k, (h, i)):
+        if c.touch(k, h, i):
             hit[i] = 1
     return hit
 
@@ -336,7 +337,7 @@ def _g_lru2(keys: list[int], cap: int, **_: Any) -> bytearray:
         prev = last.get(k)
         last[k] = i
         # (0, last use) for one use so far: before every (1, second-to-last use)
-        if c.touch(k, (0, i) if prev is None else (1, prev)):
+        if c.touch(k, 0, i) if prev is None else c.touch(k, 1, prev):
             hit[i] = 1
     return hit
 
