@@ -36,8 +36,9 @@ def register(sub: Any) -> None:
     group = p.add_mutually_exclusive_group()
     group.add_argument("--sizes", default=None,
                        help="fractions of each layer's experts (default 0.25,0.5,0.75)")
-    group.add_argument("--slots", type=int, action="append",
-                       help="total slots (a per-layer policy gets N // layers each); repeatable")
+    group.add_argument("--slots", action="append",
+                       help="total slots, comma-separated or repeated (a per-layer policy gets "
+                            "N // layers in each layer)")
     p.add_argument("--warm", type=int, default=0, help="first N decode tokens are warm-up, not counted")
     p.add_argument("--json", action="store_true", help="a JSON list of results")
     p.add_argument("--plot", metavar="OUT.png", help="draw hit rate against size per policy")
@@ -160,19 +161,30 @@ def parse_sizes(text: str | None) -> list[float]:
         raise BadRequest(f"--sizes takes comma-separated fractions like 0.25,0.5: {text!r}") from exc
 
 
+def parse_slots(values: list[str] | None) -> list[int]:
+    try:
+        slots = [int(x) for v in values or () for x in v.split(",") if x.strip()]
+    except ValueError as exc:
+        raise BadRequest(f"--slots takes whole numbers: {values}") from exc
+    if any(n < 0 for n in slots):
+        raise BadRequest(f"--slots must be >= 0: {slots}")
+    return slots
+
+
 def cmd_policy(args: argparse.Namespace) -> int:
     from moed.lab import ceilings, policies
     from moed.lab.traces import Trace
 
     names = policies.check_policies(args.policies.split(","))
-    sizes = None if args.slots else parse_sizes(args.sizes)
+    slots = parse_slots(args.slots)
+    sizes = None if slots else parse_sizes(args.sizes)
     if (args.drive_gbps is None) != (args.compute_ms is None):
         raise BadRequest("ceilings need both --drive-gbps and --compute-ms")
     if (args.mtp is None) != (args.accept is None):
         raise BadRequest("MTP grouping needs both --mtp N and --accept A")
     trace = Trace.load(args.trace)
     acc = policies.accesses(trace, args.warm)
-    points = [(s, None) for s in sizes] if sizes is not None else [(None, n) for n in args.slots]
+    points = [(s, None) for s in sizes] if sizes is not None else [(None, n) for n in slots]
     results = [policies.replay(acc, p, size, n) for size, n in points for p in names]
     rows = [r.to_json() for r in results]
     if args.drive_gbps is not None:

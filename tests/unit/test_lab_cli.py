@@ -44,6 +44,8 @@ def test_policy_json_schema(capsys, trace_path):
 def test_policy_slots_warm_and_subset(capsys, trace_path):
     rows = run_json(capsys, "policy", str(trace_path), "--json", "--policies", "lru,g-opt",
                     "--slots", "6", "--slots", "12", "--warm", "5")
+    assert rows == run_json(capsys, "policy", str(trace_path), "--json", "--policies", "lru,g-opt",
+                            "--slots", "6,12", "--warm", "5")
     assert [(r["policy"], r["size"], r["slots"]) for r in rows] == \
         [("lru", None, 6), ("g-opt", None, 6), ("lru", None, 12), ("g-opt", None, 12)]
     assert all(r["accesses"] <= 25 * 3 * 2 for r in rows)
@@ -94,6 +96,7 @@ def test_mrc_json_and_table(capsys, trace_path, tmp_path):
     ["policy", "{t}", "--drive-gbps", "3"],
     ["policy", "{t}", "--mtp", "3"],
     ["policy", "{t}", "--warm", "-1"],
+    ["policy", "{t}", "--slots", "ten"],
     ["policy", "{t}/missing.npz"],
     ["mrc", "{t}", "--points", "0"],
     ["trace-info", "{t}", "--predictors", "--size", "1.5"],
