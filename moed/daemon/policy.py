@@ -85,6 +85,26 @@ class DecayingLFU:
         self._members.add(slot)
         self._seq += 1
         heapq.heappush(self._heap, (self._score.get(slot.key, 0.0), self._seq, slot))
+        if len(self._heap) > 2 * len(self._members) + 64:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Keep one current entry per member.
+
+        Only `victim` pops stale entries, so while every acquire hits (no
+        evictions) each release would otherwise grow the heap for good.
+        """
+        members, score = self._members, self._score
+        best: dict = {}
+        for entry in self._heap:
+            s = entry[2]
+            if s in members and entry[0] == score.get(s.key, 0.0) and (s not in best or entry[1] < best[s][1]):
+                best[s] = entry
+        for s in [s for s in members if s not in best]:     # touched since pushed
+            self._seq += 1
+            best[s] = (score.get(s.key, 0.0), self._seq, s)
+        self._heap = list(best.values())
+        heapq.heapify(self._heap)
 
     def remove(self, slot) -> None:
         self._members.discard(slot)
