@@ -41,6 +41,7 @@ from .config import Config
 from .models import LayerPlan, Model, class_key, file_identity, model_info, open_catalog
 from .ramtier import RamTier
 from .reader import ModelFile, ReaderPool, ReadJob
+from .memguard import MemGuard
 from .stats import Counters, Tenant
 from .store import ExpertKey, Slot, SlotState, Store, Want
 from .policy import make_policy
@@ -78,16 +79,17 @@ class Daemon:
         self.store = Store(config.ram_budget_bytes, make_policy(config.policy), config.pin_budget_bytes)
         self.ramtier = RamTier(config.ram_budget_bytes + config.pin_budget_bytes)
         self.reader = ReaderPool(config.reader_threads, config.chunk_bytes)
+        self.memguard = MemGuard(self, config.mem_floor_bytes, config.mem_sample_s)
         self.counters = Counters()
         self.tenants: dict[int, Tenant] = {}
         self.models: dict[int, Model] = {}
         self._by_identity: dict[tuple, Model] = {}
         self._classes: dict[tuple, int] = {}
         self._loading: dict[Slot, Loading] = {}
-        self._room_waiters: list[asyncio.Future] = []
-        self._model_ids = itertools.count(1)
         # source (a session) -> (model_id, layer) -> [(slot, generation)] of its prefetches
         self._prefetched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._room_waiters: list[asyncio.Future] = []
+        self._model_ids = itertools.count(1)
         self._lease_ids = itertools.count(1)
         self.sessions: set = set()
 
@@ -211,10 +213,10 @@ class Daemon:
     def _plan(self, wants, tenant):
         try:
             plan = self.store.acquire(wants, owner=tenant)
-        except ValueError as exc:
-            raise errors.RequestTooLarge(str(exc)) from None
             while plan is None and self._cancel_newest_prefetch():
                 plan = self.store.acquire(wants, owner=tenant)   # demand goes before read-ahead
+        except ValueError as exc:
+            raise errors.RequestTooLarge(str(exc)) from None
         if plan is not None:
             self._count(plan, tenant)
             self._settle()
@@ -245,9 +247,7 @@ class Daemon:
         while plan is None:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise errors.BudgetExhausted(
-                    f"no room for {len(wants)} experts of layer {layer} before the timeout: "
-                    f"the budget is held by leases ({self.store.used_bytes} of {self.store.budget_bytes} bytes used)")
+                raise errors.BudgetExhausted(self._no_room_message(len(wants), layer))
             await self._wait_for_room(left)
             plan = self._plan(wants, tenant)
         pending = [self._loading[s].done for s in plan.to_load + plan.loading if s in self._loading]
@@ -262,6 +262,14 @@ class Daemon:
                 self._unref(plan.slots, plan.generations)
                 raise failures[0] if isinstance(failures[0], errors.MoedError) else errors.ReadError(str(failures[0]))
         return self._grant(model, layer, plan, tenant)
+
+    def _no_room_message(self, n: int, layer: int) -> str:
+        st = self.store
+        why = (f"the budget is held by leases ({st.used_bytes} of {st.budget_bytes} bytes used)"
+               if st.effective_budget_bytes >= st.budget_bytes else
+               f"the memory guard holds the store at {st.effective_budget_bytes} of {st.budget_bytes} bytes "
+               f"(MemAvailable is below the floor {self.memguard.floor_bytes})")
+        return f"no room for {n} experts of layer {layer} before the timeout: {why}"
 
     def _grant(self, model: Model, layer: int, plan, tenant: Tenant) -> Lease:
         return Lease(next(self._lease_ids), model, layer, plan.slots, plan.generations, tenant)
@@ -362,15 +370,6 @@ class Daemon:
                 queued += 1
         return queued
 
-    # ---- stats ---------------------------------------------------------------
-
-    def stats(self) -> dict:
-        from .stats import snapshot
-        return snapshot(self)
-
-    def mem_available_bytes(self) -> int:
-        return psutil.virtual_memory().available
-
     def _supersede(self, source, where: tuple, keep: set) -> list:
         """Cancel `source`'s queued prefetches at `where` not in `keep`; returns the list to extend."""
         if source is None:
@@ -410,6 +409,15 @@ class Daemon:
         loading.done.cancel()
         self._room_changed()
         return True
+
+    # ---- stats ---------------------------------------------------------------
+
+    def stats(self) -> dict:
+        from .stats import snapshot
+        return snapshot(self)
+
+    def mem_available_bytes(self) -> int:
+        return self.memguard.available_bytes()
 
     def close(self) -> None:
         self.reader.close()

@@ -27,6 +27,7 @@ from moed.protocol import messages as m
 from moed.protocol.framing import FrameReader, encode
 from moed.protocol.messages import PROTOCOL_VERSION
 
+from . import control
 from .core import Daemon, Lease
 
 log = logging.getLogger("moed.server")
@@ -58,6 +59,7 @@ class Session(asyncio.Protocol):
             m.Hello: self.on_hello, m.Ping: self.on_ping, m.OpenModel: self.on_open_model,
             m.Acquire: self.on_acquire, m.Release: self.on_release, m.Prefetch: self.on_prefetch,
             m.GetStats: self.on_stats, m.ListModels: self.on_models,
+            **control.handlers(self),
         }
 
     # ---- connection ----------------------------------------------------------
@@ -247,4 +249,5 @@ class Session(asyncio.Protocol):
         return m.ModelsReply(self.daemon.stats()["models"])
 
 
-HANDLED_REQUESTS = (m.Hello, m.Ping, m.OpenModel, m.Acquire, m.Release, m.Prefetch, m.GetStats, m.ListModels)
+HANDLED_REQUESTS = (m.Hello, m.Ping, m.OpenModel, m.Acquire, m.Release, m.Prefetch, m.GetStats, m.ListModels,
+                    *control.HANDLED)

@@ -9,6 +9,9 @@ Invariants, kept here:
 - `used_bytes` is the sum of `slot_bytes` over non-EMPTY slots and never
   exceeds `budget_bytes`; pinned slots count against `pin_budget_bytes`
   instead and are outside `used_bytes`.
+- A new slot is only reserved while `used_bytes + slot_bytes` fits under
+  `effective_budget_bytes` (the memory guard lowers it); used may sit above
+  it after a lowering until leases are released and `shrink` evicts.
 - A slot's `refs` is the number of leases (granted or waiting) that hold it.
   A slot is evictable iff READY, refs == 0 and not pinned; exactly the
   evictable slots are in the policy, so the policy can never pick a held slot.
@@ -95,6 +98,9 @@ class Store:
         self.pin_budget_bytes = pin_budget_bytes
         self.used_bytes = 0
         self.pinned_bytes = 0
+        # What the store may grow to now: the budget, or less while the memory
+        # guard holds the box above its floor. Never above budget_bytes.
+        self.effective_budget_bytes = budget_bytes
         self.policy = policy if policy is not None else LRU()
         self.classes: dict[int, SizeClass] = {}
         self.table: dict[ExpertKey, Slot] = {}
@@ -128,7 +134,7 @@ class Store:
             if need > self.budget_bytes:
                 raise ValueError(f"request needs {need} bytes, the budget is {self.budget_bytes}")
             held_here = sum(s.slot_bytes for s in slots if s is not None and self._is_evictable(s))
-            room = self.budget_bytes - self.used_bytes + self.evictable_bytes - held_here
+            room = self.effective_budget_bytes - self.used_bytes + self.evictable_bytes - held_here
             if need > room:
                 return None
         # The hit path: inlined _ref, since it runs for every expert of every acquire.
@@ -171,7 +177,7 @@ class Store:
                 self.policy.add(resident)
             return None
         cls = self.classes[want.class_id]
-        if cls.slot_bytes > self.budget_bytes - self.used_bytes + self.evictable_bytes:
+        if cls.slot_bytes > self.effective_budget_bytes - self.used_bytes + self.evictable_bytes:
             return None
         slot = self._reserve(want, owner)
         slot.refs = 0
@@ -199,7 +205,7 @@ class Store:
     def _reserve(self, want: Want, owner: object) -> Slot:
         cls = self.classes[want.class_id]
         slot = None
-        while self.budget_bytes - self.used_bytes < cls.slot_bytes:
+        while self.effective_budget_bytes - self.used_bytes < cls.slot_bytes:
             victim = self._evict_one()
             if victim.class_id == cls.class_id:
                 slot = victim          # same size: reuse its pages as they are
@@ -279,6 +285,14 @@ class Store:
         return False
 
     # ---- shrinking ------------------------------------------------------
+
+    def set_effective_budget(self, limit_bytes: int) -> None:
+        """Let the store grow only to `limit_bytes` (clamped to the budget).
+
+        Lowering it evicts nothing by itself (call `shrink`); acquires that
+        would need memory beyond it evict or wait instead, and hits still work.
+        """
+        self.effective_budget_bytes = max(0, min(self.budget_bytes, limit_bytes))
 
     def shrink(self, target_used_bytes: int) -> int:
         """Evict unreferenced slots until used <= target; returns bytes freed."""

@@ -159,8 +159,61 @@ class ModelsReply(Message, tag="models_reply"):
     models: list[dict[str, Any]]
 
 
-Request = Union[Hello, Ping, OpenModel, Acquire, Release, Prefetch, GetStats, ListModels]
-Reply = Union[Error, HelloReply, Pong, ModelInfo, Granted, Released, Prefetched, StatsReply, ModelsReply]
+# ---- control (operator) requests: the peer must be root or the daemon's uid ----
+
+
+class SetMemFloor(Message, tag="set_mem_floor"):
+    """Change the memory guard's floor live (0 turns the guard off)."""
+
+    floor_bytes: int
+
+
+class MemFloorSet(Message, tag="mem_floor_set"):
+    floor_bytes: int
+    effective_budget_bytes: int
+    mem_available_bytes: int
+    given_back_bytes: int
+
+
+class Pin(Message, tag="pin"):
+    """Pin experts of an open model into the pinned partition (the host mirror).
+
+    `experts` are (layer, expert) pairs, hottest first; they are pinned in
+    order until the pin budget is full. `all` pins every expert, and so does
+    any request on a model whose experts all fit in the free pin budget.
+    `from_stats` takes the order from the daemon's own decayed access counts.
+    The reply comes once the pinned experts are read in.
+    """
+
+    model_id: int
+    experts: list[tuple[int, int]] = []
+    all: bool = False
+    from_stats: bool = False
+
+
+class Pinned(Message, tag="pinned"):
+    pinned: int               # experts newly pinned by this request
+    skipped: int              # asked for but not pinned (no pin budget left)
+    pinned_bytes: int         # the whole pinned partition now
+
+
+class Unpin(Message, tag="unpin"):
+    """Unpin experts (or `all` of the model's); they rejoin the shared LRU or are dropped."""
+
+    model_id: int
+    experts: list[tuple[int, int]] = []
+    all: bool = False
+
+
+class Unpinned(Message, tag="unpinned"):
+    unpinned: int
+    pinned_bytes: int
+
+
+Request = Union[Hello, Ping, OpenModel, Acquire, Release, Prefetch, GetStats, ListModels,
+                SetMemFloor, Pin, Unpin]
+Reply = Union[Error, HelloReply, Pong, ModelInfo, Granted, Released, Prefetched, StatsReply, ModelsReply,
+              MemFloorSet, Pinned, Unpinned]
 
 REPLY_TYPE: dict[type, type] = {
     Hello: HelloReply,
@@ -171,6 +224,9 @@ REPLY_TYPE: dict[type, type] = {
     Prefetch: Prefetched,
     GetStats: StatsReply,
     ListModels: ModelsReply,
+    SetMemFloor: MemFloorSet,
+    Pin: Pinned,
+    Unpin: Unpinned,
 }
 
 REQUEST_TYPES: tuple[type, ...] = Request.__args__  # type: ignore[attr-defined]

@@ -1,0 +1,56 @@
+"""Operator requests: change the memory floor, pin and unpin experts, live.
+
+They change what every tenant gets, so only an operator may send them: a peer
+whose uid is root or the daemon's own uid (SO_PEERCRED, not anything the
+client says). Everyone else gets PermissionDenied.
+"""
+
+from __future__ import annotations
+
+import os
+
+from moed.protocol import errors
+from moed.protocol import messages as m
+
+
+def require_operator(session) -> None:
+    if session.uid not in (0, os.getuid()):
+        raise errors.PermissionDenied(
+            f"uid {session.uid} may not change the daemon's settings (only root or uid {os.getuid()})")
+
+
+def on_set_mem_floor(session, msg: m.SetMemFloor):
+    require_operator(session)
+    if msg.floor_bytes < 0:
+        raise errors.BadRequest(f"floor_bytes must not be negative, got {msg.floor_bytes}")
+    guard = session.daemon.memguard
+    guard.set_floor(msg.floor_bytes)
+    return m.MemFloorSet(guard.floor_bytes, session.daemon.store.effective_budget_bytes,
+                         guard.last_available_bytes, guard.given_back_bytes)
+
+
+async def on_pin(session, msg: m.Pin):
+    require_operator(session)
+    model = session._model(msg.model_id)
+    pinned, skipped = await session.daemon.pin(model, msg.experts, all_experts=msg.all,
+                                               from_stats=msg.from_stats)
+    return m.Pinned(pinned, skipped, session.daemon.store.pinned_bytes)
+
+
+def on_unpin(session, msg: m.Unpin):
+    require_operator(session)
+    model = session._model(msg.model_id)
+    n = session.daemon.unpin(model, msg.experts, all_experts=msg.all)
+    return m.Unpinned(n, session.daemon.store.pinned_bytes)
+
+
+def handlers(session) -> dict:
+    """The control handlers bound to one session, keyed by request type."""
+    return {
+        m.SetMemFloor: lambda msg: on_set_mem_floor(session, msg),
+        m.Pin: lambda msg: on_pin(session, msg),
+        m.Unpin: lambda msg: on_unpin(session, msg),
+    }
+
+
+HANDLED = (m.SetMemFloor, m.Pin, m.Unpin)

@@ -1,0 +1,235 @@
+"""The memory guard: keep the box's available memory above `mem_floor_bytes`.
+
+Owns the floor, the sampling task and the decision of how far the store may
+grow (`Store.effective_budget_bytes`). It runs on the event loop: every
+`mem_sample_s` it reads the memory available to this daemon and
+
+- below the floor: lowers the store's limit by the deficit, evicts
+  unreferenced slots down to it and gives their pages back to the kernel
+  (`Store.shrink`, `Daemon._settle`). Leased and pinned slots are never
+  touched, so the limit never goes below what leases and pins hold: the store
+  stops growing, and acquires reuse slots as leases are released;
+- above floor + hysteresis: raises the limit by the headroom beyond that band,
+  up to the configured budget, and wakes acquires waiting for room;
+- in between: leaves the limit alone (the band keeps it from oscillating).
+
+"Available" is MemAvailable from /proc/meminfo, or, when the daemon runs in
+a memory cgroup with a limit (v1 or v2, any ancestor), the smaller of that and
+the cgroup's headroom (limit - usage + inactive file pages): inside a
+container the host's MemAvailable says nothing about the OOM killer.
+
+Tenant floors do not hold against the guard: the box's other services come
+first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass
+
+import psutil
+
+from moed.protocol.sizes import format_size
+
+log = logging.getLogger("moed.memguard")
+
+MIN_HYSTERESIS_BYTES = 16 << 20
+_NO_LIMIT = 1 << 60
+
+
+def hysteresis_for(floor_bytes: int) -> int:
+    """The band above the floor in which the guard neither gives back nor grows."""
+    return max(MIN_HYSTERESIS_BYTES, floor_bytes // 16)
+
+
+def decide_limit(avail_bytes: int, floor_bytes: int, used_bytes: int, limit_bytes: int,
+                 budget_bytes: int) -> int:
+    """The store's new growth limit for one sample (pure; the policy in one place)."""
+    if floor_bytes <= 0:
+        return budget_bytes
+    if avail_bytes < floor_bytes:
+        return max(0, min(limit_bytes, used_bytes) - (floor_bytes - avail_bytes))
+    headroom = avail_bytes - floor_bytes - hysteresis_for(floor_bytes)
+    if headroom > 0 and limit_bytes < budget_bytes:
+        return min(budget_bytes, limit_bytes + headroom)
+    return limit_bytes
+
+
+# ---- reading available memory ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class CgroupMemory:
+    """The files of one memory cgroup with a limit (v1 or v2)."""
+
+    limit_path: str
+    usage_path: str
+    stat_path: str
+    inactive_key: str
+
+    def headroom_bytes(self) -> int | None:
+        try:
+            limit = _read_int(self.limit_path)
+            if limit is None or limit >= _NO_LIMIT:
+                return None
+            usage = _read_int(self.usage_path) or 0
+            inactive = 0
+            with open(self.stat_path) as f:
+                for line in f:
+                    k, _, v = line.partition(" ")
+                    if k == self.inactive_key:
+                        inactive = int(v)
+                        break
+        except OSError:
+            return None
+        return max(0, limit - usage + inactive)
+
+
+def _read_int(path: str) -> int | None:
+    with open(path) as f:
+        text = f.read().strip()
+    return None if text == "max" else int(text)
+
+
+def find_cgroups(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> list[CgroupMemory]:
+    """Every memory cgroup from ours up to the root that has a limit set."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            found += _walk(os.path.join(root, "memory"), path, "memory.limit_in_bytes",
+                           "memory.usage_in_bytes", "total_inactive_file")
+        elif controllers == "":
+            for base in (root, os.path.join(root, "unified")):
+                if os.path.exists(os.path.join(base, "cgroup.controllers")):
+                    found += _walk(base, path, "memory.max", "memory.current", "inactive_file")
+                    break
+    return found
+
+
+def _walk(base: str, path: str, limit: str, usage: str, inactive_key: str) -> list[CgroupMemory]:
+    out = []
+    parts = [p for p in path.split("/") if p]
+    for depth in range(len(parts), -1, -1):
+        d = os.path.join(base, *parts[:depth])
+        cg = CgroupMemory(os.path.join(d, limit), os.path.join(d, usage),
+                          os.path.join(d, "memory.stat"), inactive_key)
+        if os.path.exists(cg.limit_path) and cg.headroom_bytes() is not None:
+            out.append(cg)
+    return out
+
+
+class MemoryReader:
+    """MemAvailable, bounded by the headroom of any limited memory cgroup we are in."""
+
+    def __init__(self):
+        self.cgroups = find_cgroups()
+
+    def available_bytes(self) -> int:
+        avail = psutil.virtual_memory().available
+        for cg in self.cgroups:
+            head = cg.headroom_bytes()
+            if head is not None:
+                avail = min(avail, head)
+        return avail
+
+
+# ---- the guard --------------------------------------------------------------
+
+
+class MemGuard:
+    def __init__(self, daemon, floor_bytes: int, sample_s: float, reader: MemoryReader | None = None):
+        self.daemon = daemon
+        self.floor_bytes = floor_bytes
+        self.sample_s = sample_s
+        self.reader = reader or MemoryReader()
+        self.given_back_bytes = 0
+        self.actions = 0
+        self.last_available_bytes = 0
+        self._task: asyncio.Task | None = None
+
+    @property
+    def active(self) -> bool:
+        store = self.daemon.store
+        return store.effective_budget_bytes < store.budget_bytes
+
+    def available_bytes(self) -> int:
+        self.last_available_bytes = self.reader.available_bytes()
+        return self.last_available_bytes
+
+    def set_floor(self, floor_bytes: int) -> None:
+        if floor_bytes < 0:
+            raise ValueError("the memory floor must not be negative")
+        log.info("memory floor set to %s", format_size(floor_bytes))
+        self.floor_bytes = floor_bytes
+        self.step()
+
+    def step(self) -> int:
+        """Take one sample and act on it; returns the bytes given back."""
+        store = self.daemon.store
+        avail = self.available_bytes() if self.floor_bytes > 0 else 0
+        old = store.effective_budget_bytes
+        limit = decide_limit(avail, self.floor_bytes, store.used_bytes, old, store.budget_bytes)
+        freed = 0
+        if limit < old:
+            freed = store.shrink(limit)
+            self.daemon._settle()
+            # leases and pins may hold more than the target: then just stop growing
+            limit = max(limit, store.used_bytes)
+        store.set_effective_budget(limit)
+        if freed or limit < old:
+            self._gave_back(avail, freed, store)
+        elif limit > old:
+            self.daemon._room_changed()
+            if limit == store.budget_bytes:
+                log.info("memory guard: %s available again; the store may grow to its full budget %s",
+                         format_size(avail), format_size(limit))
+        return freed
+
+    def _gave_back(self, avail: int, freed: int, store) -> None:
+        self.given_back_bytes += freed
+        self.actions += 1
+        log.warning("memory guard: %s available, below the floor %s: gave back %s, store limited to %s "
+                    "(%s used, %s pinned)", format_size(avail), format_size(self.floor_bytes),
+                    format_size(freed), format_size(store.effective_budget_bytes),
+                    format_size(store.used_bytes), format_size(store.pinned_bytes))
+
+    # ---- the sampling task ------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                self.step()
+            except Exception:  # noqa: BLE001 - a failed sample must not end the guard
+                log.exception("memory guard sample failed")
+            await asyncio.sleep(self.sample_s)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    def stats(self) -> dict:
+        store = self.daemon.store
+        return {
+            "mem_guard_active": self.active,
+            "effective_budget_bytes": store.effective_budget_bytes,
+            "given_back_bytes": self.given_back_bytes,
+            "mem_guard_actions": self.actions,
+            "mem_hysteresis_bytes": hysteresis_for(self.floor_bytes),
+            "mem_cgroup_limited": bool(self.reader.cgroups),
+        }
