@@ -10,9 +10,9 @@ Distance of access i with previous access p to the same key:
     d(i) = (i - p - 1) - #{j < i : prev(j) > p}
 (the window (p, i) minus its repeats: j repeats inside the window iff its own
 previous access is after p). The count is a 2-D dominance count, done offline
-with a bottom-up merge (CDQ divide and conquer) vectorised in numpy: at each
-level, every query in a right half counts the left half's `prev` values above
-its own with one `searchsorted` over the row-sorted halves. O(n log^2 n) in C.
+with a bottom-up merge sort (CDQ divide and conquer) vectorised in numpy: at
+each level, every element of a right half counts the left half's `prev` values
+above its own while the two sorted halves are merged. O(n log n) in C.
 
 Belady points (g-opt) are not a stack algorithm over this stream with bypass and
 counted-only uses, so they come from separate replays at chosen sizes.
@@ -37,37 +37,37 @@ def previous_use(keys: np.ndarray) -> np.ndarray:
     n = len(keys)
     prev = np.full(n, -1, dtype=np.int64)
     if n:
-        order = np.argsort(keys, kind="stable")
+        order = policies._stable_order(keys)
         same = keys[order[:-1]] == keys[order[1:]]
         prev[order[1:][same]] = order[:-1][same]
     return prev
 
 
 def _nested_counts(prev: np.ndarray) -> np.ndarray:
-    """#{j < i : prev[j] > prev[i]} for every i."""
+    """#{j < i : prev[j] > prev[i]} for every i, by a bottom-up merge sort.
+
+    At each level, neighbouring sorted runs (left, right) are merged with a stable
+    sort (two runs: timsort merges them in linear time); a right element's count
+    gains the left elements greater than it = |left| - (left elements merged at
+    or before it). Equal values from the left come first, so they are not counted.
+    """
     n = len(prev)
     size = 1 << max(0, (n - 1).bit_length())
-    vals = np.full(size, 0, dtype=np.int64)
-    vals[:n] = prev + 1  # >= 0; padding (0) sits at the end and is never queried
-    query = vals.copy()
+    vals = np.zeros(size, dtype=np.int64)
+    vals[:n] = prev  # padding sits at the end: it only ever meets other padding
+    perm = np.arange(size, dtype=np.int64)  # original position of each sorted value
     out = np.zeros(size, dtype=np.int64)
-    off = size + 2  # row offset: keeps each sorted row above the previous one
-    sorted_rows = vals.copy()  # rows of width 1 are sorted
     width = 1
     while width < size:
-        rows = size // width
-        flat = sorted_rows + np.repeat(np.arange(rows, dtype=np.int64) * off, width)
-        # queries: every position in an odd row asks its left neighbour row
-        pos = np.arange(size, dtype=np.int64)
-        row = pos // width
-        right = (row & 1) == 1
-        q_pos, q_row = pos[right], row[right]
-        left = q_row - 1
-        below = np.searchsorted(flat, query[q_pos] + left * off, side="right")
-        out[q_pos] += (left + 1) * width - below
+        rows_v = vals.reshape(-1, 2 * width)
+        order = np.argsort(rows_v, axis=1, kind="stable")
+        vals = np.take_along_axis(rows_v, order, axis=1).ravel()
+        perm = np.take_along_axis(perm.reshape(-1, 2 * width), order, axis=1).ravel()
+        from_left = (order < width).ravel()
+        left_so_far = np.cumsum(order < width, axis=1).ravel()
+        right = ~from_left
+        out[perm[right]] += width - left_so_far[right]
         width *= 2
-        # merge neighbour rows: a stable sort of two sorted runs is a linear merge
-        sorted_rows = np.sort(sorted_rows.reshape(-1, width), axis=1, kind="stable").ravel()
     return out[:n]
 
 

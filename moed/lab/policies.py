@@ -145,12 +145,19 @@ def next_counted_use(keys: np.ndarray, counted: np.ndarray) -> np.ndarray:
     out = np.arange(n, 2 * n, dtype=np.int64)
     if n == 0:
         return out
-    order = np.argsort(keys, kind="stable")
+    order = _stable_order(keys)
     same = keys[order[:-1]] == keys[order[1:]]
     src, dst = order[:-1][same], order[1:][same]
     useful = counted[dst]
     out[src[useful]] = dst[useful]
     return out
+
+
+def _stable_order(keys: np.ndarray) -> np.ndarray:
+    """argsort(keys, stable); keys below 2^16 (48 x 512 experts fit) take numpy's radix sort."""
+    if len(keys) and keys.min() >= 0 and keys.max() < 1 << 16:
+        keys = keys.astype(np.uint16)
+    return np.argsort(keys, kind="stable")
 
 
 # ---- the policies: each returns a bytearray hit mask over its access list -----
@@ -183,31 +190,35 @@ def _opt(keys: list[int], cap: int, nxt: list[int], **_: Any) -> bytearray:
     cache: dict[int, int] = {}  # key -> its next use
     heap: list[int] = []
     push, pop, replace = heapq.heappush, heapq.heappop, heapq.heapreplace
-    limit = 4 * cap + 1024
-    for i, k, v in zip(range(n), keys, nxt):
+    limit = 2 * cap + 64
+    stream = zip(range(n), keys, nxt)
+    for i, k, v in stream:  # filling: every expert goes in
+        if k in cache:
+            hit[i] = 1
+        cache[k] = v
+        push(heap, -v)
+        if len(cache) == cap:
+            break
+    for i, k, v in stream:  # full from now on: a miss evicts or bypasses
         if k in cache:
             hit[i] = 1
             cache[k] = v
             push(heap, -v)
-        elif len(cache) < cap:
-            cache[k] = v
-            push(heap, -v)
-        else:
-            top = -heap[0]
-            victim = owner[top]
-            while cache.get(victim) != top:  # stale: that key's next use has moved on
-                pop(heap)
-                top = -heap[0]
-                victim = owner[top]
-            if v > top:
-                continue  # bypass: the incoming expert is needed last
-            del cache[victim]
-            cache[k] = v
-            replace(heap, -v)
             continue
         if len(heap) > limit:  # hits leave stale entries behind; drop them now and then
             heap = [-x for x in cache.values()]
             heapq.heapify(heap)
+        top = -heap[0]
+        victim = owner[top]
+        while cache.get(victim) != top:  # stale: that key's next use has moved on
+            pop(heap)
+            top = -heap[0]
+            victim = owner[top]
+        if v > top:
+            continue  # bypass: the incoming expert is needed last
+        del cache[victim]
+        cache[k] = v
+        replace(heap, -v)
     return hit
 
 
@@ -492,29 +503,32 @@ def hit_mask(policy: str, acc: Accesses, cap: int, nxt: np.ndarray | None = None
     if policy in ("opt", "g-opt") and nxt is None:
         nxt = next_counted_use(acc.keys, acc.counted)
     if policy not in PER_LAYER:
-        return _run(impl, acc, np.arange(acc.n), cap, nxt)
+        return _run(impl, policy, acc.keys, acc.token, nxt)(cap)
     out = np.zeros(acc.n, dtype=bool)
     layer = acc.layer
     order = np.argsort(layer, kind="stable")
     bounds = np.searchsorted(layer[order], np.arange(acc.moe_layers + 1))
     for l in range(acc.moe_layers):
         idx = order[bounds[l]:bounds[l + 1]]
-        out[idx] = _run(impl, acc, idx, cap, nxt)
+        sub_nxt = None
+        if nxt is not None:  # next uses renumbered into this layer's stream (same key, same layer)
+            n, pos = len(idx), np.empty(acc.n, dtype=np.int64)
+            pos[idx] = np.arange(n)
+            sub = nxt[idx]
+            sub_nxt = np.where(sub < acc.n, pos[np.minimum(sub, acc.n - 1)], n + np.arange(n))
+        out[idx] = _run(impl, policy, acc.keys[idx], acc.token[idx], sub_nxt)(cap)
     return out
 
 
-def _run(impl: Callable[..., bytearray], acc: Accesses, idx: np.ndarray, cap: int,
-         nxt: np.ndarray | None) -> np.ndarray:
-    keys = acc.keys[idx]
-    kwargs: dict[str, Any] = {"token": acc.token[idx].tolist()}
+def _run(impl: Callable[..., bytearray], policy: str, keys: np.ndarray, token: np.ndarray,
+         nxt: np.ndarray | None) -> Callable[[int], np.ndarray]:
+    kwargs: dict[str, Any] = {}
+    if policy in ("g-lfu", "g-hot"):
+        kwargs["token"] = token.tolist()
     if nxt is not None:
-        # next uses renumbered into this sub-stream (positions keep their order)
-        n, pos = len(idx), np.full(acc.n, -1, dtype=np.int64)
-        pos[idx] = np.arange(n)
-        sub = nxt[idx]
-        real = sub < acc.n
-        kwargs["nxt"] = np.where(real, pos[np.minimum(sub, acc.n - 1)], n + np.arange(n)).tolist()
-    return np.frombuffer(impl(keys.tolist(), cap, **kwargs), dtype=np.uint8).astype(bool)
+        kwargs["nxt"] = nxt.tolist()
+    key_list = keys.tolist()
+    return lambda cap: np.frombuffer(impl(key_list, cap, **kwargs), dtype=np.uint8).astype(bool)
 
 
 def replay(source: Trace | Accesses, policy: str, size: float | None = None,
