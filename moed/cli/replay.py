@@ -160,4 +160,45 @@ class _DriveProgress:
 
 
 def _register_plan(sub) -> None:
-    pass
+    from moed.protocol.sizes import parse_size
+    p = sub.add_parser("plan", help="recommend the RAM and pin budgets for a target decode rate")
+    p.add_argument("model", metavar="MODEL.gguf")
+    p.add_argument("--trace", required=True, metavar="T", help="a routing trace of this model")
+    p.add_argument("--target-tok-s", type=float, default=None,
+                   help="decode rate to reach (default: the best the RAM allows)")
+    p.add_argument("--drive-gbps", type=float, default=None,
+                   help="drive rate in GB/s (default: measure it on the model file)")
+    p.add_argument("--ram", type=parse_size, default=None, help="machine memory (default: this machine's)")
+    p.add_argument("--reserve", type=parse_size, default=None,
+                   help="RAM kept for everything else (default: 10%% of RAM, at least 1GiB)")
+    p.add_argument("--compute-ms", type=float, default=0.0,
+                   help="compute per token with every expert resident (default 0: the drive ceiling)")
+    p.add_argument("--policy", default="g-lru", help="shared-budget cache policy (default g-lru, as moed)")
+    p.add_argument("--warm", type=int, default=0, help="decode tokens that only warm the cache")
+    p.add_argument("--measure-seconds", type=float, default=3.0, help="drive measurement length")
+    p.add_argument("--plot", nargs="?", const="-", default=None, metavar="PNG",
+                   help="draw the rate curve: bars in the terminal, or a PNG file")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args) -> int:
+    from moed.lab import plan as pl
+    from moed.lab.traces import Trace
+    try:
+        trace = Trace.load(args.trace)
+        result = pl.make_plan(args.model, trace, target_tok_s=args.target_tok_s, drive_gbps=args.drive_gbps,
+                              ram_bytes=args.ram, reserve_bytes=args.reserve, compute_ms=args.compute_ms,
+                              policy=args.policy, warm=args.warm, measure_s=args.measure_seconds)
+    except MoedError as exc:
+        return _fail(f"plan: {exc}")
+    if args.plot not in (None, "-"):
+        pl.plot(result, args.plot)
+    if args.json:
+        print(json.dumps(result.to_json(), sort_keys=True))
+    else:
+        for line in pl.describe(result, bars=args.plot == "-"):
+            print(line)
+        if args.plot not in (None, "-"):
+            print(f"plot: {args.plot}")
+    return 0

@@ -139,3 +139,24 @@ def test_replay_through_a_running_daemon(setup, start_daemon):
     with d.client() as c:
         r = rp.replay(c, model, trace, rp.ReplayOptions(compute_ms=0.5, warm=4, tokens=8))
     assert r.budget_bytes == 32 * slot(model) and r.hits + r.misses == r.accesses == 8 * LAYERS * TOP_K
+
+
+def test_plan_cli_matches_the_policy_replay(setup, tmp_path):
+    from moed.lab import policies
+    model, trace, trace_path = setup
+    png = tmp_path / "plan.png"
+    out = subprocess.run([sys.executable, "-m", "moed.ctl", "plan", str(model), "--trace", str(trace_path),
+                          "--drive-gbps", "1", "--ram", "1GiB", "--target-tok-s", "100", "--compute-ms", "5",
+                          "--plot", str(png), "--json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    p = json.loads(out.stdout)
+    assert png.stat().st_size > 0 and not p["drive_measured"]
+    pol = subprocess.run([sys.executable, "-m", "moed.ctl", "policy", str(trace_path), "--policies", "g-lru",
+                          "--sizes", "0.25,0.5,0.75", "--json"], capture_output=True, text=True, timeout=60)
+    assert pol.returncode == 0, pol.stderr
+    for ref in json.loads(pol.stdout):                 # `moectl plan` agrees with `moectl policy`
+        pt = next(pt for pt in p["curve"] if pt["size"] == ref["size"])
+        assert (pt["slots"], pt["hit_rate"]) == (ref["slots"], pytest.approx(ref["hit_rate"]))
+    assert pt["hit_rate"] == pytest.approx(policies.replay(trace, "g-lru", size=0.75).hit_rate)
+    r = p["recommended"]
+    assert r["meets_target"] and r["tok_s"] >= 100 and r["command"].startswith("moed --ram-budget ")
