@@ -58,7 +58,9 @@ class FrameReader:
             pos += 4 + n
             try:
                 out.append(self._decoder.decode(payload))
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            # RecursionError: msgpack nested deeper than msgspec will follow
+            # (a few kilobytes of 0x91 bytes do it); it is bad input like the rest.
+            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
                 out.append(BadFrame(str(exc)))
         del buf[:pos]
         return out
