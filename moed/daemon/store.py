@@ -124,15 +124,19 @@ class Store:
         """Reference every wanted key, reserving LOADING slots for misses.
 
         Returns None (and changes nothing) when the misses cannot be made room
-        for now; raises ValueError when they never could.
+        for now; raises ValueError when they never could. The keys must be
+        distinct (the daemon dedupes experts at the edge): a repeated missing
+        key would get two slots.
         """
         table = self.table
         slots = [table.get(w.key) for w in wants]
         if None in slots:
             missing = [w for w, s in zip(wants, slots) if s is None]
             need = sum(self.classes[w.class_id].slot_bytes for w in missing)
-            if need > self.budget_bytes:
-                raise ValueError(f"request needs {need} bytes, the budget is {self.budget_bytes}")
+            # Hits must stay resident beside the misses, so they count too.
+            whole = need + sum(s.slot_bytes for s in slots if s is not None and not s.pinned)
+            if whole > self.budget_bytes:
+                raise ValueError(f"request needs {whole} bytes, the budget is {self.budget_bytes}")
             held_here = sum(s.slot_bytes for s in slots if s is not None and self._is_evictable(s))
             room = self.effective_budget_bytes - self.used_bytes + self.evictable_bytes - held_here
             if need > room:

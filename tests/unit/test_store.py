@@ -1,0 +1,567 @@
+"""The pure store: eviction order, references, all-or-nothing acquires, shared and
+failed loads, prefetch, size classes, shrinking, and a random-operation
+state machine that checks the invariants of store.py's docstring after every step.
+
+Sizes are small integers: class 1 holds 100-byte slots, class 2 250-byte slots.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from moed.daemon.policy import LRU, DecayingLFU
+from moed.daemon.store import ExpertKey, Plan, SlotState, Store, Want
+
+SMALL, BIG = 1, 2                     # class ids
+CLASS_BYTES = {SMALL: 100, BIG: 250}
+
+
+def make_store(budget_bytes: int = 1000, policy=None) -> Store:
+    store = Store(budget_bytes, policy)
+    for class_id, slot_bytes in CLASS_BYTES.items():
+        # As the RAM tier sizes them: as many slots as the budget could ever hold.
+        store.add_class(class_id, slot_bytes, max(1, budget_bytes // slot_bytes))
+    return store
+
+
+def key(expert: int, layer: int = 0, model: int = 0) -> ExpertKey:
+    return ExpertKey(model, layer, expert)
+
+
+def want(expert: int, class_id: int = SMALL, layer: int = 0, model: int = 0) -> Want:
+    return Want(key(expert, layer, model), class_id)
+
+
+def all_slots(store: Store):
+    return [s for cls in store.classes.values() for s in cls.slots]
+
+
+def policy_members(policy) -> set:
+    """The slots a policy holds (peeks at internals: the invariant is about them)."""
+    if isinstance(policy, LRU):
+        return set(policy._order)
+    return set(policy._members)
+
+
+def check_invariants(store: Store) -> None:
+    live = [s for s in all_slots(store) if s.state != SlotState.EMPTY]
+    assert store.used_bytes == sum(s.slot_bytes for s in live if not s.pinned)
+    assert store.used_bytes <= store.budget_bytes
+    assert {id(s) for s in live} == {id(s) for s in store.table.values()}
+    for k, s in store.table.items():
+        assert s.key == k
+    for s in all_slots(store):
+        assert s.refs >= 0
+        if s.state == SlotState.EMPTY:
+            assert s.key is None and s.refs == 0
+    for cls in store.classes.values():
+        assert sorted(cls.free) == sorted(s.index for s in cls.slots if s.state == SlotState.EMPTY)
+    evictable = {s for s in live if s.state == SlotState.READY and s.refs == 0 and not s.pinned}
+    assert policy_members(store.policy) == evictable
+    assert len(store.policy) == len(evictable)
+    assert store.evictable_bytes == sum(s.slot_bytes for s in evictable)
+    victim = store.policy.victim()
+    assert (victim is None) == (not evictable)
+    assert victim is None or victim in evictable
+
+
+def load(store: Store, wants: list[Want]) -> Plan:
+    """Acquire and complete every read this acquire started."""
+    plan = store.acquire(wants)
+    assert plan is not None
+    for slot in plan.to_load:
+        store.loaded(slot)
+    return plan
+
+
+def release(store: Store, plan: Plan) -> None:
+    for slot, gen in zip(plan.slots, plan.generations):
+        store.release(slot, gen)
+
+
+def resident(store: Store) -> set[ExpertKey]:
+    return set(store.table)
+
+
+# ---- eviction order ---------------------------------------------------------
+
+
+def test_lru_evicts_least_recently_released_across_models_and_classes():
+    store = make_store(budget_bytes=600)
+    a = load(store, [want(0, model=0)])                  # 100
+    b = load(store, [want(1, BIG, layer=1, model=1)])    # 250
+    c = load(store, [want(2, model=1)])                  # 100
+    d = load(store, [want(3, model=0)])                  # 100: 550 used, 50 free
+    for plan in (c, a, d, b):                            # LRU order: c, a, d, b
+        release(store, plan)
+    check_invariants(store)
+
+    load(store, [want(4, model=2)])       # needs 100: evicts c only
+    assert key(2, model=1) not in resident(store)
+    assert {key(0), key(3), key(1, 1, 1)} <= resident(store)
+
+    load(store, [want(5, BIG, layer=1)])  # needs 250 with 50 free: evicts a, then d
+    assert key(0) not in resident(store) and key(3) not in resident(store)
+    assert key(1, 1, 1) in resident(store)
+    assert store.evictions == 3
+    check_invariants(store)
+
+
+def test_hit_moves_a_slot_to_the_back_of_the_lru_order():
+    store = make_store(budget_bytes=300)
+    plans = [load(store, [want(e)]) for e in range(3)]
+    for plan in plans:
+        release(store, plan)
+    release(store, load(store, [want(0)]))   # hit: 0 is now the most recent
+    load(store, [want(9)])
+    assert resident(store) == {key(0), key(2), key(9)}
+
+
+def test_eviction_order_follows_release_not_acquire_order():
+    store = make_store(budget_bytes=200)
+    first, second = load(store, [want(0)]), load(store, [want(1)])
+    release(store, second)
+    release(store, first)
+    load(store, [want(2)])
+    assert resident(store) == {key(0), key(2)}
+
+
+# ---- references and all-or-nothing -----------------------------------------
+
+
+def test_held_slot_is_never_evicted_and_acquire_waits_instead():
+    store = make_store(budget_bytes=300)
+    held = load(store, [want(0), want(1), want(2)])
+    before = (store.used_bytes, dict(store.table), store.evictions)
+    assert store.acquire([want(3)]) is None
+    assert (store.used_bytes, dict(store.table), store.evictions) == before
+    for s in held.slots:
+        assert s.state == SlotState.READY and s.refs == 1
+    release(store, held)
+    assert store.acquire([want(3)]) is not None
+    check_invariants(store)
+
+
+def test_acquire_is_all_or_nothing():
+    store = make_store(budget_bytes=400)
+    held = load(store, [want(0), want(1)])
+    idle = load(store, [want(2)])
+    release(store, idle)
+    # 3 misses need 300 bytes; only 100 free + 100 evictable: nothing may change,
+    # not even the reference on the resident key 2 or the eviction of key 2.
+    assert store.acquire([want(2), want(3), want(4), want(5)]) is None
+    assert store.table[key(2)].refs == 0
+    assert store.evictable_bytes == 100 and store.evictions == 0
+    check_invariants(store)
+    release(store, held)
+    plan = store.acquire([want(2), want(3), want(4), want(5)])
+    assert plan is not None and plan.hits == 1 and plan.misses == 3
+    check_invariants(store)
+
+
+def test_resident_keys_of_a_request_are_not_counted_as_room():
+    store = make_store(budget_bytes=300)
+    release(store, load(store, [want(0), want(1)]))   # 200 evictable, 100 free
+    # 0 and 1 will be referenced by this very acquire, so only 100 bytes are
+    # free for the two misses.
+    assert store.acquire([want(0), want(1), want(2)]) is not None
+    assert store.acquire([want(3), want(4)]) is None
+
+
+def test_request_larger_than_the_budget_raises():
+    store = make_store(budget_bytes=300)
+    with pytest.raises(ValueError):
+        store.acquire([want(e) for e in range(4)])
+    with pytest.raises(ValueError):
+        store.acquire([want(0, BIG), want(1, BIG)])
+    check_invariants(store)
+    assert store.used_bytes == 0
+
+
+def test_request_larger_than_the_budget_raises_even_when_partly_resident():
+    """Hits and misses must all be resident at once: more than the budget never fits."""
+    store = make_store(budget_bytes=300)
+    held = load(store, [want(0), want(1)])
+    with pytest.raises(ValueError):
+        store.acquire([want(0), want(1), want(2), want(3)])
+    assert [s.refs for s in held.slots] == [1, 1]
+    check_invariants(store)
+
+
+def test_refs_count_every_lease_and_release_is_idempotent_per_lease():
+    store = make_store()
+    a = load(store, [want(0)])
+    b = store.acquire([want(0)])
+    assert b.hits == 1 and b.misses == 0 and not b.to_load
+    slot = a.slots[0]
+    assert b.slots[0] is slot and slot.refs == 2
+    release(store, a)
+    assert slot.refs == 1 and len(store.policy) == 0
+    release(store, b)
+    assert slot.refs == 0 and len(store.policy) == 1
+    release(store, b)                     # a release beyond the refs does nothing
+    assert slot.refs == 0 and store.evictable_bytes == 100
+    check_invariants(store)
+
+
+# ---- shared and failed loads -----------------------------------------------
+
+
+def test_second_acquire_of_a_loading_key_joins_the_read():
+    store = make_store()
+    first = store.acquire([want(0)])
+    assert first.to_load == first.slots and first.misses == 1 and not first.loading
+    used = store.used_bytes
+    second = store.acquire([want(0), want(1)])
+    assert second.loading == [first.slots[0]]
+    assert second.to_load == [second.slots[1]]
+    assert second.hits == 0 and second.misses == 1
+    assert second.slots[0] is first.slots[0] and first.slots[0].refs == 2
+    assert store.used_bytes == used + 100          # only key 1 got a new slot
+    store.loaded(first.slots[0])
+    assert first.slots[0].state == SlotState.READY and len(store.policy) == 0
+    check_invariants(store)
+
+
+def test_failed_load_kills_every_reference_and_stale_releases_are_ignored():
+    store = make_store(budget_bytes=200)
+    first = store.acquire([want(0)])
+    joined = store.acquire([want(0)])
+    slot = first.slots[0]
+    store.failed(slot)
+    assert slot.state == SlotState.EMPTY and slot.refs == 0 and key(0) not in store.table
+    assert store.used_bytes == 0
+    assert store.take_dropped() == [slot]
+    check_invariants(store)
+
+    again = store.acquire([want(0)])       # a fresh residency, maybe in the same slot
+    store.loaded(again.slots[0])
+    release(store, first)                  # stale generations: ignored
+    release(store, joined)
+    assert again.slots[0].refs == 1
+    check_invariants(store)
+    store.failed(again.slots[0])           # not LOADING any more: ignored
+    assert again.slots[0].state == SlotState.READY
+
+
+def test_release_of_a_loading_slot_makes_it_evictable_only_once_ready():
+    store = make_store()
+    plan = store.acquire([want(0)])
+    release(store, plan)
+    assert plan.slots[0].refs == 0 and len(store.policy) == 0
+    check_invariants(store)
+    store.loaded(plan.slots[0])
+    assert len(store.policy) == 1 and store.evictable_bytes == 100
+    check_invariants(store)
+
+
+# ---- prefetch -----------------------------------------------------------------
+
+
+def test_prefetch_takes_no_reference_and_is_evictable_once_ready():
+    store = make_store(budget_bytes=200)
+    slot = store.prefetch(want(0))
+    assert slot is not None and slot.state == SlotState.LOADING and slot.refs == 0 and slot.prefetched
+    assert store.prefetch(want(0)) is None              # in flight already
+    check_invariants(store)
+    store.loaded(slot)
+    assert store.prefetch(want(0)) is None              # resident
+    assert store.policy.victim() is slot
+    check_invariants(store)
+
+    plan = store.acquire([want(0)])
+    assert plan.hits == 1 and plan.slots[0] is slot
+    assert store.use_prefetched(slot) is True
+    assert store.use_prefetched(slot) is False          # counted once
+    release(store, plan)
+    check_invariants(store)
+
+
+def test_prefetch_never_evicts_a_held_slot():
+    store = make_store(budget_bytes=200)
+    held = load(store, [want(0), want(1)])
+    assert store.prefetch(want(2)) is None
+    assert store.prefetch(want(2, BIG)) is None
+    release(store, held)
+    slot = store.prefetch(want(2))
+    assert slot is not None and key(0) not in store.table     # the LRU one went
+    check_invariants(store)
+
+
+def test_acquire_joins_an_in_flight_prefetch():
+    store = make_store()
+    slot = store.prefetch(want(0))
+    plan = store.acquire([want(0)])
+    assert plan.loading == [slot] and not plan.to_load and slot.refs == 1
+    store.loaded(slot)
+    assert len(store.policy) == 0
+    release(store, plan)
+    assert store.policy.victim() is slot
+    check_invariants(store)
+
+
+def test_failed_prefetch_frees_its_slot():
+    store = make_store()
+    slot = store.prefetch(want(0))
+    store.failed(slot)
+    assert store.used_bytes == 0 and store.take_dropped() == [slot]
+    check_invariants(store)
+
+
+def test_reused_slot_is_no_longer_marked_prefetched():
+    store = make_store(budget_bytes=100)
+    slot = store.prefetch(want(0))
+    store.loaded(slot)
+    plan = load(store, [want(1)])                      # evicts the prefetch, same class
+    assert plan.slots[0] is slot and not store.use_prefetched(slot)
+
+
+# ---- size classes ---------------------------------------------------------------
+
+
+def test_same_class_eviction_reuses_the_slot_and_keeps_its_pages():
+    store = make_store(budget_bytes=200)
+    old = load(store, [want(0), want(1)])
+    release(store, old)
+    gen = old.slots[0].generation
+    new = store.acquire([want(2)])
+    assert new.slots[0] is old.slots[0]
+    assert new.slots[0].generation == gen + 1
+    assert store.take_dropped() == []
+    assert store.used_bytes == 200
+    check_invariants(store)
+
+
+def test_cross_class_eviction_drops_the_victims_pages():
+    store = make_store(budget_bytes=300)
+    small = load(store, [want(0), want(1), want(2)])
+    release(store, small)
+    big = store.acquire([want(9, BIG)])           # 250: evicts three small slots
+    assert big is not None
+    dropped = store.take_dropped()
+    assert sorted(s.index for s in dropped) == [0, 1, 2]
+    assert all(s.class_id == SMALL and s.state == SlotState.EMPTY for s in dropped)
+    assert store.take_dropped() == []
+    assert store.used_bytes == 250 and store.evictions == 3
+    check_invariants(store)
+
+
+def test_slot_capacity_per_class_is_never_exceeded():
+    store = make_store(budget_bytes=1000)
+    plan = load(store, [want(e, BIG) for e in range(4)])
+    assert sorted(s.index for s in plan.slots) == [0, 1, 2, 3]
+    assert store.acquire([want(9, BIG)]) is None
+
+
+def test_add_class_twice_is_refused():
+    store = make_store()
+    with pytest.raises(ValueError):
+        store.add_class(SMALL, 100, 1)
+
+
+# ---- shrink and drop_model ---------------------------------------------------------
+
+
+def test_shrink_evicts_unreferenced_slots_in_lru_order():
+    store = make_store(budget_bytes=500)
+    held = load(store, [want(0)])
+    for e in (1, 2, 3):
+        release(store, load(store, [want(e)]))
+    freed = store.shrink(250)
+    assert freed == 200 and store.used_bytes == 200
+    assert resident(store) == {key(0), key(3)}
+    assert len(store.take_dropped()) == 2
+    assert store.shrink(0) == 100                 # the held slot stays
+    assert resident(store) == {key(0)} and held.slots[0].refs == 1
+    check_invariants(store)
+
+
+def test_drop_model_forgets_only_unreferenced_slots_of_that_model():
+    store = make_store()
+    held = load(store, [want(0, model=1)])
+    release(store, load(store, [want(1, model=1), want(2, BIG, model=1)]))
+    release(store, load(store, [want(1, model=2)]))
+    loading = store.prefetch(want(5, model=1))
+    store.drop_model(1)
+    assert resident(store) == {key(0, model=1), key(1, model=2), key(5, model=1)}
+    assert held.slots[0].refs == 1 and loading.state == SlotState.LOADING
+    assert len(store.take_dropped()) == 2
+    check_invariants(store)
+
+
+# ---- random operation sequences ---------------------------------------------------
+
+KEYS = st.builds(ExpertKey, st.integers(0, 2), st.integers(0, 3), st.integers(0, 3))
+
+
+def class_of(k: ExpertKey) -> int:
+    return BIG if k.layer >= 2 else SMALL
+
+
+class StoreMachine(RuleBasedStateMachine):
+    """Drives the store the way the daemon does, with a model of who holds what.
+
+    `leases` are granted acquires: (slot, generation) per key. The model's
+    exact reference count for a slot is the number of live leases naming its
+    current generation; `inflight` are reads started and not yet finished.
+    """
+
+    policy_factory = LRU
+
+    def __init__(self):
+        super().__init__()
+        self.store = make_store(budget_bytes=700, policy=self.policy_factory())
+        self.leases: list[list[tuple]] = []
+        self.inflight: list[tuple] = []
+
+    def settle(self):
+        # The daemon gives dropped pages back before any read starts; a slot
+        # dropped here is EMPTY or was just reserved again (LOADING).
+        for s in self.store.take_dropped():
+            event("pages dropped")
+            assert s.state != SlotState.READY
+
+    @rule(keys=st.lists(KEYS, min_size=1, max_size=4, unique=True))
+    def acquire(self, keys):
+        store = self.store
+        wants = [Want(k, class_of(k)) for k in keys]
+        present = {k: store.table[k] for k in keys if k in store.table}
+        missing = [k for k in keys if k not in present]
+        need = sum(CLASS_BYTES[class_of(k)] for k in missing)
+        whole = need + sum(s.slot_bytes for s in present.values())
+        spare = sum(s.slot_bytes for s in all_slots(store)
+                    if s.state == SlotState.READY and s.refs == 0 and s.key not in present)
+        room = store.effective_budget_bytes - store.used_bytes + spare
+        used_before = store.used_bytes
+        before = {k: (id(s), s.refs, s.generation) for k, s in store.table.items()}
+        if missing and whole > store.budget_bytes:
+            with pytest.raises(ValueError):
+                store.acquire(wants)
+            event("acquire: too large")
+            return
+        evictions = store.evictions
+        plan = store.acquire(wants)
+        if missing and need > room:
+            event("acquire: waits")
+            assert plan is None
+            assert {k: (id(s), s.refs, s.generation) for k, s in store.table.items()} == before
+            return
+        assert plan is not None
+        event("acquire: evicted" if store.evictions > evictions else "acquire: granted")
+        assert [s.key for s in plan.slots] == keys
+        # New slots only fit under the effective budget (the memory guard's limit).
+        assert store.used_bytes <= max(used_before, store.effective_budget_bytes)
+        assert plan.hits + len(plan.loading) + plan.misses == len(keys)
+        assert {id(s) for s in plan.to_load} == {id(store.table[k]) for k in missing}
+        for k, s in present.items():                  # resident keys kept their slot
+            assert store.table[k] is s and before[k][2] == s.generation
+        self.settle()
+        self.leases.append(list(zip(plan.slots, plan.generations)))
+        self.inflight += [(s, s.generation) for s in plan.to_load]
+
+    @precondition(lambda self: self.leases)
+    @rule(data=st.data())
+    def release(self, data):
+        lease = self.leases.pop(data.draw(st.integers(0, len(self.leases) - 1)))
+        for slot, gen in lease:
+            self.store.release(slot, gen)
+
+    @precondition(lambda self: self.leases)
+    @rule()
+    def release_oldest(self):
+        # Engines release in the order they acquired (layer after layer);
+        # a second release rule also keeps the budget from filling with leases.
+        for slot, gen in self.leases.pop(0):
+            self.store.release(slot, gen)
+
+    @precondition(lambda self: self.inflight)
+    @rule()
+    def finish_every_read(self):
+        for slot, gen in self.inflight:
+            assert slot.generation == gen and slot.state == SlotState.LOADING
+            self.store.loaded(slot)
+        self.inflight = []
+
+    @precondition(lambda self: self.inflight)
+    @rule(data=st.data(), ok=st.booleans())
+    def finish_read(self, data, ok):
+        slot, gen = self.inflight.pop(data.draw(st.integers(0, len(self.inflight) - 1)))
+        # A LOADING slot is never evicted or reused under its reader.
+        assert slot.generation == gen and slot.state == SlotState.LOADING
+        if ok:
+            self.store.loaded(slot)
+        else:
+            self.store.failed(slot)
+            self.settle()
+
+    @rule(k=KEYS)
+    def prefetch(self, k):
+        store = self.store
+        fits = (k not in store.table and CLASS_BYTES[class_of(k)]
+                <= store.effective_budget_bytes - store.used_bytes + store.evictable_bytes)
+        slot = store.prefetch(Want(k, class_of(k)))
+        assert (slot is not None) == fits
+        if slot is not None:
+            assert slot.refs == 0 and slot.prefetched and self.store.table[k] is slot
+            self.settle()
+            self.inflight.append((slot, slot.generation))
+
+    @precondition(lambda self: any(s.prefetched and s.refs == 0 for s, _ in self.inflight))
+    @rule(data=st.data())
+    def cancel_prefetch(self, data):
+        unused = [i for i, (s, _) in enumerate(self.inflight) if s.prefetched and s.refs == 0]
+        slot, gen = self.inflight.pop(data.draw(st.sampled_from(unused)))
+        used = self.store.used_bytes
+        self.store.cancel_prefetch(slot)
+        assert slot.state == SlotState.EMPTY and self.store.used_bytes == used - slot.slot_bytes
+        self.settle()
+
+    @rule(limit_bytes=st.integers(200, 800))
+    def set_effective_budget(self, limit_bytes):
+        self.store.set_effective_budget(limit_bytes)
+        assert self.store.effective_budget_bytes == min(limit_bytes, self.store.budget_bytes)
+
+    @rule(target_bytes=st.integers(0, 700))
+    def shrink(self, target_bytes):
+        before = self.store.used_bytes
+        freed = self.store.shrink(target_bytes)
+        assert self.store.used_bytes == before - freed
+        assert self.store.used_bytes <= target_bytes or self.store.evictable_bytes == 0
+        self.settle()
+
+    @rule(model=st.integers(0, 2))
+    def drop_model(self, model):
+        self.store.drop_model(model)
+        for k, s in self.store.table.items():
+            assert k.model_id != model or s.refs > 0 or s.state != SlotState.READY
+        self.settle()
+
+    @invariant()
+    def invariants_hold(self):
+        check_invariants(self.store)
+
+    @invariant()
+    def refs_are_exactly_the_live_leases(self):
+        counts: dict[int, int] = {}
+        for lease in self.leases:
+            for slot, gen in lease:
+                if slot.generation == gen:
+                    counts[id(slot)] = counts.get(id(slot), 0) + 1
+                    assert slot.state != SlotState.EMPTY      # a held slot is never evicted
+        for s in all_slots(self.store):
+            assert s.refs == counts.get(id(s), 0)
+
+
+class LFUStoreMachine(StoreMachine):
+    policy_factory = staticmethod(lambda: DecayingLFU(half_life=4))
+
+
+_machine_settings = settings(max_examples=int(__import__("os").environ.get("STORE_EXAMPLES", 60)), stateful_step_count=40, deadline=None,
+                             suppress_health_check=[HealthCheck.too_slow])
+TestStoreMachine = StoreMachine.TestCase
+TestStoreMachine.settings = _machine_settings
+TestLFUStoreMachine = LFUStoreMachine.TestCase
+TestLFUStoreMachine.settings = _machine_settings
