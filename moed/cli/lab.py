@@ -194,11 +194,13 @@ def cmd_policy(args: argparse.Namespace) -> int:
             row.update(reads_per_token=c.reads_per_token, io_ms=c.io_ms,
                        serial_tok_s=c.serial_tok_s, overlapped_tok_s=c.overlapped_tok_s)
     if args.mtp is not None:
-        for row in rows:
-            m = ceilings.mtp_reads(trace, row["policy"], args.mtp, args.accept,
-                                   row["size"], None if row["size"] is not None else row["slots"], args.warm)
-            row.update(mtp_reads_per_token=m.reads_per_token, mtp_reads_per_step=m.reads_per_step,
-                       plain_reads_per_token=m.reads_per_token_plain)
+        grouped, steps = ceilings.mtp_accesses(trace, args.mtp, args.accept, args.warm)
+        for row, (size, n) in zip(rows, [pt for pt in points for _ in names]):
+            r = policies.replay(grouped, row["policy"], size, n)
+            tokens = grouped.n_counted_tokens or 1
+            row.update(mtp_reads_per_token=(r.accesses - r.hits) / tokens,
+                       mtp_reads_per_step=(r.accesses - r.hits) / max(steps, 1),
+                       plain_reads_per_token=(row["accesses"] - row["hits"]) / tokens)
     if args.plot:
         plot_policies(rows, args.plot, args.trace)
     if args.json:

@@ -132,11 +132,14 @@ class MtpReads:
 
 
 def mtp_reads(trace: Trace, policy: str, n_draft: int, accept: float, size: float | None = None,
-              slots: int | None = None, warm: int = 0) -> MtpReads:
-    grouped, steps = mtp_accesses(trace, n_draft, accept, warm)
-    plain = policies.replay(trace if warm == 0 else policies.accesses(trace, warm), policy, size, slots)
-    with_mtp = policies.replay(grouped, policy, size, slots)
-    tokens = grouped.n_counted_tokens or 1
+              slots: int | None = None, warm: int = 0,
+              grouped: tuple[Accesses, int] | None = None) -> MtpReads:
+    """Reads per generated token with and without MTP grouping, for one policy and
+    size. `grouped` reuses a `mtp_accesses` result across policies and sizes."""
+    stream, steps = grouped or mtp_accesses(trace, n_draft, accept, warm)
+    plain = policies.replay(policies.accesses(trace, warm), policy, size, slots)
+    with_mtp = policies.replay(stream, policy, size, slots)
+    tokens = stream.n_counted_tokens or 1
     misses = with_mtp.accesses - with_mtp.hits
     return MtpReads(policy, size, with_mtp.slots, n_draft, accept, steps, misses / tokens,
                     (plain.accesses - plain.hits) / tokens, misses / steps if steps else 0.0)

@@ -423,15 +423,15 @@ def _read_native(path: Path) -> Trace:
                                f"(this moed reads version {FORMAT_VERSION})")
             geometry = Geometry.from_json(header["geometry"])
             dtype = _id_dtype(geometry.n_experts)
-            ids, opt = (_from_disk(z[n], dtype) for n in ("ids",)), {}
-            for n in ("ahead1", "ahead2"):
-                if n in z.files:
-                    rows = _from_disk(z[n], dtype)
-                    full = np.full((z["ids"].shape[0], *rows.shape[1:]), -1, dtype)
-                    full[z[n + "_tokens"]] = rows
-                    opt[n] = full
-            return Trace(geometry, next(ids), z["step_kind"], z["step_tokens"],
-                         meta=header.get("meta") or {}, **opt)
+            ids = _from_disk(z["ids"], dtype)
+            aheads = {}
+            for name in ("ahead1", "ahead2"):
+                if name in z.files:  # stored for the predicted tokens only
+                    full = np.full((ids.shape[0], *z[name].shape[1:]), -1, dtype)
+                    full[z[name + "_tokens"]] = _from_disk(z[name], dtype)
+                    aheads[name] = full
+            return Trace(geometry, ids, z["step_kind"], z["step_tokens"],
+                         meta=header.get("meta") or {}, **aheads)
     except (KeyError, ValueError, zipfile.BadZipFile, json.JSONDecodeError) as exc:
         raise BadTrace(f"{path}: damaged trace file ({exc})") from exc
 
