@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 _UNITS = {
     "": 1, "b": 1,
@@ -24,7 +25,9 @@ def parse_size(text: str | int) -> int:
     unit = m.group(2).lower() if m else None
     if not m or unit not in _UNITS:
         raise ValueError(f"not a size: {text!r} (use e.g. 512MiB, 4GiB or plain bytes)")
-    return int(float(m.group(1)) * _UNITS[unit])
+    # Exact decimal arithmetic: a float turns "1.001KB" into 1000 and loses
+    # plain integers above 2**53.
+    return int(Fraction(m.group(1)) * _UNITS[unit])
 
 
 def format_size(n: int) -> str:
