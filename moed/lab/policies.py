@@ -23,8 +23,8 @@ Per-layer policies (one independent cache per layer, same capacity each):
   lru    least recently used.
   lfu    least frequently used; counts are per expert and survive eviction
          (perfect LFU); ties go to the oldest last use.
-  slru   segmented LRU: new experts enter a probation segment (20% of the slots,
-         at least 1); a hit there promotes to the protected segment (the rest),
+  slru   segmented LRU: new experts enter a probation segment (20% of the slots
+         rounded down, at least 1); a hit there promotes to the protected segment (the rest),
          whose LRU end falls back to probation's MRU end; probation's LRU end is
          evicted.
   opt    Belady's MIN with bypass (below).
@@ -226,7 +226,7 @@ def _slru(keys: list[int], cap: int, **_: Any) -> bytearray:
     hit = bytearray(len(keys))
     if cap <= 0:
         return hit
-    prob_cap = max(1, round(cap * SLRU_PROBATION))
+    prob_cap = max(1, int(cap * SLRU_PROBATION))
     prot_cap = cap - prob_cap
     prob: OrderedDict[int, None] = OrderedDict()
     prot: OrderedDict[int, None] = OrderedDict()
@@ -416,7 +416,7 @@ def _g_tlfu(keys: list[int], cap: int, window: float, **_: Any) -> bytearray:
     prot: OrderedDict[int, None] = OrderedDict()
     freq: dict[int, int] = {}
     for i, k in enumerate(keys):
-        if i and i % reset_every == 0:
+        if (i + 1) % reset_every == 0:  # every 10 x slots accesses, this one included
             freq = {key: f // 2 for key, f in freq.items() if f > 1}
         freq[k] = freq.get(k, 0) + 1
         if k in prot:
