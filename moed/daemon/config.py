@@ -61,6 +61,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             (self.mem_sample_s > 0, "mem_sample_s must be positive"),
             (0 <= self.socket_mode <= 0o777, "socket_mode must be a permission mode like 0o660"),
             (self.mem_floor_bytes >= 0 and self.pin_budget_bytes >= 0, "sizes must not be negative"),
+            (self.max_clients >= 1, "max_clients must be at least 1"),
+            (self.socket_path != "", "socket_path must not be empty"),
         ]
         for ok, why in checks:
             if not ok:

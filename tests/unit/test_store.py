@@ -7,6 +7,8 @@ Sizes are small integers: class 1 holds 100-byte slots, class 2 250-byte slots.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
@@ -559,7 +561,9 @@ class LFUStoreMachine(StoreMachine):
     policy_factory = staticmethod(lambda: DecayingLFU(half_life=4))
 
 
-_machine_settings = settings(max_examples=int(__import__("os").environ.get("STORE_EXAMPLES", 60)), stateful_step_count=40, deadline=None,
+# STORE_EXAMPLES=2000 hunts longer (about a minute); the default keeps the suite fast.
+_machine_settings = settings(max_examples=int(os.environ.get("STORE_EXAMPLES", 60)),
+                             stateful_step_count=40, deadline=None,
                              suppress_health_check=[HealthCheck.too_slow])
 TestStoreMachine = StoreMachine.TestCase
 TestStoreMachine.settings = _machine_settings
