@@ -495,45 +495,102 @@ def write_jsonl(trace: Trace, f: Any) -> None:
 
 # ---- moe_trace TSV ------------------------------------------------------------
 
-def _ids_field(text: str) -> list[int]:
-    text = text.strip()
-    return [] if text in ("-", "") else [int(x) for x in text.split(",")]
-
-
 def read_tsv(path: str | os.PathLike[str], **geometry: Any) -> Trace:
-    """Import a tools/moe_trace.cpp TSV trace (6-, 4- or the old 3-column form)."""
-    steps: list[tuple[str, dict[int, list[list[list[int]]]]]] = []
-    cur_step: str | None = None
+    """Import a tools/moe_trace.cpp TSV trace (6-, 4- or the old 3-column form).
+
+    Rows are split in Python, everything after that is vectorised: a row's token
+    within its step is its rank among the step's rows of the same layer.
+    """
     meta: dict[str, Any] = {}
+    steps, layers, kinds, fields = [], [], [], ([], [], [])
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
-            line = line.rstrip("\n\r")
-            if not line.strip():
-                continue
             if line.startswith("#"):
-                _comment_meta(line, meta)
+                _comment_meta(line.rstrip("\r\n"), meta)
                 continue
-            col = line.split("\t")
-            try:
-                if len(col) >= 4:
-                    kind, routed, rest = col[2].strip(), col[3], col[4:6]
-                elif len(col) == 3:
-                    kind, routed, rest = (PROMPT if int(col[0]) == 0 else DECODE), col[2], []
-                else:
-                    raise ValueError("fewer than 3 columns")
-                if kind not in _KIND_CODE:
-                    raise ValueError(f"kind {kind!r}")
-                row = [_ids_field(routed)] + [_ids_field(c) for c in rest]
-                layer = int(col[1])
-            except ValueError as exc:
-                raise BadTrace(f"{path}:{lineno}: bad trace row ({exc})") from exc
-            if col[0] != cur_step:
-                steps.append((kind, {}))
-                cur_step = col[0]
-            steps[-1][1].setdefault(layer, []).append(row)
+            col = line.rstrip("\r\n").split("\t")
+            if len(col) < 3:
+                if line.strip():
+                    raise BadTrace(f"{path}:{lineno}: bad trace row (fewer than 3 columns)")
+                continue
+            old = len(col) == 3  # step, layer, ids: step 0 is the prompt
+            kind = col[2].strip() if not old else None
+            if kind is not None and kind not in _KIND_CODE:
+                raise BadTrace(f"{path}:{lineno}: bad trace row (kind {kind!r})")
+            steps.append(col[0])
+            layers.append(col[1])
+            kinds.append(kind)
+            for j, text in enumerate(col[2:5] if old else col[3:6]):
+                fields[j].append(text)
+            for j in range(len(col) - (2 if old else 3), 3):
+                fields[j].append("-")
     if not steps:
         raise BadTrace(f"{path}: no trace rows")
-    return _build_from_rows(steps, geometry, meta).with_meta(source=str(path), source_format="tsv")
+    try:
+        return _tsv_trace(steps, layers, kinds, fields, geometry, meta).with_meta(
+            source=str(path), source_format="tsv")
+    except ValueError as exc:
+        raise BadTrace(f"{path}: bad trace row ({exc})") from exc
+
+
+def _tsv_trace(steps: list[str], layers: list[str], kinds: list[str | None],
+               fields: tuple[list[str], list[str], list[str]], geometry: dict[str, Any],
+               meta: dict[str, Any]) -> Trace:
+    n_rows = len(steps)
+    new_step = np.ones(n_rows, dtype=bool)
+    new_step[1:] = [a != b for a, b in zip(steps[1:], steps[:-1])]
+    step_of = np.cumsum(new_step) - 1
+    firsts = np.flatnonzero(new_step)
+    step_kind = np.array([ord(kinds[i] or (PROMPT if int(steps[i]) == 0 else DECODE)) for i in firsts],
+                         dtype=np.uint8)
+    layer_ids, layer = np.unique(np.array([int(x) for x in layers], dtype=np.int64), return_inverse=True)
+    n_layers = len(layer_ids)
+    # a row's token within its step: its rank among the step's rows of its layer
+    group = step_of * n_layers + layer
+    order = np.argsort(group, kind="stable")
+    g_sorted = group[order]
+    tok_in_step = np.empty(n_rows, dtype=np.int64)
+    tok_in_step[order] = np.arange(n_rows) - np.searchsorted(g_sorted, g_sorted, side="left")
+    step_tokens = np.zeros(len(firsts), dtype=np.int64)
+    np.maximum.at(step_tokens, step_of, tok_in_step + 1)
+    token = np.concatenate([[0], np.cumsum(step_tokens)])[step_of] + tok_in_step
+    parsed = [_parse_ids(col) for col in fields]
+    widest = [int(counts.max(initial=0)) for _, _, counts in parsed]
+    max_id = max(int(vals.max(initial=0)) for _, vals, _ in parsed)
+    if any(int(vals.min(initial=0)) < 0 for _, vals, _ in parsed):
+        raise ValueError("negative expert id")
+    top_k = int(geometry.pop("top_k", None) or widest[0])
+    n_experts = int(geometry.pop("n_experts", None) or max_id + 1)
+    g = Geometry(n_layers, n_experts, top_k, geometry.pop("bytes_per_expert", None),
+                 tuple(int(x) for x in layer_ids))
+    if geometry:
+        raise BadTrace(f"unknown geometry override(s): {sorted(geometry)}")
+    if widest[0] > top_k or max_id >= n_experts:
+        raise BadTrace(f"trace has rows wider than top_k={top_k} or ids >= n_experts={n_experts}")
+    n_tok, dtype = int(step_tokens.sum()), _id_dtype(n_experts)
+    width = max(widest[1], widest[2], 2 * top_k)
+    grids = []
+    for (rows, vals, _), w in zip(parsed, (top_k, width, width)):
+        grid = np.full((n_tok, n_layers, w), -1, dtype=dtype)
+        grid[token[rows], layer[rows], _column(rows)] = vals
+        grids.append(grid)
+    aheads = [grid if widest[j] else None for j, grid in ((1, grids[1]), (2, grids[2]))]
+    return Trace(g, grids[0], step_kind, step_tokens, aheads[0], aheads[1], meta)
+
+
+def _parse_ids(texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(row of each id, the ids, ids per row) from comma-separated fields, '-' = none."""
+    stripped = [t.strip() for t in texts]
+    counts = np.array([0 if t in ("-", "") else t.count(",") + 1 for t in stripped], dtype=np.int64)
+    joined = ",".join(t for t in stripped if t not in ("-", ""))
+    vals = np.fromiter(map(int, joined.split(",")), dtype=np.int64) if joined else np.zeros(0, np.int64)
+    rows = np.repeat(np.arange(len(texts), dtype=np.int64), counts)
+    return rows, vals, counts
+
+
+def _column(rows: np.ndarray) -> np.ndarray:
+    """Position of each entry within its row (rows are non-decreasing)."""
+    return np.arange(len(rows)) - np.searchsorted(rows, rows, side="left")
 
 
 def _comment_meta(line: str, meta: dict[str, Any]) -> None:
@@ -542,46 +599,6 @@ def _comment_meta(line: str, meta: dict[str, Any]) -> None:
     if "=" in body and " " not in body.split("=", 1)[0]:
         key, value = body.split("=", 1)
         meta[key.strip()] = value.strip()
-
-
-def _build_from_rows(steps: list[tuple[str, dict[int, list[list[list[int]]]]]],
-                     geometry: dict[str, Any], meta: dict[str, Any]) -> Trace:
-    layer_ids = sorted({layer for _, rows in steps for layer in rows})
-    dense = {layer: i for i, layer in enumerate(layer_ids)}
-    widest = [0, 0, 0]
-    max_id = 0
-    for _, rows in steps:
-        for layer_rows in rows.values():
-            for row in layer_rows:
-                for j, ids in enumerate(row):
-                    widest[j] = max(widest[j], len(ids))
-                    max_id = max(max_id, max(ids, default=0))
-    top_k = int(geometry.pop("top_k", None) or widest[0])
-    n_experts = int(geometry.pop("n_experts", None) or max_id + 1)
-    w = TraceWriter(len(layer_ids), n_experts, top_k, geometry.pop("bytes_per_expert", None),
-                    layer_ids, meta=meta, ahead_width=max(widest[1], widest[2], 2 * top_k))
-    if geometry:
-        raise BadTrace(f"unknown geometry override(s): {sorted(geometry)}")
-    for kind, rows in steps:
-        n = max(len(r) for r in rows.values())
-        # column (routed, ahead1, ahead2) -> dense layer -> token -> ids
-        grids = [[[[] for _ in range(n)] for _ in layer_ids] for _ in range(3)]
-        for layer, layer_rows in rows.items():
-            for t, row in enumerate(layer_rows):
-                for j, ids in enumerate(row):
-                    grids[j][dense[layer]][t] = ids
-        arrays = [[_pad(tokens) for tokens in grid] for grid in grids]
-        has = [widest[j] > 0 and any(ids for layer in grids[j] for ids in layer) for j in (1, 2)]
-        w.append_step(kind, arrays[0], arrays[1] if has[0] else None, arrays[2] if has[1] else None)
-    return w.finish()
-
-
-def _pad(tokens: list[list[int]]) -> np.ndarray:
-    width = max((len(t) for t in tokens), default=0)
-    out = np.full((len(tokens), max(width, 1)), -1, dtype=np.int64)
-    for i, t in enumerate(tokens):
-        out[i, : len(t)] = t
-    return out
 
 
 def write_tsv(trace: Trace, f: Any) -> None:
