@@ -67,6 +67,20 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for ok, why in checks:
             if not ok:
                 raise ValueError(why)
+        self._check_tenants()
+
+    def _check_tenants(self) -> None:
+        from .tenants import resolve_tenants
+
+        resolve_tenants(self.tenants)        # unknown user names fail the start
+        for key, t in self.tenants.items():
+            if t.floor_bytes < 0 or t.ceiling_bytes < 0:
+                raise ValueError(f"tenants.{key}: sizes must not be negative")
+            if t.ceiling_bytes and t.floor_bytes > t.ceiling_bytes:
+                raise ValueError(f"tenants.{key}: floor_bytes exceeds ceiling_bytes")
+        floors = sum(t.floor_bytes for t in self.tenants.values())
+        if floors > self.ram_budget_bytes:
+            raise ValueError(f"tenant floors add up to {floors} bytes, more than ram_budget_bytes")
 
 
 def _sizes(raw: dict[str, Any], where: str = "") -> dict[str, Any]:

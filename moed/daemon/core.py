@@ -42,6 +42,7 @@ from .models import LayerPlan, Model, class_key, file_identity, model_info, open
 from .ramtier import RamTier
 from .reader import ModelFile, ReaderPool, ReadJob
 from .memguard import MemGuard
+from .tenants import Heat, resolve_tenants
 from .stats import Counters, Tenant
 from .store import ExpertKey, Slot, SlotState, Store, Want
 from .policy import make_policy
@@ -80,6 +81,9 @@ class Daemon:
         self.ramtier = RamTier(config.ram_budget_bytes + config.pin_budget_bytes)
         self.reader = ReaderPool(config.reader_threads, config.chunk_bytes)
         self.memguard = MemGuard(self, config.mem_floor_bytes, config.mem_sample_s)
+        self.tenant_quotas = resolve_tenants(config.tenants)
+        # decayed access counts per expert, for `moectl pin --from-stats` (only with a pin budget)
+        self.heat = Heat() if config.pin_budget_bytes else None
         self.counters = Counters()
         self.tenants: dict[int, Tenant] = {}
         self.models: dict[int, Model] = {}
@@ -175,6 +179,10 @@ class Daemon:
         t = self.tenants.get(uid)
         if t is None:
             t = self.tenants[uid] = Tenant(uid)
+            quota = self.tenant_quotas.get(uid)
+            if quota is not None:
+                t.floor_bytes, t.ceiling_bytes = quota.floor_bytes, quota.ceiling_bytes
+                self.store.set_quota(t, quota.floor_bytes, quota.ceiling_bytes)
         if name:
             t.names.add(name)
         return t
@@ -236,6 +244,13 @@ class Daemon:
         c.joined_reads += len(plan.loading)
         tenant.hits += plan.hits
         tenant.misses += misses
+        use = tenant.use(plan.slots[0].key.model_id)
+        use[0] += plan.hits
+        use[1] += misses
+        if self.store.pinned_bytes:
+            c.pinned_hits += sum(1 for s in plan.slots if s.pinned and s.state is SlotState.READY)
+        if self.heat is not None:
+            self.heat.add(plan.slots)
         if c.prefetches:
             for slot in plan.slots:
                 if self.store.use_prefetched(slot):
@@ -319,8 +334,9 @@ class Daemon:
             return
         del self._loading[slot]
         self.counters.bytes_read += job.bytes_total
-        if slot.owner is not None:
+        if slot.owner is not None and slot.key is not None:
             slot.owner.bytes_read += job.bytes_total
+            slot.owner.use(slot.key.model_id)[2] += job.bytes_total
         if err is None:
             self.store.loaded(slot)
             loading.done.set_result(None)

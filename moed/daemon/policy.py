@@ -21,6 +21,7 @@ class EvictionPolicy(Protocol):
     def add(self, slot) -> None: ...
     def remove(self, slot) -> None: ...
     def victim(self): ...
+    def candidates(self): ...          # every member, best victim first (quotas walk it)
     def touch(self, slot) -> None: ...
     def __len__(self) -> int: ...
 
@@ -49,6 +50,10 @@ class LRU:
 
     def victim(self):
         return next(iter(self._order), None)
+
+    def candidates(self):
+        """Members in eviction order; the caller must not change the policy while iterating."""
+        return iter(self._order)
 
     def __len__(self) -> int:
         return len(self._order)
@@ -120,6 +125,10 @@ class DecayingLFU:
                 self._seq += 1
                 heapq.heappush(heap, (self._score.get(slot.key, 0.0), self._seq, slot))
         return None
+
+    def candidates(self):
+        """Members in eviction order (sorted now: O(n log n), only walked under quotas)."""
+        return iter(sorted(self._members, key=lambda s: self._score.get(s.key, 0.0)))
 
     def __len__(self) -> int:
         return len(self._members)

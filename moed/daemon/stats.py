@@ -23,6 +23,7 @@ class Counters:
     bad_frames: int = 0
     errors_sent: int = 0
     connections: int = 0
+    pinned_hits: int = 0
 
 
 @dataclass(eq=False)
@@ -35,22 +36,41 @@ class Tenant:
     hits: int = 0
     misses: int = 0
     bytes_read: int = 0
+    floor_bytes: int = 0
+    ceiling_bytes: int = 0
+    per_model: dict = field(default_factory=dict)   # model_id -> [hits, misses, bytes_read]
 
     def key(self) -> str:
         return str(self.uid)
 
+    def use(self, model_id: int) -> list:
+        u = self.per_model.get(model_id)
+        if u is None:
+            u = self.per_model[model_id] = [0, 0, 0]
+        return u
+
 
 def _model_row(daemon, model) -> dict:
-    resident = sum(1 for k in daemon.store.table if k.model_id == model.model_id)
-    users = sorted({s.tenant.uid for s in daemon.sessions if model.model_id in s.models})
+    mid = model.model_id
+    slots = [s for k, s in daemon.store.table.items() if k.model_id == mid]
+    pinned = [s for s in slots if s.pinned]
+    users = sorted({s.tenant.uid for s in daemon.sessions if mid in s.models})
+    uses = [t.per_model[mid] for t in daemon.tenants.values() if mid in t.per_model]
     return {
-        "model_id": model.model_id,
+        "model_id": mid,
         "path": model.path,
         "files": [f.path for f in model.files],
         "moe_layers": len(model.layers),
         "n_experts": model.catalog.n_experts,
         "n_expert_used": model.catalog.n_expert_used,
-        "resident_experts": resident,
+        "resident_experts": len(slots),
+        "resident_bytes": sum(s.slot_bytes for s in slots),
+        "pinned_experts": len(pinned),
+        "pinned_bytes": sum(s.slot_bytes for s in pinned),
+        "hits": sum(u[0] for u in uses),
+        "misses": sum(u[1] for u in uses),
+        "bytes_read": sum(u[2] for u in uses),
+        "leases": sum(1 for s in daemon.sessions for L in s.leases.values() if L.model is model),
         "direct_io": model.direct_io,
         "stale": model.stale,
         "users": users,
@@ -58,8 +78,17 @@ def _model_row(daemon, model) -> dict:
 
 
 def _tenant_row(daemon, tenant: Tenant) -> dict:
-    leases = sum(len(s.leases) for s in daemon.sessions if s.tenant is tenant)
-    resident = sum(s.slot_bytes for s in daemon.store.table.values() if s.owner is tenant)
+    sessions = [s for s in daemon.sessions if s.tenant is tenant]
+    per_model: dict[int, dict] = {}
+    for mid, (hits, misses, read) in tenant.per_model.items():
+        per_model[mid] = {"hits": hits, "misses": misses, "bytes_read": read, "resident_bytes": 0, "leases": 0}
+    for key, slot in daemon.store.table.items():
+        if slot.owner is tenant and key.model_id in per_model:
+            per_model[key.model_id]["resident_bytes"] += slot.slot_bytes
+    for s in sessions:
+        for lease in s.leases.values():
+            if lease.model.model_id in per_model:
+                per_model[lease.model.model_id]["leases"] += 1
     return {
         "uid": tenant.uid,
         "names": sorted(tenant.names),
@@ -67,8 +96,11 @@ def _tenant_row(daemon, tenant: Tenant) -> dict:
         "hits": tenant.hits,
         "misses": tenant.misses,
         "bytes_read": tenant.bytes_read,
-        "resident_bytes": resident,
-        "leases": leases,
+        "resident_bytes": daemon.store.owned_bytes.get(tenant, 0),
+        "leases": sum(len(s.leases) for s in sessions),
+        "floor_bytes": tenant.floor_bytes,
+        "ceiling_bytes": tenant.ceiling_bytes,
+        "models": {str(mid): row for mid, row in sorted(per_model.items())},
     }
 
 
@@ -91,6 +123,9 @@ def snapshot(daemon) -> dict:
         "evictions": store.evictions,
         "hits": c.hits,
         "misses": c.misses,
+        "pinned_hits": c.pinned_hits,
+        "pinned_hit_share": c.pinned_hits / c.hits if c.hits else 0.0,
+        "pinned_experts": sum(1 for s in store.table.values() if s.pinned),
         "hit_rate": c.hits / (c.hits + c.misses) if c.hits + c.misses else 0.0,
         "joined_reads": c.joined_reads,
         "prefetches": c.prefetches,

@@ -19,6 +19,12 @@ Invariants, kept here:
   missing ones a LOADING slot), or nothing changes and the caller waits.
 - Every (slot, generation) pair names one residency of one key; a stale pair
   (the load failed, the slot was reused) is ignored on release.
+- Each resident, unpinned slot is charged to one owner (the tenant whose
+  acquire or prefetch loaded it); `owned_bytes[owner]` is the sum over its
+  slots. With quotas (`set_quota`), an owner's slots are not evicted for
+  another owner while that would take it below its floor, and an owner never
+  holds more than its ceiling (it evicts its own slots first, or waits).
+  Without quotas, eviction is the policy's single order, untouched.
 - A prefetched slot (`prefetched`) that leaves the table before any lease used
   it (evicted, or its queued read cancelled) counts once in `wasted_prefetches`.
 """
@@ -58,7 +64,7 @@ class Slot:
     pinned: bool = False
     generation: int = 0
     prefetched: bool = False   # loaded by a prefetch, not yet used by a lease
-    owner: object = None       # tenant charged for the residency (stats only)
+    owner: object = None       # tenant charged for the residency (quotas, stats)
 
 
 @dataclass(eq=False)
@@ -72,6 +78,11 @@ class SizeClass:
     def __post_init__(self):
         self.slots = [Slot(self.class_id, i, self.slot_bytes) for i in range(self.capacity)]
         self.free = list(range(self.capacity - 1, -1, -1))   # pop() yields slot 0 first
+
+
+class Quota(NamedTuple):
+    floor_bytes: int = 0      # not evicted for other owners below this
+    ceiling_bytes: int = 0    # never holds more than this; 0: no ceiling
 
 
 class Want(NamedTuple):
@@ -108,6 +119,8 @@ class Store:
         self.evictions = 0
         self.wasted_prefetches = 0   # prefetched slots gone before any use
         self._dropped: list[Slot] = []   # slots whose pages the RAM tier should give back
+        self.owned_bytes: dict[object, int] = {}     # owner -> bytes of its resident slots
+        self.quotas: dict[object, Quota] = {}        # owner -> floor/ceiling, when configured
 
     # ---- classes --------------------------------------------------------
 
@@ -137,10 +150,14 @@ class Store:
             whole = need + sum(s.slot_bytes for s in slots if s is not None and not s.pinned)
             if whole > self.budget_bytes:
                 raise ValueError(f"request needs {whole} bytes, the budget is {self.budget_bytes}")
-            held_here = sum(s.slot_bytes for s in slots if s is not None and self._is_evictable(s))
-            room = self.effective_budget_bytes - self.used_bytes + self.evictable_bytes - held_here
-            if need > room:
-                return None
+            if self.quotas:
+                if not self._make_room_for(owner, need, slots):
+                    return None
+            else:
+                held_here = sum(s.slot_bytes for s in slots if s is not None and self._is_evictable(s))
+                room = self.effective_budget_bytes - self.used_bytes + self.evictable_bytes - held_here
+                if need > room:
+                    return None
         # The hit path: inlined _ref, since it runs for every expert of every acquire.
         loading, hits = [], 0
         policy = self.policy
@@ -181,7 +198,10 @@ class Store:
                 self.policy.add(resident)
             return None
         cls = self.classes[want.class_id]
-        if cls.slot_bytes > self.effective_budget_bytes - self.used_bytes + self.evictable_bytes:
+        if self.quotas:
+            if not self._make_room_for(owner, cls.slot_bytes, ()):
+                return None
+        elif cls.slot_bytes > self.effective_budget_bytes - self.used_bytes + self.evictable_bytes:
             return None
         slot = self._reserve(want, owner)
         slot.refs = 0
@@ -194,6 +214,72 @@ class Store:
             raise ValueError("only an unreferenced prefetch still loading can be cancelled")
         self.wasted_prefetches += 1
         self.failed(slot)
+
+    # ---- tenant quotas -----------------------------------------------------
+
+    def set_quota(self, owner: object, floor_bytes: int = 0, ceiling_bytes: int = 0) -> None:
+        """Give `owner` a reserved floor and/or a ceiling (both 0: remove its quota)."""
+        if floor_bytes or ceiling_bytes:
+            self.quotas[owner] = Quota(floor_bytes, ceiling_bytes)
+            self.owned_bytes.setdefault(owner, 0)
+        else:
+            self.quotas.pop(owner, None)
+
+    def _make_room_for(self, owner: object, need: int, present) -> bool:
+        """Evict what `owner` may evict so `need` new bytes fit; False (nothing changed) if they cannot."""
+        victims = self._quota_victims(owner, need, present)
+        if victims is None:
+            return False
+        for v in victims:
+            self._evict(v)
+            self._drop(v)
+        return True
+
+    def _quota_victims(self, owner: object, need: int, present) -> list[Slot] | None:
+        """The slots to evict so `need` new bytes fit for `owner`, or None if they cannot now.
+
+        First its own least recently used slots down to its ceiling, then any
+        slot in policy order whose owner stays at or above its floor without it.
+        `present` (this request's resident slots) are about to be referenced,
+        so they are never chosen. Raises ValueError if `need` exceeds the ceiling.
+        """
+        q = self.quotas.get(owner)
+        ceiling = q.ceiling_bytes if q is not None else 0
+        if ceiling and need > ceiling:
+            raise ValueError(f"request needs {need} bytes, the tenant's ceiling is {ceiling}")
+        short = need - (self.effective_budget_bytes - self.used_bytes)
+        over = self.owned_bytes.get(owner, 0) + need - ceiling if ceiling else 0
+        if short <= 0 and over <= 0:
+            return []
+        skip = {s for s in present if s is not None}
+        taken: dict = {}
+        victims: list[Slot] = []
+        for s in self.policy.candidates():
+            if over <= 0:
+                break
+            if s.owner is owner and s not in skip:
+                victims.append(s)
+                skip.add(s)
+                over -= s.slot_bytes
+                short -= s.slot_bytes
+        if over > 0:
+            return None
+        for s in self.policy.candidates():
+            if short <= 0:
+                break
+            if s in skip or not self._may_evict_for(s, owner, taken):
+                continue
+            victims.append(s)
+            taken[s.owner] = taken.get(s.owner, 0) + s.slot_bytes
+            short -= s.slot_bytes
+        return victims if short <= 0 else None
+
+    def _may_evict_for(self, s: Slot, owner: object, taken: dict) -> bool:
+        o = s.owner
+        q = self.quotas.get(o) if o is not owner else None
+        if q is None or not q.floor_bytes:
+            return True
+        return self.owned_bytes.get(o, 0) - taken.get(o, 0) - s.slot_bytes >= q.floor_bytes
 
     def _is_evictable(self, s: Slot) -> bool:
         return s.state is READY and s.refs == 0 and not s.pinned
@@ -226,6 +312,7 @@ class Store:
         slot.generation += 1
         slot.prefetched = False
         slot.owner = owner
+        self.owned_bytes[owner] = self.owned_bytes.get(owner, 0) + slot.slot_bytes
         self.table[want.key] = slot
         if self.policy.wants_touch:
             self.policy.touch(slot)
@@ -235,16 +322,31 @@ class Store:
         victim = self.policy.victim()
         if victim is None:
             raise RuntimeError("store accounting broken: room promised but nothing evictable")
+        self._evict(victim)
+        return victim
+
+    def _evict(self, victim: Slot) -> None:
+        """Take an evictable slot out of the table (it becomes EMPTY, its index kept)."""
         self.policy.remove(victim)
         self.evictable_bytes -= victim.slot_bytes
         del self.table[victim.key]
         victim.key = None
         victim.state = SlotState.EMPTY
+        self._disown(victim)
         self.evictions += 1
         if victim.prefetched:          # read ahead, never used
             victim.prefetched = False
             self.wasted_prefetches += 1
-        return victim
+
+    def _disown(self, slot: Slot) -> None:
+        owner = slot.owner
+        if owner in self.owned_bytes:
+            left = self.owned_bytes[owner] - slot.slot_bytes
+            if left > 0 or owner in self.quotas:
+                self.owned_bytes[owner] = left
+            else:
+                del self.owned_bytes[owner]
+        slot.owner = None
 
     def _drop(self, slot: Slot) -> None:
         """Return an EMPTY slot's index and bytes; its pages go back to the kernel."""
@@ -271,6 +373,7 @@ class Store:
         slot.key = None
         slot.state = SlotState.EMPTY
         slot.refs = 0
+        self._disown(slot)
         self._drop(slot)
 
     def release(self, slot: Slot, generation: int) -> None:
@@ -322,4 +425,5 @@ class Store:
                 del self.table[key]
                 slot.key = None
                 slot.state = SlotState.EMPTY
+                self._disown(slot)
                 self._drop(slot)

@@ -1,0 +1,108 @@
+"""Tenants against a real daemon: two uids, a reserved floor, a ceiling, per-tenant stats."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import pytest
+
+from moed.client import Client
+from tests.integration.peer import NOBODY, Outcome, as_peer
+from tests.integration.test_daemon import expert_bytes
+
+
+@pytest.fixture
+def shared_dir():
+    """A directory every uid can read (pytest's own tmp dirs are root-only)."""
+    d = tempfile.mkdtemp(prefix="moed-shared-", dir="/tmp")
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def public_copy(model, shared_dir: str) -> str:
+    path = shutil.copy(model, os.path.join(shared_dir, "model.gguf"))
+    os.chmod(path, 0o644)
+    return path
+
+
+def start_shared(start_daemon, budget: str, shared_dir: str, config: str):
+    conf = os.path.join(shared_dir, "moed.toml")
+    with open(conf, "w") as f:
+        f.write("socket_mode = 0o666\n" + config)
+    d = start_daemon(budget, "--config", conf)
+    os.chmod(d.dir, 0o755)
+    return d
+
+
+def _use(sock: str, model: str, layer: int, experts: list[int]) -> tuple[int, int]:
+    """Acquire each expert once as this process's uid; returns (hits, misses) of the tenant."""
+    with Client(sock, "nobody-engine") as c:
+        m = c.open_model(model)
+        for e in experts:
+            with m.acquire(layer, [e], timeout=5):
+                pass
+        me = next(t for t in c.stats()["tenants"] if t["uid"] == os.getuid())
+    return me["hits"], me["misses"]
+
+
+def test_floor_holds_under_the_other_tenants_pressure_and_ceiling_caps(start_daemon, model_factory, shared_dir):
+    src = model_factory(layers=4, experts=16, used=2)
+    slot = expert_bytes(src, 0)
+    model = public_copy(src, shared_dir)
+    d = start_shared(start_daemon, str(8 * slot), shared_dir,
+                     f"[tenants.nobody]\nfloor_bytes = {3 * slot}\n[tenants.0]\nceiling_bytes = {6 * slot}\n")
+    # nobody loads 5 experts of layer 0 and leaves
+    assert as_peer(NOBODY, NOBODY, _use, d.socket, model, 0, [0, 1, 2, 3, 4]) == Outcome(result=(0, 5))
+    with d.client("root-engine") as c:
+        m = c.open_model(model)
+        for layer in (1, 2, 3):                    # root streams 48 experts through 8 slots
+            for e in range(16):
+                with m.acquire(layer, [e], timeout=5):
+                    pass
+        s = c.stats()
+    rows = {t["uid"]: t for t in s["tenants"]}
+    assert rows[NOBODY]["resident_bytes"] == 3 * slot and rows[NOBODY]["floor_bytes"] == 3 * slot
+    assert rows[0]["resident_bytes"] == 5 * slot and rows[0]["ceiling_bytes"] == 6 * slot
+    assert s["used_bytes"] <= s["budget_bytes"]
+    # nobody's three most recent experts survived the pressure: all hits now
+    assert as_peer(NOBODY, NOBODY, _use, d.socket, model, 0, [2, 3, 4]) == Outcome(result=(3, 5))
+    # per-tenant, per-model breakdown
+    with d.client() as c:
+        c.open_model(model)
+        s = c.stats()
+    rows = {t["uid"]: t for t in s["tenants"]}
+    (mrow,) = s["models"]
+    assert rows[NOBODY]["models"][str(mrow["model_id"])]["resident_bytes"] == 3 * slot
+    assert rows[0]["models"][str(mrow["model_id"])]["misses"] == 48
+    assert mrow["hits"] == rows[0]["hits"] + rows[NOBODY]["hits"]
+    assert mrow["misses"] == rows[0]["misses"] + rows[NOBODY]["misses"]
+    assert mrow["bytes_read"] == s["bytes_read"]
+    assert sorted(mrow["users"]) == [0]
+    assert d.stop() == 0
+
+
+def test_without_tenant_config_everyone_shares_one_lru(start_daemon, model_factory, shared_dir):
+    src = model_factory(layers=4, experts=16, used=2)
+    slot = expert_bytes(src, 0)
+    model = public_copy(src, shared_dir)
+    d = start_shared(start_daemon, str(8 * slot), shared_dir, "")
+    as_peer(NOBODY, NOBODY, _use, d.socket, model, 0, [0, 1, 2, 3, 4])
+    with d.client() as c:
+        m = c.open_model(model)
+        for e in range(16):
+            with m.acquire(1, [e], timeout=5):
+                pass
+        rows = {t["uid"]: t for t in c.stats()["tenants"]}
+    assert rows[NOBODY]["resident_bytes"] == 0
+    assert rows[0]["resident_bytes"] == 8 * slot
+
+
+def test_unknown_tenant_user_fails_the_start(tmp_path):
+    from tests.support import DaemonProcess
+    conf = tmp_path / "moed.toml"
+    conf.write_text("[tenants.no-such-user-here]\nfloor_bytes = 1\n")
+    with pytest.raises(RuntimeError, match="no such user"):
+        DaemonProcess("8MiB", "--config", str(conf))
