@@ -59,7 +59,7 @@ def _names(trace: Trace) -> list[str]:
 
 
 def coverage(trace: Trace, size: float = 0.5, warm: int = 0) -> list[Coverage]:
-    n_layers, n_exp, k = trace.moe_layers, trace.n_experts, trace.top_k
+    n_layers, n_exp = trace.moe_layers, trace.n_experts
     slots = round(size * n_exp * n_layers)
     counted = policies.counted_tokens(trace, warm)
     names = _names(trace)
