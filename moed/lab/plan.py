@@ -88,7 +88,12 @@ class Point:
     drive_ceiling_tok_s: float
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {k: _finite(v) for k, v in asdict(self).items()}
+
+
+def _finite(v: Any) -> Any:
+    """Plain JSON: an unbounded rate (nothing to read, no compute) becomes null."""
+    return None if isinstance(v, float) and not np.isfinite(v) else v
 
 
 @dataclass
@@ -110,6 +115,7 @@ class Plan:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["curve"] = [p.to_json() for p in self.curve]
+        d["recommended"] = {k: _finite(v) for k, v in self.recommended.items()}
         return d
 
 

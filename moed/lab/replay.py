@@ -37,6 +37,7 @@ in flight (a late prefetch).
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -105,7 +106,9 @@ class ReplayResult:
     warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """Plain JSON: an unbounded rate (no compute time) becomes null, not Infinity."""
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                for k, v in asdict(self).items()}
 
 
 # ---- the model and the budget ------------------------------------------------
@@ -258,6 +261,7 @@ class Replayer:
         self.trace = trace
         self.opts = opts
         self.model = client.open_model(model_path)
+        self.budget_bytes = 0
         self._check_geometry()
         self.layer_ids = sorted(self.model.moe_layers)
         need = {"gate": "ahead1", "gate2": "ahead2"}.get(opts.prefetch)
