@@ -17,17 +17,15 @@ import socket
 import struct
 import threading
 
-import msgspec
 import numpy as np
 
 from moed.protocol import errors
 from moed.protocol import messages as m
-from moed.protocol.framing import HEADER, MAX_FRAME_BYTES, reply_decoder
+from moed.protocol.framing import HEADER, MAX_FRAME_BYTES, encode, reply_decoder
 
 from .segments import Segment
 
 DEFAULT_SOCKET = "/run/moed/moed.sock"
-_encoder = msgspec.msgpack.Encoder()
 
 
 def default_socket_path() -> str:
@@ -92,11 +90,11 @@ class Client:
 
     def request(self, msg, fds: bool = False):
         """Send one request and return its reply (raising the typed error it carries)."""
-        frame = _encoder.encode(msg)
+        frame = encode(msg)
         with self._lock:
             sock = self._live()
             try:
-                sock.sendall(HEADER.pack(len(frame)) + frame)
+                sock.sendall(frame)
                 reply, got_fds = self._recv_reply(sock, fds)
             except (OSError, EOFError) as exc:
                 self._broken(exc)
@@ -108,11 +106,11 @@ class Client:
 
     def send(self, msg) -> None:
         """Send a fire-and-forget request (`ack=False`): no reply will come."""
-        frame = _encoder.encode(msg)
+        frame = encode(msg)
         with self._lock:
             sock = self._live()
             try:
-                sock.sendall(HEADER.pack(len(frame)) + frame)
+                sock.sendall(frame)
             except OSError as exc:
                 self._broken(exc)
 
@@ -132,6 +130,14 @@ class Client:
     def _recv_reply(self, sock: socket.socket, want_fds: bool):
         fds: list[int] = []
         buf = self._buf
+        if not buf and not want_fds:
+            # The hit path: one recv holding exactly one reply, decoded in place.
+            data = sock.recv(1 << 16)
+            if len(data) >= 4 and len(data) == 4 + HEADER.unpack_from(data)[0]:
+                return reply_decoder.decode(memoryview(data)[4:]), fds
+            if not data:
+                raise EOFError("daemon closed the connection")
+            buf += data
         while True:
             if len(buf) >= 4:
                 (n,) = HEADER.unpack_from(buf)
@@ -204,7 +210,7 @@ class ModelHandle:
 
     def acquire(self, layer: int, experts, timeout: float | None = None, release=()) -> "Lease":
         """Pin `experts` of `layer`; blocks until they are resident. `release` piggybacks."""
-        experts = [int(e) for e in experts]
+        experts = list(map(int, experts))
         rel = [lease._take_for_release() for lease in release]
         g = self.client.request(m.Acquire(self.model_id, layer, experts, timeout, [r for r in rel if r]))
         return Lease(self, layer, list(dict.fromkeys(experts)), g)

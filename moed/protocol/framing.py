@@ -22,10 +22,12 @@ request_decoder = msgspec.msgpack.Decoder(Request)
 reply_decoder = msgspec.msgpack.Decoder(Reply)
 
 
-def encode(message) -> bytes:
-    """One frame: header plus payload."""
-    payload = _encoder.encode(message)
-    return HEADER.pack(len(payload)) + payload
+def encode(message) -> bytearray:
+    """One frame: header plus payload, encoded in place behind a reserved header."""
+    frame = bytearray(4)
+    _encoder.encode_into(message, frame, 4)
+    HEADER.pack_into(frame, 0, len(frame) - 4)
+    return frame
 
 
 class FrameReader:
@@ -43,6 +45,9 @@ class FrameReader:
         if self.broken:
             return []
         buf = self._buf
+        if not buf and len(data) >= 4 and len(data) == 4 + HEADER.unpack_from(data)[0]:
+            # The common case on a request/reply socket: exactly one whole frame.
+            return [self._decode(memoryview(data)[4:])]
         buf += data
         out = []
         pos = 0
@@ -56,11 +61,14 @@ class FrameReader:
                 break
             payload = bytes(buf[pos + 4 : pos + 4 + n])
             pos += 4 + n
-            try:
-                out.append(self._decoder.decode(payload))
-            # RecursionError: msgpack nested deeper than msgspec will follow
-            # (a few kilobytes of 0x91 bytes do it); it is bad input like the rest.
-            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
-                out.append(BadFrame(str(exc)))
+            out.append(self._decode(payload))
         del buf[:pos]
         return out
+
+    def _decode(self, payload):
+        try:
+            return self._decoder.decode(payload)
+        # RecursionError: msgpack nested deeper than msgspec will follow
+        # (a few kilobytes of 0x91 bytes do it); it is bad input like the rest.
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+            return BadFrame(str(exc))
