@@ -45,7 +45,7 @@ class FrameReader:
         if self.broken:
             return []
         buf = self._buf
-        if not buf and len(data) >= 4 and len(data) == 4 + HEADER.unpack_from(data)[0]:
+        if not buf and 4 <= len(data) <= 4 + MAX_FRAME_BYTES and len(data) == 4 + HEADER.unpack_from(data)[0]:
             # The common case on a request/reply socket: exactly one whole frame.
             return [self._decode(memoryview(data)[4:])]
         buf += data

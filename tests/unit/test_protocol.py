@@ -199,6 +199,12 @@ def test_oversize_length_breaks_the_stream_after_the_frames_before_it():
     assert r.feed(encode(m.Ping())) == []                   # nothing after: the caller closes
 
 
+def test_oversize_frame_arriving_whole_in_one_read_is_still_refused():
+    r = FrameReader()
+    out = r.feed(HEADER.pack(MAX_FRAME_BYTES + 1) + b"\x00" * (MAX_FRAME_BYTES + 1))
+    assert len(out) == 1 and isinstance(out[0], errors.BadFrame) and r.broken
+
+
 def test_a_frame_of_exactly_the_limit_is_accepted_and_awaited():
     r = FrameReader()
     assert r.feed(HEADER.pack(MAX_FRAME_BYTES) + b"\x00" * 1000) == []
