@@ -137,6 +137,8 @@ class Daemon:
         self._by_identity[(path, identity)] = model
         log.info("opened model %d: %s (%d MoE layers, %d experts, top-%d, direct_io=%s)",
                  model.model_id, path, len(layers), catalog.n_experts, catalog.n_expert_used, model.direct_io)
+        if self.store.pin_budget_bytes and self._model_fits_pins(model):
+            self._pin_keys(model, self._all_experts(model))      # the whole model fits: mirror it
         return model
 
     def _retire_older(self, path: str) -> None:
@@ -150,6 +152,7 @@ class Daemon:
     def _maybe_drop_stale(self, model: Model) -> None:
         if not model.stale or any(L.model is model for s in self.sessions for L in s.leases.values()):
             return
+        self.unpin(model, [], all_experts=True)
         self.store.drop_model(model.model_id)
         self._settle()
         if not any(key.model_id == model.model_id for key in self.store.table):
@@ -317,7 +320,7 @@ class Daemon:
         gen = slot.generation
         job = ReadJob(pieces, self._read_done_thread, demand=demand, tag=(slot, gen))
         self._loading[slot] = Loading(job, self.loop.create_future(), gen)
-        if not demand:
+        if not demand and not slot.pinned:
             self.counters.prefetches += 1
         self.reader.submit(job)
 
@@ -425,6 +428,69 @@ class Daemon:
         loading.done.cancel()
         self._room_changed()
         return True
+
+    # ---- the pinned partition (host mirror) -------------------------------------
+
+    async def pin(self, model: Model, experts, all_experts: bool = False,
+                  from_stats: bool = False) -> tuple[int, int]:
+        """Pin experts hottest first until the pin budget is full; wait for their reads.
+
+        Returns (newly pinned, skipped for want of pin budget).
+        """
+        if not self.store.pin_budget_bytes:
+            raise errors.BadRequest("this daemon has no pin budget (start it with --pin-budget)")
+        if all_experts or self._model_fits_pins(model):
+            order = self._all_experts(model)
+        elif from_stats:
+            if self.heat is None:
+                raise errors.BadRequest("no access counts kept (no pin budget at start)")
+            order = self.heat.ranked(model.model_id)
+        else:
+            order = [tuple(p) for p in experts]
+        pinned, skipped, slots = self._pin_keys(model, order)
+        waits = [self._loading[s].done for s in slots if s in self._loading]
+        if waits:
+            results = await asyncio.gather(*waits, return_exceptions=True)
+            failed = [r for r in results if isinstance(r, BaseException)]
+            if failed:
+                raise errors.ReadError(f"{len(failed)} pinned experts could not be read: {failed[0]}")
+        log.info("pinned %d experts of model %d (%d skipped); pinned partition %d of %d bytes",
+                 pinned, model.model_id, skipped, self.store.pinned_bytes, self.store.pin_budget_bytes)
+        return pinned, skipped
+
+    def _pin_keys(self, model: Model, order) -> tuple[int, int, list[Slot]]:
+        pinned, skipped, slots = 0, 0, []
+        for layer, expert in order:
+            (want,) = self._wants(model, layer, [expert])
+            got = self.store.pin(want)
+            if got is None:
+                skipped += 1
+                continue
+            slot, new, must_read = got
+            pinned += new
+            slots.append(slot)
+            if must_read:
+                self._start_read(slot, demand=False)
+        self._room_changed()          # pinning resident keys freed room in the shared budget
+        return pinned, skipped, slots
+
+    def unpin(self, model: Model, experts, all_experts: bool = False) -> int:
+        if all_experts:
+            keys = [k for k, s in self.store.table.items() if k.model_id == model.model_id and s.pinned]
+        else:
+            keys = [w.key for layer, e in experts for w in self._wants(model, layer, [e])]
+        n = sum(1 for k in keys if self.store.unpin(k))
+        self._settle()
+        return n
+
+    def _all_experts(self, model: Model) -> list[tuple[int, int]]:
+        return [(layer, e) for layer in sorted(model.layers) for e in range(model.catalog.n_experts)]
+
+    def _model_fits_pins(self, model: Model) -> bool:
+        st = self.store
+        mine = sum(s.slot_bytes for k, s in st.table.items() if k.model_id == model.model_id and s.pinned)
+        whole = sum(st.classes[p.class_id].slot_bytes for p in model.layers.values()) * model.catalog.n_experts
+        return whole <= st.pin_budget_bytes - st.pinned_bytes + mine
 
     # ---- stats ---------------------------------------------------------------
 

@@ -67,6 +67,7 @@ def _model_row(daemon, model) -> dict:
         "resident_bytes": sum(s.slot_bytes for s in slots),
         "pinned_experts": len(pinned),
         "pinned_bytes": sum(s.slot_bytes for s in pinned),
+        "pinned": sorted([s.key.layer, s.key.expert] for s in pinned),
         "hits": sum(u[0] for u in uses),
         "misses": sum(u[1] for u in uses),
         "bytes_read": sum(u[2] for u in uses),

@@ -62,6 +62,7 @@ class Slot:
     key: ExpertKey | None = None
     refs: int = 0
     pinned: bool = False
+    unpin_pending: bool = False   # unpinned while held or loading: leaves the partition when free
     generation: int = 0
     prefetched: bool = False   # loaded by a prefetch, not yet used by a lease
     owner: object = None       # tenant charged for the residency (quotas, stats)
@@ -350,7 +351,11 @@ class Store:
 
     def _drop(self, slot: Slot) -> None:
         """Return an EMPTY slot's index and bytes; its pages go back to the kernel."""
-        self.used_bytes -= slot.slot_bytes
+        if slot.pinned:
+            slot.pinned = slot.unpin_pending = False
+            self.pinned_bytes -= slot.slot_bytes
+        else:
+            self.used_bytes -= slot.slot_bytes
         self.classes[slot.class_id].free.append(slot.index)
         slot.generation += 1
         self._dropped.append(slot)
@@ -364,6 +369,8 @@ class Store:
         if self._is_evictable(slot):
             self.policy.add(slot)
             self.evictable_bytes += slot.slot_bytes
+        elif slot.unpin_pending and not slot.refs:
+            self._unpin_now(slot)
 
     def failed(self, slot: Slot) -> None:
         """A read failed: the slot is dropped; every holder's reference dies with it."""
@@ -380,9 +387,12 @@ class Store:
         if slot.generation != generation or slot.refs <= 0:
             return
         slot.refs -= 1
-        if slot.refs == 0 and slot.state is READY and not slot.pinned:
-            self.policy.add(slot)
-            self.evictable_bytes += slot.slot_bytes
+        if slot.refs == 0 and slot.state is READY:
+            if not slot.pinned:
+                self.policy.add(slot)
+                self.evictable_bytes += slot.slot_bytes
+            elif slot.unpin_pending:
+                self._unpin_now(slot)
 
     def use_prefetched(self, slot: Slot) -> bool:
         """True once, the first time a prefetched slot is hit."""
@@ -390,6 +400,77 @@ class Store:
             slot.prefetched = False
             return True
         return False
+
+    # ---- the pinned partition (host mirror) -------------------------------
+
+    def pin(self, want: Want) -> tuple[Slot, bool, bool] | None:
+        """Put a key in the pinned partition: (slot, newly pinned, must be read), or None if it is full.
+
+        A resident key moves out of the shared budget (it frees room there);
+        a missing key gets a LOADING slot with no references, to be read in.
+        Pinned slots are never evicted, by the policy, the guard or quotas.
+        """
+        slot = self.table.get(want.key)
+        if slot is not None and slot.pinned:
+            slot.unpin_pending = False
+            return slot, False, False
+        size = self.classes[want.class_id].slot_bytes
+        if self.pinned_bytes + size > self.pin_budget_bytes:
+            return None
+        if slot is not None:
+            if self._is_evictable(slot):
+                self.policy.remove(slot)
+                self.evictable_bytes -= size
+            self.used_bytes -= size
+            self._disown(slot)
+            slot.pinned = True
+            self.pinned_bytes += size
+            return slot, True, False
+        cls = self.classes[want.class_id]
+        if not cls.free:
+            return None
+        slot = cls.slots[cls.free.pop()]
+        slot.state = SlotState.LOADING
+        slot.key = want.key
+        slot.refs = 0
+        slot.generation += 1
+        slot.prefetched = False
+        slot.owner = None
+        slot.pinned = True
+        self.pinned_bytes += size
+        self.table[want.key] = slot
+        return slot, True, True
+
+    def unpin(self, key: ExpertKey) -> bool:
+        """Take a key out of the pinned partition; False if it was not pinned.
+
+        It rejoins the shared budget as most recently used if there is room
+        there, else it is dropped; a held or loading slot goes when it is free.
+        """
+        slot = self.table.get(key)
+        if slot is None or not slot.pinned:
+            return False
+        if slot.refs or slot.state is not READY:
+            slot.unpin_pending = True
+        else:
+            self._unpin_now(slot)
+        return True
+
+    def _unpin_now(self, slot: Slot) -> None:
+        size = slot.slot_bytes
+        if self.effective_budget_bytes - self.used_bytes >= size:
+            slot.pinned = slot.unpin_pending = False
+            self.pinned_bytes -= size
+            self.used_bytes += size
+            slot.owner = None
+            self.owned_bytes[None] = self.owned_bytes.get(None, 0) + size
+            self.policy.add(slot)
+            self.evictable_bytes += size
+        else:
+            del self.table[slot.key]
+            slot.key = None
+            slot.state = SlotState.EMPTY
+            self._drop(slot)
 
     # ---- shrinking ------------------------------------------------------
 

@@ -138,3 +138,69 @@ def test_prefetch_respects_floors():
     use(st, a, 1)
     assert st.prefetch(want(9), b) is None
     assert resident(st, a) == {0, 1}
+
+
+# ---- the pinned partition ---------------------------------------------------
+
+
+def pinned_store(budget_slots: int, pin_slots: int) -> Store:
+    st = Store(budget_slots * SLOT, LRU(), pin_budget_bytes=pin_slots * SLOT)
+    st.add_class(1, SLOT, budget_slots + pin_slots)
+    return st
+
+
+def test_pinned_slots_are_never_evicted_and_sit_outside_the_budget():
+    st = pinned_store(4, 2)
+    for e in (0, 1):
+        slot, new, read = st.pin(want(e))
+        assert new and read
+        st.loaded(slot)
+    assert st.pin(want(2)) is None                 # the pin budget is full
+    assert st.pinned_bytes == 2 * SLOT and st.used_bytes == 0
+    for e in range(10, 40):
+        assert use(st, None, e)
+    assert {0, 1} <= {k.expert for k in st.table}
+    plan = st.acquire([want(0), want(1)])
+    assert plan.hits == 2 and not plan.to_load
+    st.shrink(0)                                   # nor by the memory guard
+    assert st.pinned_bytes == 2 * SLOT and st.table[ExpertKey(1, 0, 0)].pinned
+
+
+def test_pinning_a_resident_key_moves_it_out_of_the_shared_budget():
+    st = pinned_store(4, 2)
+    use(st, None, 5)
+    assert st.used_bytes == SLOT and st.evictable_bytes == SLOT
+    slot, new, read = st.pin(want(5))
+    assert new and not read and slot.pinned
+    assert st.used_bytes == 0 and st.evictable_bytes == 0 and st.pinned_bytes == SLOT
+    assert st.pin(want(5)) == (slot, False, False)
+
+
+def test_unpin_rejoins_the_lru_or_waits_for_the_lease():
+    st = pinned_store(4, 2)
+    slot, _, _ = st.pin(want(0))
+    st.loaded(slot)
+    plan = st.acquire([want(0)])
+    assert st.unpin(want(0).key)
+    assert slot.pinned and slot.unpin_pending        # held: stays until released
+    st.release(plan.slots[0], plan.generations[0])
+    assert not slot.pinned and st.pinned_bytes == 0
+    assert st.used_bytes == SLOT and st.evictable_bytes == SLOT
+    assert not st.unpin(want(0).key)
+
+
+def test_unpin_without_room_drops_and_failed_pin_read_frees_the_partition():
+    st = pinned_store(1, 2)
+    use(st, None, 9)                                  # the shared budget is full
+    slot, _, _ = st.pin(want(0))
+    st.loaded(slot)
+    plan = st.acquire([want(9)])                      # and held
+    st.unpin(want(0).key)
+    assert want(0).key not in st.table and st.pinned_bytes == 0
+    assert st.take_dropped() == [slot]
+    slot2, _, read = st.pin(want(1))
+    assert read
+    st.failed(slot2)
+    assert st.pinned_bytes == 0 and want(1).key not in st.table
+    st.release(plan.slots[0], plan.generations[0])
+    assert st.used_bytes == SLOT
