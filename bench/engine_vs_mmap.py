@@ -37,6 +37,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = "/tmp/moed-bench-engine/olmoe-geom-q4_0.gguf"
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "nvmoe" / "olmoe-all.tokens.jsonl"
 CGROUP_ROOT = pathlib.Path("/sys/fs/cgroup/memory")
+# StreamedLlama loads a skeleton (dense bytes, holes for experts): no full read at load.
+SKELETON_DIR = "/tmp/moed-bench-engine/skeletons"
 
 
 # ---- the engine side (runs in a child process) -----------------------------
@@ -63,7 +65,7 @@ def run_engine(kind: str, model: str, trace: str, warmup: int, tokens: int, thre
     kw = dict(n_ctx=warmup + tokens + 8, n_batch=32, n_ubatch=32, n_threads=threads, verbose=False)
     t0 = time.perf_counter()
     if kind.startswith("moed"):
-        llm = StreamedLlama(model, socket_path=socket, route_hook=routes, **kw)
+        llm = StreamedLlama(model, socket_path=socket, route_hook=routes, skeleton_dir=SKELETON_DIR, **kw)
     else:
         llm = UnpackedLlama(model, use_mmap=(kind == "mmap"), route_hook=routes, **kw)
     load_s = time.perf_counter() - t0

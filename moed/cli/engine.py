@@ -44,6 +44,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: llama.cpp's)")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skeleton-dir", default=None,
+                   help="load llama.cpp from a skeleton of the model kept here (dense bytes only): "
+                        "the load then reads no expert bytes from the drive")
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's load log")
 
 
@@ -63,7 +66,8 @@ class _Session:
         try:
             self.llm = StreamedLlama(args.model, client=self.client, n_ctx=args.ctx, n_batch=args.batch,
                                      n_ubatch=args.batch, n_threads=args.threads, seed=args.seed,
-                                     verbose=args.verbose, **llama_kwargs)
+                                     verbose=args.verbose, skeleton_dir=args.skeleton_dir,
+                                     **llama_kwargs)
         except ValueError as exc:  # llama.cpp refused the file
             self.client.close()
             raise SystemExit(_fail(str(exc)))

@@ -119,7 +119,7 @@ def _hooked_internals(streamer: ExpertStreamer) -> types.ModuleType:
         params.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP
         params.use_extra_bufts = False  # a repacked tensor would not sit at its file offset
         params.n_gpu_layers = 0
-        before = snapshot_bases(streamer.source.files)
+        before = snapshot_bases(streamer.mapped_files)
         model = real.LlamaModel(path_model=path_model, params=params, verbose=verbose)
         try:
             streamer.install(before)
@@ -163,11 +163,15 @@ class StreamedLlama(Llama):
     (default `$MOED_SOCKET` or /run/moed/moed.sock) and closed with this object.
     `acquire_timeout_s`: how long an acquire may wait for budget (None: forever).
     `route_hook`: benchmark only, may overwrite the router's ids in place.
+    `skeleton_dir`: when set, llama.cpp loads a skeleton of the model kept there
+    (the real file with holes for the experts, see moed.engines.skeleton), so the
+    load reads only the dense bytes from the drive instead of the whole model.
     """
 
     def __init__(self, model_path: str, *, client=None, socket_path: str | None = None,
                  acquire_timeout_s: float | None = None, route_hook: RouteHook | None = None,
-                 source: ExpertSource | None = None, **llama_kwargs):
+                 source: ExpertSource | None = None, skeleton_dir: str | os.PathLike | None = None,
+                 **llama_kwargs):
         self._check_kwargs(llama_kwargs)
         self._own_client = None
         if source is None:
@@ -179,6 +183,11 @@ class StreamedLlama(Llama):
         self.moed_client = client
         self.streamer = ExpertStreamer(source, route_hook=route_hook)
         try:
+            if skeleton_dir is not None:
+                from moed.engines.skeleton import skeleton_for
+
+                self.streamer.mapped_files = skeleton_for(source, skeleton_dir)
+                model_path = self.streamer.mapped_files[0]
             with _constructing(_hooked_internals(self.streamer)):
                 super().__init__(model_path=model_path, **llama_kwargs)
             self._check_capacity()

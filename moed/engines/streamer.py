@@ -85,6 +85,8 @@ class ExpertStreamer:
         self.observers: list[RouteObserver] = []
         self.stats = StreamStats()
         self.pages: ExpertPages | None = None
+        # The files llama.cpp maps: the model's own, or its skeleton (same layout).
+        self.mapped_files: list[str] = list(source.files)
         self.held: Grant | None = None
         self.error: BaseException | None = None
         self._parts: dict[int, list[PartSpan]] = {}
@@ -109,7 +111,7 @@ class ExpertStreamer:
 
     def _find_bases(self, bases_before: set[int]) -> list[int]:
         bases = []
-        for path in self.source.files:
+        for path in self.mapped_files:
             base = vm.file_mapping_base(path, bases_before)
             if base is None:
                 raise RuntimeError(f"llama.cpp did not mmap {path}: load with use_mmap=True")
@@ -118,7 +120,7 @@ class ExpertStreamer:
 
     def _drop_expert_cache(self) -> None:
         """llama.cpp populated the whole mapping at load; give the expert pages back to the kernel."""
-        for shard, path in enumerate(self.source.files):
+        for shard, path in enumerate(self.mapped_files):
             fd = os.open(path, os.O_RDONLY)
             try:
                 for layer in self.source.moe_layers:
@@ -133,7 +135,7 @@ class ExpertStreamer:
     def _lock_dense(self, bases: list[int]) -> None:
         """mlock what is left of the mapping: the dense weights must never be re-read per token."""
         vmas = []
-        for base, path in zip(bases, self.source.files):
+        for base, path in zip(bases, self.mapped_files):
             vmas += vm.mapped_ranges(base, path)
         for lo, hi in self.pages.dense_runs(vmas):
             try:

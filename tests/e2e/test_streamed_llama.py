@@ -102,3 +102,34 @@ def test_batch_too_large_for_budget_lowers_n_batch(start_daemon, tiny_model):
     finally:
         llm.close()
         client.close()
+
+
+@pytest.mark.parametrize("model", ["aligned_model", "split_model"])
+def test_skeleton_load_is_bit_exact_and_holds_no_expert_bytes(request, start_daemon, reference_logits, tmp_path, model):
+    import os
+
+    from moed.engines.llama_cpp import StreamedLlama
+    from moed.engines.skeleton import expert_ranges
+
+    path = request.getfixturevalue(model)
+    _, want = reference_logits(path)
+    d = start_daemon()
+    client = d.client("e2e")
+    llm = StreamedLlama(str(path), client=client, skeleton_dir=tmp_path / "skel", **LLAMA_KW)
+    try:
+        got = greedy_logits(llm, llm.tokenize(PROMPT))
+        skeletons, source = llm.streamer.mapped_files, llm.streamer.source
+    finally:
+        llm.close()
+        client.close()
+    assert_bit_equal(got, want)
+    for shard, (real, skel) in enumerate(zip(source.files, skeletons)):
+        assert os.path.dirname(skel) != os.path.dirname(real)
+        assert os.path.getsize(skel) == os.path.getsize(real)
+        with open(skel, "rb") as f:
+            for lo, hi in expert_ranges(source, shard):
+                f.seek(lo)
+                assert not any(f.read(hi - lo)), "a skeleton must not hold expert bytes"
+    if model == "aligned_model":                 # page-aligned holes are real holes on disk
+        st = os.stat(skeletons[0])
+        assert st.st_blocks * 512 < st.st_size / 2

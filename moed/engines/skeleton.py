@@ -1,0 +1,93 @@
+"""Skeleton copies of a model: its bytes with every routed-expert range left as a hole.
+
+Why: this llama.cpp maps a qwen3moe model with MAP_POPULATE, which reads the whole
+file at load. For a model larger than RAM that is one full read of the drive
+and a page cache churned end to end, all for expert bytes the engine will never
+read through that mapping (they come from the daemon). A skeleton has the same
+size, header and dense bytes at the same offsets, and holes where the experts
+are: populating a hole reads nothing from the drive. llama.cpp loads the
+skeleton; the daemon still serves the experts from the real file.
+
+Invariants:
+- Every byte outside the routed-expert extents equals the real file's byte, and
+  the skeleton has the real file's size (checked by comparing dense ranges on
+  creation, and by identity on reuse).
+- A skeleton is reused only for the same (device, inode, size, mtime) of the
+  real file; it is written under a temporary name and renamed into place.
+- Shards keep their file names, so llama.cpp finds the other shards of a split
+  skeleton next to the first one.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+from moed.engines.expert_pages import merge
+from moed.engines.sources import ExpertSource
+
+
+def _identity(path: str) -> str:
+    st = os.stat(path)
+    return f"{st.st_dev:x}-{st.st_ino:x}-{st.st_size:x}-{st.st_mtime_ns:x}"
+
+
+def expert_ranges(source: ExpertSource, shard: int) -> list[tuple[int, int]]:
+    out = []
+    for layer in source.moe_layers:
+        for ext in source.extents(layer):
+            if ext.shard == shard:
+                out.append((ext.offset, ext.offset + ext.bytes_per_expert * source.n_experts))
+    return merge(out)
+
+
+def dense_ranges(size: int, holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out, pos = [], 0
+    for s, e in holes:
+        if s > pos:
+            out.append((pos, s))
+        pos = max(pos, e)
+    if pos < size:
+        out.append((pos, size))
+    return out
+
+
+def skeleton_for(source: ExpertSource, cache_dir: str | os.PathLike) -> list[str]:
+    """Paths of the skeleton shards for `source.files` under `cache_dir` (made if missing)."""
+    key = "-".join(_identity(f) for f in source.files[:1])
+    out_dir = pathlib.Path(cache_dir) / key
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for shard, real in enumerate(source.files):
+        dst = out_dir / os.path.basename(real)
+        stamp = out_dir / (dst.name + ".src")
+        if not (dst.exists() and stamp.exists() and stamp.read_text() == _identity(real)):
+            _write(real, str(dst), expert_ranges(source, shard))
+            stamp.write_text(_identity(real))
+        paths.append(str(dst))
+    return paths
+
+
+def _write(real: str, dst: str, holes: list[tuple[int, int]]) -> None:
+    size = os.path.getsize(real)
+    tmp = dst + ".partial"
+    src_fd = os.open(real, os.O_RDONLY)
+    dst_fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(dst_fd, size)           # everything a hole first
+        for lo, hi in dense_ranges(size, holes):
+            _copy(src_fd, dst_fd, lo, hi - lo)
+        os.fsync(dst_fd)
+    finally:
+        os.close(src_fd)
+        os.close(dst_fd)
+    os.replace(tmp, dst)
+
+
+def _copy(src_fd: int, dst_fd: int, offset: int, length: int) -> None:
+    done = 0
+    while done < length:
+        n = os.copy_file_range(src_fd, dst_fd, length - done, offset + done, offset + done)
+        if n <= 0:
+            raise OSError(f"copy_file_range stopped at {offset + done} of {offset + length}")
+        done += n
