@@ -41,6 +41,7 @@ from .config import Config
 from .models import LayerPlan, Model, class_key, file_identity, model_info, open_catalog
 from .ramtier import RamTier
 from .reader import ModelFile, ReaderPool, ReadJob
+from .access import Peer, check_open_files, check_readable, check_roots
 from .memguard import MemGuard
 from .tenants import Heat, resolve_tenants
 from .stats import Counters, Tenant
@@ -99,8 +100,12 @@ class Daemon:
 
     # ---- models ----------------------------------------------------------
 
-    async def open_model(self, path: str) -> Model:
+    async def open_model(self, path: str, peer: Peer | None = None) -> Model:
+        """Open (or share) a model; with `peer`, only if that peer could read every file itself."""
         real = os.path.realpath(path)
+        check_roots(real, path, self.config.model_roots)
+        if peer is not None:
+            check_readable(peer, real, path)
         try:
             identity = file_identity(real)
         except FileNotFoundError:
@@ -114,7 +119,21 @@ class Daemon:
         model = self._by_identity.get((real, identity))   # someone else opened it meanwhile
         if model is None:
             model = self._add_model(real, identity, catalog)
+        self._check_files(model, path, peer)
         return model
+
+    def _check_files(self, model: Model, shown: str, peer: Peer | None) -> None:
+        """Every shard under the roots and readable by the peer, judged on the inodes we read."""
+        for f in model.files[1:]:
+            check_roots(os.path.realpath(f.path), f.path, self.config.model_roots)
+            if peer is not None:
+                check_readable(peer, os.path.realpath(f.path), f.path)
+        if peer is None:
+            return
+        check_open_files(peer, [(f.fd, f.path) for f in model.files])
+        st = os.fstat(model.files[0].fd)
+        if (st.st_dev, st.st_ino) != tuple(model.identity[:2]):
+            raise errors.PermissionDenied(f"{shown}: the file changed while it was being opened")
 
     def _add_model(self, path: str, identity: tuple, catalog) -> Model:
         self._retire_older(path)

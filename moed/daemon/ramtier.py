@@ -46,6 +46,10 @@ class Segment:
         os.ftruncate(self.fd, max(self.size_bytes, PAGE))
         self.addr = libc.mmap(max(self.size_bytes, PAGE), libc.PROT_READ | libc.PROT_WRITE,
                               libc.MAP_SHARED, self.fd)
+        # A memfd is created mode 0777, and /proc/<pid>/fd/N reopens by inode
+        # permission: without this, a client of another uid could reopen its
+        # read-only descriptor read-write and write every engine's experts.
+        os.fchmod(self.fd, 0o400)
 
     def info(self) -> SegmentInfo:
         return SegmentInfo(self.class_id, self.capacity, self.part_names, self.part_bytes,

@@ -28,6 +28,7 @@ from moed.protocol.framing import FrameReader, encode
 from moed.protocol.messages import PROTOCOL_VERSION
 
 from . import control
+from .access import peer_identity
 from .core import Daemon, Lease
 
 log = logging.getLogger("moed.server")
@@ -168,7 +169,7 @@ class Session(asyncio.Protocol):
         return m.Pong(int(self.daemon.loop.time() * 1e9))
 
     async def on_open_model(self, msg: m.OpenModel):
-        model = await self.daemon.open_model(msg.path)
+        model = await self.daemon.open_model(msg.path, peer_identity(self.pid, self.uid, self.gid))
         self.models.add(model.model_id)
         fds = [self.daemon.ramtier.segments[s.class_id].readonly_fd() for s in model.info.segments]
         try:
