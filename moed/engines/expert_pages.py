@@ -6,14 +6,17 @@ its own address (`show`) or inaccessible again (`hide`).
 
 Invariants:
 - After `install`, an address of a routed expert holds either that expert's true
-  bytes (it is shown), or zeros, or faults (PROT_NONE). It never holds another
+  bytes (it is shown), or zeros, or faults (PROT_NONE). An expert never acquired
+  always faults. In the default relaxed mode a released zero-copy expert may
+  still show the slot it last had (possibly reused by now); in `strict` mode it
+  faults again. It never holds another
   expert's bytes. Only bytes on a page shared with dense data or with a
   neighbouring shown expert can be readable while hidden, and those read as zero
   or as this expert's own bytes.
 - Zero-copy spans (expert 0 and the stride page-aligned) map the daemon's slot
   pages straight in with MAP_SHARED|MAP_FIXED, read-only. The slot behind an
-  address is remembered: showing the same slot again is one mprotect, and only a
-  changed slot costs a new mapping.
+  address is remembered: showing the same slot again is one mprotect (none when
+  not `strict`), and only a changed slot costs a new mapping.
 - Copy spans copy into private anonymous pages. A page is made writable while any
   shown expert covers it (per-page count), and dropped (MADV_DONTNEED, PROT_NONE)
   when the count falls to zero, so a copy engine never accumulates the model.
@@ -82,6 +85,14 @@ class ExpertPages:
     """All routed-expert spans of one loaded model (every shard mapping together)."""
 
     spans: list[PartSpan]
+    # Relaxed (the default, DESIGN "only remap when the slot behind an address
+    # changed"): a released zero-copy expert stays mapped to its last slot, so a
+    # repeated hit costs no syscall; llama.cpp only reads the experts its router
+    # chose, and those are acquired (and remapped if their slot moved) first.
+    # strict: a released zero-copy expert goes back to PROT_NONE, so any read of an
+    # expert not leased right now faults (tests, debugging; ~1.5x slower decode).
+    # Copy spans are always hidden (their pages are dropped).
+    strict: bool = False
     stats: PageStats = field(default_factory=PageStats)
 
     def __post_init__(self) -> None:
@@ -182,7 +193,7 @@ class ExpertPages:
 
     def _hide_mapped(self, span: PartSpan, expert: int) -> None:
         state = self._zc.get((span.layer, span.part, expert))
-        if state is not None and state.visible:
+        if self.strict and state is not None and state.visible:
             vm.mprotect(span.expert_addr(expert), span.bytes_per_expert, PROT_NONE)
             state.visible = False
 

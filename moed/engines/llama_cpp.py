@@ -166,12 +166,16 @@ class StreamedLlama(Llama):
     `skeleton_dir`: when set, llama.cpp loads a skeleton of the model kept there
     (the real file with holes for the experts, see moed.engines.skeleton), so the
     load reads only the dense bytes from the drive instead of the whole model.
+    `strict`: released zero-copy experts go back to PROT_NONE, so any read of an
+    expert not leased right now faults (tests, debugging). The default leaves them
+    mapped to their last slot until it changes: no syscall on a repeated hit.
+    Either way an expert never acquired faults.
     """
 
     def __init__(self, model_path: str, *, client=None, socket_path: str | None = None,
                  acquire_timeout_s: float | None = None, route_hook: RouteHook | None = None,
                  source: ExpertSource | None = None, skeleton_dir: str | os.PathLike | None = None,
-                 **llama_kwargs):
+                 strict: bool = False, **llama_kwargs):
         self._check_kwargs(llama_kwargs)
         self._own_client = None
         if source is None:
@@ -181,7 +185,7 @@ class StreamedLlama(Llama):
                 client = self._own_client = Client(socket_path, client_name=f"StreamedLlama[{os.getpid()}]")
             source = MoedSource(client, model_path, timeout_s=acquire_timeout_s)
         self.moed_client = client
-        self.streamer = ExpertStreamer(source, route_hook=route_hook)
+        self.streamer = ExpertStreamer(source, route_hook=route_hook, strict=strict)
         try:
             if skeleton_dir is not None:
                 from moed.engines.skeleton import skeleton_for

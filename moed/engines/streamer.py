@@ -76,12 +76,13 @@ def snapshot_bases(files: list[str]) -> set[int]:
 class ExpertStreamer:
     """Owns the expert pages of one loaded llama.cpp model and the eval callback that fills them."""
 
-    def __init__(self, source: ExpertSource, route_hook: RouteHook | None = None):
+    def __init__(self, source: ExpertSource, route_hook: RouteHook | None = None, strict: bool = False):
         if not ggml_tensor.layout_matches():
             raise RuntimeError("struct ggml_tensor layout does not match this llama.cpp; "
                                "moed supports llama-cpp-python==0.3.36")
         self.source = source
         self.route_hook = route_hook
+        self.strict = strict
         self.observers: list[RouteObserver] = []
         self.stats = StreamStats()
         self.pages: ExpertPages | None = None
@@ -102,7 +103,7 @@ class ExpertStreamer:
             for ext in self.source.extents(layer):
                 spans.append(PartSpan(layer, ext.part, bases[ext.shard] + ext.offset,
                                       ext.bytes_per_expert, self.source.n_experts))
-        self.pages = ExpertPages(spans)
+        self.pages = ExpertPages(spans, strict=self.strict)
         self.pages.install()
         for span in spans:
             self._parts.setdefault(span.layer, []).append(span)

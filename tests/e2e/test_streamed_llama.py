@@ -74,12 +74,27 @@ def test_aligned_copy_of_a_model_gives_identical_logits(start_daemon, reference_
     assert engine["pages_maps"] > 0 and engine["pages_copies"] == 0
 
 
-def test_reading_an_unserved_expert_faults(start_daemon, aligned_model):
+@pytest.mark.parametrize("mode", ["--touch-expert", "--touch-released"])
+def test_reading_an_expert_that_is_not_leased_faults(start_daemon, aligned_model, mode):
     d = start_daemon()
-    r = subprocess.run([sys.executable, "-m", "tests.e2e.worker", d.socket, str(aligned_model), "x", "1",
-                        "--touch-expert"], capture_output=True, text=True, timeout=60)
-    assert "touching" in r.stdout and "read an unserved expert" not in r.stdout
+    r = subprocess.run([sys.executable, "-m", "tests.e2e.worker", d.socket, str(aligned_model), "x", "4", mode],
+                       capture_output=True, text=True, timeout=60)
+    assert "touching" in r.stdout and "read a" not in r.stdout
     assert r.returncode == -11, r.stderr[-2000:]
+
+
+def test_strict_mode_is_bit_exact_too(start_daemon, reference_logits, aligned_model):
+    from moed.engines.llama_cpp import StreamedLlama
+
+    _, want = reference_logits(aligned_model)
+    client = start_daemon("2MiB").client("e2e")
+    llm = StreamedLlama(str(aligned_model), client=client, strict=True, **LLAMA_KW)
+    try:
+        assert_bit_equal(greedy_logits(llm, llm.tokenize(PROMPT)), want)
+        assert llm.stream_stats()["pages_reprotects"] > 0
+    finally:
+        llm.close()
+        client.close()
 
 
 def test_batch_too_large_for_budget_lowers_n_batch(start_daemon, tiny_model):

@@ -3,6 +3,7 @@
     python -m tests.e2e.worker SOCKET MODEL PROMPT N            -> prints JSON {"text", "tokens"}
     python -m tests.e2e.worker SOCKET MODEL PROMPT N --forever  -> prints "tok" per token, forever
     python -m tests.e2e.worker SOCKET MODEL PROMPT N --touch-expert -> reads an unserved expert (must die)
+    python -m tests.e2e.worker SOCKET MODEL PROMPT N --touch-released -> strict mode: reads a released one (must die)
 """
 
 from __future__ import annotations
@@ -31,7 +32,15 @@ def main(argv: list[str]) -> int:
     socket, model, prompt, n = argv[:4]
     mode = argv[4] if len(argv) > 4 else ""
     client = Client(socket, "e2e-worker")
-    llm = StreamedLlama(model, client=client, **LLAMA_KW)
+    llm = StreamedLlama(model, client=client, strict=(mode == "--touch-released"), **LLAMA_KW)
+    if mode == "--touch-released":
+        greedy(llm, prompt, int(n))
+        pages = llm.streamer.pages
+        (layer, part, expert), _ = next((k, v) for k, v in pages._zc.items() if not v.visible)
+        print("touching", flush=True)
+        ctypes.string_at(pages.span(layer, part).expert_addr(expert), 1)  # released: must fault
+        print("read a released expert", flush=True)
+        return 0
     if mode == "--touch-expert":
         span = llm.streamer.pages.spans[0]
         print("touching", flush=True)

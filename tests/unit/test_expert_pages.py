@@ -86,7 +86,7 @@ def test_neighbouring_experts_sharing_a_page_stay_correct(mapped):
 def test_zero_copy_span_maps_the_slot_and_remaps_only_when_it_changes(mapped):
     base, data, fd = mapped
     span = PartSpan(0, "down", base + 8 * PAGE, 2 * PAGE, 4)
-    pages = ExpertPages([span])
+    pages = ExpertPages([span], strict=True)
     pages.install()
     assert span.zero_copy and perms_at(span.addr) == "---p"
     # "slots" are pages 40.. of the same file
@@ -100,6 +100,23 @@ def test_zero_copy_span_maps_the_slot_and_remaps_only_when_it_changes(mapped):
     pages.show_mapped(span, 1, seg_key=7, fd=fd, offset=50 * PAGE)   # the slot changed: map again
     assert read(span.expert_addr(1), 2 * PAGE) == data[50 * PAGE: 52 * PAGE]
     assert (pages.stats.maps, pages.stats.reprotects) == (3, 1)
+
+
+def test_relaxed_mode_keeps_a_released_expert_mapped_until_its_slot_changes(mapped):
+    base, data, fd = mapped
+    span = PartSpan(0, "down", base + 8 * PAGE, 2 * PAGE, 4)
+    pages = ExpertPages([span])
+    pages.install()
+    assert perms_at(span.expert_addr(3)) == "---p"          # never acquired: faults
+    pages.show_mapped(span, 1, seg_key=7, fd=fd, offset=40 * PAGE)
+    pages.hide(span, 1)
+    assert perms_at(span.expert_addr(1)) == "r--s"
+    pages.show_mapped(span, 1, seg_key=7, fd=fd, offset=40 * PAGE)   # no syscall at all
+    assert (pages.stats.maps, pages.stats.reprotects) == (1, 0)
+    pages.hide(span, 1)
+    pages.show_mapped(span, 1, seg_key=7, fd=fd, offset=46 * PAGE)
+    assert read(span.expert_addr(1), 2 * PAGE) == data[46 * PAGE: 48 * PAGE]
+    assert pages.stats.maps == 2
 
 
 def test_dense_runs_exclude_pure_expert_pages(mapped):
