@@ -10,7 +10,8 @@ budget (a share of every expert's RAM-tier bytes) and replays the trace through
 it (`moed.lab.replay`: real O_DIRECT reads, simulated compute). Baselines from
 the same run: the compute-alone rate (every expert resident), and the pure
 policy replay's g-lru hit rate at the same slots (what the daemon's one LRU
-should reproduce when nothing is prefetched).
+should reproduce when nothing is prefetched). `--budgets 100` adds the
+all-resident point: its stall is the acquire round trips alone.
 """
 
 from __future__ import annotations
@@ -62,12 +63,13 @@ def main() -> int:
         name = os.path.basename(path).split(".")[0]
         trace = Trace.load(path)
         model = model_for(trace, name, args.workdir, args.embd, args.ff)
+        warm = min(args.warm, trace.n_decode_tokens // 4)      # a short trace keeps most tokens counted
         all_bytes = rp.all_experts_bytes(model)
         for pct in (int(x) for x in args.budgets.split(",")):
             budget = int(pct / 100 * all_bytes)
-            ref = policies.replay(trace, "g-lru", size=pct / 100, warm=args.warm)
+            ref = policies.replay(trace, "g-lru", size=pct / 100, warm=warm)
             for mode in args.modes.split(","):
-                opts = rp.ReplayOptions(args.compute_ms, 0.5, mode, args.warm, args.tokens)
+                opts = rp.ReplayOptions(args.compute_ms, 0.5, mode, warm, args.tokens)
                 r = rp.replay_private(model, trace, budget, opts)
                 rows.append({"trace": name, "budget_pct": pct, "g_lru_hit_rate": ref.hit_rate, **r.to_json()})
                 print(f"| {name} | {pct}% | {mode} | {r.tok_s:.1f} | {r.compute_tok_s:.1f} | "
