@@ -341,7 +341,7 @@ class Store:
 
     def _disown(self, slot: Slot) -> None:
         owner = slot.owner
-        if owner in self.owned_bytes:
+        if owner in self.owned_bytes and not slot.pinned:   # a pinned slot is charged to nobody
             left = self.owned_bytes[owner] - slot.slot_bytes
             if left > 0 or owner in self.quotas:
                 self.owned_bytes[owner] = left

@@ -12,7 +12,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from moed.daemon.policy import LRU, DecayingLFU
 from moed.daemon.store import ExpertKey, Plan, SlotState, Store, Want
@@ -21,11 +21,11 @@ SMALL, BIG = 1, 2                     # class ids
 CLASS_BYTES = {SMALL: 100, BIG: 250}
 
 
-def make_store(budget_bytes: int = 1000, policy=None) -> Store:
-    store = Store(budget_bytes, policy)
+def make_store(budget_bytes: int = 1000, policy=None, pin_budget_bytes: int = 0) -> Store:
+    store = Store(budget_bytes, policy, pin_budget_bytes)
     for class_id, slot_bytes in CLASS_BYTES.items():
-        # As the RAM tier sizes them: as many slots as the budget could ever hold.
-        store.add_class(class_id, slot_bytes, max(1, budget_bytes // slot_bytes))
+        # As the RAM tier sizes them: as many slots as budget and pins could ever hold.
+        store.add_class(class_id, slot_bytes, max(1, (budget_bytes + pin_budget_bytes) // slot_bytes))
     return store
 
 
@@ -52,13 +52,20 @@ def check_invariants(store: Store) -> None:
     live = [s for s in all_slots(store) if s.state != SlotState.EMPTY]
     assert store.used_bytes == sum(s.slot_bytes for s in live if not s.pinned)
     assert store.used_bytes <= store.budget_bytes
+    assert store.pinned_bytes == sum(s.slot_bytes for s in live if s.pinned)
+    assert store.pinned_bytes <= store.pin_budget_bytes
+    owned: dict = {}
+    for s in live:
+        if not s.pinned:
+            owned[s.owner] = owned.get(s.owner, 0) + s.slot_bytes
+    assert {o: b for o, b in store.owned_bytes.items() if b} == owned
     assert {id(s) for s in live} == {id(s) for s in store.table.values()}
     for k, s in store.table.items():
         assert s.key == k
     for s in all_slots(store):
         assert s.refs >= 0
         if s.state == SlotState.EMPTY:
-            assert s.key is None and s.refs == 0
+            assert s.key is None and s.refs == 0 and not s.pinned
     for cls in store.classes.values():
         assert sorted(cls.free) == sorted(s.index for s in cls.slots if s.state == SlotState.EMPTY)
     evictable = {s for s in live if s.state == SlotState.READY and s.refs == 0 and not s.pinned}
@@ -394,9 +401,32 @@ def test_drop_model_forgets_only_unreferenced_slots_of_that_model():
     check_invariants(store)
 
 
+def test_failed_pinned_read_leaves_owner_accounting_alone():
+    """A pinned slot is charged to nobody, so its failed read uncharges nobody."""
+    store = make_store(budget_bytes=300, pin_budget_bytes=200)
+    release(store, load(store, [want(0)]))          # owner None: owned_bytes[None] == 100
+    slot, newly, must_read = store.pin(want(1))
+    assert newly and must_read
+    store.failed(slot)
+    assert store.owned_bytes == {None: 100} and store.pinned_bytes == 0
+    check_invariants(store)
+
+
 # ---- random operation sequences ---------------------------------------------------
 
 KEYS = st.builds(ExpertKey, st.integers(0, 2), st.integers(0, 3), st.integers(0, 3))
+
+
+class Tenant:
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+TENANTS = (None, Tenant("a"), Tenant("b"))
+WHO = st.sampled_from(TENANTS)
 
 
 def class_of(k: ExpertKey) -> int:
@@ -409,15 +439,19 @@ class StoreMachine(RuleBasedStateMachine):
     `leases` are granted acquires: (slot, generation) per key. The model's
     exact reference count for a slot is the number of live leases naming its
     current generation; `inflight` are reads started and not yet finished.
+    Without quotas the outcome of every acquire and prefetch is predicted
+    exactly; with quotas (`QuotaMachine`) floors and ceilings are checked.
     """
 
     policy_factory = LRU
 
     def __init__(self):
         super().__init__()
-        self.store = make_store(budget_bytes=700, policy=self.policy_factory())
+        self.store = make_store(budget_bytes=700, policy=self.policy_factory(), pin_budget_bytes=300)
         self.leases: list[list[tuple]] = []
         self.inflight: list[tuple] = []
+        self.floors: dict = {}
+        self.ceilings: dict = {}
 
     def settle(self):
         # The daemon gives dropped pages back before any read starts; a slot
@@ -426,40 +460,61 @@ class StoreMachine(RuleBasedStateMachine):
             event("pages dropped")
             assert s.state != SlotState.READY
 
-    @rule(keys=st.lists(KEYS, min_size=1, max_size=4, unique=True))
-    def acquire(self, keys):
+    def owned(self) -> dict:
+        out: dict = {}
+        for s in all_slots(self.store):
+            if s.state != SlotState.EMPTY and not s.pinned:
+                out[s.owner] = out.get(s.owner, 0) + s.slot_bytes
+        return out
+
+    def check_quotas(self, who, before: dict) -> None:
+        after = self.owned()
+        for t, floor in self.floors.items():
+            if t is not who:                     # others are not pushed below their floor
+                assert after.get(t, 0) >= min(before.get(t, 0), floor)
+        for t, ceiling in self.ceilings.items():
+            assert after.get(t, 0) <= max(ceiling, before.get(t, 0))
+
+    @rule(keys=st.lists(KEYS, min_size=1, max_size=4, unique=True), who=WHO)
+    def acquire(self, keys, who):
         store = self.store
         wants = [Want(k, class_of(k)) for k in keys]
         present = {k: store.table[k] for k in keys if k in store.table}
         missing = [k for k in keys if k not in present]
         need = sum(CLASS_BYTES[class_of(k)] for k in missing)
-        whole = need + sum(s.slot_bytes for s in present.values())
+        whole = need + sum(s.slot_bytes for s in present.values() if not s.pinned)
         spare = sum(s.slot_bytes for s in all_slots(store)
-                    if s.state == SlotState.READY and s.refs == 0 and s.key not in present)
+                    if s.state == SlotState.READY and s.refs == 0 and not s.pinned and s.key not in present)
         room = store.effective_budget_bytes - store.used_bytes + spare
-        used_before = store.used_bytes
+        used_before, owned_before = store.used_bytes, self.owned()
         before = {k: (id(s), s.refs, s.generation) for k, s in store.table.items()}
         if missing and whole > store.budget_bytes:
             with pytest.raises(ValueError):
-                store.acquire(wants)
+                store.acquire(wants, who)
             event("acquire: too large")
             return
         evictions = store.evictions
-        plan = store.acquire(wants)
-        if missing and need > room:
+        try:
+            plan = store.acquire(wants, who)
+        except ValueError:
+            assert missing and need > self.ceilings.get(who, need)     # over its ceiling
+            return
+        if plan is None:
             event("acquire: waits")
-            assert plan is None
+            assert missing and (store.quotas or need > room)
             assert {k: (id(s), s.refs, s.generation) for k, s in store.table.items()} == before
             return
-        assert plan is not None
+        assert store.quotas or not missing or need <= room
         event("acquire: evicted" if store.evictions > evictions else "acquire: granted")
         assert [s.key for s in plan.slots] == keys
         # New slots only fit under the effective budget (the memory guard's limit).
         assert store.used_bytes <= max(used_before, store.effective_budget_bytes)
         assert plan.hits + len(plan.loading) + plan.misses == len(keys)
         assert {id(s) for s in plan.to_load} == {id(store.table[k]) for k in missing}
+        assert all(s.owner is who for s in plan.to_load)
         for k, s in present.items():                  # resident keys kept their slot
             assert store.table[k] is s and before[k][2] == s.generation
+        self.check_quotas(who, owned_before)
         self.settle()
         self.leases.append(list(zip(plan.slots, plan.generations)))
         self.inflight += [(s, s.generation) for s in plan.to_load]
@@ -470,6 +525,7 @@ class StoreMachine(RuleBasedStateMachine):
         lease = self.leases.pop(data.draw(st.integers(0, len(self.leases) - 1)))
         for slot, gen in lease:
             self.store.release(slot, gen)
+        self.settle()                                 # a pending unpin may drop
 
     @precondition(lambda self: self.leases)
     @rule()
@@ -478,6 +534,7 @@ class StoreMachine(RuleBasedStateMachine):
         # a second release rule also keeps the budget from filling with leases.
         for slot, gen in self.leases.pop(0):
             self.store.release(slot, gen)
+        self.settle()
 
     @precondition(lambda self: self.inflight)
     @rule()
@@ -486,6 +543,7 @@ class StoreMachine(RuleBasedStateMachine):
             assert slot.generation == gen and slot.state == SlotState.LOADING
             self.store.loaded(slot)
         self.inflight = []
+        self.settle()
 
     @precondition(lambda self: self.inflight)
     @rule(data=st.data(), ok=st.booleans())
@@ -497,17 +555,20 @@ class StoreMachine(RuleBasedStateMachine):
             self.store.loaded(slot)
         else:
             self.store.failed(slot)
-            self.settle()
+        self.settle()
 
-    @rule(k=KEYS)
-    def prefetch(self, k):
+    @rule(k=KEYS, who=WHO)
+    def prefetch(self, k, who):
         store = self.store
         fits = (k not in store.table and CLASS_BYTES[class_of(k)]
                 <= store.effective_budget_bytes - store.used_bytes + store.evictable_bytes)
-        slot = store.prefetch(Want(k, class_of(k)))
-        assert (slot is not None) == fits
+        owned_before = self.owned()
+        slot = store.prefetch(Want(k, class_of(k)), who)
+        if not store.quotas:
+            assert (slot is not None) == fits
+        self.check_quotas(who, owned_before)
         if slot is not None:
-            assert slot.refs == 0 and slot.prefetched and self.store.table[k] is slot
+            assert slot.refs == 0 and slot.prefetched and store.table[k] is slot and slot.owner is who
             self.settle()
             self.inflight.append((slot, slot.generation))
 
@@ -516,9 +577,59 @@ class StoreMachine(RuleBasedStateMachine):
     def cancel_prefetch(self, data):
         unused = [i for i, (s, _) in enumerate(self.inflight) if s.prefetched and s.refs == 0]
         slot, gen = self.inflight.pop(data.draw(st.sampled_from(unused)))
-        used = self.store.used_bytes
+        used, pinned = self.store.used_bytes, self.store.pinned_bytes
         self.store.cancel_prefetch(slot)
-        assert slot.state == SlotState.EMPTY and self.store.used_bytes == used - slot.slot_bytes
+        assert slot.state == SlotState.EMPTY
+        assert self.store.used_bytes + self.store.pinned_bytes == used + pinned - slot.slot_bytes
+        self.settle()
+
+    def some_key(self, data, among) -> ExpertKey:
+        """Half the time a key from `among` (so pins meet resident keys), else any key."""
+        among = sorted(among)
+        if among and data.draw(st.booleans()):
+            return data.draw(st.sampled_from(among))
+        return data.draw(KEYS)
+
+    @rule(data=st.data())
+    def pin(self, data):
+        store = self.store
+        k = self.some_key(data, store.table)
+        size = CLASS_BYTES[class_of(k)]
+        resident = store.table.get(k)
+        was_pinned = resident is not None and resident.pinned
+        used, keys_before, evictions = store.used_bytes, set(store.table), store.evictions
+        out = store.pin(Want(k, class_of(k)))
+        if was_pinned:
+            assert out == (resident, False, False)
+        elif store.pinned_bytes - (size if out else 0) + size > store.pin_budget_bytes:
+            assert out is None
+        elif resident is not None:
+            event("pin: resident")
+            assert out == (resident, True, False) and store.used_bytes == used - size
+        elif out is not None:
+            event("pin: read")
+            slot, newly, must_read = out
+            assert newly and must_read and slot.state == SlotState.LOADING and slot.refs == 0
+            self.inflight.append((slot, slot.generation))
+        if out is not None:
+            assert out[0].pinned and store.table[k] is out[0]
+        assert set(store.table) - {k} == keys_before - {k}    # pinning evicts nobody
+        assert store.evictions == evictions
+
+    @rule(data=st.data())
+    def unpin(self, data):
+        store = self.store
+        k = self.some_key(data, [k for k, s in store.table.items() if s.pinned])
+        slot = store.table.get(k)
+        was_pinned = slot is not None and slot.pinned
+        free_now = was_pinned and slot.refs == 0 and slot.state == SlotState.READY
+        assert store.unpin(k) == was_pinned
+        if free_now:                                  # rejoins the shared budget, or goes
+            event("unpin: now")
+            assert not slot.pinned
+            assert store.table.get(k) is slot or slot.state == SlotState.EMPTY
+        elif was_pinned:
+            assert slot.pinned and slot.unpin_pending
         self.settle()
 
     @rule(limit_bytes=st.integers(200, 800))
@@ -538,7 +649,7 @@ class StoreMachine(RuleBasedStateMachine):
     def drop_model(self, model):
         self.store.drop_model(model)
         for k, s in self.store.table.items():
-            assert k.model_id != model or s.refs > 0 or s.state != SlotState.READY
+            assert k.model_id != model or s.refs > 0 or s.state != SlotState.READY or s.pinned
         self.settle()
 
     @invariant()
@@ -561,11 +672,24 @@ class LFUStoreMachine(StoreMachine):
     policy_factory = staticmethod(lambda: DecayingLFU(half_life=4))
 
 
-# STORE_EXAMPLES=2000 hunts longer (about a minute); the default keeps the suite fast.
-_machine_settings = settings(max_examples=int(os.environ.get("STORE_EXAMPLES", 60)),
+class QuotaMachine(StoreMachine):
+    """The same operations with a tenant floor and a tenant ceiling configured."""
+
+    @initialize(floor_bytes=st.sampled_from([100, 300, 500]), ceiling_bytes=st.sampled_from([250, 400]))
+    def quotas(self, floor_bytes, ceiling_bytes):
+        a, b = TENANTS[1], TENANTS[2]
+        self.store.set_quota(a, floor_bytes=floor_bytes)
+        self.store.set_quota(b, ceiling_bytes=ceiling_bytes)
+        self.floors, self.ceilings = {a: floor_bytes}, {b: ceiling_bytes}
+
+
+# STORE_EXAMPLES=2000 hunts longer (minutes); the default keeps the suite fast.
+_machine_settings = settings(max_examples=int(os.environ.get("STORE_EXAMPLES", 50)),
                              stateful_step_count=40, deadline=None,
                              suppress_health_check=[HealthCheck.too_slow])
 TestStoreMachine = StoreMachine.TestCase
 TestStoreMachine.settings = _machine_settings
 TestLFUStoreMachine = LFUStoreMachine.TestCase
 TestLFUStoreMachine.settings = _machine_settings
+TestQuotaMachine = QuotaMachine.TestCase
+TestQuotaMachine.settings = _machine_settings
