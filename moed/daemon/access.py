@@ -115,15 +115,18 @@ def check_readable(peer: Peer, real_path: str, shown: str) -> os.stat_result:
         d = "/".join(parts[:depth]) or "/"
         try:
             st = os.stat(d)
-        except FileNotFoundError:
-            raise errors.BadModelFile(f"{shown}: no such file") from None
+        except OSError as exc:
+            raise errors.BadModelFile(f"{shown}: {exc.strerror}") from None
         if not permits(peer, st, X, _acl(d)):
             raise errors.PermissionDenied(f"{shown}: uid {peer.uid} may not search {d}")
     try:
         st = os.stat(real_path)
+        acl = _acl(real_path)
     except FileNotFoundError:
         raise errors.BadModelFile(f"{shown}: no such file") from None
-    if not permits(peer, st, R, _acl(real_path)):
+    except OSError as exc:
+        raise errors.BadModelFile(f"{shown}: {exc.strerror}") from None
+    if not permits(peer, st, R, acl):
         raise errors.PermissionDenied(f"{shown}: uid {peer.uid} may not read this file")
     return st
 

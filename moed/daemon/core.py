@@ -95,6 +95,7 @@ class Daemon:
         self._prefetched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._room_waiters: list[asyncio.Future] = []
         self._model_ids = itertools.count(1)
+        self._retired: set[int] = set()     # ids of stale models already dropped
         self._lease_ids = itertools.count(1)
         self.sessions: set = set()
 
@@ -175,6 +176,7 @@ class Daemon:
         self.store.drop_model(model.model_id)
         self._settle()
         if not any(key.model_id == model.model_id for key in self.store.table):
+            self._retired.add(model.model_id)
             self.models.pop(model.model_id, None)
             self._by_identity.pop((model.path, model.identity), None)
             model.close()
@@ -192,6 +194,8 @@ class Daemon:
     def model_for(self, model_id: int) -> Model:
         model = self.models.get(model_id)
         if model is None:
+            if model_id in self._retired:
+                raise errors.ModelStale(f"model {model_id} changed on disk and was retired; open it again")
             raise errors.UnknownModel(f"no open model with id {model_id}")
         if model.stale:
             raise errors.ModelStale(f"{model.path} changed on disk; open it again")
@@ -290,7 +294,8 @@ class Daemon:
         pending = [self._loading[s].done for s in plan.to_load + plan.loading if s in self._loading]
         if pending:
             try:
-                results = await asyncio.gather(*pending, return_exceptions=True)
+                # shielded: this acquire's cancellation must not cancel a read others wait on
+                results = await asyncio.gather(*map(asyncio.shield, pending), return_exceptions=True)
             except asyncio.CancelledError:     # the connection closed while reads were in flight
                 self._unref(plan.slots, plan.generations)
                 raise

@@ -34,6 +34,8 @@ from .core import Daemon, Lease
 log = logging.getLogger("moed.server")
 
 _PEERCRED = struct.Struct("3i")
+MAX_QUEUED_FRAMES = 256      # decoded requests waiting on one connection before it is paused
+MAX_NAMES_PER_TENANT = 32
 
 
 def peer_credentials(sock) -> tuple[int, int, int]:
@@ -56,6 +58,10 @@ class Session(asyncio.Protocol):
         self.pid = self.uid = self.gid = -1
         self.tenant = None
         self.task: asyncio.Future | None = None
+        self.pending_plan = None    # references taken by an acquire whose task has not started yet
+        self.pending_coro = None    # the handler coroutine of that task, until it starts
+        self.reading = True
+        self.write_paused = False
         self._handlers = {
             m.Hello: self.on_hello, m.Ping: self.on_ping, m.OpenModel: self.on_open_model,
             m.Acquire: self.on_acquire, m.Release: self.on_release, m.Prefetch: self.on_prefetch,
@@ -73,11 +79,24 @@ class Session(asyncio.Protocol):
         self.tenant.pids.add(self.pid)
         self.daemon.sessions.add(self)
         self.daemon.counters.connections += 1
+        if len(self.daemon.sessions) > self.daemon.config.max_clients:
+            log.warning("refusing pid %d (uid %d): %d clients connected, max_clients is %d", self.pid,
+                        self.uid, len(self.daemon.sessions) - 1, self.daemon.config.max_clients)
+            self._send(m.Error(int(errors.ErrorCode.TOO_MANY_CLIENTS),
+                               f"moed serves at most {self.daemon.config.max_clients} clients"))
+            self.closed = True
+            transport.close()
 
     def connection_lost(self, exc) -> None:
         self.closed = True
         if self.task is not None and not self.task.done():
             self.task.cancel()
+        plan, self.pending_plan = self.pending_plan, None
+        if plan is not None:
+            self.daemon._unref(plan.slots, plan.generations)
+        if self.pending_coro is not None:   # its task was cancelled before it ran
+            self.pending_coro.close()
+            self.pending_coro = None
         self.daemon.sessions.discard(self)
         leases, self.leases = list(self.leases.values()), {}
         for lease in leases:
@@ -91,6 +110,25 @@ class Session(asyncio.Protocol):
         self.queue.extend(self.frames.feed(data))
         if not self.busy:
             self._pump()
+        self._flow()
+
+    # Flow control: a peer that sends faster than it reads (or piles requests
+    # behind a waiting acquire) is stopped being read, so neither its reply
+    # buffer nor its request queue can grow without bound in the daemon.
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        self._flow()
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        self._flow()
+
+    def _flow(self) -> None:
+        want = not self.write_paused and len(self.queue) <= MAX_QUEUED_FRAMES
+        if want != self.reading and not self.closed:
+            self.reading = want
+            (self.transport.resume_reading if want else self.transport.pause_reading)()
 
     # ---- dispatch ------------------------------------------------------------
 
@@ -111,11 +149,14 @@ class Session(asyncio.Protocol):
                 continue
             if asyncio.iscoroutine(result):
                 self.busy = True
+                self.pending_coro = result
                 self.task = asyncio.ensure_future(self._finish(msg, result))
             elif result is not None and m.wants_reply(msg):
                 self._send(result)
+        self._flow()
 
     async def _finish(self, msg, coro) -> None:
+        self.pending_coro = None
         try:
             reply = await coro
             if reply is not None and m.wants_reply(msg):
@@ -161,7 +202,8 @@ class Session(asyncio.Protocol):
             raise errors.VersionMismatch(f"client speaks protocol {msg.version}, daemon {PROTOCOL_VERSION}")
         self.hello = True
         if msg.client_name:
-            self.tenant.names.add(msg.client_name[:64])
+            if len(self.tenant.names) < MAX_NAMES_PER_TENANT:   # names are for display; never unbounded
+                self.tenant.names.add(msg.client_name[:64])
         d = self.daemon
         return m.HelloReply(PROTOCOL_VERSION, d.version, d.pid, self.uid, self.pid)
 
@@ -208,9 +250,13 @@ class Session(asyncio.Protocol):
         lease, pending = self.daemon.try_acquire(model, msg.layer, msg.experts, self.tenant)
         if lease is not None:
             return self._granted(lease)
-        return self._acquire_slow(model, msg, *pending)
+        wants, self.pending_plan = pending
+        return self._acquire_slow(model, msg, wants)
 
-    async def _acquire_slow(self, model, msg: m.Acquire, wants, plan):
+    async def _acquire_slow(self, model, msg: m.Acquire, wants):
+        # The plan's references pass to acquire_slow here; a task cancelled before
+        # it ever ran leaves them in pending_plan for connection_lost to give back.
+        plan, self.pending_plan = self.pending_plan, None
         lease = await self.daemon.acquire_slow(model, msg.layer, wants, plan, self.tenant, msg.timeout_s)
         if self.closed:    # the peer went away while we read: nobody holds this lease
             self.daemon.release(lease)

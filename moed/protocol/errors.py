@@ -29,6 +29,7 @@ class ErrorCode(enum.IntEnum):
     VERIFY_MISMATCH = 16    # verify mode: bytes read differ from the first read
     DAEMON_UNAVAILABLE = 17  # client side only: no daemon, or it went away
     MODEL_STALE = 18        # the file changed under an open model
+    TOO_MANY_CLIENTS = 19   # max_clients connections are open already
 
 
 class MoedError(Exception):
@@ -65,6 +66,7 @@ ShuttingDown = _define("ShuttingDown", ErrorCode.SHUTTING_DOWN, "The daemon is s
 VerifyMismatch = _define("VerifyMismatch", ErrorCode.VERIFY_MISMATCH, "Expert bytes differ from their first read.")
 DaemonUnavailable = _define("DaemonUnavailable", ErrorCode.DAEMON_UNAVAILABLE, "No daemon answers on the socket.")
 ModelStale = _define("ModelStale", ErrorCode.MODEL_STALE, "The model file changed; open it again.")
+TooManyClients = _define("TooManyClients", ErrorCode.TOO_MANY_CLIENTS, "The daemon serves its maximum of clients.")
 
 _BY_CODE: dict[int, type[MoedError]] = {
     cls.code: cls for cls in MoedError.__subclasses__()
