@@ -1,6 +1,7 @@
 """The protocol as data: every message round-trips, every request has one reply
-type and a handler, tags and error codes are unique, and the frame reader
-survives split, concatenated, garbage and oversize input."""
+type and a handler, tags and error codes are unique, the frame reader
+survives split, concatenated, garbage and oversize input, and the slot layout
+keeps every part page-aligned."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from moed.protocol import errors
 from moed.protocol import messages as m
 from moed.protocol.framing import HEADER, MAX_FRAME_BYTES, FrameReader, encode, reply_decoder
+from moed.protocol.layout import PAGE, round_up, slot_layout
 
 SEGMENT = m.SegmentInfo(class_id=1, capacity=4, part_names=["gate", "up", "down"],
                         part_bytes=[4352, 4352, 4352], part_off=[0, 32768, 65536],
@@ -278,3 +280,29 @@ def test_random_well_framed_messages_never_raise(fields, t, reply_side):
     out = r.feed(frame_of(payload) + encode(m.Ping() if not reply_side else m.Pong(1)))
     check_output(out)
     assert len(out) == 2 and isinstance(out[1], (m.Ping, m.Pong))
+
+
+# ---- slot layout -------------------------------------------------------------------------------
+
+def test_round_up():
+    assert [round_up(n) for n in (0, 1, PAGE - 1, PAGE, PAGE + 1)] == [0, PAGE, PAGE, PAGE, 2 * PAGE]
+    assert round_up(5, 4) == 8 and round_up(8, 4) == 8
+
+
+def test_slot_layout_by_hand():
+    # gate/up 4352 bytes (2 pages), down 8192 (2 pages exactly), 3 slots
+    offs, strides, total = slot_layout([4352, 4352, 8192], 3)
+    assert strides == [8192, 8192, 8192]
+    assert offs == [0, 3 * 8192, 6 * 8192] and total == 9 * 8192
+
+
+@given(st.lists(st.integers(1, 3 * PAGE), min_size=1, max_size=4), st.integers(1, 20))
+def test_slot_layout_parts_are_page_aligned_and_disjoint(part_bytes, capacity):
+    offs, strides, total = slot_layout(part_bytes, capacity)
+    spans = []
+    for b, off, stride in zip(part_bytes, offs, strides):
+        assert off % PAGE == 0 and stride % PAGE == 0 and b <= stride < b + PAGE
+        spans += [(off + i * stride, off + i * stride + b) for i in range(capacity)]
+    spans.sort()
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))
+    assert spans[-1][1] <= total == sum(s * capacity for s in strides)
