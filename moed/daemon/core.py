@@ -43,6 +43,7 @@ from .ramtier import RamTier
 from .reader import ModelFile, ReaderPool, ReadJob
 from .access import Peer, check_open_files, check_readable, check_roots
 from .memguard import MemGuard
+from .verify import Verifier, digest
 from .tenants import Heat, resolve_tenants
 from .stats import Counters, Tenant
 from .store import ExpertKey, Slot, SlotState, Store, Want
@@ -83,6 +84,7 @@ class Daemon:
         self.reader = ReaderPool(config.reader_threads, config.chunk_bytes)
         self.memguard = MemGuard(self, config.mem_floor_bytes, config.mem_sample_s)
         self.tenant_quotas = resolve_tenants(config.tenants)
+        self.verifier = Verifier() if config.verify else None
         # decayed access counts per expert, for `moectl pin --from-stats` (only with a pin budget)
         self.heat = Heat() if config.pin_budget_bytes else None
         self.counters = Counters()
@@ -353,6 +355,8 @@ class Daemon:
         slot, gen = job.tag
         if err is None:
             self.ramtier.lock_slot(self.ramtier.segments[slot.class_id], slot.index)
+            if self.verifier is not None:
+                job.digest = digest(job.pieces)      # hashed here, off the event loop
         self.loop.call_soon_threadsafe(self._read_done, slot, gen, job, err)
 
     def _read_done(self, slot: Slot, gen: int, job: ReadJob, err: BaseException | None) -> None:
@@ -364,6 +368,9 @@ class Daemon:
         if slot.owner is not None and slot.key is not None:
             slot.owner.bytes_read += job.bytes_total
             slot.owner.use(slot.key.model_id)[2] += job.bytes_total
+        if err is None and self.verifier is not None:
+            err = self.verifier.check(slot.key, job.digest, f"model {slot.key.model_id} layer "
+                                      f"{slot.key.layer} expert {slot.key.expert}")
         if err is None:
             self.store.loaded(slot)
             loading.done.set_result(None)
@@ -372,7 +379,8 @@ class Daemon:
             log.error("read of %s failed: %s", slot.key, err)
             self.store.failed(slot)
             self._settle()
-            loading.done.set_exception(errors.ReadError(f"reading {tuple(slot.key or ())} failed: {err}"))
+            loading.done.set_exception(err if isinstance(err, errors.MoedError) else
+                                       errors.ReadError(f"reading {tuple(slot.key or ())} failed: {err}"))
             loading.done.exception()   # mark retrieved: a prefetch has no awaiter
         self._room_changed()
 

@@ -140,6 +140,7 @@ def snapshot(daemon) -> dict:
         "mem_available_bytes": daemon.mem_available_bytes(),
         "mem_floor_bytes": daemon.memguard.floor_bytes,
         **daemon.memguard.stats(),
+        **(daemon.verifier.stats() if daemon.verifier is not None else {"verify": False}),
         "connections": len(daemon.sessions),
         "bad_frames": c.bad_frames,
         "models": [_model_row(daemon, m) for m in models],
