@@ -57,14 +57,20 @@ def print_stats(s: dict) -> None:
     rows = [
         ("budget", f"{format_size(s['used_bytes'])} used of {format_size(s['budget_bytes'])} "
                    f"({pct(s['used_bytes'], s['budget_bytes'])}), {s['resident_experts']} experts resident"),
-        ("pinned", f"{format_size(s['pinned_bytes'])} of {format_size(s['pin_budget_bytes'])}"),
+        ("pinned", f"{format_size(s['pinned_bytes'])} of {format_size(s['pin_budget_bytes'])}, "
+                   f"{s.get('pinned_experts', 0)} experts, {100 * s.get('pinned_hit_share', 0):.1f}% of hits"),
         ("locked", "yes" if s["locked"] else f"NO: {s['lock_error']}"),
         ("hits / misses", f"{s['hits']} / {s['misses']} (hit rate {pct(s['hits'], s['hits'] + s['misses'])})"),
         ("prefetch", f"{s['prefetches']} issued, {s['prefetch_hits']} hit, {s['wasted_prefetches']} wasted"),
         ("read", f"{format_size(s['bytes_read'])}, {s['read_errors']} errors, "
                  f"{'O_DIRECT' if s['direct_io'] else 'buffered'}, {s['reads_in_flight']} in flight"),
         ("evictions", str(s["evictions"])),
-        ("memory", f"{format_size(s['mem_available_bytes'])} available, floor {format_size(s['mem_floor_bytes'])}"),
+        ("memory", f"{format_size(s['mem_available_bytes'])} available, floor {format_size(s['mem_floor_bytes'])}"
+                   + (f"; GUARD ACTIVE: store limited to {format_size(s['effective_budget_bytes'])}"
+                      if s.get("mem_guard_active") else "")
+                   + f"; {format_size(s.get('given_back_bytes', 0))} given back"),
+        ("verify", (f"on: {s['verified_reads']} re-reads verified, {s['verify_mismatches']} MISMATCHES"
+                    if s.get("verify") else "off")),
         ("connections", str(s["connections"])),
     ]
     for k, v in rows:
@@ -72,12 +78,14 @@ def print_stats(s: dict) -> None:
     console.print(t)
     _print_models(console, s["models"])
     tt = Table(title="tenants")
-    for col in ("uid", "names", "hits", "misses", "hit rate", "read", "resident", "leases"):
+    for col in ("uid", "names", "hits", "misses", "hit rate", "read", "resident", "leases", "floor/ceiling"):
         tt.add_column(col)
     for r in s["tenants"]:
         tt.add_row(str(r["uid"]), ",".join(r["names"]), str(r["hits"]), str(r["misses"]),
                    pct(r["hits"], r["hits"] + r["misses"]), format_size(r["bytes_read"]),
-                   format_size(r["resident_bytes"]), str(r["leases"]))
+                   format_size(r["resident_bytes"]), str(r["leases"]),
+                   f"{format_size(r.get('floor_bytes', 0))}/"
+                   + (format_size(r["ceiling_bytes"]) if r.get("ceiling_bytes") else "-"))
     console.print(tt)
 
 
