@@ -253,7 +253,8 @@ class StreamedLlama(Llama):
             client.close()
 
     def close(self) -> None:
-        super().close()
+        if hasattr(self, "_stack"):      # absent when __init__ failed before llama.cpp loaded
+            super().close()
         self._close_client()
 
 
