@@ -126,7 +126,7 @@ class Session(asyncio.Protocol):
 
     def _flow(self) -> None:
         want = not self.write_paused and len(self.queue) <= MAX_QUEUED_FRAMES
-        if want != self.reading and not self.closed:
+        if want != self.reading and not self.closed and not self.transport.is_closing():
             self.reading = want
             (self.transport.resume_reading if want else self.transport.pause_reading)()
 
