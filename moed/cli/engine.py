@@ -39,7 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="GGUF model (first shard of a split model)")
-    p.add_argument("--ctx", type=int, default=2048, help="context length (default 2048)")
+    p.add_argument("--ctx", type=int, default=None,
+                   help="context length (default: the model's training context, at most 4096)")
     p.add_argument("--batch", type=int, default=512, help="prompt batch size (default 512)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: llama.cpp's)")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
@@ -62,9 +63,10 @@ class _Session:
 
         if not os.path.exists(args.model):
             raise SystemExit(_fail(f"no such model file: {args.model}"))
+        n_ctx = args.ctx or _default_ctx(args.model)
         self.client = Client(args.socket, client_name=f"moectl {args.verb}")
         try:
-            self.llm = StreamedLlama(args.model, client=self.client, n_ctx=args.ctx, n_batch=args.batch,
+            self.llm = StreamedLlama(args.model, client=self.client, n_ctx=n_ctx, n_batch=args.batch,
                                      n_ubatch=args.batch, n_threads=args.threads, seed=args.seed,
                                      verbose=args.verbose, skeleton_dir=args.skeleton_dir,
                                      **llama_kwargs)
@@ -94,6 +96,19 @@ class _Session:
               f"daemon hit rate {rate} ({hits} hits, {misses} misses), read {format_size(read)}", file=out)
 
 
+def _default_ctx(model: str, most: int = 4096) -> int:
+    """The model's training context (`<arch>.context_length`), capped: the KV cache grows with it."""
+    from moed.gguf_header import read_header
+
+    try:
+        h = read_header(model)
+        arch = h.get("general.architecture")
+        trained = int(h.get(f"{arch}.context_length", most))
+    except Exception:  # llama.cpp will report a bad file itself, in its own words
+        return most
+    return max(1, min(trained, most))
+
+
 def _fail(message: str) -> int:
     print(f"moectl: {message}", file=sys.stderr)
     return 2
@@ -114,9 +129,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         n = 0
         for chunk in s.llm.create_completion(args.prompt, max_tokens=args.n_predict, stream=True,
                                              seed=args.seed, **_sampling(args)):
-            sys.stdout.write(chunk["choices"][0]["text"])
+            choice = chunk["choices"][0]
+            sys.stdout.write(choice["text"])
             sys.stdout.flush()
-            n += 1
+            n += choice.get("finish_reason") is None   # the closing chunk carries no new token
         sys.stdout.write("\n")
         s.report(n)
     finally:
