@@ -177,6 +177,10 @@ class StreamedLlama(Llama):
                  source: ExpertSource | None = None, skeleton_dir: str | os.PathLike | None = None,
                  strict: bool = False, **llama_kwargs):
         self._check_kwargs(llama_kwargs)
+        if llama_cpp.__version__ != LLAMA_CPP_PYTHON_VERSION:
+            warnings.warn(f"moed is tested with llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}, found "
+                          f"{llama_cpp.__version__}; the ggml tensor layout is checked, the rest is not",
+                          RuntimeWarning, stacklevel=2)
         self._own_client = None
         if source is None:
             if client is None:
