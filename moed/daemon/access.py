@@ -148,3 +148,20 @@ def check_roots(real_path: str, shown: str, roots: list[str]) -> None:
         if os.path.commonpath([base, real_path]) == base:
             return
     raise errors.PermissionDenied(f"{shown}: not under the configured model_roots ({', '.join(roots)})")
+
+
+def world_readable(real_path: str) -> bool:
+    """True if any local user could read the file: o+x on every directory, o+r on it, no ACLs.
+
+    Models that are not share no RAM-tier segment with other models: a client
+    maps whole segments, so a shared segment would show it other models' experts.
+    """
+    parts = real_path.split("/")
+    try:
+        for depth in range(1, len(parts)):
+            d = "/".join(parts[:depth]) or "/"
+            if not os.stat(d).st_mode & 0o001 or _acl(d) is not None:
+                return False
+        return bool(os.stat(real_path).st_mode & 0o004) and _acl(real_path) is None
+    except OSError:
+        return False

@@ -41,7 +41,7 @@ from .config import Config
 from .models import LayerPlan, Model, class_key, file_identity, model_info, open_catalog
 from .ramtier import RamTier
 from .reader import ModelFile, ReaderPool, ReadJob
-from .access import Peer, check_open_files, check_readable, check_roots
+from .access import Peer, check_open_files, check_readable, check_roots, world_readable
 from .memguard import MemGuard
 from .verify import Verifier, digest
 from .tenants import Heat, resolve_tenants
@@ -145,9 +145,12 @@ class Daemon:
         except OSError as exc:
             raise errors.BadModelFile(f"{path}: {exc.strerror or exc}") from None
         layers = {}
+        # Models anyone may read share segments by geometry; any other model gets
+        # its own, since a client maps whole segments (security: see access.py).
+        domain = None if all(world_readable(os.path.realpath(f.path)) for f in files) else path
         for layer, entry in catalog.layers.items():
             key = class_key(entry)
-            class_id = self._class_for(key)
+            class_id = self._class_for(key, domain)
             parts = [(files[entry.parts[p].shard], entry.parts[p].offset, size) for p, size in key]
             layers[layer] = LayerPlan(class_id, parts)
         model = Model(next(self._model_ids), path, catalog, identity, files, layers)
@@ -183,14 +186,14 @@ class Daemon:
             self._by_identity.pop((model.path, model.identity), None)
             model.close()
 
-    def _class_for(self, key: tuple) -> int:
-        class_id = self._classes.get(key)
+    def _class_for(self, key: tuple, domain: str | None = None) -> int:
+        class_id = self._classes.get((domain, key))
         if class_id is None:
             class_id = len(self._classes) + 1
             names = [p for p, _ in key]
             seg = self.ramtier.add_segment(class_id, names, [b for _, b in key])
             self.store.add_class(class_id, seg.slot_bytes, seg.capacity)
-            self._classes[key] = class_id
+            self._classes[(domain, key)] = class_id
         return class_id
 
     def model_for(self, model_id: int) -> Model:

@@ -242,3 +242,24 @@ def test_one_tenant_cannot_release_another_tenants_lease(start_daemon, tiny_mode
         owner_row = [t for t in c.stats()["tenants"] if t["uid"] == 0][0]
         assert owner_row["leases"] == 1               # still held
         c.request(m.Release([lease.lease_id]))        # and its owner can release it
+
+
+def _class_ids(sock: str, path: str) -> list[int]:
+    with Client(sock, "peer") as c:
+        return [s.class_id for s in c.open_model(path).info.segments]
+
+
+def test_private_models_never_share_a_segment_with_other_models(start_daemon, tiny_model, shared_dir):
+    """A client maps whole segments: sharing one would show it another model's experts."""
+    d = start(start_daemon, shared_dir)
+    public_a = copy_model(tiny_model, shared_dir, 0o644, "a.gguf")
+    public_b = copy_model(tiny_model, shared_dir, 0o644, "b.gguf")
+    private = copy_model(tiny_model, shared_dir, 0o600, "private.gguf")
+    with d.client() as c:
+        h = c.open_model(private)
+        with h.acquire(0, [1]):                   # private experts resident in its segment
+            pass
+        private_ids = {s.class_id for s in h.info.segments}
+    seen = as_peer(NOBODY, NOBODY, _class_ids, d.socket, public_a).result
+    assert seen and not set(seen) & private_ids
+    assert as_peer(NOBODY, NOBODY, _class_ids, d.socket, public_b).result == seen   # public ones share
