@@ -168,7 +168,8 @@ class Client:
         return self.request(m.ListModels()).models
 
     def open_model(self, path: str | os.PathLike) -> "ModelHandle":
-        info, fds = self.request(m.OpenModel(os.fspath(path)), fds=True)
+        # the daemon resolves paths itself: never in its own working directory
+        info, fds = self.request(m.OpenModel(os.path.abspath(os.fspath(path))), fds=True)
         if len(fds) != len(info.segments):
             for fd in fds:
                 os.close(fd)

@@ -105,6 +105,10 @@ class Daemon:
 
     async def open_model(self, path: str, peer: Peer | None = None) -> Model:
         """Open (or share) a model; with `peer`, only if that peer could read every file itself."""
+        if not os.path.isabs(path):
+            raise errors.BadRequest(f"model path must be absolute (the daemon has its own cwd): {path!r}")
+        if "\0" in path:
+            raise errors.BadRequest("model path contains a NUL byte")
         real = os.path.realpath(path)
         check_roots(real, path, self.config.model_roots)
         if peer is not None:

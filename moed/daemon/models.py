@@ -7,7 +7,9 @@ opened is a new identity: the old model goes stale, refuses new acquires, and
 its slots are dropped once its last lease is released.
 
 Size classes are keyed by their parts' names and byte sizes and shared across
-models: two models with the same expert geometry share a segment.
+models: two models with the same expert geometry share a segment, provided
+both are readable by everyone (a client maps whole segments; a model that is
+not gets segments of its own, see access.world_readable).
 """
 
 from __future__ import annotations

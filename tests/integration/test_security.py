@@ -263,3 +263,13 @@ def test_private_models_never_share_a_segment_with_other_models(start_daemon, ti
     seen = as_peer(NOBODY, NOBODY, _class_ids, d.socket, public_a).result
     assert seen and not set(seen) & private_ids
     assert as_peer(NOBODY, NOBODY, _class_ids, d.socket, public_b).result == seen   # public ones share
+
+
+def test_relative_and_nul_paths_are_refused_by_the_daemon(daemon, tiny_model, tmp_path, monkeypatch):
+    with daemon.client() as c:
+        for bad in ("model.gguf", "../x.gguf", "/tmp/a\0b"):
+            with pytest.raises(errors.BadRequest):
+                c.request(m.OpenModel(bad), fds=True)
+        monkeypatch.chdir(os.path.dirname(tiny_model))   # the client makes a relative path absolute
+        h = c.open_model(os.path.basename(tiny_model))
+        assert h.path == os.path.realpath(tiny_model)
