@@ -54,3 +54,28 @@ def handlers(session) -> dict:
 
 
 HANDLED = (m.SetMemFloor, m.Pin, m.Unpin)
+
+
+def is_operator(session) -> bool:
+    return session.uid in (0, os.getuid())
+
+
+def visible_stats(session, stats: dict) -> dict:
+    """What one peer may see: operators everything; others their own tenant row and
+    only the models they could open themselves (no other tenant's pids, names or leases)."""
+    if is_operator(session):
+        return stats
+    from .access import check_readable, peer_identity
+
+    peer = peer_identity(session.pid, session.uid, session.gid)
+
+    def readable(row) -> bool:
+        try:
+            for path in row["files"]:
+                check_readable(peer, path, path)
+            return True
+        except errors.MoedError:
+            return False
+
+    return {**stats, "tenants": [t for t in stats["tenants"] if t["uid"] == session.uid],
+            "models": [r for r in stats["models"] if readable(r)]}

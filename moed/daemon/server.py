@@ -290,10 +290,10 @@ class Session(asyncio.Protocol):
         return m.Prefetched(self.daemon.prefetch(model, msg.layer, msg.experts, self.tenant, source=self))
 
     def on_stats(self, msg: m.GetStats):
-        return m.StatsReply(self.daemon.stats())
+        return m.StatsReply(control.visible_stats(self, self.daemon.stats()))
 
     def on_models(self, msg: m.ListModels):
-        return m.ModelsReply(self.daemon.stats()["models"])
+        return m.ModelsReply(control.visible_stats(self, self.daemon.stats())["models"])
 
 
 HANDLED_REQUESTS = (m.Hello, m.Ping, m.OpenModel, m.Acquire, m.Release, m.Prefetch, m.GetStats, m.ListModels,

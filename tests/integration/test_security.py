@@ -273,3 +273,21 @@ def test_relative_and_nul_paths_are_refused_by_the_daemon(daemon, tiny_model, tm
         monkeypatch.chdir(os.path.dirname(tiny_model))   # the client makes a relative path absolute
         h = c.open_model(os.path.basename(tiny_model))
         assert h.path == os.path.realpath(tiny_model)
+
+
+def _my_view(sock: str) -> tuple:
+    with Client(sock, "viewer") as c:
+        s = c.stats()
+        return sorted(t["uid"] for t in s["tenants"]), sorted(os.path.basename(r["path"]) for r in s["models"])
+
+
+def test_a_tenant_sees_only_its_own_row_and_models_it_could_open(start_daemon, tiny_model, shared_dir):
+    d = start(start_daemon, shared_dir)
+    public = copy_model(tiny_model, shared_dir, 0o644, "public.gguf")
+    private = copy_model(tiny_model, shared_dir, 0o600, "private.gguf")
+    with d.client("root-engine") as c:
+        c.open_model(private)
+        c.open_model(public)
+        assert as_peer(NOBODY, NOBODY, _my_view, d.socket) == Outcome(result=([NOBODY], ["public.gguf"]))
+        tenants, models = _my_view(d.socket)      # the operator sees everything
+        assert tenants == [0, NOBODY] and models == ["private.gguf", "public.gguf"]
