@@ -9,6 +9,7 @@ import sys
 import psutil
 import pytest
 
+from moed.daemon.memguard import hysteresis_for
 from moed.protocol import errors
 from moed.protocol import messages as m
 from tests.integration.test_daemon import check_lease, expert_bytes
@@ -60,9 +61,12 @@ def test_floor_raised_live_gives_back_all_but_leased_then_grows_back(start_daemo
         held.release()
         wait_for(lambda: c.stats()["used_bytes"] == 0, 5, what="released experts given back")
 
-        c.request(m.SetMemFloor(0))                     # the box recovered
+        # the box recovered: a floor well below MemAvailable (beyond the hysteresis band)
+        avail = psutil.virtual_memory().available
+        r = c.request(m.SetMemFloor(avail - 3 * hysteresis_for(avail) - s["budget_bytes"]))
         s = c.stats()
         assert not s["mem_guard_active"] and s["effective_budget_bytes"] == s["budget_bytes"]
+        assert r.effective_budget_bytes == s["budget_bytes"]
         with h.acquire(1, [5, 6], timeout=5) as lease:
             check_lease(cat, lease, 1, [5, 6])
     assert "memory guard" in d.log() and "gave back" in d.log()
