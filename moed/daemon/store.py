@@ -6,9 +6,11 @@ follows the page effects it reports (`take_dropped`).
 Invariants, kept here:
 - A slot is EMPTY, LOADING or READY. Only LOADING and READY slots are in the
   table, and each holds exactly one expert key.
-- `used_bytes` is the sum of `slot_bytes` over non-EMPTY slots and never
-  exceeds `budget_bytes`; pinned slots count against `pin_budget_bytes`
-  instead and are outside `used_bytes`.
+- `used_bytes` is the sum of `slot_bytes` over non-EMPTY unpinned slots and
+  never exceeds `budget_bytes`; pinned slots count in `pinned_bytes` instead,
+  which never exceeds `pin_budget_bytes`. Pinned slots are never evicted (not
+  by the policy, quotas or `shrink`); unpinning a held or loading slot is
+  deferred (`unpin_pending`) until it is READY and unreferenced.
 - A new slot is only reserved while `used_bytes + slot_bytes` fits under
   `effective_budget_bytes` (the memory guard lowers it); used may sit above
   it after a lowering until leases are released and `shrink` evicts.
