@@ -49,12 +49,19 @@ def small_daemon(start_daemon):
     return start_daemon("512KiB")
 
 
-def test_two_engines_produce_the_same_text_as_each_alone(small_daemon, tiny_model):
-    alone = [result(spawn(small_daemon.socket, tiny_model, p)) for p in PROMPTS]
-    procs = [spawn(small_daemon.socket, tiny_model, p) for p in PROMPTS]
+@pytest.mark.parametrize("model, budget", [
+    ("tiny_model", "512KiB"),      # copy path, ~21 slots of 32 experts
+    ("aligned_model", "2MiB"),     # zero copy, ~10 slots of 32: stale mappings must be remapped
+])
+def test_two_engines_produce_the_same_text_as_each_alone(request, start_daemon, model, budget):
+    path = request.getfixturevalue(model)
+    daemon = start_daemon(budget)
+    alone = [result(spawn(daemon.socket, path, p)) for p in PROMPTS]
+    procs = [spawn(daemon.socket, path, p) for p in PROMPTS]
     together = [result(p) for p in procs]
     assert together == alone
-    stats = small_daemon.client("check").stats()
+    with daemon.client("check") as c:
+        stats = c.stats()
     assert len(stats["models"]) == 1
     assert stats["hits"] > 0 and stats["evictions"] > 0
 

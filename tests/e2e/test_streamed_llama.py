@@ -148,3 +148,21 @@ def test_skeleton_load_is_bit_exact_and_holds_no_expert_bytes(request, start_dae
     if model == "aligned_model":                 # page-aligned holes are real holes on disk
         st = os.stat(skeletons[0])
         assert st.st_blocks * 512 < st.st_size / 2
+
+
+def test_daemon_gone_mid_generation_is_a_typed_error(start_daemon, aligned_model):
+    from moed.protocol.errors import DaemonUnavailable
+
+    d = start_daemon()
+    llm, client = streamed(d, aligned_model)
+    try:
+        tokens = llm.tokenize(PROMPT)
+        llm.eval(tokens)
+        d.kill()
+        with pytest.raises(DaemonUnavailable):
+            for _ in range(4):
+                llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        assert llm.streamer.held is None
+    finally:
+        llm.close()
+        client.close()
