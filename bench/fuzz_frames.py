@@ -18,7 +18,9 @@ well-behaved client survived.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -75,6 +77,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=50)
     args = p.parse_args()
     tmp = tempfile.mkdtemp(prefix="moed-fuzz-")
+    atexit.register(shutil.rmtree, tmp, True)
     model = str(make_model(os.path.join(tmp, "m.gguf"), layers=4, experts=8, used=2)[0])
     d = DaemonProcess("8MiB")
     conn = RawConnection(d.socket)

@@ -16,7 +16,9 @@ kills took over 100 ms, and checks the budget is whole at the end.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -73,6 +75,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=1000)
     args = p.parse_args()
     tmp = tempfile.mkdtemp(prefix="moed-kill-")
+    atexit.register(shutil.rmtree, tmp, True)
     model = str(make_model(os.path.join(tmp, "m.gguf"), layers=4, experts=8, used=2)[0])
     slot = slot_bytes(model)
     d = DaemonProcess(str(4 * slot))

@@ -16,8 +16,10 @@ verify / baseline.
 from __future__ import annotations
 
 import argparse
+import atexit
 import multiprocessing as mp
 import os
+import shutil
 import random
 import sys
 import tempfile
@@ -88,22 +90,27 @@ def main() -> int:
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--acquires", type=int, default=10_000)
     p.add_argument("--check-every", type=int, default=20)
+    p.add_argument("--repeat", type=int, default=1, help="alternate on/off runs; the ratio uses the best of each")
     args = p.parse_args()
     tmp = tempfile.mkdtemp(prefix="moed-verify-model-")
+    atexit.register(shutil.rmtree, tmp, True)
     model = str(make_model(os.path.join(tmp, "m.gguf"), layers=8, experts=32, used=4)[0])
     cat = Catalog.open(model)
     slot = sum(-(-q.bytes_per_expert // 4096) * 4096 for q in cat.layers[0].parts.values())
     budget = slot * len(cat.layers) * cat.n_experts // 2
-    runs = [run(model, budget, True, args), run(model, budget, False, args)]
+    runs = []
+    for _ in range(args.repeat):
+        runs += [run(model, budget, True, args), run(model, budget, False, args)]
     for r in runs:
         print(f"verify={r['verify']!s:5}: {r['acquires']} acquires by {args.clients} clients in {r['wall_s']:.1f} s "
               f"({r['rate']:,.0f}/s); hits/misses {r['hits']}/{r['misses']}, {r['evictions']} evictions; "
               f"re-reads verified {r['verified_reads']}, verify mismatches {r['verify_mismatches']}, "
               f"acquires refused {r['refused']}; byte checks {r['checked_parts']} parts, "
               f"failures {r['byte_failures']}; client exits {set(r['exit_codes'])}")
-    on, off = runs
-    print(f"ratio throughput verify/baseline: {on['rate'] / off['rate']:.3f}")
-    ok = on["verify_mismatches"] == 0 and on["byte_failures"] == 0 and off["byte_failures"] == 0
+    on = max((r for r in runs if r["verify"]), key=lambda r: r["rate"])
+    off = max((r for r in runs if not r["verify"]), key=lambda r: r["rate"])
+    print(f"ratio throughput verify/baseline (best of {args.repeat} each): {on['rate'] / off['rate']:.3f}")
+    ok = all(r["verify_mismatches"] == 0 and r["byte_failures"] == 0 for r in runs)
     return 0 if ok else 1
 
 
