@@ -499,8 +499,12 @@ class Daemon:
 
     def _pin_keys(self, model: Model, order) -> tuple[int, int, list[Slot]]:
         pinned, skipped, slots = 0, 0, []
+        growing_refused = self.memguard.active    # reading new experts in is growth
         for layer, expert in order:
             (want,) = self._wants(model, layer, [expert])
+            if growing_refused and want.key not in self.store.table:
+                skipped += 1
+                continue
             got = self.store.pin(want)
             if got is None:
                 skipped += 1

@@ -117,3 +117,21 @@ def test_pin_needs_a_pin_budget_and_an_operator(daemon, tiny_model):
             c.request(m.Pin(h.model_id, [(0, 1)]))
         with pytest.raises(errors.UnknownModel):
             c.request(m.Pin(99, [(0, 1)]))
+
+
+def test_pinning_does_not_grow_memory_while_the_guard_holds_the_floor(start_daemon, tiny_model):
+    import psutil
+    slot = expert_bytes(tiny_model, 0)
+    d = start_daemon(str(8 * slot), "--pin-budget", str(4 * slot))
+    with d.client() as c:
+        h = c.open_model(tiny_model)
+        held = h.acquire(0, [3])                      # resident and leased: the guard keeps it
+        c.request(m.SetMemFloor(psutil.virtual_memory().available + (4 << 30)))
+        r = c.request(m.Pin(h.model_id, [(0, 3), (0, 1), (0, 2)]))
+        assert (r.pinned, r.skipped, r.pinned_bytes) == (1, 2, slot)   # moving in is no growth
+        s = c.stats()
+        assert s["mem_guard_active"] and s["used_bytes"] == 0
+        held.release()
+        c.request(m.SetMemFloor(0))
+        r = c.request(m.Pin(h.model_id, [(0, 1), (0, 2)]))
+        assert (r.pinned, r.skipped) == (2, 0)
