@@ -204,3 +204,64 @@ def test_unpin_without_room_drops_and_failed_pin_read_frees_the_partition():
     assert st.pinned_bytes == 0 and want(1).key not in st.table
     st.release(plan.slots[0], plan.generations[0])
     assert st.used_bytes == SLOT
+
+
+# ---- random operations keep every quota invariant ------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+OPS = st.lists(st.tuples(st.sampled_from(["acquire", "release", "prefetch", "shrink", "pin", "unpin"]),
+                         st.integers(0, 2), st.lists(st.integers(0, 11), min_size=1, max_size=3, unique=True)),
+               max_size=80)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=OPS, policy=st.sampled_from([LRU, DecayingLFU]))
+def test_random_operations_keep_quota_invariants(ops, policy):
+    st_ = Store(8 * SLOT, policy(), pin_budget_bytes=2 * SLOT)
+    st_.add_class(1, SLOT, 10)
+    owners = [Owner("a"), Owner("b"), Owner("c")]
+    st_.set_quota(owners[0], floor_bytes=3 * SLOT)
+    st_.set_quota(owners[1], floor_bytes=2 * SLOT, ceiling_bytes=4 * SLOT)
+    held: list = []
+    for op, who, experts in ops:
+        owner = owners[who]
+        before = dict(st_.owned_bytes)
+        if op == "acquire":
+            try:
+                plan = st_.acquire([want(e) for e in experts], owner)
+            except ValueError:
+                plan = None
+            if plan is not None:
+                for s in plan.to_load:
+                    st_.loaded(s)
+                held.append(plan)
+        elif op == "release" and held:
+            plan = held.pop(who % len(held))
+            for s, g in zip(plan.slots, plan.generations):
+                st_.release(s, g)
+        elif op == "prefetch":
+            slot = st_.prefetch(want(experts[0]), owner)
+            if slot is not None:
+                st_.loaded(slot)
+        elif op == "shrink":
+            st_.shrink(st_.used_bytes - SLOT)
+        elif op == "pin":
+            got = st_.pin(want(experts[0]))
+            if got is not None and got[2]:
+                st_.loaded(got[0])
+        elif op == "unpin":
+            st_.unpin(want(experts[0]).key)
+        st_.take_dropped()
+        # invariants
+        resident = [s for s in st_.table.values() if not s.pinned]
+        assert st_.used_bytes == sum(s.slot_bytes for s in resident) <= st_.budget_bytes
+        assert st_.pinned_bytes == sum(s.slot_bytes for s in st_.table.values() if s.pinned) <= 2 * SLOT
+        assert sum(st_.owned_bytes.values()) == st_.used_bytes
+        assert st_.evictable_bytes == sum(s.slot_bytes for s in resident if s.refs == 0 and s.state == 2)
+        assert st_.owned_bytes.get(owners[1], 0) <= 4 * SLOT
+        if op in ("acquire", "prefetch"):             # another tenant never pushes one below its floor
+            for o, floor in ((owners[0], 3 * SLOT), (owners[1], 2 * SLOT)):
+                if o is not owner:
+                    assert st_.owned_bytes.get(o, 0) >= min(before.get(o, 0), floor)
