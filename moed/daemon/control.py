@@ -26,7 +26,7 @@ def on_set_mem_floor(session, msg: m.SetMemFloor):
     guard = session.daemon.memguard
     guard.set_floor(msg.floor_bytes)
     return m.MemFloorSet(guard.floor_bytes, session.daemon.store.effective_budget_bytes,
-                         guard.last_available_bytes, guard.given_back_bytes)
+                         guard.available_bytes(), guard.given_back_bytes)
 
 
 async def on_pin(session, msg: m.Pin):
