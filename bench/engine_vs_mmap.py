@@ -120,7 +120,10 @@ class Cgroup:
         def read(name: str) -> int:
             return int((self.path / name).read_text())
 
-        return {"max_usage_bytes": read("memory.max_usage_in_bytes"), "failcnt": read("memory.failcnt")}
+        stat = dict(line.split() for line in (self.path / "memory.stat").read_text().splitlines())
+        keep = ("rss", "cache", "shmem", "mapped_file", "unevictable")
+        return {"max_usage_bytes": read("memory.max_usage_in_bytes"), "failcnt": read("memory.failcnt"),
+                **{f"{k}_bytes": int(stat[k]) for k in keep if k in stat}}
 
     def remove(self) -> None:
         try:
@@ -137,15 +140,32 @@ def drop_page_cache(path: str) -> None:
         os.close(fd)
 
 
-def child(args, kind: str, prefix: list[str], socket: str | None, tokens: int, warmup: int) -> dict:
+def child(args, kind: str, group, socket: str | None, tokens: int, warmup: int) -> dict:
+    prefix = group.prefix() if group else []
     cmd = [*prefix, sys.executable, __file__, "--child", kind, "--model", args.model, "--trace", args.trace,
            "--tokens", str(tokens), "--warmup", str(warmup), "--threads", str(args.threads)]
     if socket:
         cmd += ["--socket", socket]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
-    if r.returncode != 0:
-        return {"engine": kind, "error": f"exit {r.returncode}: {r.stderr[-1500:]}"}
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    sample = {}
+    deadline = time.monotonic() + args.timeout_s
+    while True:
+        try:
+            out, err = proc.communicate(timeout=2.0)
+            break
+        except subprocess.TimeoutExpired:
+            if group is not None:
+                sample = group.stats()            # the last sample while the engine runs
+            if time.monotonic() > deadline:
+                proc.kill()
+                out, err = proc.communicate()
+                break
+    if proc.returncode != 0:
+        return {"engine": kind, "error": f"exit {proc.returncode}: {err[-1500:]}"}
+    res = json.loads(out.strip().splitlines()[-1])
+    if sample:
+        res["cgroup_while_running"] = sample
+    return res
 
 
 def with_daemon(args, budget: str, cgroup: Cgroup | None, fn):
@@ -212,16 +232,15 @@ def main() -> int:
         drop_page_cache(args.model)
         capped = kind in ("mmap", "moed")
         group = Cgroup(f"moed-bench-{os.getpid()}-{kind}", cap) if capped else None
-        prefix = group.prefix() if group else []
         warmup = 4 if kind == "mmap" else args.warmup
         tokens = args.mmap_tokens if kind == "mmap" else args.tokens
         try:
             if kind.startswith("moed"):
                 budget = args.budget if kind == "moed" else f"{int(size * 1.1)}"
                 res = with_daemon(args, budget, group,
-                                  lambda sock: child(args, kind, prefix, sock, tokens, warmup))
+                                  lambda sock: child(args, kind, group, sock, tokens, warmup))
             else:
-                res = child(args, kind, prefix, None, tokens, warmup)
+                res = child(args, kind, group, None, tokens, warmup)
             if group:
                 res["cgroup"] = group.stats()
         finally:
