@@ -274,8 +274,7 @@ def describe(plan: Plan, bars: bool = False) -> list[str]:
              f"{format_size(plan.usable_bytes)}), policy {plan.policy}",
              f"{'budget':>11} {'share':>6} {'hit %':>6} {'MB/tok':>8} {'tok/s':>8}"]
     for p in plan.curve:
-        rate = min(p.tok_s, 10 * top)
-        bar = ("  " + "#" * int(round(width * min(rate, top) / top))) if bars else ""
+        bar = ("  " + "#" * int(round(width * min(p.tok_s, top) / top))) if bars else ""
         mark = " *" if p.budget_bytes > plan.usable_bytes else ""
         lines.append(f"{format_size(p.budget_bytes):>11} {100 * p.size:5.0f}% {100 * p.hit_rate:6.1f} "
                      f"{p.mb_per_token:8.2f} {p.tok_s:8.1f}{bar}{mark}")
