@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 pytestmark = pytest.mark.e2e
+pytest.importorskip("llama_cpp")   # e2e needs the real llama.cpp (pyproject extra "llama")
 
 
 def moectl(socket: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:

@@ -13,6 +13,7 @@ import time
 import pytest
 
 pytestmark = pytest.mark.e2e
+pytest.importorskip("llama_cpp")   # e2e needs the real llama.cpp (pyproject extra "llama")
 
 PROMPTS = ("hello world, the model", "memory pages on the drive")
 N_TOKENS = 40

@@ -12,6 +12,7 @@ import pytest
 from tests.e2e.conftest import LLAMA_KW, PROMPT, assert_bit_equal, greedy_logits
 
 pytestmark = pytest.mark.e2e
+pytest.importorskip("llama_cpp")   # e2e needs the real llama.cpp (pyproject extra "llama")
 
 
 def streamed(daemon, path, **kw):
