@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import time
@@ -187,6 +188,7 @@ def with_daemon(args, budget: str, cgroup: Cgroup | None, fn):
         daemon.terminate()
         daemon.wait(30)
         log.close()
+        shutil.rmtree(sock_dir, ignore_errors=True)
 
 
 def ensure_model(path: str) -> None:
