@@ -189,7 +189,8 @@ def cmd_plan(args) -> int:
         trace = Trace.load(args.trace)
         result = pl.make_plan(args.model, trace, target_tok_s=args.target_tok_s, drive_gbps=args.drive_gbps,
                               ram_bytes=args.ram, reserve_bytes=args.reserve, compute_ms=args.compute_ms,
-                              policy=args.policy, warm=args.warm, measure_s=args.measure_seconds)
+                              policy=args.policy, warm=args.warm, measure_s=args.measure_seconds,
+                              trace_path=args.trace)
     except MoedError as exc:
         return _fail(f"plan: {exc}")
     if args.plot not in (None, "-"):

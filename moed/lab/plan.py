@@ -215,7 +215,7 @@ class Planner:
 def make_plan(model_path, trace, *, target_tok_s: float | None = None, drive_gbps: float | None = None,
               ram_bytes: int | None = None, reserve_bytes: int | None = None, compute_ms: float = 0.0,
               policy: str = "g-lru", warm: int = 0, measure_s: float = 3.0,
-              sizes=DEFAULT_SIZES) -> Plan:
+              sizes=DEFAULT_SIZES, trace_path: str | None = None) -> Plan:
     cost = ModelCost.of(model_path)
     measured = drive_gbps is None
     if measured:
@@ -255,6 +255,8 @@ def make_plan(model_path, trace, *, target_tok_s: float | None = None, drive_gbp
         "fits_ram": planner.budget_bytes(slots) <= usable,
         "command": f"moed --ram-budget {planner.budget_bytes(slots - pins)}"
                    + (f" --pin-budget {planner.budget_bytes(pins)}" if pins else ""),
+        # the operator's pin verb ranks a trace's experts by routing count, as `hottest` does
+        "pin_command": (f"moectl pin {os.fspath(model_path)} --trace {trace_path or 'TRACE'}" if pins else ""),
     }
     if measured:
         notes.append(f"drive rate measured on the model file: {drive_gbps:.2f} GB/s (1 MiB random reads, 8 deep)")
@@ -286,6 +288,8 @@ def describe(plan: Plan, bars: bool = False) -> list[str]:
                  f"{format_size(r['pin_budget_bytes'])} ({100 * r['share_of_experts']:.0f}% of experts): "
                  f"{r['tok_s']:.1f} tok/s predicted, hit {100 * r['hit_rate']:.1f}%")
     lines.append(f"  {r['command']}")
+    if r["pin_command"]:
+        lines.append(f"  {r['pin_command']}")
     return lines + [f"note: {n}" for n in plan.notes]
 
 

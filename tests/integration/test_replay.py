@@ -165,3 +165,12 @@ def test_plan_cli_matches_the_policy_replay(setup, tmp_path):
     assert pt["hit_rate"] == pytest.approx(policies.replay(trace, "g-lru", size=0.75).hit_rate)
     r = p["recommended"]
     assert r["meets_target"] and r["tok_s"] >= 100 and r["command"].startswith("moed --ram-budget ")
+
+
+def test_plan_measures_the_drive_when_not_told(setup):
+    model, _, trace_path = setup
+    out = subprocess.run([sys.executable, "-m", "moed.ctl", "plan", str(model), "--trace", str(trace_path),
+                          "--measure-seconds", "0.3", "--ram", "1GiB", "--plot"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "measured" in out.stdout and "#" in out.stdout and "moed --ram-budget" in out.stdout
