@@ -2,7 +2,8 @@
 
 Generates a small MoE model when none is given (cached under .cache/demo/),
 starts moed with a RAM budget smaller than the model's routed experts, runs
-two engine processes at once whose experts are served by the daemon, prints
+two engine processes at once whose experts are served by the daemon (run as
+root, the second runs as user `nobody`, so stats show two tenants), prints
 `moectl stats`, and stops everything cleanly (the daemon exits 0).
 
 Engines are `StreamedLlama` (llama.cpp through llama-cpp-python) generating
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -40,11 +42,19 @@ def routed_bytes(model: Path) -> int:
     return sum(cat.expert_bytes(layer) * cat.n_experts for layer in cat.moe_layers)
 
 
-def start_daemon(sock: str, budget: int) -> subprocess.Popen:
+def start_daemon(sock: str, budget: int, shared: bool) -> subprocess.Popen:
     from moed.client import Client
     from moed.protocol.errors import DaemonUnavailable
-    proc = subprocess.Popen([sys.executable, "-m", "moed.daemon.main", "--socket", sock,
-                             "--ram-budget", str(budget), "--log-level", "warning"])
+    args = [sys.executable, "-m", "moed.daemon.main", "--socket", sock,
+            "--ram-budget", str(budget), "--log-level", "warning"]
+    if shared:
+        # The demo's second tenant is another user: let it reach the socket.
+        config = os.path.join(os.path.dirname(sock), "demo.toml")
+        with open(config, "w") as f:
+            f.write("socket_mode = 0o666\n")
+        os.chmod(os.path.dirname(sock), 0o755)
+        args += ["--config", config]
+    proc = subprocess.Popen(args)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -58,14 +68,30 @@ def start_daemon(sock: str, budget: int) -> subprocess.Popen:
     raise SystemExit("demo: moed did not start within 20 s")
 
 
-def engine_command(sock: str, model: Path, prompt: str, name: str) -> list[str]:
+NOBODY = 65534
+
+
+def second_tenant_possible(model: Path) -> bool:
+    """Root can run the second engine as `nobody`, if nobody can read the model and the venv."""
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        return False
+    check = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                            sys.executable, "-c", f"open({str(model)!r}, 'rb').close()"],
+                           capture_output=True)
+    return check.returncode == 0
+
+
+def engine_command(sock: str, model: Path, prompt: str, name: str, as_nobody: bool) -> list[str]:
     try:
         import llama_cpp  # noqa: F401
         from moed.engines import llama_cpp as _streamed  # noqa: F401
-        return [sys.executable, "-m", "moed.ctl", "--socket", sock, "generate", str(model),
-                "--prompt", prompt, "-n", "48"]
+        cmd = [sys.executable, "-m", "moed.ctl", "--socket", sock, "generate", str(model),
+               "--prompt", prompt, "-n", "48"]
     except ImportError:
-        return [sys.executable, "-m", "moed.demo_client", sock, str(model), name]
+        cmd = [sys.executable, "-m", "moed.demo_client", sock, str(model), name]
+    if as_nobody:
+        cmd = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *cmd]
+    return cmd
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,10 +106,14 @@ def main(argv: list[str] | None = None) -> int:
     sock = os.path.join(tempfile.mkdtemp(prefix="moed-demo-", dir="/tmp"), "moed.sock")
     print(f"demo: model {model} ({total / 2**20:.1f} MiB of routed experts), "
           f"moed budget {budget / 2**20:.1f} MiB", flush=True)
-    daemon = start_daemon(sock, budget)
+    two_users = second_tenant_possible(model)
+    daemon = start_daemon(sock, budget, shared=two_users)
+    codes = []
     try:
-        prompts = [("engine-a", "The quick brown fox"), ("engine-b", "Once upon a time")]
-        procs = [subprocess.Popen(engine_command(sock, model, p, name)) for name, p in prompts]
+        prompts = [("engine-a", "The quick brown fox", False), ("engine-b", "Once upon a time", two_users)]
+        print("demo: two engines generate at once" + (", the second as user nobody (a second tenant)"
+                                                       if two_users else " (one user, so one tenant)"), flush=True)
+        procs = [subprocess.Popen(engine_command(sock, model, p, name, other)) for name, p, other in prompts]
         codes = [p.wait() for p in procs]
         if any(codes):
             print(f"demo: an engine failed: exit codes {codes}", file=sys.stderr)

@@ -60,7 +60,8 @@ def print_stats(s: dict) -> None:
         ("pinned", f"{format_size(s['pinned_bytes'])} of {format_size(s['pin_budget_bytes'])}, "
                    f"{s.get('pinned_experts', 0)} experts, {100 * s.get('pinned_hit_share', 0):.1f}% of hits"),
         ("locked", "yes" if s["locked"] else f"NO: {s['lock_error']}"),
-        ("hits / misses", f"{s['hits']} / {s['misses']} (hit rate {pct(s['hits'], s['hits'] + s['misses'])})"),
+        ("hits / misses", f"{s['hits']} / {s['misses']} (hit rate {pct(s['hits'], s['hits'] + s['misses'])}), "
+                          f"{s['shared_hits']} hits on experts another tenant read in"),
         ("prefetch", f"{s['prefetches']} issued, {s['prefetch_hits']} hit, {s['wasted_prefetches']} wasted"),
         ("read", f"{format_size(s['bytes_read'])}, {s['read_errors']} errors, "
                  f"{'O_DIRECT' if s['direct_io'] else 'buffered'}, {s['reads_in_flight']} in flight"),

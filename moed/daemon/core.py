@@ -282,6 +282,12 @@ class Daemon:
         use = tenant.use(plan.slots[0].key.model_id)
         use[0] += plan.hits
         use[1] += misses
+        if plan.hits:
+            # One copy serving several tenants is the point of the daemon: count it.
+            shared = sum(1 for s in plan.slots
+                         if s.owner is not tenant and s.owner is not None and s.state is SlotState.READY)
+            c.shared_hits += shared
+            tenant.shared_hits += shared
         if self.store.pinned_bytes:
             c.pinned_hits += sum(1 for s in plan.slots if s.pinned and s.state is SlotState.READY)
         if self.heat is not None:

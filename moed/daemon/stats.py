@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 @dataclass
 class Counters:
     hits: int = 0
+    shared_hits: int = 0      # hits on experts another tenant's acquire read in
     misses: int = 0
     joined_reads: int = 0
     prefetches: int = 0
@@ -34,6 +35,7 @@ class Tenant:
     names: set = field(default_factory=set)
     pids: set = field(default_factory=set)
     hits: int = 0
+    shared_hits: int = 0      # hits on experts another tenant's acquire read in
     misses: int = 0
     bytes_read: int = 0
     floor_bytes: int = 0
@@ -95,6 +97,7 @@ def _tenant_row(daemon, tenant: Tenant) -> dict:
         "names": sorted(tenant.names),
         "pids": sorted(tenant.pids),
         "hits": tenant.hits,
+        "shared_hits": tenant.shared_hits,
         "misses": tenant.misses,
         "bytes_read": tenant.bytes_read,
         "resident_bytes": daemon.store.owned_bytes.get(tenant, 0),
@@ -123,6 +126,7 @@ def snapshot(daemon) -> dict:
         "resident_experts": len(store.table),
         "evictions": store.evictions,
         "hits": c.hits,
+        "shared_hits": c.shared_hits,
         "misses": c.misses,
         "pinned_hits": c.pinned_hits,
         "pinned_hit_share": c.pinned_hits / c.hits if c.hits else 0.0,

@@ -106,3 +106,19 @@ def test_unknown_tenant_user_fails_the_start(tmp_path):
     conf.write_text("[tenants.no-such-user-here]\nfloor_bytes = 1\n")
     with pytest.raises(RuntimeError, match="no such user"):
         DaemonProcess("8MiB", "--config", str(conf))
+
+
+def test_hits_on_another_tenants_reads_are_counted_as_shared(start_daemon, model_factory, shared_dir):
+    model = public_copy(model_factory(layers=4, experts=16, used=2), shared_dir)
+    d = start_shared(start_daemon, "64MiB", shared_dir, "")
+    out = as_peer(NOBODY, NOBODY, _use, d.socket, model, 2, [0, 1, 2])
+    assert not out.error and out.result == (0, 3), out
+    with d.client() as c:
+        m = c.open_model(model)
+        with m.acquire(2, [0, 1, 2, 3], timeout=5):   # three were read in by nobody, one is new
+            pass
+        s = c.stats()
+    rows = {t["uid"]: t for t in s["tenants"]}
+    assert rows[0]["shared_hits"] == 3 and rows[0]["misses"] == 1
+    assert rows[NOBODY]["shared_hits"] == 0
+    assert s["shared_hits"] == 3
