@@ -18,7 +18,6 @@ import json
 import multiprocessing as mp
 import os
 import socket
-import statistics
 import struct
 import sys
 import tempfile

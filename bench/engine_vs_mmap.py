@@ -7,7 +7,8 @@ One script, one memory cap, one model, one routing trace:
   moed      StreamedLlama with the daemon in the same-size cgroup (daemon and
             engine together), RAM budget BUDGET;
   resident  llama.cpp with the whole model read into RAM, no cap;
-  moed-fit  StreamedLlama, no cap, a budget that holds every expert.
+  moed-fit  StreamedLlama, no cap, a budget and a pinned partition that hold every
+            expert (the daemon mirrors the model at open, as resident reads it at load).
 
 The routes follow a real trace (OLMoE-1B-7B, 16 layers x 64 experts, top-8, from
 ../shared/traces/nvmoe): the eval callback overwrites the router's top-k ids
@@ -169,7 +170,7 @@ def child(args, kind: str, group, socket: str | None, tokens: int, warmup: int) 
     return res
 
 
-def with_daemon(args, budget: str, cgroup: Cgroup | None, fn):
+def with_daemon(args, budget: str, cgroup: Cgroup | None, fn, extra: tuple = ()):
     from tests.support import wait_for
 
     sock_dir = pathlib.Path(f"/tmp/moed-bench-{os.getpid()}")
@@ -178,7 +179,7 @@ def with_daemon(args, budget: str, cgroup: Cgroup | None, fn):
     prefix = cgroup.prefix() if cgroup else []
     log = open(sock_dir / "moed.log", "wb")
     daemon = subprocess.Popen([*prefix, sys.executable, "-m", "moed.daemon.main", "--socket", sock,
-                               "--ram-budget", budget], stdout=log, stderr=subprocess.STDOUT)
+                               "--ram-budget", budget, *extra], stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: os.path.exists(sock) or daemon.poll() is not None, 30, what="moed socket")
         if daemon.poll() is not None:
@@ -239,8 +240,11 @@ def main() -> int:
         try:
             if kind.startswith("moed"):
                 budget = args.budget if kind == "moed" else f"{int(size * 1.1)}"
+                # Everything fits: the daemon mirrors the whole model in its pinned
+                # partition at open (as the resident engine reads it all at load).
+                extra = ("--pin-budget", f"{int(size * 1.1)}") if kind == "moed-fit" else ()
                 res = with_daemon(args, budget, group,
-                                  lambda sock: child(args, kind, group, sock, tokens, warmup))
+                                  lambda sock: child(args, kind, group, sock, tokens, warmup), extra)
             else:
                 res = child(args, kind, group, None, tokens, warmup)
             if group:

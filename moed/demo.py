@@ -18,8 +18,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,30 +40,18 @@ def routed_bytes(model: Path) -> int:
     return sum(cat.expert_bytes(layer) * cat.n_experts for layer in cat.moe_layers)
 
 
-def start_daemon(sock: str, budget: int, shared: bool) -> subprocess.Popen:
-    from moed.client import Client
+def start_daemon(budget: int, shared: bool):
+    from moed.daemon.spawn import DaemonProcess
     from moed.protocol.errors import DaemonUnavailable
-    args = [sys.executable, "-m", "moed.daemon.main", "--socket", sock,
-            "--ram-budget", str(budget), "--log-level", "warning"]
+    # The demo's second tenant is another user: let it reach the socket.
+    config = {"socket_mode": 0o666} if shared else None
+    try:
+        daemon = DaemonProcess(budget, "--log-level", "warning", config=config)
+    except DaemonUnavailable as exc:
+        raise SystemExit(f"demo: {exc}") from None
     if shared:
-        # The demo's second tenant is another user: let it reach the socket.
-        config = os.path.join(os.path.dirname(sock), "demo.toml")
-        with open(config, "w") as f:
-            f.write("socket_mode = 0o666\n")
-        os.chmod(os.path.dirname(sock), 0o755)
-        args += ["--config", config]
-    proc = subprocess.Popen(args)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"demo: moed exited with {proc.returncode}")
-        try:
-            Client(sock, timeout_s=2).close()
-            return proc
-        except DaemonUnavailable:
-            time.sleep(0.05)
-    proc.kill()
-    raise SystemExit("demo: moed did not start within 20 s")
+        os.chmod(daemon.dir, 0o755)
+    return daemon
 
 
 NOBODY = 65534
@@ -103,11 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     model = Path(args.model).resolve() if args.model else default_model()
     total = routed_bytes(model)
     budget = max(int(total * args.budget_fraction), 1 << 20)
-    sock = os.path.join(tempfile.mkdtemp(prefix="moed-demo-", dir="/tmp"), "moed.sock")
     print(f"demo: model {model} ({total / 2**20:.1f} MiB of routed experts), "
           f"moed budget {budget / 2**20:.1f} MiB", flush=True)
     two_users = second_tenant_possible(model)
-    daemon = start_daemon(sock, budget, shared=two_users)
+    daemon = start_daemon(budget, shared=two_users)
+    sock = daemon.socket
     codes = []
     try:
         prompts = [("engine-a", "The quick brown fox", False), ("engine-b", "Once upon a time", two_users)]
@@ -119,9 +105,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"demo: an engine failed: exit codes {codes}", file=sys.stderr)
         subprocess.run([sys.executable, "-m", "moed.ctl", "--socket", sock, "stats"], check=False)
     finally:
-        daemon.terminate()
-        rc = daemon.wait(15)
+        rc = daemon.stop(15)
     print(f"demo: moed stopped (exit {rc})")
+    if rc:
+        print(daemon.log()[-2000:], file=sys.stderr)
     return 1 if rc or any(codes) else 0
 
 

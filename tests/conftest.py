@@ -12,6 +12,8 @@ into `tmp_path` first if a test needs to damage a model):
 - `split_model`: `tiny_model`'s geometry in 3 shards (first shard's path).
 - `mixed_model`: layers q8_0, q4_0, q8_0, q4_0: two size classes.
 - `llama_cpp`: the llama_cpp module, or the test is skipped where it is not installed.
+- `start_daemon(budget, *flags, **kw)`, `daemon`: the real moed as a subprocess.
+- `shared_dir`: a world-readable temporary directory (tests that run as another uid).
 """
 
 from __future__ import annotations
@@ -71,3 +73,38 @@ def mixed_model(model_factory) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def llama_cpp():
     return pytest.importorskip("llama_cpp")
+
+
+@pytest.fixture
+def start_daemon():
+    """`start_daemon(budget="64MiB", *extra_args, **kw)` -> DaemonProcess, killed after the test."""
+    from tests.support import DaemonProcess
+    started: list = []
+
+    def start(budget: str = "64MiB", *args: str, **kw):
+        d = DaemonProcess(budget, *args, **kw)
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        d.kill()
+
+
+@pytest.fixture
+def daemon(start_daemon):
+    """A real daemon with a 64 MiB budget."""
+    return start_daemon()
+
+
+@pytest.fixture
+def shared_dir():
+    """A directory every uid can read (pytest's own tmp dirs are root-only)."""
+    import os
+    import shutil
+    import tempfile
+    d = tempfile.mkdtemp(prefix="moed-shared-", dir="/tmp")
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+

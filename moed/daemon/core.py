@@ -29,9 +29,7 @@ import logging
 import os
 import time
 import weakref
-from dataclasses import dataclass, field
-
-import psutil
+from dataclasses import dataclass
 
 from moed import __version__
 from moed.protocol import errors

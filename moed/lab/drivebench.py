@@ -140,7 +140,8 @@ def moed_reads(model_path: str, size: int = 1 << 20, depth: int = 8, seconds: fl
                tick: Tick | None = None, seed: int = 0) -> DriveRun:
     from moed.client import Client
     from moed.daemon.catalog import Catalog
-    from moed.lab.replay import PrivateDaemon, slot_bytes_by_layer
+    from moed.daemon.spawn import DaemonProcess
+    from moed.lab.replay import slot_bytes_by_layer
 
     _check(size, depth, seconds)
     cat = Catalog.open(model_path)
@@ -153,7 +154,7 @@ def moed_reads(model_path: str, size: int = 1 << 20, depth: int = 8, seconds: fl
     random.Random(seed).shuffle(keys)
     shares = [keys[i::depth] for i in range(depth)]
     config = {"chunk_bytes": size, "reader_threads": depth}
-    with PrivateDaemon(budget, config=config) as d:
+    with DaemonProcess(budget, config=config) as d:
         clients = [Client(d.socket, f"bench-drive-{i}") for i in range(depth + 1)]
         try:
             models = [c.open_model(model_path) for c in clients[1:]]

@@ -22,7 +22,7 @@ uncounted like the warm-up.
 
 Counting comes from the daemon's own counters, as deltas over the counted
 tokens, so it is exact only when the replay is the daemon's only client (a
-private daemon, `PrivateDaemon`, which `moectl replay --budget` starts):
+private daemon, `moed.daemon.spawn.DaemonProcess`, which `moectl replay --budget` starts):
 
     accesses         distinct experts acquired per layer per counted token
     hit_rate         found READY at acquire (a finished prefetch included)
@@ -39,18 +39,14 @@ from __future__ import annotations
 
 import math
 import os
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
-from moed.protocol.errors import BadRequest, DaemonUnavailable, RequestTooLarge
+from moed.daemon.spawn import DaemonProcess
+from moed.protocol.errors import BadRequest, RequestTooLarge
 from moed.protocol.layout import PAGE
 from moed.protocol.sizes import format_size, parse_size
 
@@ -143,69 +139,6 @@ def parse_budget(spec: str, model_path: str | os.PathLike) -> int:
         return parse_size(spec)
     except ValueError as exc:
         raise BadRequest(str(exc)) from None
-
-
-class PrivateDaemon:
-    """A moed subprocess on a temporary socket, for one measurement.
-
-    `extra` are more `moed` flags; `config` (a dict) is written as a TOML file.
-    Stopped with SIGTERM on exit; its log is kept in `log_text()` for errors.
-    """
-
-    def __init__(self, budget_bytes: int, *extra: str, config: dict[str, Any] | None = None,
-                 start_timeout_s: float = 30.0):
-        self.dir = Path(tempfile.mkdtemp(prefix="moed-lab-", dir="/tmp"))
-        self.socket = str(self.dir / "s")
-        cmd = [sys.executable, "-m", "moed.daemon.main", "--socket", self.socket,
-               "--ram-budget", str(budget_bytes), *extra]
-        if config:
-            cfg = self.dir / "moed.toml"
-            cfg.write_text("".join(f"{k} = {_toml(v)}\n" for k, v in config.items()))
-            cmd += ["--config", str(cfg)]
-        self._log = open(self.dir / "moed.log", "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + start_timeout_s
-        while not self._answers():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise DaemonUnavailable(f"private moed did not start:\n{self.log_text()[-2000:]}")
-            time.sleep(0.02)
-
-    def _answers(self) -> bool:
-        from moed.client import Client
-        try:
-            with Client(self.socket, "probe", timeout_s=2) as c:
-                c.ping()
-            return True
-        except DaemonUnavailable:
-            return False
-
-    def log_text(self) -> str:
-        return (self.dir / "moed.log").read_text(errors="replace")
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-
-    def __enter__(self) -> "PrivateDaemon":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def _toml(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 # ---- the token schedule --------------------------------------------------------
@@ -416,7 +349,7 @@ def replay_private(model_path, trace, budget_bytes: int, opts: ReplayOptions | N
                    progress: Callable[[int, int], None] | None = None, daemon_args: tuple = ()) -> ReplayResult:
     """Start a private daemon with `budget_bytes`, replay through it, stop it."""
     from moed.client import Client
-    with PrivateDaemon(budget_bytes, *daemon_args) as d:
+    with DaemonProcess(budget_bytes, *daemon_args) as d:
         with Client(d.socket, "moectl-replay") as c:
             return replay(c, model_path, trace, opts, progress)
 

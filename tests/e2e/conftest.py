@@ -5,25 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.support import DaemonProcess
 
 LLAMA_KW = dict(n_ctx=256, n_batch=64, n_ubatch=64, logits_all=True, n_threads=2, verbose=False, seed=0)
 PROMPT = b"the expert model reads memory pages from the drive, one token at a time"
-
-
-@pytest.fixture
-def start_daemon():
-    """`start_daemon(budget="64MiB", *extra_args)` -> DaemonProcess, killed after the test."""
-    started: list[DaemonProcess] = []
-
-    def start(budget: str = "64MiB", *args: str, **kw) -> DaemonProcess:
-        d = DaemonProcess(budget, *args, **kw)
-        started.append(d)
-        return d
-
-    yield start
-    for d in started:
-        d.kill()
 
 
 def greedy_logits(llm, tokens: list[int], steps: int = 32) -> np.ndarray:

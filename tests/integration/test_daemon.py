@@ -13,11 +13,10 @@ import time
 
 import pytest
 
-from moed.client import Client
 from moed.daemon.catalog import Catalog
 from moed.protocol import errors
 from moed.protocol.framing import HEADER
-from tests.support import file_bytes, wait_for
+from tests.support import file_bytes
 
 
 def expert_bytes(model_path, layer: int) -> int:

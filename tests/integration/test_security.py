@@ -9,7 +9,6 @@ import os
 import shutil
 import stat
 import struct
-import tempfile
 
 import pytest
 
@@ -22,12 +21,6 @@ from tests.integration.peer import NOBODY, Outcome, as_peer
 SIGSEGV = 11
 
 
-@pytest.fixture
-def shared_dir():
-    d = tempfile.mkdtemp(prefix="moed-sec-", dir="/tmp")
-    os.chmod(d, 0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def copy_model(model, directory: str, mode: int, name: str = "model.gguf") -> str:
@@ -236,7 +229,7 @@ def test_one_tenant_cannot_release_another_tenants_lease(start_daemon, tiny_mode
         lease = h.acquire(1, [2, 3])
         assert as_peer(NOBODY, NOBODY, _steal, d.socket, path, lease.lease_id) == Outcome(result=("UnknownLease", 1))
         with d.client("same-uid-other-connection") as c2:
-            h2 = c2.open_model(path)
+            c2.open_model(path)
             with pytest.raises(errors.UnknownLease):
                 c2.request(m.Release([lease.lease_id]))
         owner_row = [t for t in c.stats()["tenants"] if t["uid"] == 0][0]

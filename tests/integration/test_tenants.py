@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 
 import pytest
 
@@ -13,13 +12,6 @@ from tests.integration.peer import NOBODY, Outcome, as_peer
 from tests.integration.test_daemon import expert_bytes
 
 
-@pytest.fixture
-def shared_dir():
-    """A directory every uid can read (pytest's own tmp dirs are root-only)."""
-    d = tempfile.mkdtemp(prefix="moed-shared-", dir="/tmp")
-    os.chmod(d, 0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def public_copy(model, shared_dir: str) -> str:
@@ -101,10 +93,11 @@ def test_without_tenant_config_everyone_shares_one_lru(start_daemon, model_facto
 
 
 def test_unknown_tenant_user_fails_the_start(tmp_path):
+    from moed.protocol.errors import DaemonUnavailable
     from tests.support import DaemonProcess
     conf = tmp_path / "moed.toml"
     conf.write_text("[tenants.no-such-user-here]\nfloor_bytes = 1\n")
-    with pytest.raises(RuntimeError, match="no such user"):
+    with pytest.raises(DaemonUnavailable, match="no such user"):
         DaemonProcess("8MiB", "--config", str(conf))
 
 

@@ -1,0 +1,103 @@
+"""Start a private moed subprocess and wait until it answers.
+
+Owns the one way the project starts a daemon of its own: the demo, `moectl
+replay --budget`, `moectl bench-drive --paired`, the benchmarks and the tests
+all use `DaemonProcess`. Invariant: once the constructor returns, the daemon
+answers a ping on `socket`; if it does not within `start_timeout_s`, it has been
+killed and `DaemonUnavailable` carries the end of its log.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from moed.protocol.errors import DaemonUnavailable
+
+
+def _toml(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+class DaemonProcess:
+    """`moed --socket DIR/s --ram-budget BUDGET *extra` in a short temporary directory.
+
+    `config` (a dict) is written as a TOML file and passed with --config;
+    `env` adds environment variables. The log goes to DIR/moed.log.
+    """
+
+    def __init__(self, budget: str | int = "64MiB", *extra: str, socket_dir: str | None = None,
+                 env: dict | None = None, config: dict[str, Any] | None = None,
+                 start_timeout_s: float = 20.0):
+        self.dir = Path(socket_dir or tempfile.mkdtemp(prefix="moed-", dir="/tmp"))
+        self.socket = str(self.dir / "s")
+        self.log_path = self.dir / "moed.log"
+        cmd = [sys.executable, "-m", "moed.daemon.main", "--socket", self.socket,
+               "--ram-budget", str(budget), *extra]
+        if config:
+            cfg = self.dir / "moed.toml"
+            cfg.write_text("".join(f"{k} = {_toml(v)}\n" for k, v in config.items()))
+            cmd += ["--config", str(cfg)]
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+        deadline = time.monotonic() + start_timeout_s
+        while not self._answers():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise DaemonUnavailable(f"moed did not start (exit {self.proc.returncode}):\n"
+                                        f"{self.log()[-2000:]}")
+            time.sleep(0.02)
+
+    def _answers(self) -> bool:
+        from moed.client import Client
+        try:
+            with Client(self.socket, timeout_s=2) as c:
+                c.ping()
+            return True
+        except DaemonUnavailable:
+            return False
+
+    def client(self, name: str = "", **kw):
+        from moed.client import Client
+        return Client(self.socket, name, **kw)
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout_s: float = 10.0) -> int:
+        """SIGTERM, wait; the exit code (a daemon that hangs is killed and reported)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise RuntimeError(f"moed did not stop within {timeout_s}s:\n{self.log()[-2000:]}") from None
+        self._log.close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+    def __enter__(self) -> "DaemonProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
