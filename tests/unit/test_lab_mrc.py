@@ -13,7 +13,7 @@ from moed.lab import mrc
 from moed.lab.policies import accesses, replay
 from moed.lab.traces import Trace, TraceWriter
 
-NVMOE_SMOKE = Path(__file__).resolve().parents[3] / "shared/traces/nvmoe/olmoe-smoke.jsonl"
+NVMOE_SMOKE = Path(__file__).resolve().parents[1] / "data/olmoe-smoke.jsonl"   # MIT, from nvmoe
 
 
 def brute_distances(keys):
@@ -51,7 +51,6 @@ def test_curve_equals_g_lru_at_every_size(seed, warm):
         assert curve.hit_rate(slots) == pytest.approx(r.hit_rate)
 
 
-@pytest.mark.skipif(not NVMOE_SMOKE.exists(), reason="shared traces not present")
 def test_curve_on_a_real_trace():
     t = Trace.load(NVMOE_SMOKE)
     acc = accesses(t, warm=8)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from moed.lab.traces import BadTrace, Geometry, Trace, TraceWriter
 
-NVMOE_SMOKE = Path(__file__).resolve().parents[3] / "shared/traces/nvmoe/olmoe-smoke.jsonl"
+NVMOE_SMOKE = Path(__file__).resolve().parents[1] / "data/olmoe-smoke.jsonl"   # MIT, from nvmoe
 
 
 def trace_with_predictions() -> Trace:
@@ -103,7 +103,6 @@ def test_nvmoe_import(tmp_path):
     assert Trace.load(path, n_experts=64).n_experts == 64
 
 
-@pytest.mark.skipif(not NVMOE_SMOKE.exists(), reason="shared traces not present")
 def test_shipped_nvmoe_trace_loads():
     t = Trace.load(NVMOE_SMOKE)
     assert (t.moe_layers, t.n_experts, t.top_k, t.n_decode_tokens) == (16, 64, 8, 47)
