@@ -215,6 +215,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1,
                     help="llama.cpp threads (1: ggml's spinning barriers collapse when the box is shared)")
     ap.add_argument("--engines", default="mmap,moed,resident,moed-fit")
+    ap.add_argument("--policy", default="lru", choices=["lru", "lfu"], help="the daemon's eviction policy")
     ap.add_argument("--timeout-s", type=float, default=1200)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--socket", help=argparse.SUPPRESS)
@@ -243,6 +244,7 @@ def main() -> int:
                 # Everything fits: the daemon mirrors the whole model in its pinned
                 # partition at open (as the resident engine reads it all at load).
                 extra = ("--pin-budget", f"{int(size * 1.1)}") if kind == "moed-fit" else ()
+                extra += ("--policy", args.policy)
                 res = with_daemon(args, budget, group,
                                   lambda sock: child(args, kind, group, sock, tokens, warmup), extra)
             else:
