@@ -101,6 +101,12 @@ class Client:
             try:
                 sock.sendall(frame)
                 reply, got_fds = self._recv_reply(sock, fds)
+            except (BrokenPipeError, ConnectionResetError) as exc:
+                # The daemon may have refused us and hung up before our request
+                # arrived (too many clients, shutting down): its reason is
+                # waiting in the receive buffer.
+                reply, got_fds = self._parting_error(sock), []
+                self._broken(exc, reply)
             except (OSError, EOFError) as exc:
                 self._broken(exc)
         if isinstance(reply, m.Error):
@@ -124,10 +130,25 @@ class Client:
             raise errors.DaemonUnavailable("not connected (call reconnect())")
         return self._sock
 
-    def _broken(self, exc: BaseException):
+    def _parting_error(self, sock: socket.socket) -> m.Error | None:
+        try:
+            data = bytes(self._buf) + sock.recv(1 << 16, socket.MSG_DONTWAIT)
+        except OSError:
+            data = bytes(self._buf)
+        if len(data) < 4 or len(data) < 4 + HEADER.unpack_from(data)[0]:
+            return None
+        try:
+            reply = reply_decoder.decode(data[4 : 4 + HEADER.unpack_from(data)[0]])
+        except Exception:  # noqa: BLE001 - no reason to be had; report the broken pipe
+            return None
+        return reply if isinstance(reply, m.Error) else None
+
+    def _broken(self, exc: BaseException, reason: m.Error | None = None):
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()
+        if reason is not None:
+            raise errors.error_for(reason.code, reason.message)
         if isinstance(exc, (TimeoutError, BlockingIOError)):   # SO_RCVTIMEO expired
             raise errors.DaemonUnavailable(f"moed did not answer within {self.timeout_s}s") from None
         raise errors.DaemonUnavailable(f"connection to moed lost: {exc or 'closed'}") from None
