@@ -108,3 +108,19 @@ def shared_dir():
     yield d
     shutil.rmtree(d, ignore_errors=True)
 
+
+@pytest.fixture
+def start_shared(start_daemon, shared_dir):
+    """`start_shared(budget, config_toml="")`: a daemon any uid can reach (socket 0666, dir 0755)."""
+    import os
+
+    def start(budget: str = "8MiB", config: str = ""):
+        conf = os.path.join(shared_dir, "moed.toml")
+        with open(conf, "w") as f:
+            f.write("socket_mode = 0o666\n" + config)
+        d = start_daemon(budget, "--config", conf)
+        os.chmod(d.dir, 0o755)
+        return d
+
+    return start
+

@@ -309,17 +309,21 @@ class Store:
                 raise RuntimeError(f"size class {cls.class_id} has no free slot index (capacity {cls.capacity})")
             slot = cls.slots[cls.free.pop()]
             self.used_bytes += cls.slot_bytes
-        slot.state = SlotState.LOADING
-        slot.key = want.key
-        slot.refs = 1
-        slot.generation += 1
-        slot.prefetched = False
-        slot.owner = owner
+        self._occupy(slot, want.key, refs=1, owner=owner)
         self.owned_bytes[owner] = self.owned_bytes.get(owner, 0) + slot.slot_bytes
-        self.table[want.key] = slot
         if self.policy.wants_touch:
             self.policy.touch(slot)
         return slot
+
+    def _occupy(self, slot: Slot, key: ExpertKey, refs: int, owner: object) -> None:
+        """A new residency of `key` in `slot`: LOADING, a new generation, in the table."""
+        slot.state = SlotState.LOADING
+        slot.key = key
+        slot.refs = refs
+        slot.generation += 1
+        slot.prefetched = False
+        slot.owner = owner
+        self.table[key] = slot
 
     def _evict_one(self) -> Slot:
         victim = self.policy.victim()
@@ -432,15 +436,9 @@ class Store:
         if not cls.free:
             return None
         slot = cls.slots[cls.free.pop()]
-        slot.state = SlotState.LOADING
-        slot.key = want.key
-        slot.refs = 0
-        slot.generation += 1
-        slot.prefetched = False
-        slot.owner = None
+        self._occupy(slot, want.key, refs=0, owner=None)
         slot.pinned = True
         self.pinned_bytes += size
-        self.table[want.key] = slot
         return slot, True, True
 
     def unpin(self, key: ExpertKey) -> bool:

@@ -65,6 +65,20 @@ def merge(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(s, e) for s, e in out]
 
 
+def gaps(lo: int, hi: int, holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of [lo, hi) that sorted `holes` do not cover."""
+    out, pos = [], lo
+    for s, e in holes:
+        if e <= pos or s >= hi:
+            continue
+        if s > pos:
+            out.append((pos, s))
+        pos = max(pos, e)
+    if pos < hi:
+        out.append((pos, hi))
+    return out
+
+
 @dataclass
 class _ZeroCopyState:
     key: tuple[int, int] | None = None   # (segment identity, offset) mapped here
@@ -138,15 +152,7 @@ class ExpertPages:
         pure = [(s, e) for s, e in pure if s < e]
         out = []
         for lo, hi in merge(vmas + [(p, p + PAGE) for p in self._mixed_pages]):
-            pos = lo
-            for s, e in pure:
-                if e <= pos or s >= hi:
-                    continue
-                if s > pos:
-                    out.append((pos, s))
-                pos = max(pos, e)
-            if pos < hi:
-                out.append((pos, hi))
+            out += gaps(lo, hi, pure)
         return out
 
     # ---- show / hide -----------------------------------------------------

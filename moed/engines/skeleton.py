@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import pathlib
 
-from moed.engines.expert_pages import merge
+from moed.engines.expert_pages import gaps, merge
 from moed.engines.sources import ExpertSource
 
 
@@ -42,14 +42,8 @@ def expert_ranges(source: ExpertSource, shard: int) -> list[tuple[int, int]]:
 
 
 def dense_ranges(size: int, holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out, pos = [], 0
-    for s, e in holes:
-        if s > pos:
-            out.append((pos, s))
-        pos = max(pos, e)
-    if pos < size:
-        out.append((pos, size))
-    return out
+    """The file's bytes outside the (sorted) expert holes."""
+    return gaps(0, size, holes)
 
 
 def skeleton_for(source: ExpertSource, cache_dir: str | os.PathLike) -> list[str]:

@@ -30,13 +30,6 @@ def copy_model(model, directory: str, mode: int, name: str = "model.gguf") -> st
     return path
 
 
-def start(start_daemon, shared_dir: str, config: str = "", budget: str = "8MiB"):
-    conf = os.path.join(shared_dir, "moed.toml")
-    with open(conf, "w") as f:
-        f.write('socket_mode = 0o666\n' + config)
-    d = start_daemon(budget, "--config", conf)
-    os.chmod(d.dir, 0o755)
-    return d
 
 
 def _open(sock: str, path: str) -> str:
@@ -79,8 +72,8 @@ def test_default_socket_mode_is_0660(daemon):
 # ---- opening models as the peer --------------------------------------------------
 
 
-def test_peer_without_read_permission_is_refused(start_daemon, tiny_model, shared_dir):
-    d = start(start_daemon, shared_dir)
+def test_peer_without_read_permission_is_refused(start_shared, tiny_model, shared_dir):
+    d = start_shared()
     secret = copy_model(tiny_model, shared_dir, 0o600, "secret.gguf")
     public = copy_model(tiny_model, shared_dir, 0o644, "public.gguf")
     with d.client() as c:                          # root has it open already: still refused
@@ -106,8 +99,8 @@ def _acl(entries) -> bytes:
     return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries)
 
 
-def test_posix_acl_grant_is_honoured(start_daemon, tiny_model, shared_dir):
-    d = start(start_daemon, shared_dir)
+def test_posix_acl_grant_is_honoured(start_shared, tiny_model, shared_dir):
+    d = start_shared()
     path = copy_model(tiny_model, shared_dir, 0o600)
     undef = 0xFFFFFFFF
     acl = _acl([(1, 6, undef), (2, 4, NOBODY), (4, 0, undef), (0x10, 4, undef), (0x20, 0, undef)])
@@ -128,11 +121,11 @@ def test_posix_acl_grant_is_honoured(start_daemon, tiny_model, shared_dir):
     assert as_peer(NOBODY - 1, NOBODY - 1, _open, d.socket, path) == Outcome(result="PermissionDenied")
 
 
-def test_model_roots_restrict_paths(start_daemon, tiny_model, shared_dir):
+def test_model_roots_restrict_paths(start_shared, tiny_model, shared_dir):
     allowed = os.path.join(shared_dir, "models")
     inside = copy_model(tiny_model, allowed, 0o644)
     outside = copy_model(tiny_model, os.path.join(shared_dir, "elsewhere"), 0o644)
-    d = start(start_daemon, shared_dir, f'model_roots = ["{allowed}"]\n')
+    d = start_shared("8MiB", f'model_roots = ["{allowed}"]\n')
     sneaky = os.path.join(allowed, "sneaky.gguf")
     os.symlink(outside, sneaky)
     with d.client() as c:
@@ -190,8 +183,8 @@ def errors_name(exc: OSError) -> str:
     return errno.errorcode.get(exc.errno, str(exc.errno))
 
 
-def test_a_write_through_a_client_mapping_faults(start_daemon, tiny_model, shared_dir):
-    d = start(start_daemon, shared_dir)
+def test_a_write_through_a_client_mapping_faults(start_shared, tiny_model, shared_dir):
+    d = start_shared()
     path = copy_model(tiny_model, shared_dir, 0o644)
     assert as_peer(NOBODY, NOBODY, _write_through_mapping, d.socket, path) == Outcome(signal=SIGSEGV)
     assert as_peer(0, 0, _write_through_mapping, d.socket, path) == Outcome(signal=SIGSEGV)
@@ -221,8 +214,8 @@ def _steal(sock: str, path: str, lease_id: int) -> tuple:
         return released, mine["leases"]
 
 
-def test_one_tenant_cannot_release_another_tenants_lease(start_daemon, tiny_model, shared_dir):
-    d = start(start_daemon, shared_dir)
+def test_one_tenant_cannot_release_another_tenants_lease(start_shared, tiny_model, shared_dir):
+    d = start_shared()
     path = copy_model(tiny_model, shared_dir, 0o644)
     with d.client("owner") as c:
         h = c.open_model(path)
@@ -242,9 +235,9 @@ def _class_ids(sock: str, path: str) -> list[int]:
         return [s.class_id for s in c.open_model(path).info.segments]
 
 
-def test_private_models_never_share_a_segment_with_other_models(start_daemon, tiny_model, shared_dir):
+def test_private_models_never_share_a_segment_with_other_models(start_shared, tiny_model, shared_dir):
     """A client maps whole segments: sharing one would show it another model's experts."""
-    d = start(start_daemon, shared_dir)
+    d = start_shared()
     public_a = copy_model(tiny_model, shared_dir, 0o644, "a.gguf")
     public_b = copy_model(tiny_model, shared_dir, 0o644, "b.gguf")
     private = copy_model(tiny_model, shared_dir, 0o600, "private.gguf")
@@ -274,8 +267,8 @@ def _my_view(sock: str) -> tuple:
         return sorted(t["uid"] for t in s["tenants"]), sorted(os.path.basename(r["path"]) for r in s["models"])
 
 
-def test_a_tenant_sees_only_its_own_row_and_models_it_could_open(start_daemon, tiny_model, shared_dir):
-    d = start(start_daemon, shared_dir)
+def test_a_tenant_sees_only_its_own_row_and_models_it_could_open(start_shared, tiny_model, shared_dir):
+    d = start_shared()
     public = copy_model(tiny_model, shared_dir, 0o644, "public.gguf")
     private = copy_model(tiny_model, shared_dir, 0o600, "private.gguf")
     with d.client("root-engine") as c:

@@ -20,13 +20,6 @@ def public_copy(model, shared_dir: str) -> str:
     return path
 
 
-def start_shared(start_daemon, budget: str, shared_dir: str, config: str):
-    conf = os.path.join(shared_dir, "moed.toml")
-    with open(conf, "w") as f:
-        f.write("socket_mode = 0o666\n" + config)
-    d = start_daemon(budget, "--config", conf)
-    os.chmod(d.dir, 0o755)
-    return d
 
 
 def _use(sock: str, model: str, layer: int, experts: list[int]) -> tuple[int, int]:
@@ -40,11 +33,11 @@ def _use(sock: str, model: str, layer: int, experts: list[int]) -> tuple[int, in
     return me["hits"], me["misses"]
 
 
-def test_floor_holds_under_the_other_tenants_pressure_and_ceiling_caps(start_daemon, model_factory, shared_dir):
+def test_floor_holds_under_the_other_tenants_pressure_and_ceiling_caps(start_shared, model_factory, shared_dir):
     src = model_factory(layers=4, experts=16, used=2)
     slot = expert_bytes(src, 0)
     model = public_copy(src, shared_dir)
-    d = start_shared(start_daemon, str(8 * slot), shared_dir,
+    d = start_shared(str(8 * slot),
                      f"[tenants.nobody]\nfloor_bytes = {3 * slot}\n[tenants.0]\nceiling_bytes = {6 * slot}\n")
     # nobody loads 5 experts of layer 0 and leaves
     assert as_peer(NOBODY, NOBODY, _use, d.socket, model, 0, [0, 1, 2, 3, 4]) == Outcome(result=(0, 5))
@@ -76,11 +69,11 @@ def test_floor_holds_under_the_other_tenants_pressure_and_ceiling_caps(start_dae
     assert d.stop() == 0
 
 
-def test_without_tenant_config_everyone_shares_one_lru(start_daemon, model_factory, shared_dir):
+def test_without_tenant_config_everyone_shares_one_lru(start_shared, model_factory, shared_dir):
     src = model_factory(layers=4, experts=16, used=2)
     slot = expert_bytes(src, 0)
     model = public_copy(src, shared_dir)
-    d = start_shared(start_daemon, str(8 * slot), shared_dir, "")
+    d = start_shared(str(8 * slot))
     as_peer(NOBODY, NOBODY, _use, d.socket, model, 0, [0, 1, 2, 3, 4])
     with d.client() as c:
         m = c.open_model(model)
@@ -101,9 +94,9 @@ def test_unknown_tenant_user_fails_the_start(tmp_path):
         DaemonProcess("8MiB", "--config", str(conf))
 
 
-def test_hits_on_another_tenants_reads_are_counted_as_shared(start_daemon, model_factory, shared_dir):
+def test_hits_on_another_tenants_reads_are_counted_as_shared(start_shared, model_factory, shared_dir):
     model = public_copy(model_factory(layers=4, experts=16, used=2), shared_dir)
-    d = start_shared(start_daemon, "64MiB", shared_dir, "")
+    d = start_shared("64MiB")
     out = as_peer(NOBODY, NOBODY, _use, d.socket, model, 2, [0, 1, 2])
     assert not out.error and out.result == (0, 3), out
     with d.client() as c:
