@@ -27,7 +27,10 @@ def parse_size(text: str | int) -> int:
         raise ValueError(f"not a size: {text!r} (use e.g. 512MiB, 4GiB or plain bytes)")
     # Exact decimal arithmetic: a float turns "1.001KB" into 1000 and loses
     # plain integers above 2**53.
-    return int(Fraction(m.group(1)) * _UNITS[unit])
+    value = Fraction(m.group(1)) * _UNITS[unit]
+    if _UNITS[unit] == 1 and value.denominator != 1:
+        raise ValueError(f"not a size: {text!r} (a byte count is a whole number)")
+    return int(value)
 
 
 def format_size(n: int) -> str:

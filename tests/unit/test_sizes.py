@@ -42,7 +42,7 @@ def test_parse_size(text, n):
 
 @pytest.mark.parametrize("text", [
     "", "  ", "abc", "GiB", "-1", "-1GiB", "1.5.2G", "12 XB", "1e9", "1,5G", ".5G", "1 G B",
-    "0x100", "1GiBs", True, False, -5, None,
+    "0x100", "1GiBs", True, False, -5, None, "1.9", "0.5B",
 ])
 def test_parse_size_rejects(text):
     with pytest.raises(ValueError) as info:
