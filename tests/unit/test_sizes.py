@@ -63,10 +63,21 @@ def test_every_unit_in_any_case(n, unit, upper, space):
 
 
 @given(st.decimals(min_value=0, max_value=10**6, places=3, allow_nan=False, allow_infinity=False),
-       st.sampled_from(sorted(UNITS)))
+       st.sampled_from(sorted(u for u in UNITS if UNITS[u] > 1)))
 def test_decimals_round_down_to_whole_bytes_exactly(d, unit):
     text = f"{d:f}{unit}"
     assert parse_size(text) == int(Decimal(text[: len(f'{d:f}')]) * UNITS[unit])
+
+
+@given(st.decimals(min_value=0, max_value=10**6, places=3, allow_nan=False, allow_infinity=False),
+       st.sampled_from(sorted(u for u in UNITS if UNITS[u] == 1)))
+def test_plain_bytes_must_be_whole(d, unit):
+    text = f"{d:f}{unit}"
+    if d == int(d):
+        assert parse_size(text) == int(d)
+    else:
+        with pytest.raises(ValueError, match="whole number"):
+            parse_size(text)
 
 
 @pytest.mark.parametrize("n, text", [
