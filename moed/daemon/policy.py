@@ -78,6 +78,12 @@ class DecayingLFU:
         self._heap: list = []
         self._members: set = set()
         self._seq = 0
+        self._prune_at = self.PRUNE_MIN
+
+    # A key untouched for this many half-lives has a count below 2**-FORGET:
+    # it is forgotten, so the table does not grow with every expert ever seen.
+    FORGET_HALF_LIVES = 20
+    PRUNE_MIN = 4096
 
     def touch(self, slot) -> None:
         self._clock += 1
@@ -85,6 +91,14 @@ class DecayingLFU:
         old = self._score.get(slot.key)
         decayed = 0.0 if old is None else 2.0 ** (old - now)
         self._score[slot.key] = math.log2(decayed + 1.0) + now
+        if len(self._score) > self._prune_at:
+            self._prune(now)
+
+    def _prune(self, now: float) -> None:
+        keep = {s.key for s in self._members}
+        cutoff = now - self.FORGET_HALF_LIVES
+        self._score = {k: v for k, v in self._score.items() if v >= cutoff or k in keep}
+        self._prune_at = max(self.PRUNE_MIN, 2 * len(self._score))
 
     def add(self, slot) -> None:
         self._members.add(slot)

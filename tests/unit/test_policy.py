@@ -232,3 +232,15 @@ def test_make_policy_by_name():
         assert cls.name == name
     with pytest.raises(ValueError, match="lru"):
         make_policy("fifo")
+
+
+def test_lfu_forgets_keys_untouched_for_many_half_lives():
+    from types import SimpleNamespace
+
+    from moed.daemon.policy import DecayingLFU
+
+    lfu = DecayingLFU(half_life=8)
+    for i in range(50_000):            # every access a new expert: nothing is ever hot
+        lfu.touch(SimpleNamespace(key=(1, 0, i)))
+    assert len(lfu._score) <= 2 * DecayingLFU.PRUNE_MIN
+    assert (1, 0, 49_999) in lfu._score        # the recent ones are kept
