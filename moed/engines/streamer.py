@@ -91,6 +91,10 @@ class ExpertStreamer:
         self.held: Grant | None = None
         self.error: BaseException | None = None
         self._parts: dict[int, list[PartSpan]] = {}
+        # Relaxed mode on an all-zero-copy layer: which slot each expert's address
+        # shows, so a repeated hit costs one lookup instead of a call per part.
+        self._zero_copy_layers: set[int] = set()
+        self._placed: dict[tuple[int, int], tuple] = {}
         # Kept referenced for as long as llama.cpp may call it.
         self.c_callback = ggml_tensor_callback_type()(self._callback)
 
@@ -107,6 +111,8 @@ class ExpertStreamer:
         self.pages.install()
         for span in spans:
             self._parts.setdefault(span.layer, []).append(span)
+        if not self.strict:
+            self._zero_copy_layers = {layer for layer, ss in self._parts.items() if all(s.zero_copy for s in ss)}
         self._drop_expert_cache()
         self._lock_dense(bases)
 
@@ -195,6 +201,9 @@ class ExpertStreamer:
         self.stats.experts += len(experts)
 
     def _show(self, grant: Grant) -> None:
+        if grant.layer in self._zero_copy_layers:
+            self._show_placed(grant)
+            return
         pages = self.pages
         for span in self._parts[grant.layer]:
             for expert in grant.experts:
@@ -204,7 +213,28 @@ class ExpertStreamer:
                 else:
                     pages.show_copied(span, expert, grant.address(expert, span.part))
 
+    def _show_placed(self, grant: Grant) -> None:
+        """Relaxed zero copy: map an expert's parts only when its slot changed.
+
+        The first part's (segment, offset) names the slot; every part of a slot
+        moves together, and nothing but this method maps these addresses.
+        """
+        spans = self._parts[grant.layer]
+        first = spans[0].part
+        placed = self._placed
+        for expert in grant.experts:
+            seg_key, fd, offset = grant.mapping(expert, first)
+            where = (seg_key, offset)
+            if placed.get((grant.layer, expert)) == where:
+                continue
+            for span in spans:
+                key, fd, offset = grant.mapping(expert, span.part)
+                self.pages.show_mapped(span, expert, key, fd, offset)
+            placed[(grant.layer, expert)] = where
+
     def _hide(self, grant: Grant) -> None:
+        if grant.layer in self._zero_copy_layers:
+            return          # relaxed mode leaves zero-copy experts mapped to their last slot
         for span in self._parts[grant.layer]:
             for expert in grant.experts:
                 self.pages.hide(span, expert)
