@@ -66,8 +66,6 @@ class Loading:
 
     job: ReadJob
     done: asyncio.Future
-    generation: int
-    waiters: int = 0
 
 
 class Daemon:
@@ -264,7 +262,6 @@ class Daemon:
             for slot in plan.to_load:
                 self._start_read(slot, demand=True)
             for slot in plan.loading:
-                self._loading[slot].waiters += 1
                 self.reader.promote(self._loading[slot].job)
         return plan
 
@@ -354,23 +351,22 @@ class Daemon:
         seg = self.ramtier.segments[slot.class_id]
         pieces = [(f, off + key.expert * size, size, seg.part_addr(slot.index, k))
                   for k, (f, off, size) in enumerate(plan.parts)]
-        gen = slot.generation
-        job = ReadJob(pieces, self._read_done_thread, demand=demand, tag=(slot, gen))
-        self._loading[slot] = Loading(job, self.loop.create_future(), gen)
+        job = ReadJob(pieces, self._read_done_thread, demand=demand, tag=slot)
+        self._loading[slot] = Loading(job, self.loop.create_future())
         if not demand and not slot.pinned:
             self.counters.prefetches += 1
         self.reader.submit(job)
 
     def _read_done_thread(self, job: ReadJob, err: BaseException | None) -> None:
         """Reader thread: lock the filled pages, then hand over to the loop."""
-        slot, gen = job.tag
+        slot = job.tag
         if err is None:
             self.ramtier.lock_slot(self.ramtier.segments[slot.class_id], slot.index)
             if self.verifier is not None:
                 job.digest = digest(job.pieces)      # hashed here, off the event loop
-        self.loop.call_soon_threadsafe(self._read_done, slot, gen, job, err)
+        self.loop.call_soon_threadsafe(self._read_done, slot, job, err)
 
-    def _read_done(self, slot: Slot, gen: int, job: ReadJob, err: BaseException | None) -> None:
+    def _read_done(self, slot: Slot, job: ReadJob, err: BaseException | None) -> None:
         loading = self._loading.get(slot)
         if loading is None or loading.job is not job:
             return

@@ -44,7 +44,6 @@ class Model:
     info: ModelInfo | None = None
     wants: dict = field(default_factory=dict)   # layer -> [Want per expert], built once: the hit path indexes it
     stale: bool = False
-    sessions: set = field(default_factory=set)
 
     @property
     def direct_io(self) -> bool:

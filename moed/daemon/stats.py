@@ -42,9 +42,6 @@ class Tenant:
     ceiling_bytes: int = 0
     per_model: dict = field(default_factory=dict)   # model_id -> [hits, misses, bytes_read]
 
-    def key(self) -> str:
-        return str(self.uid)
-
     def use(self, model_id: int) -> list:
         u = self.per_model.get(model_id)
         if u is None:
