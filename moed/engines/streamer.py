@@ -65,12 +65,7 @@ class StreamStats:
 
 def snapshot_bases(files: list[str]) -> set[int]:
     """Mapping bases of `files` that exist before a load (so they are not mistaken for ours)."""
-    out = set()
-    for path in files:
-        st = os.stat(path)
-        want = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
-        out |= {v.start - v.offset for v in vm.read_maps() if (v.dev[0], v.dev[1], v.inode) == want}
-    return out
+    return set().union(*(vm.mapping_bases(path) for path in files))
 
 
 class ExpertStreamer:

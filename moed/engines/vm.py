@@ -94,22 +94,29 @@ def read_maps(pid: int | str = "self") -> list[Vma]:
     return out
 
 
-def file_mapping_base(path: str, exclude_bases: set[int] = frozenset()) -> int | None:
-    """Address where offset 0 of `path` is (or would be) in our mapping of it.
-
-    llama.cpp maps each file whole and later unmaps the head and tail it does not
-    use, so a VMA may start past offset 0: the base is `start - offset`. Files are
-    matched by (device, inode), not by name. Bases in `exclude_bases` (mappings that
-    existed before we loaded) are skipped, so two models of the same file in one
-    process are told apart.
-    """
+def _of_file(path: str) -> list[Vma]:
+    """Our VMAs of `path`, matched by (device, inode), not by name."""
     st = os.stat(path)
     want = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
-    bases = set()
-    for vma in read_maps():
-        if (vma.dev[0], vma.dev[1], vma.inode) == want:
-            bases.add(vma.start - vma.offset)
-    bases -= set(exclude_bases)
+    return [v for v in read_maps() if (v.dev[0], v.dev[1], v.inode) == want]
+
+
+def mapping_bases(path: str) -> set[int]:
+    """Addresses where offset 0 of `path` is (or would be) in each of our mappings of it.
+
+    llama.cpp maps each file whole and later unmaps the head and tail it does not
+    use, so a VMA may start past offset 0: the base is `start - offset`.
+    """
+    return {v.start - v.offset for v in _of_file(path)}
+
+
+def file_mapping_base(path: str, exclude_bases: set[int] = frozenset()) -> int | None:
+    """The one base of `path` (see `mapping_bases`) not in `exclude_bases`, or None.
+
+    Bases in `exclude_bases` (mappings that existed before we loaded) are skipped,
+    so two models of the same file in one process are told apart.
+    """
+    bases = mapping_bases(path) - set(exclude_bases)
     if len(bases) > 1:
         raise RuntimeError(f"{path} is mapped {len(bases)} times by this load; cannot tell which is the model")
     return bases.pop() if bases else None
@@ -117,7 +124,4 @@ def file_mapping_base(path: str, exclude_bases: set[int] = frozenset()) -> int |
 
 def mapped_ranges(base: int, path: str) -> list[tuple[int, int]]:
     """The VMAs (start, end) of `path` whose base is `base`."""
-    st = os.stat(path)
-    want = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
-    return [(v.start, v.end) for v in read_maps()
-            if (v.dev[0], v.dev[1], v.inode) == want and v.start - v.offset == base]
+    return [(v.start, v.end) for v in _of_file(path) if v.start - v.offset == base]
