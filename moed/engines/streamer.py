@@ -34,6 +34,7 @@ import numpy as np
 
 from moed.engines import ggml_tensor, vm
 from moed.engines.expert_pages import ExpertPages, PartSpan
+from moed.engines.skeleton import expert_ranges
 from moed.engines.sources import ExpertSource, Grant
 
 log = logging.getLogger("moed.engine")
@@ -125,12 +126,9 @@ class ExpertStreamer:
         for shard, path in enumerate(self.mapped_files):
             fd = os.open(path, os.O_RDONLY)
             try:
-                for layer in self.source.moe_layers:
-                    for ext in self.source.extents(layer):
-                        if ext.shard == shard:
-                            n = ext.bytes_per_expert * self.source.n_experts
-                            os.posix_fadvise(fd, ext.offset, n, os.POSIX_FADV_DONTNEED)
-                            self.stats.dropped_expert_cache_bytes += n
+                for lo, hi in expert_ranges(self.source, shard):
+                    os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_DONTNEED)
+                    self.stats.dropped_expert_cache_bytes += hi - lo
             finally:
                 os.close(fd)
 
