@@ -14,6 +14,8 @@ import sys
 import time
 import warnings
 
+from moed.cli import fail
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text with experts served by moed")
@@ -62,7 +64,7 @@ class _Session:
         from moed.engines.llama_cpp import StreamedLlama
 
         if not os.path.exists(args.model):
-            raise SystemExit(_fail(f"no such model file: {args.model}"))
+            raise SystemExit(fail(f"no such model file: {args.model}"))
         n_ctx = args.ctx or _default_ctx(args.model)
         self.client = Client(args.socket, client_name=f"moectl {args.verb}")
         try:
@@ -72,7 +74,7 @@ class _Session:
                                      **llama_kwargs)
         except ValueError as exc:  # llama.cpp refused the file
             self.client.close()
-            raise SystemExit(_fail(str(exc)))
+            raise SystemExit(fail(str(exc)))
         except BaseException:
             self.client.close()
             raise
@@ -107,11 +109,6 @@ def _default_ctx(model: str, most: int = 4096) -> int:
     except Exception:  # llama.cpp will report a bad file itself, in its own words
         return most
     return max(1, min(trained, most))
-
-
-def _fail(message: str) -> int:
-    print(f"moectl: {message}", file=sys.stderr)
-    return 2
 
 
 def _sampling(args: argparse.Namespace) -> dict:
@@ -182,7 +179,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     with open(args.prompt_file, encoding="utf-8") as f:
         prompts = [line.rstrip("\n") for line in f if line.strip()]
     if not prompts:
-        return _fail(f"{args.prompt_file} holds no prompts")
+        return fail(f"{args.prompt_file} holds no prompts")
     s = _Session(args, logits_all=True)   # every token's route in every layer
     try:
         with warnings.catch_warnings():

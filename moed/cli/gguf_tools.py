@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 
+from moed.cli import fail
 from moed.protocol.errors import MoedError
 from moed.protocol.sizes import format_size
 
@@ -51,11 +52,6 @@ def register(sub) -> None:
     p.set_defaults(func=_align)
 
 
-def _fail(msg: str) -> int:
-    print(f"moectl: {msg}", file=sys.stderr)
-    return 2
-
-
 def _make_model(args) -> int:
     from moed.lab.makemodel import make_model
     if args.like:                       # the trace's routing geometry wins
@@ -69,9 +65,9 @@ def _make_model(args) -> int:
                            seed=args.seed, vocab=args.vocab, ctx=args.ctx, heads=args.heads,
                            kv_heads=args.kv_heads, random_experts=args.random_experts)
     except ValueError as exc:
-        return _fail(f"make-model: {exc}")
+        return fail(f"make-model: {exc}")
     except OSError as exc:
-        return _fail(f"make-model: {exc.filename}: {exc.strerror}")
+        return fail(f"make-model: {exc.filename}: {exc.strerror}")
     for p in paths:
         print(p)
     return 0
@@ -122,9 +118,9 @@ def _align(args) -> int:
     except MoedError:
         raise
     except (ValueError, FileExistsError, FileNotFoundError) as exc:
-        return _fail(f"align: {exc}")
+        return fail(f"align: {exc}")
     except OSError as exc:
-        return _fail(f"align: {exc.filename or ''}: {exc.strerror or exc}")
+        return fail(f"align: {exc.filename or ''}: {exc.strerror or exc}")
     for out in outs:
         print(out, flush=True)
     try:

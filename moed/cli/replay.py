@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 
+from moed.cli import fail
 from moed.protocol.errors import MoedError
 
 
@@ -33,11 +34,6 @@ def register(sub) -> None:
     _register_plan(sub)
 
 
-def _fail(msg: str) -> int:
-    print(f"moectl: {msg}", file=sys.stderr)
-    return 2
-
-
 def cmd_replay(args) -> int:
     from moed.lab import replay as rp
     from moed.lab.traces import Trace
@@ -46,7 +42,7 @@ def cmd_replay(args) -> int:
         opts = rp.ReplayOptions(args.compute_ms, args.attn_frac, args.prefetch, args.warm, args.tokens)
         budget = None if args.budget is None else rp.parse_budget(args.budget, args.model)
     except MoedError as exc:
-        return _fail(f"replay: {exc}")
+        return fail(f"replay: {exc}")
     with _progress(enabled=not args.json and sys.stderr.isatty()) as progress:
         if budget is not None:
             result = rp.replay_private(args.model, trace, budget, opts, progress)
@@ -110,7 +106,7 @@ def cmd_bench_drive(args) -> int:
     if args.create is not None:
         db.write_bench_model(args.path, args.create, part_bytes=args.size)
     if not os.path.exists(args.path):
-        return _fail(f"bench-drive: {args.path}: no such file")
+        return fail(f"bench-drive: {args.path}: no such file")
     with _DriveProgress(args.seconds, enabled=not args.json and sys.stderr.isatty()) as bars:
         if args.paired:
             out = db.paired(args.path, args.size, args.depth, args.seconds, bars.tick_for)
@@ -192,7 +188,7 @@ def cmd_plan(args) -> int:
                               policy=args.policy, warm=args.warm, measure_s=args.measure_seconds,
                               trace_path=args.trace)
     except MoedError as exc:
-        return _fail(f"plan: {exc}")
+        return fail(f"plan: {exc}")
     if args.plot not in (None, "-"):
         pl.plot(result, args.plot)
     if args.json:
