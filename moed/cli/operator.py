@@ -65,6 +65,8 @@ def trace_profile(path: str, moe_layers: list[int]) -> list[tuple[int, int]]:
     Trace layers are matched to the model's block numbers through the trace's
     `layer_ids` when they name MoE layers of this model, else by position.
     """
+    import numpy as np
+
     from moed.lab.traces import Trace
 
     trace = Trace.load(path)
@@ -75,19 +77,9 @@ def trace_profile(path: str, moe_layers: list[int]) -> list[tuple[int, int]]:
     for pos, layer in enumerate(mapping):
         col = ids[:, pos, :].ravel()
         col = col[col >= 0]
-        for e, n in zip(*_unique_counts(col)):
+        for e, n in zip(*np.unique(col, return_counts=True)):
             counts[(layer, int(e))] += int(n)
     return [k for k, _ in counts.most_common()]
-
-
-def _unique_counts(values):
-    import numpy as np
-
-    return np.unique(values, return_counts=True)
-
-
-def _open(c: Client, path: str):
-    return c.open_model(path)
 
 
 def cmd_set(args) -> int:
@@ -105,7 +97,7 @@ def cmd_set(args) -> int:
 
 def cmd_pin(args) -> int:
     with Client(args.socket, "moectl") as c:
-        model = _open(c, args.model)
+        model = c.open_model(args.model)
         experts = args.experts or []
         if args.trace:
             experts = trace_profile(args.trace, model.moe_layers)
@@ -117,7 +109,7 @@ def cmd_pin(args) -> int:
 
 def cmd_unpin(args) -> int:
     with Client(args.socket, "moectl") as c:
-        model = _open(c, args.model)
+        model = c.open_model(args.model)
         r = c.request(m.Unpin(model.model_id, args.experts or [], all=args.all))
     print(f"unpinned {r.unpinned} experts; pinned partition {format_size(r.pinned_bytes)}")
     return 0
