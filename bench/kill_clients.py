@@ -28,13 +28,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from moed.client import Client  # noqa: E402
 from moed.daemon.catalog import Catalog  # noqa: E402
+from moed.lab import replay as rp  # noqa: E402
 from moed.lab.makemodel import make_model  # noqa: E402
 from tests.support import DaemonProcess  # noqa: E402
 
 
 def slot_bytes(model: str) -> int:
     cat = Catalog.open(model)
-    return sum(-(-p.bytes_per_expert // 4096) * 4096 for p in cat.layers[0].parts.values())
+    return rp.slot_bytes(cat.layers[0])
 
 
 def spawn_holder(sock: str, model: str, layer: int) -> tuple[int, int, int]:

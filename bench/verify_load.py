@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from moed.client import Client  # noqa: E402
 from moed.daemon.catalog import Catalog  # noqa: E402
+from moed.lab import replay as rp  # noqa: E402
 from moed.lab.makemodel import make_model  # noqa: E402
 from moed.protocol import errors  # noqa: E402
 from tests.support import DaemonProcess  # noqa: E402
@@ -96,7 +97,7 @@ def main() -> int:
     atexit.register(shutil.rmtree, tmp, True)
     model = str(make_model(os.path.join(tmp, "m.gguf"), layers=8, experts=32, used=4)[0])
     cat = Catalog.open(model)
-    slot = sum(-(-q.bytes_per_expert // 4096) * 4096 for q in cat.layers[0].parts.values())
+    slot = rp.slot_bytes(cat.layers[0])
     budget = slot * len(cat.layers) * cat.n_experts // 2
     runs = []
     for _ in range(args.repeat):

@@ -38,7 +38,6 @@ import numpy as np
 from moed.lab import policies
 from moed.lab.policies import Accesses
 from moed.protocol.errors import BadRequest
-from moed.protocol.layout import PAGE
 from moed.protocol.sizes import format_size
 
 DEFAULT_SIZES = tuple(round(0.05 * i, 2) for i in range(21))
@@ -58,11 +57,11 @@ class ModelCost:
     @classmethod
     def of(cls, model_path: str | os.PathLike) -> "ModelCost":
         from moed.daemon.catalog import Catalog
+        from moed.lab.replay import slot_bytes
         cat = Catalog.open(model_path)
         entries = [cat.layers[l] for l in cat.moe_layers]
         read = np.array([e.expert_bytes for e in entries], dtype=np.float64)
-        slot = np.array([sum(-(-p.bytes_per_expert // PAGE) * PAGE for p in e.parts.values())
-                         for e in entries], dtype=np.float64)
+        slot = np.array([slot_bytes(e) for e in entries], dtype=np.float64)
         file_bytes = sum(os.path.getsize(f) for f in cat.files)
         return cls(len(entries), cat.n_experts, read, slot, max(0, file_bytes - cat.expert_bytes_total))
 

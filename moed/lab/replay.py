@@ -47,7 +47,7 @@ import numpy as np
 
 from moed.daemon.spawn import DaemonProcess
 from moed.protocol.errors import BadRequest, RequestTooLarge
-from moed.protocol.layout import PAGE
+from moed.protocol.layout import PAGE, round_up
 from moed.protocol.sizes import format_size, parse_size
 
 PREFETCH_MODES = ("none", "gate", "gate2", "oracle")
@@ -109,19 +109,22 @@ class ReplayResult:
 
 # ---- the model and the budget ------------------------------------------------
 
+def slot_bytes(entry) -> int:
+    """Bytes one expert of a catalog `LayerEntry` takes in the RAM tier (parts page-rounded)."""
+    return sum(round_up(p.bytes_per_expert) for p in entry.parts.values())
+
+
 def slot_bytes_by_layer(model_path: str | os.PathLike) -> dict[int, int]:
-    """Bytes one expert's slot takes in the RAM tier, per MoE layer (parts page-rounded)."""
+    """`slot_bytes` per MoE layer of the model."""
     from moed.daemon.catalog import Catalog
-    cat = Catalog.open(model_path)
-    return {l: sum(-(-p.bytes_per_expert // PAGE) * PAGE for p in e.parts.values())
-            for l, e in cat.layers.items()}
+    return {l: slot_bytes(e) for l, e in Catalog.open(model_path).layers.items()}
 
 
 def all_experts_bytes(model_path: str | os.PathLike) -> int:
     """The RAM tier bytes that would hold every routed expert of the model."""
     from moed.daemon.catalog import Catalog
-    n = Catalog.open(model_path).n_experts
-    return n * sum(slot_bytes_by_layer(model_path).values())
+    cat = Catalog.open(model_path)
+    return cat.n_experts * sum(slot_bytes(e) for e in cat.layers.values())
 
 
 def parse_budget(spec: str, model_path: str | os.PathLike) -> int:
