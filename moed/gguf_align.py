@@ -22,6 +22,7 @@ import os
 import struct
 
 from moed.gguf_header import KV, Header, read_split, shard_names
+from moed.protocol.layout import round_up
 
 CHUNK_BYTES = 8 << 20
 
@@ -95,19 +96,15 @@ def _layout(h: Header, alignment: int) -> tuple[bytes, list[int]]:
         name = t.name.encode()
         infos.append(struct.pack("<Q", len(name)) + name + struct.pack("<I", len(t.dims))
                      + struct.pack(f"<{len(t.dims)}Q", *t.dims) + struct.pack("<IQ", t.ggml_type, pos))
-        pos = _round_up(pos + t.n_bytes, alignment)
+        pos = round_up(pos + t.n_bytes, alignment)
     head = b"GGUF" + struct.pack("<IQQ", h.version, len(h.tensors), n_kv) + kv + b"".join(infos)
-    head += bytes(_round_up(len(head), alignment) - len(head))
+    head += bytes(round_up(len(head), alignment) - len(head))
     return head, [len(head) + r for r in rel]
-
-
-def _round_up(n: int, to: int) -> int:
-    return -(-n // to) * to
 
 
 def _write_shard(h: Header, out: str, alignment: int, on_bytes) -> None:
     head, offsets = _layout(h, alignment)
-    end = _round_up(offsets[-1] + h.tensors[-1].n_bytes, alignment) if h.tensors else len(head)
+    end = round_up(offsets[-1] + h.tensors[-1].n_bytes, alignment) if h.tensors else len(head)
     src = os.open(h.path, os.O_RDONLY)
     try:
         dst = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

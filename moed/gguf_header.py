@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from moed.protocol.errors import BadModelFile
+from moed.protocol.layout import round_up
 
 GGUF_MAGIC = b"GGUF"
 SHARD_RE = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
@@ -228,7 +229,7 @@ def _parse(buf, path: str, size: int) -> Header:
         if alignment <= 0 or alignment & (alignment - 1):
             raise BadModelFile(f"{path}: bad general.alignment {kv.value!r} (must be a power of two u32)")
     raw_infos = [_tensor_info(c) for _ in range(n_tensors)]
-    data_offset = -(-c.pos // alignment) * alignment
+    data_offset = round_up(c.pos, alignment)
     tensors = tuple(_place(path, size, alignment, data_offset, *info) for info in raw_infos)
     if len({t.name for t in tensors}) != len(tensors):
         raise BadModelFile(f"{path}: duplicate tensor names")
