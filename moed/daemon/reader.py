@@ -99,9 +99,6 @@ class ReaderPool:
         self._prefetch: collections.deque = collections.deque()
         self._cv = threading.Condition()
         self._stop = False
-        self.bytes_read = 0
-        self.reads = 0
-        self.read_errors = 0
         self._threads = [threading.Thread(target=self._run, name=f"moed-reader-{i}", daemon=True)
                          for i in range(threads)]
         for t in self._threads:
@@ -175,7 +172,7 @@ class ReaderPool:
                     self._read(f, off, n, dest, bounce)
                 except BaseException as exc:  # noqa: BLE001 - any failure fails the job, not the thread
                     err = exc
-            self._finish(job, n, err)
+            self._finish(job, err)
         bounce.close()
 
     def _read(self, f: ModelFile, off: int, n: int, dest: int, bounce: mmap.mmap) -> None:
@@ -192,15 +189,10 @@ class ReaderPool:
             raise OSError(errno.EIO, f"short read of {f.path} at {off}: file ends before {off + n}")
         libc.buffer_at(dest, n)[:] = view[off - start : off - start + n]
 
-    def _finish(self, job: ReadJob, n: int, err: BaseException | None) -> None:
+    def _finish(self, job: ReadJob, err: BaseException | None) -> None:
         with self._cv:
-            if err is not None:
-                self.read_errors += 1
-                if job._error is None:
-                    job._error = err
-            else:
-                self.bytes_read += n
-                self.reads += 1
+            if err is not None and job._error is None:
+                job._error = err
             job._left -= 1
             done = job._left == 0
         if done:
