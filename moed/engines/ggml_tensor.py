@@ -98,17 +98,17 @@ def topk_ids(tensor_ptr: int) -> np.ndarray:
     k, n_rows = int(t.ne[0]), int(t.ne[1]) * int(t.ne[2]) * int(t.ne[3])
     if n_rows == 0 or k == 0:
         return np.empty((0, k), dtype=np.int32)
-    nb0, nb1 = int(t.nb[0]), int(t.nb[1])
-    span = (n_rows - 1) * nb1 + k * nb0
-    raw = (ctypes.c_char * span).from_address(t.data)
-    view = np.ndarray((n_rows, k), dtype=np.int32, buffer=raw, strides=(nb1, nb0))
-    return view.copy()
+    return _rows_view(t, n_rows, k).copy()
 
 
 def topk_view(tensor_ptr: int) -> np.ndarray:
     """A writable strided view of the ids in place (benchmarks force routes through it)."""
     t = GgmlTensor.from_address(tensor_ptr)
-    k, n_rows = int(t.ne[0]), int(t.ne[1])
+    return _rows_view(t, int(t.ne[1]), int(t.ne[0]))
+
+
+def _rows_view(t: GgmlTensor, n_rows: int, k: int) -> np.ndarray:
+    """The tensor's first `n_rows` rows of `k` int32 ids, as a strided view of its buffer."""
     nb0, nb1 = int(t.nb[0]), int(t.nb[1])
     span = (n_rows - 1) * nb1 + k * nb0
     raw = (ctypes.c_char * span).from_address(t.data)
