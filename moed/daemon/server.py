@@ -140,12 +140,8 @@ class Session(asyncio.Protocol):
                 continue
             try:
                 result = self._dispatch(msg)
-            except errors.MoedError as exc:
-                self._reply_error(msg, exc)
-                continue
             except Exception as exc:  # noqa: BLE001 - a bug answers this request, the daemon lives
-                log.exception("handler for %s failed", type(msg).__name__)
-                self._reply_error(msg, errors.InternalError(f"{type(exc).__name__}: {exc}"))
+                self._handler_failed(msg, exc)
                 continue
             if asyncio.iscoroutine(result):
                 self.busy = True
@@ -161,11 +157,8 @@ class Session(asyncio.Protocol):
             reply = await coro
             if reply is not None and m.wants_reply(msg):
                 self._send(reply)
-        except errors.MoedError as exc:
-            self._reply_error(msg, exc)
         except Exception as exc:  # noqa: BLE001
-            log.exception("handler for %s failed", type(msg).__name__)
-            self._reply_error(msg, errors.InternalError(f"{type(exc).__name__}: {exc}"))
+            self._handler_failed(msg, exc)
         finally:
             self.busy = False
             self.task = None
@@ -175,6 +168,13 @@ class Session(asyncio.Protocol):
         if not self.hello and not isinstance(msg, m.Hello):
             raise errors.NotHello(f"first request must be hello, got {type(msg).__name__}")
         return self._handlers[type(msg)](msg)
+
+    def _handler_failed(self, msg, exc: Exception) -> None:
+        """A handler raised: a MoedError is the answer; anything else is a bug, logged and answered."""
+        if not isinstance(exc, errors.MoedError):
+            log.exception("handler for %s failed", type(msg).__name__)
+            exc = errors.InternalError(f"{type(exc).__name__}: {exc}")
+        self._reply_error(msg, exc)
 
     def _bad_frame(self, exc: errors.MoedError) -> None:
         self.daemon.counters.bad_frames += 1
