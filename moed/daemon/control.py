@@ -13,8 +13,12 @@ from moed.protocol import errors
 from moed.protocol import messages as m
 
 
+def is_operator(session) -> bool:
+    return session.uid in (0, os.getuid())
+
+
 def require_operator(session) -> None:
-    if session.uid not in (0, os.getuid()):
+    if not is_operator(session):
         raise errors.PermissionDenied(
             f"uid {session.uid} may not change the daemon's settings (only root or uid {os.getuid()})")
 
@@ -54,10 +58,6 @@ def handlers(session) -> dict:
 
 
 HANDLED = (m.SetMemFloor, m.Pin, m.Unpin)
-
-
-def is_operator(session) -> bool:
-    return session.uid in (0, os.getuid())
 
 
 def visible_stats(session, stats: dict) -> dict:
