@@ -258,7 +258,8 @@ class Daemon:
             raise errors.RequestTooLarge(str(exc)) from None
         if plan is not None:
             self._count(plan, tenant)
-            self._settle()
+            if plan.to_load:      # the store drops slots only to reserve new ones: a hit settles nothing
+                self._settle()
             for slot in plan.to_load:
                 self._start_read(slot, demand=True)
             for slot in plan.loading:
