@@ -329,14 +329,18 @@ class Store:
         """Take an evictable slot out of the table (it becomes EMPTY, its index kept)."""
         self.policy.remove(victim)
         self.evictable_bytes -= victim.slot_bytes
-        del self.table[victim.key]
-        victim.key = None
-        victim.state = SlotState.EMPTY
+        self._vacate(victim)
         self._disown(victim)
         self.evictions += 1
         if victim.prefetched:          # read ahead, never used
             victim.prefetched = False
             self.wasted_prefetches += 1
+
+    def _vacate(self, slot: Slot) -> None:
+        """Take a slot's key out of the table: it is EMPTY (its index and bytes stay until `_drop`)."""
+        del self.table[slot.key]
+        slot.key = None
+        slot.state = SlotState.EMPTY
 
     def _disown(self, slot: Slot) -> None:
         owner = slot.owner
@@ -375,9 +379,7 @@ class Store:
         """A read failed: the slot is dropped; every holder's reference dies with it."""
         if slot.state != SlotState.LOADING:
             return
-        del self.table[slot.key]
-        slot.key = None
-        slot.state = SlotState.EMPTY
+        self._vacate(slot)
         slot.refs = 0
         self._disown(slot)
         self._drop(slot)
@@ -460,9 +462,7 @@ class Store:
             self.policy.add(slot)
             self.evictable_bytes += size
         else:
-            del self.table[slot.key]
-            slot.key = None
-            slot.state = SlotState.EMPTY
+            self._vacate(slot)
             self._drop(slot)
 
     # ---- shrinking ------------------------------------------------------
@@ -496,8 +496,6 @@ class Store:
             if self._is_evictable(slot):
                 self.policy.remove(slot)
                 self.evictable_bytes -= slot.slot_bytes
-                del self.table[key]
-                slot.key = None
-                slot.state = SlotState.EMPTY
+                self._vacate(slot)
                 self._disown(slot)
                 self._drop(slot)
