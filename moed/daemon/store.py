@@ -415,7 +415,8 @@ class Store:
         if slot is not None and slot.pinned:
             slot.unpin_pending = False
             return slot, False, False
-        size = self.classes[want.class_id].slot_bytes
+        cls = self.classes[want.class_id]
+        size = cls.slot_bytes
         if self.pinned_bytes + size > self.pin_budget_bytes:
             return None
         if slot is not None:
@@ -427,7 +428,6 @@ class Store:
             slot.pinned = True
             self.pinned_bytes += size
             return slot, True, False
-        cls = self.classes[want.class_id]
         if not cls.free:
             return None
         slot = cls.slots[cls.free.pop()]
