@@ -36,7 +36,7 @@ from moed.protocol import errors
 from moed.protocol.layout import PAGE
 
 from .config import Config
-from .models import LayerPlan, Model, class_key, file_identity, model_info, open_catalog
+from .models import LayerPlan, Model, file_identity, model_info, open_catalog
 from .ramtier import RamTier
 from .reader import ModelFile, ReaderPool, ReadJob
 from .access import Peer, check_open_files, check_readable, check_roots, world_readable
@@ -149,7 +149,7 @@ class Daemon:
         # its own, since a client maps whole segments (security: see access.py).
         domain = None if all(world_readable(os.path.realpath(f.path)) for f in files) else path
         for layer, entry in catalog.layers.items():
-            key = class_key(entry)
+            key = entry.size_class     # parts in catalog order, with sizes
             class_id = self._class_for(key, domain)
             parts = [(files[entry.parts[p].shard], entry.parts[p].offset, size) for p, size in key]
             layers[layer] = LayerPlan(class_id, parts)

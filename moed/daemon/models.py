@@ -23,8 +23,6 @@ from moed.protocol.messages import LayerInfo, ModelInfo, PartExtent
 from .catalog import Catalog
 from .reader import ModelFile
 
-ClassKey = tuple[tuple[str, int], ...]
-
 
 @dataclass(eq=False)
 class LayerPlan:
@@ -54,11 +52,6 @@ class Model:
             f.close()
 
 
-def class_key(entry) -> ClassKey:
-    """The size class of one catalog layer: its parts in the catalog's order, with sizes."""
-    return entry.size_class
-
-
 def file_identity(path: str) -> tuple:
     st = os.stat(path)
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
@@ -82,7 +75,7 @@ def model_info(model: Model, class_segments: dict[int, object]) -> ModelInfo:
     layers = []
     for layer in sorted(model.layers):
         entry = cat.layers[layer]
-        key = class_key(entry)
+        key = entry.size_class
         parts = [PartExtent(p, entry.parts[p].shard, entry.parts[p].offset, size,
                             entry.parts[p].ggml_type, list(entry.parts[p].shape)) for p, size in key]
         layers.append(LayerInfo(layer, model.layers[layer].class_id, parts))
