@@ -9,23 +9,18 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import pkgutil
 import sys
 
 import moed.cli
 from moed.protocol.errors import MoedError
+from moed.protocol.paths import default_socket_path
 
-DEFAULT_SOCKET = "/run/moed/moed.sock"
-
-
-def default_socket() -> str:
-    return os.environ.get("MOED_SOCKET", DEFAULT_SOCKET)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moectl", description="Operate and study moed.")
-    parser.add_argument("--socket", default=default_socket(),
+    parser.add_argument("--socket", default=default_socket_path(),
                         help="daemon socket (default: $MOED_SOCKET or %(default)s)")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     sub.required = True

@@ -23,15 +23,13 @@ import numpy as np
 from moed.protocol import errors
 from moed.protocol import messages as m
 from moed.protocol.framing import HEADER, MAX_FRAME_BYTES, encode, reply_decoder
+from moed.protocol.paths import default_socket_path  # also re-exported by moed.client
 
 from .segments import Segment
 
-DEFAULT_SOCKET = "/run/moed/moed.sock"
 DEFAULT_SPIN_US = 100.0   # busy-poll for a reply this long before sleeping (0: never)
 
 
-def default_socket_path() -> str:
-    return os.environ.get("MOED_SOCKET", DEFAULT_SOCKET)
 
 
 class Client:

@@ -13,9 +13,9 @@ from typing import Any, Literal
 
 import msgspec
 
+from moed.protocol.paths import DEFAULT_SOCKET
 from moed.protocol.sizes import parse_size
 
-DEFAULT_SOCKET = "/run/moed/moed.sock"
 
 
 class ConfigError(ValueError):
