@@ -104,15 +104,20 @@ def _grants(perm: int, want: int) -> bool:
     return perm & want == want
 
 
+def _parents(real_path: str):
+    """Every directory above an absolute path, from / down."""
+    parts = real_path.split("/")
+    for depth in range(1, len(parts)):
+        yield "/".join(parts[:depth]) or "/"
+
+
 def check_readable(peer: Peer, real_path: str, shown: str) -> os.stat_result:
     """Raise PermissionDenied unless the peer could open `real_path` for reading.
 
     Returns the file's stat (the inode the check judged). A missing file is
     reported as missing only once the peer could search every directory above it.
     """
-    parts = real_path.split("/")
-    for depth in range(1, len(parts)):
-        d = "/".join(parts[:depth]) or "/"
+    for d in _parents(real_path):
         try:
             st = os.stat(d)
         except OSError as exc:
@@ -156,10 +161,8 @@ def world_readable(real_path: str) -> bool:
     Models that are not share no RAM-tier segment with other models: a client
     maps whole segments, so a shared segment would show it other models' experts.
     """
-    parts = real_path.split("/")
     try:
-        for depth in range(1, len(parts)):
-            d = "/".join(parts[:depth]) or "/"
+        for d in _parents(real_path):
             if not os.stat(d).st_mode & 0o001 or _acl(d) is not None:
                 return False
         return bool(os.stat(real_path).st_mode & 0o004) and _acl(real_path) is None
