@@ -35,15 +35,9 @@ from moed.daemon.catalog import Catalog  # noqa: E402
 from moed.lab.makemodel import make_model  # noqa: E402
 from moed.protocol import messages as m  # noqa: E402
 from tests.integration.frames import RawConnection, frames  # noqa: E402
-from tests.support import DaemonProcess, file_bytes  # noqa: E402
+from tests.support import DaemonProcess, file_bytes, proc_status_bytes  # noqa: E402
 
 
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def good_client(sock: str, model: str, stop: threading.Event, result: dict) -> None:
@@ -100,13 +94,13 @@ def main() -> int:
         if d.proc.poll() is not None:
             raise SystemExit(f"moed died after {sent[0]} frames:\n{d.log()}")
         if sent[0] // step > len(marks) - 1 or not marks:
-            marks.append((sent[0], rss_bytes(d.proc.pid)))
+            marks.append((sent[0], proc_status_bytes(d.proc.pid, "VmRSS")))
 
     fuzz()
     elapsed = time.perf_counter() - t0
     stop.set()
     t.join(30)
-    final = rss_bytes(d.proc.pid)
+    final = proc_status_bytes(d.proc.pid, "VmRSS")
     alive = d.proc.poll() is None
     with d.client() as c:
         c.request(m.SetMemFloor(0))

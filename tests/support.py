@@ -27,3 +27,12 @@ def file_bytes(path: str, offset: int, length: int) -> bytes:
     with open(path, "rb") as f:
         f.seek(offset)
         return f.read(length)
+
+
+def proc_status_bytes(pid: int, field: str) -> int:
+    """A kB field of /proc/PID/status (VmRSS, RssShmem, ...) in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/{pid}/status")

@@ -14,16 +14,10 @@ from moed.protocol import errors
 from moed.protocol import messages as m
 from tests.integration.test_daemon import check_lease, expert_bytes
 from tests.integration.peer import NOBODY, Outcome, as_peer
-from tests.support import wait_for
+from tests.support import proc_status_bytes, wait_for
 from moed.daemon.catalog import Catalog
 
 
-def rss_shmem_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("RssShmem:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def test_floor_raised_live_gives_back_all_but_leased_then_grows_back(start_daemon, model_factory):
@@ -40,7 +34,7 @@ def test_floor_raised_live_gives_back_all_but_leased_then_grows_back(start_daemo
         held = h.acquire(0, [0, 1])                     # a lease the guard must not break
         s = c.stats()
         assert s["used_bytes"] == 32 * slot and not s["mem_guard_active"]
-        shmem_before = rss_shmem_bytes(d.proc.pid)
+        shmem_before = proc_status_bytes(d.proc.pid, "RssShmem")
         assert shmem_before >= 30 * slot
 
         floor = psutil.virtual_memory().available + (4 << 30)   # unreachable: give everything back
@@ -51,7 +45,7 @@ def test_floor_raised_live_gives_back_all_but_leased_then_grows_back(start_daemo
         assert s["used_bytes"] == 2 * slot                # only the leased experts remain
         assert s["effective_budget_bytes"] == 2 * slot
         assert s["given_back_bytes"] >= 30 * slot
-        assert rss_shmem_bytes(d.proc.pid) <= shmem_before - 29 * slot   # pages really went back
+        assert proc_status_bytes(d.proc.pid, "RssShmem") <= shmem_before - 29 * slot   # pages really went back
 
         check_lease(cat, held, 0, [0, 1])               # the lease still reads the right bytes
         with h.acquire(0, [0]):                         # hits still work

@@ -20,15 +20,9 @@ from moed.protocol import messages as m
 from moed.protocol.framing import encode
 from tests.integration.frames import RawConnection, frames
 from tests.integration.test_daemon import check_lease, expert_bytes, worker
-from tests.support import DaemonProcess, wait_for
+from tests.support import DaemonProcess, proc_status_bytes, wait_for
 
 
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +64,7 @@ def test_peer_that_never_reads_its_replies_is_paused_not_buffered(daemon):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(daemon.socket)
     s.sendall(encode(m.Hello(m.PROTOCOL_VERSION)))
-    base = rss_bytes(pid)
+    base = proc_status_bytes(pid, "VmRSS")
     burst = encode(m.GetStats()) * 2000
     s.settimeout(0.5)
     sent = 0
@@ -80,7 +74,7 @@ def test_peer_that_never_reads_its_replies_is_paused_not_buffered(daemon):
             sent += 2000
     except (socket.timeout, BlockingIOError):
         pass                                      # the daemon stopped reading us: flow control
-    grown = rss_bytes(pid) - base
+    grown = proc_status_bytes(pid, "VmRSS") - base
     assert sent < 400_000 or grown < 64 << 20
     assert grown < 64 << 20, f"daemon grew {grown >> 20} MiB buffering replies"
     with daemon.client() as c:                    # others are served meanwhile
