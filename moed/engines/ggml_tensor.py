@@ -1,8 +1,9 @@
 """The ctypes view of `struct ggml_tensor` for the ggml inside llama-cpp-python 0.3.36.
 
 What this module owns: the field layout, reading a tensor's name without
-building a Python string per node, and reading the routed expert ids of an
-`ffn_moe_topk-<layer>` tensor.
+building a Python string per node, reading the routed expert ids of an
+`ffn_moe_topk-<layer>` tensor, and viewing the float rows of an `ffn_norm-<layer>`
+tensor (the normed FFN input the gate-ahead predictor reads).
 
 Invariants:
 - The layout is that of ggml.h in the pinned llama-cpp-python; `layout_matches()`
@@ -10,6 +11,7 @@ Invariants:
   plus `sizeof(struct ggml_tensor)`), and the engine refuses to run if it does not.
 - `ffn_moe_topk` is a view (argsort, then the first k columns), so its rows are
   `nb[1]` bytes apart, not `k * 4`: ids are always read through the strides.
+  Float rows are read through the strides too (any node may be a view).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ GGML_MAX_DIMS = 4
 GGML_MAX_OP_PARAMS = 64
 GGML_MAX_SRC = 10
 GGML_MAX_NAME = 64
+GGML_TYPE_F32 = 0
 GGML_TYPE_I32 = 26
 # sizeof(struct ggml_object): offs, size (size_t), next (ptr), type (enum), padding[4].
 GGML_OBJECT_SIZE = 32
@@ -49,7 +52,12 @@ class GgmlTensor(ctypes.Structure):
 
 NAME_OFFSET = GgmlTensor.name.offset
 TOPK_PREFIX = b"ffn_moe_topk-"
+NORM_PREFIX = b"ffn_norm-"
 _TOPK_NAME = re.compile(rb"ffn_moe_topk-(\d+)\Z")
+_NORM_NAME = re.compile(rb"ffn_norm-(\d+)\Z")
+# Kinds of node the streamer's callback acts on (see `node`).
+TOPK = 1
+NORM = 2
 
 
 def ggml_base_library() -> ctypes.CDLL:
@@ -85,6 +93,43 @@ def topk_layer(tensor_ptr: int) -> int | None:
         return None
     match = _TOPK_NAME.match(ctypes.string_at(tensor_ptr + NAME_OFFSET))
     return int(match.group(1)) if match else None
+
+
+def node(tensor_ptr: int) -> tuple[int, int] | None:
+    """(TOPK or NORM, layer) for `ffn_moe_topk-<layer>` / `ffn_norm-<layer>`, else None.
+
+    One `string_at` of the longer prefix per graph node; parsing only on a match.
+    """
+    head = ctypes.string_at(tensor_ptr + NAME_OFFSET, len(TOPK_PREFIX))
+    if head == TOPK_PREFIX:
+        kind, pattern = TOPK, _TOPK_NAME
+    elif head[:len(NORM_PREFIX)] == NORM_PREFIX:
+        kind, pattern = NORM, _NORM_NAME
+    else:
+        return None
+    match = pattern.match(ctypes.string_at(tensor_ptr + NAME_OFFSET))
+    return (kind, int(match.group(1))) if match else None
+
+
+def rows_f32(tensor_ptr: int) -> np.ndarray:
+    """The (n_rows, ne0) float32 rows of a computed tensor, as a read-only strided view.
+
+    Valid only inside the callback that received the tensor (the buffer is reused).
+    """
+    t = GgmlTensor.from_address(tensor_ptr)
+    if t.type != GGML_TYPE_F32:
+        raise RuntimeError(f"ffn_norm has ggml type {t.type}, expected F32")
+    n0, n_rows = int(t.ne[0]), int(t.ne[1]) * int(t.ne[2]) * int(t.ne[3])
+    if int(t.ne[2]) * int(t.ne[3]) != 1:
+        raise RuntimeError("ffn_norm with more than two dimensions: unexpected graph")
+    nb0, nb1 = int(t.nb[0]), int(t.nb[1])
+    if n_rows == 0:
+        return np.empty((0, n0), dtype=np.float32)
+    span = (n_rows - 1) * nb1 + n0 * nb0
+    raw = (ctypes.c_char * span).from_address(t.data)
+    view = np.ndarray((n_rows, n0), dtype=np.float32, buffer=raw, strides=(nb1, nb0))
+    view.flags.writeable = False
+    return view
 
 
 def topk_ids(tensor_ptr: int) -> np.ndarray:

@@ -33,6 +33,7 @@ import llama_cpp.llama as _llama_module
 from llama_cpp import Llama
 
 from moed.engines import ggml_tensor
+from moed.engines.lookahead import MODES as PREFETCH_MODES, PredictHook
 from moed.engines.sources import ExpertSource, MoedSource
 from moed.engines.streamer import ExpertStreamer, RouteHook, snapshot_bases
 from moed.protocol.errors import BudgetExhausted, RequestTooLarge
@@ -135,6 +136,7 @@ def _hooked_internals(streamer: ExpertStreamer) -> types.ModuleType:
             super().__init__(model=model, params=params, verbose=verbose)
 
         def decode(self, batch):
+            streamer.begin(int(batch.batch.n_tokens))
             # A callback that answers False stops the graph but llama_decode still
             # returns 0 (ggml's scheduler only breaks out of the split), so the
             # stored error is checked on success too: those logits are garbage.
@@ -170,13 +172,25 @@ class StreamedLlama(Llama):
     expert not leased right now faults (tests, debugging). The default leaves them
     mapped to their last slot until it changes: no syscall on a repeated hit.
     Either way an expert never acquired faults.
+    `prefetch`: "gate" (default) predicts each layer's experts one layer ahead from
+    the hidden state and prefetches them while the engine computes, "gate2" also
+    two layers ahead, "off" acquires on demand only. `prefetch_width`: experts per
+    token to prefetch (default: the model's top-k). `prefetch_adapt` (default
+    True): decode steps measure prefetch on against off and keep the faster
+    (moed.engines.governor); False prefetches on every step. Prefetch never
+    changes the logits. `predict_hook`: benchmark only, may overwrite predictions.
     """
 
     def __init__(self, model_path: str, *, client=None, socket_path: str | None = None,
                  acquire_timeout_s: float | None = None, route_hook: RouteHook | None = None,
                  source: ExpertSource | None = None, skeleton_dir: str | os.PathLike | None = None,
-                 strict: bool = False, **llama_kwargs):
+                 strict: bool = False, prefetch: str = "gate", prefetch_width: int | None = None,
+                 prefetch_adapt: bool = True, predict_hook: PredictHook | None = None, **llama_kwargs):
         self._check_kwargs(llama_kwargs)
+        if prefetch not in PREFETCH_MODES:
+            raise ValueError(f"prefetch must be one of {', '.join(PREFETCH_MODES)}, not {prefetch!r}")
+        if prefetch_width is not None and prefetch_width < 1:
+            raise ValueError(f"prefetch_width must be >= 1, not {prefetch_width}")
         if llama_cpp.__version__ != LLAMA_CPP_PYTHON_VERSION:
             warnings.warn(f"moed is tested with llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}, found "
                           f"{llama_cpp.__version__}; the ggml tensor layout is checked, the rest is not",
@@ -189,7 +203,9 @@ class StreamedLlama(Llama):
                 client = self._own_client = Client(socket_path, client_name=f"StreamedLlama[{os.getpid()}]")
             source = MoedSource(client, model_path, timeout_s=acquire_timeout_s)
         self.moed_client = client
-        self.streamer = ExpertStreamer(source, route_hook=route_hook, strict=strict)
+        self.streamer = ExpertStreamer(source, route_hook=route_hook, strict=strict, prefetch=prefetch,
+                                       prefetch_width=prefetch_width, prefetch_adapt=prefetch_adapt,
+                                       predict_hook=predict_hook)
         try:
             if skeleton_dir is not None:
                 from moed.engines.skeleton import skeleton_for
@@ -244,11 +260,23 @@ class StreamedLlama(Llama):
     # ---- lifecycle -------------------------------------------------------
 
     def stream_stats(self) -> dict:
+        """The engine's own counters: acquires, pages, and the look-ahead's.
+
+        `stall_s`: seconds spent waiting in acquire (all layers, all decodes);
+        `prediction_recall`: routed (token, expert) pairs the one-ahead prediction
+        named; `prefetch_issued = prefetch_hits + prefetch_wasted + prefetch_pending`
+        (experts named in prefetches, resolved when their layer routes);
+        `per_layer[layer]`: the same per layer (moed.engines.lookahead).
+        """
         s = self.streamer.stats
         p = self.streamer.pages.stats if self.streamer.pages else None
         out = dict(vars(s))
+        out["stall_s"] = s.acquire_s
+        out["stall_s_per_token"] = s.acquire_s / s.tokens if s.tokens else 0.0
         if p is not None:
             out.update({f"pages_{k}": v for k, v in vars(p).items()})
+        if self.streamer.lookahead is not None:
+            out.update(self.streamer.lookahead.totals())
         return out
 
     def _close_client(self) -> None:

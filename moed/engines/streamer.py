@@ -4,7 +4,10 @@ What this module owns: installing a source's experts into a loaded model's
 mapping (inaccessible until acquired, dense pages locked, expert pages dropped
 from the page cache), and the callback that, at every `ffn_moe_topk-<layer>`,
 reads the routed ids, releases the previous layer's grant, acquires this layer's
-distinct experts and makes them visible.
+distinct experts and makes them visible. When the look-ahead is on (prefetch or
+a trace recording predictions), the callback also stops at `ffn_norm-<layer>`
+and hands the normed hidden state to `moed.engines.lookahead`, which predicts
+later layers and, after this layer's acquire, prefetches them.
 
 Invariants (what must happen before what):
 - `install` runs after llama.cpp mapped the model and before the first decode.
@@ -15,6 +18,8 @@ Invariants (what must happen before what):
   slot, this process can no longer read it.
 - `finish` (after llama_decode returns) hides and releases what is still held, so
   an idle engine pins nothing.
+- The look-ahead only reads the graph's tensors and sends prefetches; it never
+  writes a tensor, so prefetch cannot change what llama.cpp computes.
 - An exception in the callback is stored and the callback answers False, which
   stops the graph (and every later graph of that decode at its first routed
   layer); the decode wrapper re-raises the stored exception even though
@@ -34,6 +39,7 @@ import numpy as np
 
 from moed.engines import ggml_tensor, vm
 from moed.engines.expert_pages import ExpertPages, PartSpan
+from moed.engines.lookahead import Lookahead, PredictHook
 from moed.engines.skeleton import expert_ranges
 from moed.engines.sources import ExpertSource, Grant
 
@@ -52,6 +58,12 @@ class RouteObserver(Protocol):
     def decoded(self) -> None: ...
 
 
+class AheadObserver(RouteObserver, Protocol):
+    """A RouteObserver that also sees the look-ahead's predictions (traces record them)."""
+
+    def ahead(self, layer: int, lead: int, ids: np.ndarray) -> None: ...
+
+
 @dataclass
 class StreamStats:
     layers: int = 0              # acquires
@@ -59,6 +71,7 @@ class StreamStats:
     acquire_s: float = 0.0       # time inside acquire (round trip + daemon reads)
     show_s: float = 0.0          # time mapping / copying pages
     decodes: int = 0
+    tokens: int = 0              # tokens in all decodes (prompt and generated)
     dense_locked_bytes: int = 0
     dense_lock_error: str = ""
     dropped_expert_cache_bytes: int = 0
@@ -72,7 +85,9 @@ def snapshot_bases(files: list[str]) -> set[int]:
 class ExpertStreamer:
     """Owns the expert pages of one loaded llama.cpp model and the eval callback that fills them."""
 
-    def __init__(self, source: ExpertSource, route_hook: RouteHook | None = None, strict: bool = False):
+    def __init__(self, source: ExpertSource, route_hook: RouteHook | None = None, strict: bool = False,
+                 prefetch: str = "off", prefetch_width: int | None = None, prefetch_adapt: bool = True,
+                 predict_hook: PredictHook | None = None):
         if not ggml_tensor.layout_matches():
             raise RuntimeError("struct ggml_tensor layout does not match this llama.cpp; "
                                "moed supports llama-cpp-python==0.3.36")
@@ -85,6 +100,11 @@ class ExpertStreamer:
         # The files llama.cpp maps: the model's own, or its skeleton (same layout).
         self.mapped_files: list[str] = list(source.files)
         self.held: Grant | None = None
+        self.prefetch = prefetch
+        self.prefetch_width = prefetch_width or source.n_expert_used
+        self.prefetch_adapt = prefetch_adapt
+        self.predict_hook = predict_hook
+        self.lookahead: Lookahead | None = None     # built at install (it reads the mapped routers)
         self.error: BaseException | None = None
         self._parts: dict[int, list[PartSpan]] = {}
         # Relaxed mode on an all-zero-copy layer: which slot each expert's address
@@ -111,6 +131,39 @@ class ExpertStreamer:
             self._zero_copy_layers = {layer for layer, ss in self._parts.items() if all(s.zero_copy for s in ss)}
         self._drop_expert_cache()
         self._lock_dense(bases)
+        self._install_lookahead(bases)
+
+    def _install_lookahead(self, bases: list[int]) -> None:
+        """Read the routers from the (now locked) dense pages; fold nothing until first use."""
+        from moed.engines.predictor import GatePredictor, load_routers
+        from moed.gguf_header import read_split
+
+        try:
+            routers, gating = load_routers(read_split(self.mapped_files[0]), bases, self.source.moe_layers)
+            predictor = GatePredictor(routers, self.source.moe_layers, gating)
+        except (ValueError, KeyError, NotImplementedError) as exc:
+            if self.prefetch != "off":
+                raise
+            log.info("no gate-ahead predictor for this model: %s", exc)
+            predictor = None
+        self.lookahead = Lookahead(predictor, self.source, self.prefetch, self.prefetch_width,
+                                   adapt=self.prefetch_adapt, predict_hook=self.predict_hook)
+
+    def record_predictions(self, observer: AheadObserver, width: int) -> None:
+        """Also predict one and two layers ahead, `width` per token, for `observer` (traces)."""
+        la = self.lookahead
+        if la is None or la.predictor is None:
+            raise RuntimeError("this model has no gate-ahead predictor: no predictions to record")
+        la.record_width = width
+        la.leads = (1, 2)
+        la.observers.append(observer)
+
+    def stop_recording(self, observer: AheadObserver) -> None:
+        la = self.lookahead
+        la.observers.remove(observer)
+        if not la.observers:
+            la.record_width = 0
+            la.leads = la.mode_leads()
 
     def _find_bases(self, bases_before: set[int]) -> list[int]:
         bases = []
@@ -152,18 +205,28 @@ class ExpertStreamer:
 
     def _callback(self, tensor: int, ask: bool, _user_data) -> bool:
         try:
-            layer = ggml_tensor.topk_layer(tensor)
-            if ask or layer is None:
-                return layer is not None
+            hit = ggml_tensor.node(tensor)
+            if hit is None:
+                return False
+            kind, layer = hit
+            if ask:
+                return kind == ggml_tensor.TOPK or self._observing(layer)
             if self.error is not None:
-                # An earlier layer failed: stop this graph at its first routed layer,
+                # An earlier layer failed: stop this graph at its next stop,
                 # before any expert matmul could read pages nobody acquired.
                 return False
-            self.on_layer(layer, self._route(layer, tensor))
+            if kind == ggml_tensor.TOPK:
+                self.on_layer(layer, self._route(layer, tensor))
+            else:
+                self.lookahead.observe(layer, ggml_tensor.rows_f32(tensor))
             return True
         except BaseException as exc:  # noqa: BLE001 - must not unwind through C
             self.error = exc
             return False
+
+    def _observing(self, layer: int) -> bool:
+        la = self.lookahead
+        return la is not None and la.observing and layer in self._parts
 
     def _route(self, layer: int, tensor: int) -> np.ndarray:
         if self.route_hook is not None:
@@ -192,6 +255,8 @@ class ExpertStreamer:
         self.stats.show_s += time.perf_counter() - t1
         self.stats.layers += 1
         self.stats.experts += len(experts)
+        if self.lookahead is not None:
+            self.lookahead.routed(layer, ids, len(experts), t1 - t0)
 
     def _show(self, grant: Grant) -> None:
         if grant.layer in self._zero_copy_layers:
@@ -238,9 +303,17 @@ class ExpertStreamer:
         except Exception as exc:  # the lease may already be gone with the failed acquire
             log.debug("release after failed acquire: %s", exc)
 
+    def begin(self, n_tokens: int) -> None:
+        """Before llama_decode of a batch of `n_tokens`."""
+        self.stats.tokens += n_tokens
+        if self.lookahead is not None:
+            self.lookahead.begin_decode(n_tokens)
+
     def finish(self) -> None:
         """After llama_decode: hide and release what the last layer holds."""
         self.stats.decodes += 1
+        if self.lookahead is not None:
+            self.lookahead.end_decode()
         prev, self.held = self.held, None
         if prev is not None:
             self._hide(prev)

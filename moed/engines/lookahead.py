@@ -1,0 +1,234 @@
+"""The engine's look-ahead: predictions at `ffn_norm-L`, prefetches after L's acquire, and their counts.
+
+What this module owns, per graph (one ubatch) of a decode: the predictions made
+for later layers (per token, best first), the prefetches issued from them, and
+the counters that say how they did (recall, issued, hits, wasted, stall), per
+layer and in total. The math is `moed.engines.predictor`'s; whether a decode
+step prefetches at all is `moed.engines.governor`'s.
+
+Timeline of layer L in one graph:
+
+    ffn_norm-L      `observe(L, x)`: predict L+1 (and L+2 in gate2) from x; keep them
+    ffn_moe_topk-L  the streamer acquires L (releasing L-1), then `routed(L, ids, ...)`:
+                    score what was predicted and prefetched for L, then send the
+                    prefetches kept for L+1 (and L+2)
+
+Why the prefetches go out after L's acquire and not at ffn_norm-L: until L's
+lease is granted, L's experts (prefetched a layer earlier, READY but held by
+nobody) are evictable, and a prefetch for L+1 could evict them. Once L is
+pinned, a prefetch can only evict what no lease holds. The lead time lost is
+L's router alone; L's expert matmuls and L+1's attention still overlap the reads.
+
+Counting: an issued expert is one (layer, expert) named in a prefetch for a
+graph, counted once however many prefetches named it (gate2 names L+2 twice: two
+layers ahead, then again one layer ahead, which supersedes the first in the
+daemon). It is resolved when that layer routes in the same graph: a hit if some
+token routed to it, wasted if none did. Until then it is pending; `end_decode`
+resolves what a stopped graph left as wasted. So issued = hits + wasted +
+pending, per layer and in total, at every moment. Recall is per token: routed
+(token, expert) pairs that the one-ahead prediction (its first `width`) named,
+over all routed pairs of layers that had a prediction.
+
+Prompt batches: the prefetch is the union of every token's prediction; when that
+union covers most of the layer (`WHOLE_LAYER_SHARE`), the whole layer is asked
+for, most-predicted experts first. Every prefetch is cut to what the budget can
+hold beside the current lease (`capacity - held`), best first.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from moed.engines.governor import PrefetchGovernor
+from moed.engines.predictor import GatePredictor, top
+
+MODES = ("off", "gate", "gate2")
+LEADS = {"off": (), "gate": (1,), "gate2": (1, 2)}
+WHOLE_LAYER_SHARE = 0.75
+DECODE_ROWS = 4          # graphs of at most this many tokens are decode steps for the governor
+
+# A benchmark hook: (target layer, lead, ids) where ids is the writable (n_tokens,
+# width) prediction, best first; it may overwrite it before anything uses it.
+PredictHook = Callable[[int, int, np.ndarray], None]
+
+
+@dataclass
+class LayerLook:
+    """One layer's look-ahead counters (the layer predicted and prefetched, not the observer)."""
+
+    routed: int = 0            # routed (token, expert) pairs in graphs that predicted this layer
+    predicted: int = 0         # ... of which the one-ahead prediction named
+    routed2: int = 0           # the same for the two-ahead prediction (gate2, traces)
+    predicted2: int = 0
+    issued: int = 0
+    hits: int = 0
+    wasted: int = 0
+    stall_s: float = 0.0       # time in this layer's acquires
+
+    def as_dict(self) -> dict:
+        return {"recall": self.predicted / self.routed if self.routed else None,
+                "recall2": self.predicted2 / self.routed2 if self.routed2 else None,
+                "issued": self.issued, "hits": self.hits, "wasted": self.wasted,
+                "pending": self.issued - self.hits - self.wasted, "stall_s": self.stall_s}
+
+
+class Lookahead:
+    """Predictions and prefetches of one engine; the streamer calls it from the eval callback."""
+
+    def __init__(self, predictor: GatePredictor | None, source, mode: str, width: int,
+                 record_width: int = 0, adapt: bool = True, predict_hook: PredictHook | None = None):
+        if mode not in MODES:
+            raise ValueError(f"prefetch must be one of {', '.join(MODES)}, not {mode!r}")
+        self.predictor = predictor
+        self.source = source
+        self.mode = mode
+        self.width = width
+        self.record_width = record_width       # > 0: predictions for observers (traces), both leads
+        self.governor = PrefetchGovernor() if adapt and mode != "off" else None
+        self.predict_hook = predict_hook
+        self.observers: list = []
+        self.leads = LEADS[mode] if not record_width else (1, 2)
+        self.layers: dict[int, LayerLook] = {layer: LayerLook() for layer in source.moe_layers}
+        self.predict_s = 0.0
+        self.decode_steps = 0
+        self._issuing = mode != "off"
+        self._t0 = 0.0
+        self._pred: dict[int, dict[int, np.ndarray]] = {}   # target -> lead -> (rows, width) ids
+        self._outbox: list[tuple[int, np.ndarray]] = []     # (target, experts) to send after this acquire
+        self._pending: dict[int, np.ndarray] = {}           # target -> bool mask of experts issued
+
+    def mode_leads(self) -> tuple[int, ...]:
+        return LEADS[self.mode]
+
+    @property
+    def observing(self) -> bool:
+        """Whether the callback should stop at ffn_norm nodes now."""
+        return self.predictor is not None and (self._issuing or self.record_width > 0)
+
+    # ---- a decode ----------------------------------------------------------
+
+    def begin_decode(self, n_tokens: int) -> None:
+        self._t0 = time.perf_counter()
+        if self.governor is not None:
+            self._issuing = self.governor.begin(n_tokens <= DECODE_ROWS)
+
+    def end_decode(self) -> None:
+        """After llama_decode: what a stopped graph never routed is wasted."""
+        for target, mask in self._pending.items():
+            self.layers[target].wasted += int(mask.sum())
+        self._pending.clear()
+        self._pred.clear()
+        self._outbox.clear()
+        self.decode_steps += 1
+        if self.governor is not None:
+            self.governor.end(time.perf_counter() - self._t0)
+
+    # ---- ffn_norm-L ----------------------------------------------------------
+
+    def observe(self, layer: int, x: np.ndarray) -> None:
+        t0 = time.perf_counter()
+        width = max(self.width, self.record_width)
+        for observer in self.observers:
+            hidden = getattr(observer, "hidden", None)
+            if hidden is not None:
+                hidden(layer, x)
+        for target, lead in self._targets(layer):
+            ids = top(self.predictor.scores(x, layer, target), width)
+            if self.predict_hook is not None:
+                self.predict_hook(target, lead, ids)
+            self._pred.setdefault(target, {})[lead] = ids
+            for observer in self.observers:
+                observer.ahead(target, lead, ids)
+            if self._issuing and lead in LEADS[self.mode]:
+                self._outbox.append((target, self._prefetch_set(ids[:, :self.width])))
+        self.predict_s += time.perf_counter() - t0
+
+    def _targets(self, layer: int):
+        layers = self.predictor.moe_layers
+        i = layers.index(layer)
+        for lead in self.leads:
+            if i + lead < len(layers):
+                yield layers[i + lead], lead
+
+    def _prefetch_set(self, ids: np.ndarray) -> np.ndarray:
+        """Experts to prefetch for a batch's predictions: the union, or the whole layer, best first."""
+        n = self.predictor.n_experts
+        votes = np.bincount(ids[ids >= 0].ravel(), minlength=n)
+        chosen = np.flatnonzero(votes)
+        if len(chosen) >= WHOLE_LAYER_SHARE * n and ids.shape[0] > 1:
+            chosen = np.arange(n)
+        return chosen[np.argsort(-votes[chosen], kind="stable")]
+
+    # ---- ffn_moe_topk-L, after L's acquire -------------------------------------
+
+    def routed(self, layer: int, ids: np.ndarray, held: int, stall_s: float) -> None:
+        """Layer `layer` routed `ids` and holds `held` experts now; score it, then send prefetches."""
+        look = self.layers[layer]
+        look.stall_s += stall_s
+        preds = self._pred.pop(layer, None)
+        if preds:
+            self._score(look, ids, preds)
+        mask = self._pending.pop(layer, None)
+        if mask is not None:
+            used = np.zeros_like(mask)
+            used[ids[ids >= 0]] = True
+            hit = int((mask & used).sum())
+            look.hits += hit
+            look.wasted += int(mask.sum()) - hit
+        outbox, self._outbox = self._outbox, []
+        for target, experts in outbox:
+            self._send(target, experts, held)
+            held += len(experts)
+
+    def _score(self, look: LayerLook, ids: np.ndarray, preds: dict[int, np.ndarray]) -> None:
+        for lead, pred in preds.items():
+            if pred.shape[0] != ids.shape[0]:
+                continue         # the last layer keeps only the output rows: no row-by-row match
+            pred = pred[:, :self.width]
+            named = np.zeros((ids.shape[0], self.predictor.n_experts), dtype=bool)
+            r, c = np.nonzero(pred >= 0)
+            named[r, pred[r, c]] = True
+            r, c = np.nonzero(ids >= 0)
+            got = int(named[r, ids[r, c]].sum())
+            valid = ids >= 0
+            if lead == 1:
+                look.routed += int(valid.sum())
+                look.predicted += got
+            else:
+                look.routed2 += int(valid.sum())
+                look.predicted2 += got
+
+    def _send(self, target: int, experts: np.ndarray, held: int) -> None:
+        cap = self.source.capacity(target)
+        if cap is not None:
+            experts = experts[:max(0, cap - held)]
+        if not len(experts):
+            return
+        self.source.prefetch(target, experts.tolist())
+        mask = self._pending.get(target)
+        if mask is None:
+            mask = self._pending[target] = np.zeros(self.predictor.n_experts, dtype=bool)
+        fresh = int((~mask[experts]).sum())
+        mask[experts] = True
+        self.layers[target].issued += fresh
+
+    # ---- reporting -----------------------------------------------------------
+
+    def totals(self) -> dict:
+        ls = self.layers.values()
+        routed, predicted = sum(l.routed for l in ls), sum(l.predicted for l in ls)
+        routed2, predicted2 = sum(l.routed2 for l in ls), sum(l.predicted2 for l in ls)
+        issued, hits, wasted = sum(l.issued for l in ls), sum(l.hits for l in ls), sum(l.wasted for l in ls)
+        out = {"prefetch": self.mode, "prefetch_width": self.width,
+               "prediction_recall": predicted / routed if routed else None,
+               "prediction_recall2": predicted2 / routed2 if routed2 else None,
+               "prefetch_issued": issued, "prefetch_hits": hits, "prefetch_wasted": wasted,
+               "prefetch_pending": issued - hits - wasted, "predict_s": self.predict_s,
+               "per_layer": {layer: l.as_dict() for layer, l in self.layers.items()}}
+        if self.governor is not None:
+            out.update(self.governor.state())
+        return out

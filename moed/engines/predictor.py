@@ -1,0 +1,157 @@
+"""Gate-ahead prediction: a later layer's router applied to this layer's normed FFN input.
+
+What this module owns: the routers of a model's MoE layers (read once from the
+dense, resident weights), the folded matrices that predict layer M's routing from
+layer L's `ffn_norm-L` tensor, and the selection of the best `width` experts per
+token. No I/O after `load_routers`, no state between calls.
+
+The math. llama.cpp computes, at MoE layer L with residual stream h_L:
+
+    x_L      = rms_norm(h_L) * n_L              (the graph's `ffn_norm-L`)
+    logits_L = W_L @ x_L                        (`ffn_moe_logits-L`)
+    chosen   = top_k(gating(logits_L) + b_L)    (`ffn_moe_topk-L`; b: `exp_probs_b`)
+
+RMS norm's scale is per token and shared by every layer, and the residual stream
+changes little from one layer to the next, so rms_norm(h_M) ~ rms_norm(h_L) and
+
+    logits_M ~ W_M @ (x_L * n_M / n_L) = (W_M * (n_M / n_L)) @ x_L = F[L, M] @ x_L
+
+`F[L, M]` is computed once, on first use (as its transpose, so a batch is one
+matmul: `x @ F.T`). At zero lead (M = L) the ratio is 1 and F = W_L: the selection then
+reproduces llama.cpp's own top-k, which is the test of this code.
+
+Invariants:
+- Without a selection bias, top-k of softmax or sigmoid equals top-k of the
+  logits (both are monotone), so selection sorts logits; with a bias it sorts
+  gating(logits) + bias, as llama.cpp does.
+- A norm weight of (almost) zero in layer L carries no signal to fold; its ratio
+  is taken as 0 rather than dividing by it.
+- Group-limited selection (DeepSeek's n_group/topk_group) is not modelled: on
+  those architectures the prediction is an approximation, not llama.cpp's choice.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+
+GATING_SOFTMAX = 1
+GATING_SIGMOID = 2
+_TINY_NORM = 1e-12
+
+
+@dataclass(frozen=True)
+class Router:
+    """One MoE layer's routing weights, float32: W (n_experts, n_embd), norm (n_embd,), bias or None."""
+
+    weight: np.ndarray
+    norm: np.ndarray
+    bias: np.ndarray | None = None
+
+
+class GatePredictor:
+    """Predicts layer M's experts from layer L's `ffn_norm-L` rows, for any L <= M."""
+
+    def __init__(self, routers: dict[int, Router], moe_layers: list[int], gating: int = GATING_SOFTMAX):
+        self.moe_layers = list(moe_layers)
+        self.gating = gating
+        self.routers = routers
+        self.n_experts = int(next(iter(routers.values())).weight.shape[0])
+        # (L, M) -> F[L, M].T, (n_embd, n_experts) C-contiguous: one matmul per target.
+        # Folded on first use, once: only the pairs a mode needs take memory.
+        self._folded: dict[tuple[int, int], np.ndarray] = {}
+
+    def folded(self, src: int, dst: int) -> np.ndarray:
+        f = self._folded.get((src, dst))
+        if f is None:
+            f = self._folded[(src, dst)] = self._fold(src, dst)
+        return f
+
+    def _fold(self, src: int, dst: int) -> np.ndarray:
+        n_src, r = self.routers[src].norm, self.routers[dst]
+        if src == dst:
+            return np.ascontiguousarray(r.weight.T)
+        safe = np.abs(n_src) > _TINY_NORM
+        ratio = np.where(safe, r.norm / np.where(safe, n_src, 1.0), 0.0).astype(np.float32)
+        return np.ascontiguousarray((r.weight * ratio[None, :]).T)
+
+    def logits(self, x: np.ndarray, src: int, dst: int) -> np.ndarray:
+        """Predicted router logits (n_rows, n_experts) of layer `dst` from layer `src`'s rows `x`."""
+        return x @ self.folded(src, dst)
+
+    def scores(self, x: np.ndarray, src: int, dst: int) -> np.ndarray:
+        """What llama.cpp's selection sorts: the logits, or gating(logits) + bias with a bias."""
+        logits = self.logits(x, src, dst)
+        bias = self.routers[dst].bias
+        if bias is None:
+            return logits
+        return gate(logits, self.gating) + bias
+
+
+def gate(logits: np.ndarray, gating: int) -> np.ndarray:
+    """The router's probabilities: softmax over experts, or a per-expert sigmoid."""
+    if gating == GATING_SIGMOID:
+        return 1.0 / (1.0 + np.exp(-logits))
+    z = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return z / z.sum(axis=1, keepdims=True)
+
+
+def top(scores: np.ndarray, width: int) -> np.ndarray:
+    """The `width` best experts of every row, best first, int32 (n_rows, width)."""
+    n = scores.shape[1]
+    width = min(width, n)
+    if width * 4 < n:       # partition first: sorting every expert is the cost on wide models
+        part = np.argpartition(-scores, width - 1, axis=1)[:, :width]
+        order = np.argsort(-np.take_along_axis(scores, part, axis=1), axis=1, kind="stable")
+        return np.take_along_axis(part, order, axis=1).astype(np.int32)
+    return np.argsort(-scores, axis=1, kind="stable")[:, :width].astype(np.int32)
+
+
+# ---- reading the routers out of llama.cpp's mapping ------------------------------
+
+
+def load_routers(headers, bases: list[int], moe_layers: list[int]) -> tuple[dict[int, Router], int]:
+    """Every MoE layer's Router, read from the mapped model (dense pages, resident), and the gating func.
+
+    `headers`: `moed.gguf_header.read_split` of the model (one per shard); `bases`:
+    the address at which each shard is mapped (file offset 0).
+    """
+    infos = {}
+    for shard, h in enumerate(headers):
+        for t in h.tensors:
+            infos[t.name] = (shard, t)
+    arch = headers[0].get("general.architecture", "")
+    gating = int(headers[0].get(f"{arch}.expert_gating_func", GATING_SOFTMAX) or GATING_SOFTMAX)
+
+    def read(name: str) -> np.ndarray | None:
+        if name not in infos:
+            return None
+        shard, t = infos[name]
+        return tensor_f32(bases[shard] + t.offset, t.n_bytes, t.ggml_type, t.dims)
+
+    routers = {}
+    for layer in moe_layers:
+        w = read(f"blk.{layer}.ffn_gate_inp.weight")
+        norm = read(f"blk.{layer}.ffn_norm.weight")
+        if w is None or norm is None:
+            raise ValueError(f"layer {layer} has no ffn_gate_inp/ffn_norm weight: gate-ahead prediction "
+                             "needs both (this architecture is not supported for prefetch)")
+        routers[layer] = Router(w, norm.reshape(-1), read(f"blk.{layer}.exp_probs_b.bias"))
+    return routers, gating
+
+
+def tensor_f32(addr: int, n_bytes: int, ggml_type: int, dims: tuple[int, ...]) -> np.ndarray:
+    """A copy, as float32 in numpy order (dims reversed), of a tensor's bytes at `addr`."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    raw = np.frombuffer((ctypes.c_char * n_bytes).from_address(addr), dtype=np.uint8)
+    shape = tuple(reversed(dims))
+    qtype = GGMLQuantizationType(ggml_type)
+    if qtype == GGMLQuantizationType.F32:
+        return raw.view(np.float32).reshape(shape).copy()
+    if qtype == GGMLQuantizationType.F16:
+        return raw.view(np.float16).reshape(shape).astype(np.float32)
+    return np.asarray(dequantize(raw.copy(), qtype), dtype=np.float32).reshape(shape)
