@@ -1,8 +1,9 @@
 """moectl verbs that run llama.cpp with experts from moed: generate, chat, trace.
 
 What this module owns: the terminal side of `StreamedLlama` (streaming tokens as
-they come, the daemon's hit rate for this run at the end) and recording routing
-traces. Errors print one line and exit 2 (moed.ctl does that for MoedError; bad
+they come; at the end, the daemon's hit rate for this run and the engine's
+look-ahead: prediction recall, prefetches issued / hit / wasted, stall per
+token) and recording routing traces (with the engine's predictions). Errors print one line and exit 2 (moed.ctl does that for MoedError; bad
 files and llama.cpp failures are turned into the same here).
 """
 
@@ -50,6 +51,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skeleton-dir", default=None,
                    help="load llama.cpp from a skeleton of the model kept here (dense bytes only): "
                         "the load then reads no expert bytes from the drive")
+    p.add_argument("--prefetch", choices=("gate", "gate2", "off"), default="gate",
+                   help="predict experts from the hidden state and prefetch them while computing: one layer "
+                        "ahead (gate, default), also two ahead (gate2), or acquire on demand only (off)")
+    p.add_argument("--prefetch-width", type=int, default=None,
+                   help="experts per token to prefetch (default: the model's top-k)")
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's load log")
 
 
@@ -71,6 +77,7 @@ class _Session:
             self.llm = StreamedLlama(args.model, client=self.client, n_ctx=n_ctx, n_batch=args.batch,
                                      n_ubatch=args.batch, n_threads=args.threads, seed=args.seed,
                                      verbose=args.verbose, skeleton_dir=args.skeleton_dir,
+                                     prefetch=args.prefetch, prefetch_width=args.prefetch_width,
                                      **llama_kwargs)
         except ValueError as exc:  # llama.cpp refused the file
             self.client.close()
@@ -95,7 +102,19 @@ class _Session:
         from moed.protocol.sizes import format_size
 
         print(f"\n[moed] {n_tokens} tokens in {dt:.1f} s ({n_tokens / dt if dt else 0:.2f} tok/s); "
-              f"daemon hit rate {rate} ({hits} hits, {misses} misses), read {format_size(read)}", file=out)
+              f"daemon hit rate {rate} ({hits} hits, {misses} misses), read {format_size(read)}; "
+              f"{lookahead_line(self.llm.stream_stats())}", file=out)
+
+
+def lookahead_line(st: dict) -> str:
+    """The engine's look-ahead in one phrase, for the closing line."""
+    stall_ms = 1e3 * st.get("stall_s_per_token", 0.0)
+    if st.get("prefetch", "off") == "off":
+        return f"prefetch off, stall {stall_ms:.2f} ms/token"
+    recall = st.get("prediction_recall")
+    recall_s = "n/a" if recall is None else f"{recall:.2f}"
+    return (f"prefetch {st['prefetch']}: recall {recall_s}, issued {st['prefetch_issued']} "
+            f"(hits {st['prefetch_hits']}, wasted {st['prefetch_wasted']}), stall {stall_ms:.2f} ms/token")
 
 
 def _default_ctx(model: str, most: int = 4096) -> int:

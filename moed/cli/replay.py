@@ -25,6 +25,8 @@ def register(sub) -> None:
     p.add_argument("--attn-frac", type=float, default=0.5,
                    help="share of a layer's compute before its experts are needed")
     p.add_argument("--prefetch", default="none", choices=["none", "gate", "gate2", "oracle"])
+    p.add_argument("--prefetch-width", type=int, default=None,
+                   help="gate/gate2: prefetch the first N of each token's predictions (default: top-k)")
     p.add_argument("--warm", type=int, default=64, help="warm-up tokens (last prompt tokens)")
     p.add_argument("--tokens", type=int, default=None, help="decode tokens to count (default: all)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -39,7 +41,8 @@ def cmd_replay(args) -> int:
     from moed.lab.traces import Trace
     try:
         trace = Trace.load(args.trace)
-        opts = rp.ReplayOptions(args.compute_ms, args.attn_frac, args.prefetch, args.warm, args.tokens)
+        opts = rp.ReplayOptions(args.compute_ms, args.attn_frac, args.prefetch, args.warm, args.tokens,
+                                prefetch_width=args.prefetch_width)
         budget = None if args.budget is None else rp.parse_budget(args.budget, args.model)
     except MoedError as exc:
         return fail(f"replay: {exc}")

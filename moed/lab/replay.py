@@ -4,15 +4,20 @@ This measures moed itself: every expert a token's router chose is acquired from
 the daemon (real O_DIRECT reads of the real model file into the RAM tier), and
 compute is simulated per layer:
 
-    1. the layer's prefetch is issued (`gate`: this layer's gate-ahead
-       prediction ahead1[t, l]; `gate2`: the next layer's two-ahead prediction
-       ahead2[t, l + 1]; `oracle`: nothing here, every layer's real experts were
-       queued at the start of the token; `none`: nothing);
-    2. attention runs for `attn_frac` of the layer's share of `compute_ms`;
-    3. the layer's distinct experts are acquired, stalling on any read still in
+    1. attention runs for `attn_frac` of the layer's share of `compute_ms`;
+    2. the layer's distinct experts are acquired, stalling on any read still in
        flight (the time spent in acquire is the stall);
+    3. the next layers' prefetches are issued, as StreamedLlama issues them
+       (right after this layer's acquire, from predictions made at this layer's
+       ffn_norm): `gate`: ahead1[t, l + 1]; `gate2`: that and ahead2[t, l + 2];
+       `oracle`: nothing here, every layer's real experts were queued at the
+       start of the token; `none`: nothing. A prediction row is cut to its
+       first `prefetch_width` (default top-k, the engine's default);
     4. the experts "compute" for the rest of the layer's share; the lease is
        released (fire-and-forget, no round trip).
+
+So a gate prefetch has the rest of this layer and the next layer's attention as
+lead time, as in the engine.
 
 Warm-up: the last `warm` prompt tokens before the first decode token are
 acquired (no compute, no prefetch, not counted); a trace without prompt tokens
@@ -63,6 +68,7 @@ class ReplayOptions:
     warm: int = 64
     tokens: int | None = None
     acquire_timeout_s: float = 60.0
+    prefetch_width: int | None = None      # gate/gate2: first N predictions per token (None: top-k)
 
     def __post_init__(self) -> None:
         if self.prefetch not in PREFETCH_MODES:
@@ -71,6 +77,8 @@ class ReplayOptions:
             raise BadRequest("--compute-ms must be >= 0 and --attn-frac in [0, 1]")
         if self.warm < 0 or (self.tokens is not None and self.tokens < 1):
             raise BadRequest("--warm must be >= 0 and --tokens >= 1")
+        if self.prefetch_width is not None and self.prefetch_width < 1:
+            raise BadRequest("--prefetch-width must be >= 1")
 
 
 @dataclass
@@ -269,29 +277,34 @@ class Replayer:
                 m.prefetch(layer, _experts(tr.ids[t, l]))
         stall = 0.0
         for l, layer in enumerate(self.layer_ids):
-            self._issue_prefetch(t, l)
             _wait_until(time.perf_counter() + attn_s)
             experts = _experts(tr.ids[t, l])
             if not experts:
+                self._issue_prefetch(t, l)
                 continue
             t0 = time.perf_counter()
             lease = self._acquire(layer, experts)
             t1 = time.perf_counter()
             stall += t1 - t0
+            self._issue_prefetch(t, l)
             _wait_until(t1 + rest_s)
             lease.release()
         return stall
 
     def _issue_prefetch(self, t: int, l: int) -> None:
+        """After layer l's acquire: the predictions made at l for l + 1 (and l + 2 in gate2)."""
         mode, tr = self.opts.prefetch, self.trace
-        if mode == "gate":
-            ids = _experts(tr.ahead1[t, l])
-            if ids:
-                self.model.prefetch(self.layer_ids[l], ids)
-        elif mode == "gate2" and l + 1 < tr.moe_layers:
-            ids = _experts(tr.ahead2[t, l + 1])
-            if ids:
-                self.model.prefetch(self.layer_ids[l + 1], ids)
+        wanted = []
+        if mode == "gate" or (mode == "gate2" and tr.ahead1 is not None):
+            wanted.append((tr.ahead1, l + 1))
+        if mode == "gate2":
+            wanted.append((tr.ahead2, l + 2))
+        width = self.opts.prefetch_width or tr.top_k
+        for ahead, target in wanted:
+            if target < tr.moe_layers:
+                ids = _experts(ahead[t, target][:width])
+                if ids:
+                    self.model.prefetch(self.layer_ids[target], ids)
 
     def _acquire(self, layer: int, experts: list[int]):
         try:
