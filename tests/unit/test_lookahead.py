@@ -1,0 +1,178 @@
+"""Pure pieces of the engine's look-ahead: the predictor's math, the prefetch counts, the governor."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moed.engines.governor import PrefetchGovernor
+from moed.engines.lookahead import Lookahead
+from moed.engines.predictor import GATING_SIGMOID, GatePredictor, Router, gate, tensor_f32, top
+
+E, D, LAYERS = 16, 32, [1, 2, 3, 4]
+
+
+def routers(seed: int = 0, bias: bool = False) -> dict[int, Router]:
+    rng = np.random.default_rng(seed)
+    return {l: Router(rng.standard_normal((E, D)).astype(np.float32),
+                      (1 + 0.3 * rng.standard_normal(D)).astype(np.float32),
+                      rng.standard_normal(E).astype(np.float32) if bias else None) for l in LAYERS}
+
+
+def test_zero_lead_scores_are_the_router_logits():
+    rs = routers()
+    p = GatePredictor(rs, LAYERS)
+    x = np.random.default_rng(1).standard_normal((5, D)).astype(np.float32)
+    np.testing.assert_array_equal(p.scores(x, 2, 2), x @ rs[2].weight.T)
+
+
+def test_folding_applies_the_norm_ratio():
+    rs = routers()
+    p = GatePredictor(rs, LAYERS)
+    h = np.random.default_rng(2).standard_normal((3, D)).astype(np.float32)
+    rms = h / np.sqrt((h * h).mean(axis=1, keepdims=True))
+    x1 = rms * rs[1].norm                                # what ffn_norm-1 holds
+    want = (rms * rs[3].norm) @ rs[3].weight.T           # layer 3's logits on the same stream
+    np.testing.assert_allclose(p.logits(x1, 1, 3), want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_zero_norm_weight_folds_to_zero_not_inf():
+    rs = routers()
+    rs[1].norm[0] = 0.0
+    f = GatePredictor(rs, LAYERS).folded(1, 2)
+    assert np.isfinite(f).all() and not f[0].any()
+
+
+def test_selection_bias_sorts_gated_scores_plus_bias():
+    rs = routers(bias=True)
+    p = GatePredictor(rs, LAYERS, gating=GATING_SIGMOID)
+    x = np.random.default_rng(3).standard_normal((4, D)).astype(np.float32)
+    want = 1 / (1 + np.exp(-(x @ rs[2].weight.T))) + rs[2].bias
+    np.testing.assert_allclose(p.scores(x, 2, 2), want, rtol=1e-6)
+    soft = gate(np.array([[0.0, np.log(3.0)]]), 1)
+    np.testing.assert_allclose(soft, [[0.25, 0.75]])
+
+
+@pytest.mark.parametrize("n, width", [(16, 4), (256, 8), (8, 8)])
+def test_top_is_best_first_either_way(n, width):
+    s = np.random.default_rng(4).standard_normal((6, n))
+    got = top(s, width)
+    want = np.argsort(-s, axis=1)[:, :width]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_tensor_f32_reads_f32_and_f16_at_an_address():
+    from gguf import GGMLQuantizationType as T
+
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    np.testing.assert_array_equal(tensor_f32(a.ctypes.data, a.nbytes, T.F32, (4, 3)), a)
+    h = a.astype(np.float16)
+    np.testing.assert_array_equal(tensor_f32(h.ctypes.data, h.nbytes, T.F16, (4, 3)), a)
+
+
+class Drive:
+    """A source with a fixed capacity that records the prefetches it was sent (no daemon needed)."""
+
+    moe_layers = LAYERS
+    n_expert_used = 2
+
+    def __init__(self, capacity: int | None = None):
+        self.cap = capacity
+        self.sent: list[tuple[int, list[int]]] = []
+
+    def capacity(self, layer: int) -> int | None:
+        return self.cap
+
+    def prefetch(self, layer: int, experts: list[int]) -> None:
+        self.sent.append((layer, experts))
+
+
+def run_step(la: Lookahead, x: np.ndarray, routes: dict[int, np.ndarray], stop_after: int | None = None) -> None:
+    la.begin_decode(x.shape[0])
+    for layer in LAYERS:
+        la.observe(layer, x)
+        la.routed(layer, routes[layer], held=len(np.unique(routes[layer])), stall_s=0.001)
+        if layer == stop_after:
+            break
+    la.end_decode()
+
+
+def counts_add_up(t: dict) -> bool:
+    per = t["per_layer"].values()
+    return (t["prefetch_issued"] == t["prefetch_hits"] + t["prefetch_wasted"] + t["prefetch_pending"]
+            and all(p["issued"] == p["hits"] + p["wasted"] + p["pending"] for p in per))
+
+
+@pytest.mark.parametrize("mode", ["gate", "gate2"])
+def test_counts_add_up_and_prefetches_follow_the_prediction(mode):
+    rng = np.random.default_rng(5)
+    p, drive = GatePredictor(routers(), LAYERS), Drive()
+    la = Lookahead(p, drive, mode, width=2, adapt=False)
+    for _ in range(6):
+        x = rng.standard_normal((1, D)).astype(np.float32)
+        routes = {l: top(p.scores(x, l, l), 2) for l in LAYERS}
+        run_step(la, x, routes)
+    t = la.totals()
+    assert counts_add_up(t) and t["prefetch_pending"] == 0
+    assert t["per_layer"][1]["issued"] == 0
+    assert {layer for layer, _ in drive.sent} == {2, 3, 4}
+    assert all(len(e) <= 2 for _, e in drive.sent)
+    assert t["prefetch_hits"] > 0 and 0 < t["prediction_recall"] <= 1
+    if mode == "gate2":
+        assert t["prediction_recall2"] is not None
+
+
+def test_a_stopped_graph_leaves_nothing_pending():
+    p, drive = GatePredictor(routers(), LAYERS), Drive()
+    la = Lookahead(p, drive, "gate2", width=2, adapt=False)
+    x = np.ones((1, D), np.float32)
+    run_step(la, x, {l: np.array([[0, 1]]) for l in LAYERS}, stop_after=2)     # layers 3, 4 never route
+    t = la.totals()
+    assert counts_add_up(t) and t["prefetch_pending"] == 0
+    assert t["per_layer"][3]["wasted"] + t["per_layer"][4]["wasted"] == (
+        t["per_layer"][3]["issued"] + t["per_layer"][4]["issued"]) > 0
+
+
+def test_a_batch_touching_most_experts_prefetches_the_whole_layer_within_capacity():
+    rng = np.random.default_rng(6)
+    p = GatePredictor(routers(), LAYERS)
+    x = rng.standard_normal((64, D)).astype(np.float32)
+    routes = {l: top(p.scores(x, l, l), 2) for l in LAYERS}
+    wide = Drive()
+    run_step(Lookahead(p, wide, "gate", width=2, adapt=False), x, routes)
+    assert any(len(e) == E for _, e in wide.sent)
+    tight = Drive(capacity=E + 5)               # the current layer holds all E: 5 slots of room
+    run_step(Lookahead(p, tight, "gate", width=2, adapt=False), x, routes)
+    assert all(len(np.unique(routes[l])) == E for l in LAYERS)
+    assert tight.sent and all(len(e) == 5 for _, e in tight.sent)
+
+
+def test_off_issues_nothing_and_does_not_observe():
+    la = Lookahead(GatePredictor(routers(), LAYERS), Drive(), "off", width=2)
+    assert not la.observing and la.governor is None
+
+
+def test_governor_keeps_the_faster_arm_and_explores_the_other():
+    g = PrefetchGovernor(window=4, explore=5)
+    arms = []
+    for _ in range(4 * 40):
+        on = g.begin(decode_step=True)
+        arms.append(on)
+        g.end(0.010 if on else 0.012)          # prefetch on is faster
+    assert arms[:4] == [True] * 4 and arms[4:8] == [False] * 4     # one window of each first
+    share_on = sum(arms[8:]) / len(arms[8:])
+    assert 0.75 <= share_on <= 0.85            # the faster arm, except one window in five
+    g2 = PrefetchGovernor(window=4, explore=5)
+    arms2 = []
+    for _ in range(4 * 40):
+        on = g2.begin(decode_step=True)
+        arms2.append(on)
+        g2.end(0.012 if on else 0.010)         # prefetch on is slower
+    assert sum(arms2[8:]) / len(arms2[8:]) <= 0.25
+
+
+def test_governor_leaves_prompt_batches_on_and_uncounted():
+    g = PrefetchGovernor(window=2)
+    assert g.begin(decode_step=False) is True
+    g.end(5.0)
+    assert g.mean_s == {True: None, False: None} and g.steps_on == 0
