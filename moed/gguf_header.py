@@ -9,10 +9,19 @@ into `BadModelFile` naming the file. The tests check it against GGUFReader.
 
 Invariants: only little-endian GGUF v2/v3; offsets in `TensorInfo.offset` are
 absolute file offsets; `Header.data_offset` is aligned to `Header.alignment`.
+
+Opening a model path never blocks and never reads anything but a regular file
+(`open_regular`): the open is non-blocking (a FIFO or a device cannot hang the
+caller) and the opened descriptor is checked with fstat before any read.
+`Header.identity` is the parsed file's identity from that same descriptor
+(device, inode, size, mtime, ctime): any later write, truncation or rename-over
+changes it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import functools
 import mmap
 import os
@@ -63,6 +72,52 @@ class KV:
         return _Cursor(self.raw, "<kv>", len(self.raw), self.value_at).value(self.vtype)
 
 
+FileIdentity = tuple[int, int, int, int, int]   # st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns
+
+
+def identity_of(st: os.stat_result) -> FileIdentity:
+    """What says a file is still the one we read: a write changes mtime, a chmod or
+    rename-over changes ctime or the inode, a truncation the size."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def open_regular(path: str, extra_flags: int = 0) -> tuple[int, os.stat_result]:
+    """Open `path` read-only without blocking; (fd, fstat) if it is a regular file.
+
+    O_NONBLOCK: opening a FIFO with no writer (or a tty, a device) returns at
+    once instead of hanging the thread. For a regular file the flag changes
+    nothing. Raises BadModelFile for anything else.
+    """
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY | extra_flags
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise BadModelFile(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise BadModelFile(f"{path}: is a directory") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and extra_flags & os.O_NOFOLLOW:
+            raise BadModelFile(f"{path}: became a symbolic link while being opened") from None
+        raise BadModelFile(f"{path}: cannot open: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise BadModelFile(f"{path}: {_kind(st.st_mode)}, not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "is a directory"), (stat.S_ISFIFO, "is a FIFO"),
+                       (stat.S_ISSOCK, "is a socket"), (stat.S_ISCHR, "is a character device"),
+                       (stat.S_ISBLK, "is a block device")):
+        if test(mode):
+            return name
+    return "is a special file"
+
+
 @dataclass(frozen=True)
 class Header:
     path: str
@@ -72,6 +127,7 @@ class Header:
     tensors: tuple[TensorInfo, ...]
     alignment: int
     data_offset: int
+    identity: FileIdentity = (0, 0, 0, 0, 0)
 
     def get(self, key: str, default=None):
         kv = self.kvs.get(key)
@@ -173,20 +229,8 @@ class _Cursor:
 def read_header(path: str | os.PathLike) -> Header:
     """Parse `path`'s header; raises BadModelFile for anything that is not a sound GGUF."""
     path = os.fspath(path)
+    fd, st = open_regular(path)
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        raise BadModelFile(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise BadModelFile(f"{path}: is a directory") from None
-    except OSError as exc:
-        raise BadModelFile(f"{path}: cannot open: {exc.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise BadModelFile(f"{path}: is a directory")
-        if not stat.S_ISREG(st.st_mode):
-            raise BadModelFile(f"{path}: not a regular file")
         size = st.st_size
         if size < 24:
             head = os.pread(fd, 4, 0)
@@ -194,7 +238,7 @@ def read_header(path: str | os.PathLike) -> Header:
                 raise BadModelFile(f"{path}: not a GGUF file (no GGUF magic)")
             raise BadModelFile(f"{path}: truncated GGUF file ({size} bytes)")
         with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as buf:
-            return _parse(buf, path, size)
+            return dataclasses.replace(_parse(buf, path, size), identity=identity_of(st))
     finally:
         os.close(fd)
 

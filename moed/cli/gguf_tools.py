@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from moed.cli import fail
@@ -54,6 +55,9 @@ def register(sub) -> None:
 
 def _make_model(args) -> int:
     from moed.lab.makemodel import make_model
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):           # as align: a typo in OUT makes no directories
+        return fail(f"make-model: output directory {out_dir} does not exist")
     if args.like:                       # the trace's routing geometry wins
         from moed.lab.replay import like_trace
         from moed.lab.traces import Trace

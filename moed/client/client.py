@@ -18,6 +18,7 @@ import struct
 import threading
 import time
 
+import msgspec
 import numpy as np
 
 from moed.protocol import errors
@@ -93,7 +94,7 @@ class Client:
 
     def request(self, msg, fds: bool = False):
         """Send one request and return its reply (raising the typed error it carries)."""
-        frame = encode(msg)
+        frame = _frame(msg)
         with self._lock:
             sock = self._live()
             try:
@@ -115,7 +116,7 @@ class Client:
 
     def send(self, msg) -> None:
         """Send a fire-and-forget request (`ack=False`): no reply will come."""
-        frame = encode(msg)
+        frame = _frame(msg)
         with self._lock:
             sock = self._live()
             try:
@@ -229,6 +230,14 @@ class Client:
         return self._segments[class_id]
 
 
+def _frame(msg) -> bytearray:
+    """The request's frame; a value the wire cannot carry (an id of 2**64) is a BadRequest."""
+    try:
+        return encode(msg)
+    except (OverflowError, TypeError, msgspec.EncodeError) as exc:
+        raise errors.BadRequest(f"cannot send {type(msg).__name__}: {exc}") from None
+
+
 class ModelHandle:
     """One open model on this connection; geometry mirrors the daemon's catalog."""
 
@@ -261,8 +270,15 @@ class ModelHandle:
         return Lease(self, layer, list(dict.fromkeys(experts)), g)
 
     def prefetch(self, layer: int, experts) -> None:
-        """Ask for experts to be read ahead; never waits, never errors back."""
-        self.client.send(m.Prefetch(self.model_id, layer, [int(e) for e in experts], ack=False))
+        """Ask for experts to be read ahead; never waits, never errors back.
+
+        A hint: if the daemon is gone it is dropped here (the next acquire says
+        so with DaemonUnavailable). Arguments that cannot be sent still raise.
+        """
+        try:
+            self.client.send(m.Prefetch(self.model_id, layer, [int(e) for e in experts], ack=False))
+        except errors.DaemonUnavailable:
+            pass
 
 
 class Lease:

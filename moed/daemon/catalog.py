@@ -4,7 +4,7 @@ API summary
 -----------
     cat = Catalog.open(path)         # first shard of a split file, or a plain .gguf
     cat.files                        # tuple[str, ...] absolute shard paths, in order
-    cat.identity                     # tuple[(st_dev, st_ino, st_size, st_mtime_ns), ...] per shard;
+    cat.identity                     # tuple[(st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns), ...];
                                      #   hashable: two opens of one file compare equal
     cat.moe_layers                   # tuple[int, ...] block indices with routed experts
     cat.n_experts, cat.n_expert_used # experts per layer, top-k
@@ -30,8 +30,8 @@ Invariants:
   n_bytes / n_expert`, entirely inside its shard (checked at open).
 - Only headers are read (see moed.gguf_header): opening is fast even for big models
   with big vocabularies, and no tensor data is touched.
-- `identity` is taken before the headers are parsed, so any later change to a shard
-  is visible to `check_current`.
+- `identity` is each shard's fstat identity on the descriptor its header was
+  parsed from, so any later change to a shard is visible to `check_current`.
 """
 
 from __future__ import annotations
@@ -41,14 +41,13 @@ import os
 import re
 from dataclasses import dataclass
 
-from moed.gguf_header import Header, check_split, read_header, split_files, type_name
+from moed.gguf_header import FileIdentity, Header, check_split, identity_of, read_header, split_files, type_name
 from moed.protocol.errors import BadModelFile, BadRequest, ModelStale, UnknownExpert, UnknownLayer
 from moed.protocol.layout import PAGE
 
 PART_ORDER = ("gate", "up", "gate_up", "down")   # slot layout order
 EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.weight$")
 
-FileIdentity = tuple[int, int, int, int]          # st_dev, st_ino, st_size, st_mtime_ns
 SizeClass = tuple[tuple[str, int], ...]           # ((part, bytes_per_expert), ...) in part order
 
 
@@ -107,11 +106,10 @@ class Catalog:
     @classmethod
     def open(cls, path: str | os.PathLike) -> "Catalog":
         first_path = os.path.abspath(os.fspath(path))
-        first_id = _identity(first_path)
         first = read_header(first_path)
         files = split_files(first_path, first)
-        identity = (first_id,) + tuple(_identity(f) for f in files[1:])
         headers = [first] + [read_header(f) for f in files[1:]]
+        identity = tuple(h.identity for h in headers)
         check_split(headers)
         return _build(first_path, files, identity, headers)
 
@@ -201,7 +199,7 @@ def _identity(path: str) -> FileIdentity:
         raise BadModelFile(f"{path}: no such file") from None
     except OSError as exc:
         raise BadModelFile(f"{path}: cannot stat: {exc.strerror}") from None
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return identity_of(st)
 
 
 def _build(path: str, files, identity, headers: list[Header]) -> Catalog:

@@ -18,6 +18,10 @@ from moed.protocol.sizes import parse_size
 
 
 
+MAX_READER_THREADS = 256
+MAX_SOCKET_PATH_BYTES = 107      # sun_path is 108 bytes with its terminating NUL
+
+
 class ConfigError(ValueError):
     pass
 
@@ -47,13 +51,21 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model_roots: list[str] = []
     verify: bool = False
     max_clients: int = 256
+    max_clients_per_tenant: int = 64     # one uid cannot take every connection (operators have a reserve)
+    hello_timeout_s: float = 5.0         # a connection that sends no Hello within this is closed
+    idle_timeout_s: float = 0.0          # 0: off; else a connection that sends nothing for this long
+                                         # and holds no lease is closed
+    open_timeout_s: float = 30.0         # a model open (header parse) slower than this fails
+    max_models: int = 64                 # open models; beyond it the oldest unused one is closed
+    max_opens_per_tenant: int = 2        # model opens in flight per uid (a hung file ties up only these)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     tenants: dict[str, TenantConfig] = {}
 
     def __post_init__(self):
         checks = [
             (self.ram_budget_bytes > 0, "ram_budget_bytes must be positive"),
-            (self.reader_threads >= 1, "reader_threads must be at least 1"),
+            (1 <= self.reader_threads <= MAX_READER_THREADS,
+             f"reader_threads must be 1..{MAX_READER_THREADS}, got {self.reader_threads}"),
             (self.chunk_bytes >= 4096 and self.chunk_bytes % 4096 == 0,
              "chunk_bytes must be a positive multiple of 4096"),
             (self.acquire_timeout_s > 0, "acquire_timeout_s must be positive"),
@@ -62,7 +74,16 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             (0 <= self.socket_mode <= 0o777, "socket_mode must be a permission mode like 0o660"),
             (self.mem_floor_bytes >= 0 and self.pin_budget_bytes >= 0, "sizes must not be negative"),
             (self.max_clients >= 1, "max_clients must be at least 1"),
+            (self.max_clients_per_tenant >= 1, "max_clients_per_tenant must be at least 1"),
+            (self.hello_timeout_s > 0, "hello_timeout_s must be positive"),
+            (self.idle_timeout_s >= 0, "idle_timeout_s must not be negative (0 turns it off)"),
+            (self.open_timeout_s > 0, "open_timeout_s must be positive"),
+            (self.max_models >= 1, "max_models must be at least 1"),
+            (self.max_opens_per_tenant >= 1, "max_opens_per_tenant must be at least 1"),
             (self.socket_path != "", "socket_path must not be empty"),
+            (len(os.fsencode(self.socket_path)) <= MAX_SOCKET_PATH_BYTES,
+             f"socket_path is {len(os.fsencode(self.socket_path))} bytes; a Unix socket path "
+             f"holds at most {MAX_SOCKET_PATH_BYTES}"),
         ]
         for ok, why in checks:
             if not ok:

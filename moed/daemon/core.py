@@ -34,9 +34,11 @@ from dataclasses import dataclass
 from moed import __version__
 from moed.protocol import errors
 from moed.protocol.layout import PAGE
+from moed.protocol.sizes import format_size
 
 from .config import Config
 from .models import LayerPlan, Model, file_identity, model_info, open_catalog
+from .opener import Opener
 from .ramtier import RamTier
 from .reader import ModelFile, ReaderPool, ReadJob
 from .access import Peer, check_open_files, check_readable, check_roots, world_readable
@@ -78,6 +80,7 @@ class Daemon:
         self.store = Store(config.ram_budget_bytes, make_policy(config.policy), config.pin_budget_bytes)
         self.ramtier = RamTier(config.ram_budget_bytes + config.pin_budget_bytes)
         self.reader = ReaderPool(config.reader_threads, config.chunk_bytes)
+        self.opener = Opener(config.max_opens_per_tenant, config.open_timeout_s)
         self.memguard = MemGuard(self, config.mem_floor_bytes, config.mem_sample_s)
         self.tenant_quotas = resolve_tenants(config.tenants)
         self.verifier = Verifier() if config.verify else None
@@ -87,7 +90,8 @@ class Daemon:
         self.tenants: dict[int, Tenant] = {}
         self.models: dict[int, Model] = {}
         self._by_identity: dict[tuple, Model] = {}
-        self._classes: dict[tuple, int] = {}
+        self._classes: dict[tuple, int] = {}          # (domain, size class) -> class id
+        self._class_ids = itertools.count(1)
         self._loading: dict[Slot, Loading] = {}
         # source (a session) -> (model_id, layer) -> [(slot, generation)] of its prefetches
         self._prefetched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -99,8 +103,13 @@ class Daemon:
 
     # ---- models ----------------------------------------------------------
 
-    async def open_model(self, path: str, peer: Peer | None = None) -> Model:
-        """Open (or share) a model; with `peer`, only if that peer could read every file itself."""
+    async def open_model(self, path: str, peer: Peer | None = None, tenant: Tenant | None = None) -> Model:
+        """Open (or share) a model; with `peer`, only if that peer could read every file itself.
+
+        The header parse runs in the opener (bounded per `tenant`, deadlined). The
+        model's identity is that of the descriptors its headers were parsed from,
+        and the files the reader opens must still be those same files.
+        """
         if not os.path.isabs(path):
             raise errors.BadRequest(f"model path must be absolute (the daemon has its own cwd): {path!r}")
         if "\0" in path:
@@ -117,10 +126,13 @@ class Daemon:
             raise errors.BadModelFile(f"{path}: {exc.strerror}") from None
         model = self._by_identity.get((real, identity))
         if model is not None and not model.stale:
+            self._check_files(model, path, peer)
             return model
-        catalog = await asyncio.get_running_loop().run_in_executor(None, open_catalog, real)
+        catalog = await self.opener.run(tenant, path, open_catalog, real)
+        if catalog.identity[0] != identity:
+            raise errors.BadModelFile(f"{path}: the file changed while it was being opened; try again")
         model = self._by_identity.get((real, identity))   # someone else opened it meanwhile
-        if model is None:
+        if model is None or model.stale:
             model = self._add_model(real, identity, catalog)
         self._check_files(model, path, peer)
         return model
@@ -140,20 +152,20 @@ class Daemon:
 
     def _add_model(self, path: str, identity: tuple, catalog) -> Model:
         self._retire_older(path)
-        try:
-            files = [ModelFile(str(f), self.config.direct_io) for f in catalog.files]
-        except OSError as exc:
-            raise errors.BadModelFile(f"{path}: {exc.strerror or exc}") from None
+        self._make_room_for_model(path)
+        files = self._open_files(path, catalog)
         layers = {}
         # Models anyone may read share segments by geometry; any other model gets
-        # its own, since a client maps whole segments (security: see access.py).
-        domain = None if all(world_readable(os.path.realpath(f.path)) for f in files) else path
+        # its own, keyed by the files' identity (never by path: a file renamed
+        # over a private one must not see its segments), since a client maps
+        # whole segments (security: see access.py).
+        domain = None if all(world_readable(f.path) for f in files) else catalog.identity
         for layer, entry in catalog.layers.items():
             key = entry.size_class     # parts in catalog order, with sizes
             class_id = self._class_for(key, domain)
             parts = [(files[entry.parts[p].shard], entry.parts[p].offset, size) for p, size in key]
             layers[layer] = LayerPlan(class_id, parts)
-        model = Model(next(self._model_ids), path, catalog, identity, files, layers)
+        model = Model(next(self._model_ids), path, catalog, identity, files, layers, domain=domain)
         model.wants = {layer: [Want(ExpertKey(model.model_id, layer, e), plan.class_id)
                                for e in range(catalog.n_experts)]
                        for layer, plan in layers.items()}
@@ -166,13 +178,66 @@ class Daemon:
             self._pin_keys(model, self._all_experts(model))      # the whole model fits: mirror it
         return model
 
+    def _open_files(self, path: str, catalog) -> list[ModelFile]:
+        """The reader's descriptors: the resolved shard paths, each still the file parsed."""
+        files: list[ModelFile] = []
+        try:
+            for shard, expected in zip(catalog.files, catalog.identity):
+                files.append(ModelFile(os.path.realpath(shard), self.config.direct_io))
+                if files[-1].identity != expected:
+                    raise errors.BadModelFile(f"{shard}: the file changed while it was being opened; try again")
+        except OSError as exc:
+            raise errors.BadModelFile(f"{path}: {exc.strerror or exc}") from None
+        except BaseException:
+            for f in files:
+                f.close()
+            raise
+        return files
+
+    def _make_room_for_model(self, path: str) -> None:
+        """Keep at most max_models open: close the least recently opened one no connection uses."""
+        live = [mdl for mdl in self.models.values() if not mdl.stale]
+        if len(live) < self.config.max_models:
+            return
+        in_use = {mid for s in self.sessions for mid in s.models}
+        idle = [mdl for mdl in live if mdl.model_id not in in_use]
+        if not idle:
+            raise errors.TooBusy(f"{path}: {len(live)} models are open and in use (max_models is "
+                                 f"{self.config.max_models})")
+        oldest = min(idle, key=lambda mdl: mdl.model_id)
+        log.info("model %d: %s closed to make room (max_models is %d; no connection uses it)",
+                 oldest.model_id, oldest.path, self.config.max_models)
+        self._retire(oldest)
+
+    def _retire(self, model: Model) -> None:
+        """The model takes no new acquires; its slots go once its last lease is released."""
+        model.stale = True
+        self._maybe_drop_stale(model)
+
+    def went_stale(self, model: Model, why: str) -> errors.ModelStale:
+        """A file of an open model changed on disk: retire it; the error to raise."""
+        if not model.stale:
+            self.counters.stale_detected += 1
+            log.warning("model %d: %s; no byte of it is served again (open it again)", model.model_id, why)
+            self._retire(model)
+        return errors.ModelStale(f"{why}; open it again")
+
+    def check_current(self, model: Model) -> None:
+        """Raise ModelStale (retiring the model) if any of its files changed since it was opened.
+
+        One fstat per shard, before every grant: a cached expert of the old
+        content is never served next to a freshly read one of the new.
+        """
+        for f in model.files:
+            if f.changed():
+                raise self.went_stale(model, f"{f.path} changed on disk")
+
     def _retire_older(self, path: str) -> None:
         """A changed file is a new model; the old one drains and goes."""
         for (p, _), old in list(self._by_identity.items()):
             if p == path and not old.stale:
-                old.stale = True
                 log.info("model %d: %s changed on disk; draining the old version", old.model_id, path)
-                self._maybe_drop_stale(old)
+                self._retire(old)
 
     def _maybe_drop_stale(self, model: Model) -> None:
         if not model.stale or any(L.model is model for s in self.sessions for L in s.leases.values()):
@@ -185,11 +250,24 @@ class Daemon:
             self.models.pop(model.model_id, None)
             self._by_identity.pop((model.path, model.identity), None)
             model.close()
+            if self.verifier is not None:
+                self.verifier.forget(model.model_id)
+            if model.domain is not None:
+                self._drop_domain(model.domain)
 
-    def _class_for(self, key: tuple, domain: str | None = None) -> int:
+    def _drop_domain(self, domain) -> None:
+        """A private model's segments go with it (no other model can use them)."""
+        if any(mdl.domain == domain for mdl in self.models.values()):
+            return
+        for (dom, key), class_id in list(self._classes.items()):
+            if dom == domain and self.store.remove_class(class_id):
+                del self._classes[(dom, key)]
+                self.ramtier.remove_segment(class_id)
+
+    def _class_for(self, key: tuple, domain=None) -> int:
         class_id = self._classes.get((domain, key))
         if class_id is None:
-            class_id = len(self._classes) + 1
+            class_id = next(self._class_ids)
             names = [p for p, _ in key]
             seg = self.ramtier.add_segment(class_id, names, [b for _, b in key])
             self.store.add_class(class_id, seg.slot_bytes, seg.capacity)
@@ -203,7 +281,7 @@ class Daemon:
                 raise errors.ModelStale(f"model {model_id} changed on disk and was retired; open it again")
             raise errors.UnknownModel(f"no open model with id {model_id}")
         if model.stale:
-            raise errors.ModelStale(f"{model.path} changed on disk; open it again")
+            raise errors.ModelStale(f"{model.path} changed on disk (or was closed); open it again")
         return model
 
     def tenant(self, uid: int, name: str = "") -> Tenant:
@@ -244,6 +322,7 @@ class Daemon:
         Returns (lease, None) on an immediate grant, or (None, coroutine-args).
         """
         wants = self._wants(model, layer, experts)
+        self.check_current(model)
         plan = self._plan(wants, tenant)
         if plan is not None and not plan.to_load and not plan.loading:
             return self._grant(model, layer, plan, tenant), None
@@ -314,14 +393,18 @@ class Daemon:
             if failures:
                 self._unref(plan.slots, plan.generations)
                 raise failures[0] if isinstance(failures[0], errors.MoedError) else errors.ReadError(str(failures[0]))
+        try:
+            self.check_current(model)    # the file may have changed while this acquire waited
+        except errors.ModelStale:
+            self._unref(plan.slots, plan.generations)
+            raise
         return self._grant(model, layer, plan, tenant)
 
     def _no_room_message(self, n: int, layer: int) -> str:
         st = self.store
-        why = (f"the budget is held by leases ({st.used_bytes} of {st.budget_bytes} bytes used)"
-               if st.effective_budget_bytes >= st.budget_bytes else
-               f"the memory guard holds the store at {st.effective_budget_bytes} of {st.budget_bytes} bytes "
-               f"(MemAvailable is below the floor {self.memguard.floor_bytes})")
+        why = (f"the budget is held by leases ({format_size(st.used_bytes)} of "
+               f"{format_size(st.budget_bytes)} used)"
+               if st.effective_budget_bytes >= st.budget_bytes else self.memguard.why_held())
         return f"no room for {n} experts of layer {layer} before the timeout: {why}"
 
     def _grant(self, model: Model, layer: int, plan, tenant: Tenant) -> Lease:
@@ -352,7 +435,8 @@ class Daemon:
         seg = self.ramtier.segments[slot.class_id]
         pieces = [(f, off + key.expert * size, size, seg.part_addr(slot.index, k))
                   for k, (f, off, size) in enumerate(plan.parts)]
-        job = ReadJob(pieces, self._read_done_thread, demand=demand, tag=slot)
+        job = ReadJob(pieces, self._read_done_thread, demand=demand, tag=slot,
+                      what=f"model {key.model_id} layer {key.layer} expert {key.expert}")
         self._loading[slot] = Loading(job, self.loop.create_future())
         if not demand and not slot.pinned:
             self.counters.prefetches += 1
@@ -361,6 +445,11 @@ class Daemon:
     def _read_done_thread(self, job: ReadJob, err: BaseException | None) -> None:
         """Reader thread: lock the filled pages, then hand over to the loop."""
         slot = job.tag
+        if err is None:
+            # Bytes read after the file changed (or while it changed) are never served.
+            changed = next((f for f in {p[0] for p in job.pieces} if f.changed()), None)
+            if changed is not None:
+                err = errors.ModelStale(f"{changed.path} changed on disk while {job.what} was read")
         if err is None:
             self.ramtier.lock_slot(self.ramtier.segments[slot.class_id], slot.index)
             if self.verifier is not None:
@@ -384,11 +473,14 @@ class Daemon:
             loading.done.set_result(None)
         else:
             self.counters.read_errors += 1
-            log.error("read of %s failed: %s", slot.key, err)
+            log.error("read of %s failed: %s", job.what, err)
+            model = self.models.get(slot.key.model_id) if slot.key is not None else None
             self.store.failed(slot)
             self._settle()
+            if isinstance(err, errors.ModelStale) and model is not None:
+                self.went_stale(model, str(err))
             loading.done.set_exception(err if isinstance(err, errors.MoedError) else
-                                       errors.ReadError(f"reading {tuple(slot.key or ())} failed: {err}"))
+                                       errors.ReadError(f"reading {job.what} failed: {err}"))
             loading.done.exception()   # mark retrieved: a prefetch has no awaiter
         self._room_changed()
 
@@ -418,6 +510,7 @@ class Daemon:
         `source` (the session) supersedes its own earlier prefetches of this layer.
         """
         wants = self._wants(model, layer, experts)
+        self.check_current(model)
         mine = self._supersede(source, (model.model_id, layer), {w.key for w in wants})
         queued = 0
         for want in wants:

@@ -18,7 +18,10 @@ import logging
 import os
 import signal
 import socket
+import stat
 import sys
+
+import psutil
 
 import uvloop
 
@@ -55,27 +58,78 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
+class StartupError(Exception):
+    """A reason not to start, printed as one line (exit code 2)."""
+
+
 def bind_socket(config: Config) -> socket.socket:
+    """Bind and listen on the configured path, never over anything but a stale socket.
+
+    What may be at the path: nothing; a socket a live daemon answers on (refused);
+    a socket nobody answers on (a daemon that died: removed and rebound). Anything
+    else (a regular file, a directory, a FIFO) is refused and left untouched.
+    """
     path = config.socket_path
-    if os.path.exists(path):
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    gid = -1
+    if config.socket_group:       # resolved before anything is made, so a typo leaves nothing behind
         try:
-            probe.connect(path)
-        except OSError:
-            os.unlink(path)   # stale socket of a daemon that died
-        else:
-            raise SystemExit(f"moed: another daemon is serving on {path}")
-        finally:
-            probe.close()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            gid = grp.getgrnam(config.socket_group).gr_gid
+        except KeyError:
+            raise StartupError(f"socket_group: no group named {config.socket_group!r}") from None
+    _clear_stale_socket(path)
+    parent = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as exc:
+        raise StartupError(f"cannot create the socket's directory {parent}: {exc.strerror}") from None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.bind(path)
-    if config.socket_group:
-        os.chown(path, -1, grp.getgrnam(config.socket_group).gr_gid)
-    os.chmod(path, config.socket_mode)
+    try:
+        sock.bind(path)
+    except OSError as exc:
+        sock.close()
+        raise StartupError(f"cannot bind {path}: {exc.strerror}") from None
+    try:
+        if gid >= 0:
+            os.chown(path, -1, gid)
+        os.chmod(path, config.socket_mode)
+    except OSError as exc:
+        sock.close()
+        os.unlink(path)      # ours, just made: leave nothing behind
+        raise StartupError(f"cannot set the owner group or mode of {path}: {exc}") from None
     sock.listen(128)
     sock.setblocking(False)
     return sock
+
+
+def _clear_stale_socket(path: str) -> None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise StartupError(f"cannot inspect socket path {path}: {exc.strerror}") from None
+    if not stat.S_ISSOCK(st.st_mode):
+        what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a socket"
+        raise StartupError(f"socket path {path} exists and is {what}; refusing to replace it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        os.unlink(path)   # a stale socket of a daemon that died
+    else:
+        raise StartupError(f"another daemon is serving on {path}")
+    finally:
+        probe.close()
+
+
+def warn_about_sizes(config: Config) -> None:
+    """Sizes the box cannot honour are legal (the guard copes) but almost surely a mistake."""
+    total = psutil.virtual_memory().total
+    for name, value in (("ram budget", config.ram_budget_bytes + config.pin_budget_bytes),
+                        ("memory floor", config.mem_floor_bytes)):
+        if value > total:
+            log.warning("the %s (%s) is larger than this machine's RAM (%s)", name, format_size(value),
+                        format_size(total))
 
 
 def sd_notify(state: str) -> None:
@@ -100,7 +154,12 @@ async def serve(config: Config) -> None:
         daemon.ramtier.locked = False
         daemon.ramtier.lock_error = why
         log.warning("expert memory will NOT be locked: %s", why)
-    listener = bind_socket(config)
+    warn_about_sizes(config)
+    try:
+        listener = bind_socket(config)
+    except StartupError:
+        daemon.close()
+        raise
     server = await loop.create_unix_server(lambda: Session(daemon), sock=listener)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -146,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         uvloop.run(serve(config))
+    except StartupError as exc:
+        print(f"moed: {exc}", file=sys.stderr)
+        return 2
     except MlockUnavailable as exc:
         log.error("%s", exc)
         return 1

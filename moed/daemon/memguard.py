@@ -36,12 +36,21 @@ from moed.protocol.sizes import format_size
 log = logging.getLogger("moed.memguard")
 
 MIN_HYSTERESIS_BYTES = 16 << 20
+PAGE_BYTES = 4096
 _NO_LIMIT = 1 << 60
 
 
-def hysteresis_for(floor_bytes: int) -> int:
-    """The band above the floor in which the guard neither gives back nor grows."""
-    return max(MIN_HYSTERESIS_BYTES, floor_bytes // 16)
+def hysteresis_for(floor_bytes: int, budget_bytes: int | None = None) -> int:
+    """The band above the floor in which the guard neither gives back nor grows.
+
+    A sixteenth of the floor, at least MIN_HYSTERESIS_BYTES, and never more than
+    an eighth of the budget: a band wider than what the store could ever give
+    back would keep a small store at zero on a box with a large floor.
+    """
+    band = max(MIN_HYSTERESIS_BYTES, floor_bytes // 16)
+    if budget_bytes is not None:
+        band = min(band, max(PAGE_BYTES, budget_bytes // 8))
+    return band
 
 
 def decide_limit(avail_bytes: int, floor_bytes: int, used_bytes: int, limit_bytes: int,
@@ -51,7 +60,7 @@ def decide_limit(avail_bytes: int, floor_bytes: int, used_bytes: int, limit_byte
         return budget_bytes
     if avail_bytes < floor_bytes:
         return max(0, min(limit_bytes, used_bytes) - (floor_bytes - avail_bytes))
-    headroom = avail_bytes - floor_bytes - hysteresis_for(floor_bytes)
+    headroom = avail_bytes - floor_bytes - hysteresis_for(floor_bytes, budget_bytes)
     if headroom > 0 and limit_bytes < budget_bytes:
         return min(budget_bytes, limit_bytes + headroom)
     return limit_bytes
@@ -160,6 +169,19 @@ class MemGuard:
         store = self.daemon.store
         return store.effective_budget_bytes < store.budget_bytes
 
+    def why_held(self) -> str:
+        """The truth about why the store may not grow to its budget now (for errors)."""
+        store = self.daemon.store
+        avail = self.last_available_bytes
+        held = (f"the memory guard holds the store at {format_size(store.effective_budget_bytes)} "
+                f"of its {format_size(store.budget_bytes)} budget")
+        if avail < self.floor_bytes:
+            return f"{held}: MemAvailable {format_size(avail)} is below the floor {format_size(self.floor_bytes)}"
+        band = hysteresis_for(self.floor_bytes, store.budget_bytes)
+        return (f"{held}: MemAvailable {format_size(avail)} recovered above the floor "
+                f"{format_size(self.floor_bytes)}, and the store grows back once it is more than "
+                f"{format_size(band)} above it")
+
     def available_bytes(self) -> int:
         self.last_available_bytes = self.reader.available_bytes()
         return self.last_available_bytes
@@ -230,6 +252,6 @@ class MemGuard:
             "effective_budget_bytes": store.effective_budget_bytes,
             "given_back_bytes": self.given_back_bytes,
             "mem_guard_actions": self.actions,
-            "mem_hysteresis_bytes": hysteresis_for(self.floor_bytes),
+            "mem_hysteresis_bytes": hysteresis_for(self.floor_bytes, store.budget_bytes),
             "mem_cgroup_limited": bool(self.reader.cgroups),
         }

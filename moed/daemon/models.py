@@ -1,10 +1,13 @@
 """Open models: catalog plus open files plus each layer's size class.
 
-A model is identified by its files' identity (device, inode, size, mtime of
-every shard), so two engines opening the same file share one `Model`, one set
-of slots and one set of file descriptors. A file that changed since it was
-opened is a new identity: the old model goes stale, refuses new acquires, and
-its slots are dropped once its last lease is released.
+A model is identified by its files' identity (device, inode, size, mtime and
+ctime of every shard, `gguf_header.identity_of`), so two engines opening the
+same file share one `Model`, one set of slots and one set of file descriptors.
+A file that changed since it was opened (overwritten in place included: every
+grant and every read checks with fstat) is a new identity: the old model goes
+stale, refuses new acquires with ModelStale, and its slots are dropped once its
+last lease is released. At most `max_models` are open; beyond that the least
+recently opened one no connection uses is closed the same way.
 
 Size classes are keyed by their parts' names and byte sizes and shared across
 models: two models with the same expert geometry share a segment, provided
@@ -17,6 +20,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from moed.gguf_header import identity_of
 from moed.protocol import errors
 from moed.protocol.messages import LayerInfo, ModelInfo, PartExtent
 
@@ -42,6 +46,7 @@ class Model:
     info: ModelInfo | None = None
     wants: dict = field(default_factory=dict)   # layer -> [Want per expert], built once: the hit path indexes it
     stale: bool = False
+    domain: object = None      # None: shares segments by geometry; else its files' identity (private)
 
     @property
     def direct_io(self) -> bool:
@@ -53,8 +58,7 @@ class Model:
 
 
 def file_identity(path: str) -> tuple:
-    st = os.stat(path)
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return identity_of(os.stat(path))
 
 
 def open_catalog(path: str) -> Catalog:

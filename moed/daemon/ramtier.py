@@ -6,9 +6,11 @@ Clients get a read-only descriptor of it (reopened through /proc with O_RDONLY)
 and can map it only PROT_READ.
 
 The segment is sparse: a slot's pages exist only once it is filled. A slot is
-mlocked just before its bytes are read in and its pages are given back with
-MADV_REMOVE when the store drops it, so locked memory follows the store's
-`used_bytes`, never the segment's virtual size.
+mlocked right after its bytes are read in (by the reader thread, before the
+slot is READY) and its pages are given back with MADV_REMOVE when the store
+drops it, so locked memory follows the store's `used_bytes`, never the
+segment's virtual size. `locked_bytes` counts each locked slot once, however
+often it is re-read.
 
 If mlock fails (RLIMIT_MEMLOCK too low, no CAP_IPC_LOCK), the tier keeps
 serving unlocked and says so (`locked` is False, with the reason), unless the
@@ -79,6 +81,7 @@ class RamTier:
         self.locked = True
         self.lock_error = ""
         self.locked_bytes = 0
+        self._locked: set[tuple[int, int]] = set()    # (class id, slot index) now locked: counted once
         self._mutex = threading.Lock()
 
     def add_segment(self, class_id: int, part_names: list[str], part_bytes: list[int]) -> Segment:
@@ -99,7 +102,9 @@ class RamTier:
             self._lock_failed(str(exc))
             return
         with self._mutex:
-            self.locked_bytes += seg.slot_bytes
+            if (seg.class_id, index) not in self._locked:    # a slot re-read in place is locked already
+                self._locked.add((seg.class_id, index))
+                self.locked_bytes += seg.slot_bytes
 
     def _lock_failed(self, why: str) -> None:
         with self._mutex:
@@ -118,9 +123,19 @@ class RamTier:
                 except OSError:
                     pass
             libc.madvise(addr, length, libc.MADV_REMOVE)
-        if self.locked:
-            with self._mutex:
-                self.locked_bytes = max(0, self.locked_bytes - seg.slot_bytes)
+        with self._mutex:
+            if (seg.class_id, index) in self._locked:
+                self._locked.discard((seg.class_id, index))
+                self.locked_bytes -= seg.slot_bytes
+
+    def remove_segment(self, class_id: int) -> None:
+        """Unmap a class's segment once nothing in it is held (engines keep their own mappings)."""
+        seg = self.segments.pop(class_id)
+        with self._mutex:
+            gone = {k for k in self._locked if k[0] == class_id}
+            self._locked -= gone
+            self.locked_bytes -= len(gone) * seg.slot_bytes
+        seg.close()
 
     def close(self) -> None:
         for seg in self.segments.values():

@@ -12,6 +12,11 @@ A chunk whose file range and length are 4096-aligned is read straight into
 the slot; any other goes through the thread's aligned bounce buffer. A short
 read or an OSError fails the job (never wrong bytes); `on_done(job, error)`
 is called exactly once per job, from a reader thread.
+
+Files are opened with `open_regular` (non-blocking, regular files only, no
+symbolic link followed: the caller passes the resolved path) and remember the
+identity they were opened with; `ModelFile.changed()` is one fstat, cheap
+enough to run before every grant and after every read.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+from moed.gguf_header import FileIdentity, identity_of, open_regular
+from moed.protocol.errors import BadModelFile
 from moed.protocol.layout import PAGE
 
 from . import libc
@@ -41,21 +48,27 @@ class ModelFile:
         self.path = path
         self.direct = False
         self.fd = -1
+        self.identity: FileIdentity = (0, 0, 0, 0, 0)
         if direct_io != "off":
             self.direct = self._open_direct()
             if not self.direct and direct_io == "on":
                 raise OSError(errno.EINVAL, f"O_DIRECT is not supported for {path}")
         if not self.direct:
-            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            self.fd, st = open_regular(path, os.O_NOFOLLOW)
+            self.identity = identity_of(st)
             log.info("%s: O_DIRECT unavailable, using buffered reads", path)
+
+    def changed(self) -> bool:
+        """Whether the file is no longer the one opened (written, truncated, replaced in place)."""
+        return identity_of(os.fstat(self.fd)) != self.identity
 
     def _open_direct(self) -> bool:
         try:
-            fd = os.open(path := self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
-        except OSError as exc:
-            if exc.errno == errno.EINVAL:
-                return False
-            raise
+            fd, st = open_regular(path := self.path, os.O_NOFOLLOW | os.O_DIRECT)
+        except BadModelFile:
+            # tmpfs refuses O_DIRECT at open; anything else fails the buffered open the same way
+            return False
+        self.identity = identity_of(st)
         probe = mmap.mmap(-1, ALIGN)
         try:
             os.preadv(fd, [probe], 0)
@@ -83,6 +96,7 @@ class ReadJob:
     on_done: Callable[["ReadJob", BaseException | None], None]
     demand: bool = True
     tag: object = None
+    what: str = "expert"          # names the expert in errors and logs
     bytes_total: int = 0
     _left: int = 0
     _error: BaseException | None = None

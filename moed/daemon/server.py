@@ -9,7 +9,21 @@ reads or room, later frames queue behind it. Fire-and-forget requests
 Bad input never reaches the daemon's state: frames are decoded with types at
 the edge, a decoding failure is answered with `Error(BAD_FRAME)`, and an
 oversize length prefix closes the connection (the stream cannot be
-resynchronised). The first request must be Hello.
+resynchronised). The first request must be Hello, within `hello_timeout_s`.
+
+What one connection can make the daemon hold is bounded (and shown per
+connection in `moectl stats`, key `clients`):
+- input: one incomplete frame (at most MAX_REQUEST_FRAME_BYTES) plus queued
+  whole frames, kept encoded (decoded one at a time, when dispatched), at most
+  MAX_QUEUED_FRAMES or MAX_QUEUED_BYTES: beyond that the connection is no
+  longer read;
+- output: replies are written without ever blocking; once the transport holds
+  more than WRITE_HIGH_BYTES the session stops dispatching (and reading) until
+  the peer has read them down to WRITE_LOW_BYTES;
+- requests in flight: one handler at a time per connection;
+- descriptors passed with `open_model` go out with a non-blocking sendmsg; a
+  peer that does not read them within SEND_STALL_S is disconnected.
+The socket is never switched to blocking mode, so no peer can stall the loop.
 """
 
 from __future__ import annotations
@@ -24,17 +38,18 @@ from collections import deque
 
 from moed.protocol import errors
 from moed.protocol import messages as m
-from moed.protocol.framing import FrameReader, encode
+from moed.protocol.framing import MAX_REQUEST_FRAME_BYTES, FrameReader, decode, encode, request_decoder
 from moed.protocol.messages import PROTOCOL_VERSION
 
 from . import control
+from .bounds import (MAX_QUEUED_BYTES, MAX_QUEUED_FRAMES, OPERATOR_RESERVE, SEND_STALL_S,
+                     WRITE_HIGH_BYTES, WRITE_LOW_BYTES)
 from .access import peer_identity
 from .core import Daemon, Lease
 
 log = logging.getLogger("moed.server")
 
 _PEERCRED = struct.Struct("3i")
-MAX_QUEUED_FRAMES = 256      # decoded requests waiting on one connection before it is paused
 MAX_NAMES_PER_TENANT = 32
 
 
@@ -48,8 +63,9 @@ class Session(asyncio.Protocol):
     def __init__(self, daemon: Daemon):
         self.daemon = daemon
         self.transport: asyncio.Transport | None = None
-        self.frames = FrameReader()
-        self.queue: deque = deque()
+        self.frames = FrameReader(decoder=None, max_frame_bytes=MAX_REQUEST_FRAME_BYTES)
+        self.queue: deque = deque()       # encoded payloads (bytes) or BadFrame errors, in order
+        self.queued_bytes = 0
         self.busy = False
         self.closed = False
         self.hello = False
@@ -62,6 +78,9 @@ class Session(asyncio.Protocol):
         self.pending_coro = None    # the handler coroutine of that task, until it starts
         self.reading = True
         self.write_paused = False
+        self._drained: asyncio.Future | None = None    # set when the transport's output is empty
+        self._deadline: asyncio.TimerHandle | None = None
+        self.last_request_at = 0.0
         self._handlers = {
             m.Hello: self.on_hello, m.Ping: self.on_ping, m.OpenModel: self.on_open_model,
             m.Acquire: self.on_acquire, m.Release: self.on_release, m.Prefetch: self.on_prefetch,
@@ -73,22 +92,69 @@ class Session(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        transport.set_write_buffer_limits(high=WRITE_HIGH_BYTES, low=WRITE_LOW_BYTES)
         sock = transport.get_extra_info("socket")
         self.pid, self.uid, self.gid = peer_credentials(sock)
         self.tenant = self.daemon.tenant(self.uid)
         self.tenant.pids.add(self.pid)
-        self.daemon.sessions.add(self)
         self.daemon.counters.connections += 1
-        if len(self.daemon.sessions) > self.daemon.config.max_clients:
-            log.warning("refusing pid %d (uid %d): %d clients connected, max_clients is %d", self.pid,
-                        self.uid, len(self.daemon.sessions) - 1, self.daemon.config.max_clients)
-            self._send(m.Error(int(errors.ErrorCode.TOO_MANY_CLIENTS),
-                               f"moed serves at most {self.daemon.config.max_clients} clients"))
+        refusal = self._refusal()
+        self.daemon.sessions.add(self)
+        self.tenant.connections += 1
+        if refusal is not None:
+            log.warning("refusing pid %d (uid %d): %s", self.pid, self.uid, refusal)
+            self._send(m.Error(int(errors.ErrorCode.TOO_MANY_CLIENTS), refusal))
             self.closed = True
             transport.close()
+            return
+        self.last_request_at = self.daemon.loop.time()
+        self._arm(self.daemon.config.hello_timeout_s)
+
+    def _refusal(self) -> str | None:
+        """Why this connection may not be served (before it counts), or None."""
+        cfg, d = self.daemon.config, self.daemon
+        if self.tenant.connections >= cfg.max_clients_per_tenant:
+            return (f"uid {self.uid} already has {self.tenant.connections} connections "
+                    f"(max_clients_per_tenant is {cfg.max_clients_per_tenant})")
+        limit = cfg.max_clients + (OPERATOR_RESERVE if control.is_operator(self) else 0)
+        if len(d.sessions) >= limit:
+            return f"moed serves at most {cfg.max_clients} clients"
+        return None
+
+    # ---- deadlines: a Hello within hello_timeout_s, then (optionally) an idle limit ----
+
+    def _arm(self, delay_s: float) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline = self.daemon.loop.call_later(delay_s, self._deadline_passed) if delay_s > 0 else None
+
+    def _deadline_passed(self) -> None:
+        self._deadline = None
+        if self.closed:
+            return
+        if not self.hello:
+            self._time_out(f"no hello within {self.daemon.config.hello_timeout_s}s")
+            return
+        idle_s = self.daemon.config.idle_timeout_s
+        quiet_s = self.daemon.loop.time() - self.last_request_at
+        if self.busy or self.leases or quiet_s < idle_s:
+            self._arm(max(idle_s - quiet_s, idle_s / 4))   # busy or holding: not idle; look again later
+            return
+        self._time_out(f"idle for {quiet_s:.0f}s (idle_timeout_s is {idle_s})")
+
+    def _time_out(self, why: str) -> None:
+        log.info("closing connection of pid %d (uid %d): %s", self.pid, self.uid, why)
+        self.daemon.counters.timed_out += 1
+        self._send(m.Error(int(errors.ErrorCode.TIMED_OUT), why))
+        self.transport.close()
 
     def connection_lost(self, exc) -> None:
         self.closed = True
+        self.tenant.connections -= 1
+        if self._deadline is not None:
+            self._deadline.cancel()
+        if self._drained is not None and not self._drained.done():
+            self._drained.cancel()
         if self.task is not None and not self.task.done():
             self.task.cancel()
         plan, self.pending_plan = self.pending_plan, None
@@ -107,7 +173,10 @@ class Session(asyncio.Protocol):
             log.info("connection of pid %d closed holding %d leases; released them", self.pid, len(leases))
 
     def data_received(self, data: bytes) -> None:
-        self.queue.extend(self.frames.feed(data))
+        frames = self.frames.feed(data)
+        self.queue.extend(frames)
+        self.queued_bytes += sum(len(f) for f in frames if isinstance(f, bytes))
+        self.last_request_at = self.daemon.loop.time()
         if not self.busy:
             self._pump()
         self._flow()
@@ -122,19 +191,37 @@ class Session(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.write_paused = False
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+        if not self.busy:
+            self._pump()      # requests left queued while the peer was not reading
         self._flow()
 
     def _flow(self) -> None:
-        want = not self.write_paused and len(self.queue) <= MAX_QUEUED_FRAMES
+        want = (not self.write_paused and len(self.queue) < MAX_QUEUED_FRAMES
+                and self.queued_bytes < MAX_QUEUED_BYTES)
         if want != self.reading and not self.closed and not self.transport.is_closing():
             self.reading = want
             (self.transport.resume_reading if want else self.transport.pause_reading)()
 
+    def buffers(self) -> dict:
+        """What this connection makes the daemon hold now (stats)."""
+        return {"pid": self.pid, "uid": self.uid, "leases": len(self.leases), "busy": self.busy,
+                "queued_requests": len(self.queue),
+                "queued_bytes": self.queued_bytes + self.frames.buffered_bytes,
+                "buffered_out_bytes": self.transport.get_write_buffer_size() if self.transport else 0,
+                "reading": self.reading}
+
     # ---- dispatch ------------------------------------------------------------
 
     def _pump(self) -> None:
-        while self.queue and not self.busy and not self.closed:
+        # write_paused: the peer is not reading its replies; answer nothing more
+        # until it does (resume_writing pumps again), so output stays bounded.
+        while self.queue and not self.busy and not self.closed and not self.write_paused:
             msg = self.queue.popleft()
+            if isinstance(msg, bytes):
+                self.queued_bytes -= len(msg)
+                msg = decode(request_decoder, msg)
             if isinstance(msg, errors.MoedError):
                 self._bad_frame(msg)
                 continue
@@ -201,6 +288,7 @@ class Session(asyncio.Protocol):
         if msg.version != PROTOCOL_VERSION:
             raise errors.VersionMismatch(f"client speaks protocol {msg.version}, daemon {PROTOCOL_VERSION}")
         self.hello = True
+        self._arm(self.daemon.config.idle_timeout_s)     # 0: no idle limit, the Hello deadline is cancelled
         if msg.client_name:
             if len(self.tenant.names) < MAX_NAMES_PER_TENANT:   # names are for display; never unbounded
                 self.tenant.names.add(msg.client_name[:64])
@@ -211,30 +299,71 @@ class Session(asyncio.Protocol):
         return m.Pong(int(self.daemon.loop.time() * 1e9))
 
     async def on_open_model(self, msg: m.OpenModel):
-        model = await self.daemon.open_model(msg.path, peer_identity(self.pid, self.uid, self.gid))
+        model = await self.daemon.open_model(msg.path, peer_identity(self.pid, self.uid, self.gid),
+                                             self.tenant)
         self.models.add(model.model_id)
-        fds = [self.daemon.ramtier.segments[s.class_id].readonly_fd() for s in model.info.segments]
-        try:
-            self._send_with_fds(encode(model.info), fds)
-        finally:
-            for fd in fds:
-                os.close(fd)
+        await self._send_with_fds(encode(model.info), [s.class_id for s in model.info.segments])
         return None
 
-    def _send_with_fds(self, frame: bytes, fds: list[int]) -> None:
+    async def _send_with_fds(self, frame: bytes, class_ids: list[int]) -> None:
         """Write a frame with descriptors attached (the transport cannot carry them).
 
-        The client is blocked waiting for this reply, so nothing is queued in
-        the transport ahead of it and writing to the socket directly keeps order.
+        Order: everything the transport holds goes out first (its output
+        drained), then a non-blocking sendmsg carries the descriptors with the
+        frame's first bytes, and the transport writes whatever the kernel did
+        not take. A peer that reads nothing for SEND_STALL_S is disconnected.
         """
-        if self.transport.get_write_buffer_size():
-            raise errors.InternalError("cannot pass descriptors behind queued output")
+        deadline = self.daemon.loop.time() + SEND_STALL_S
+        await self._drain(deadline)
         raw = self.transport.get_extra_info("socket")
-        with socket.socket(fileno=os.dup(raw.fileno())) as sock:
-            sock.setblocking(True)
-            sent = sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-            if sent < len(frame):
-                sock.sendall(frame[sent:])
+        fds = [self.daemon.ramtier.segments[c].readonly_fd() for c in class_ids]
+        # A dup shares the socket's file status: it stays non-blocking, as the loop needs.
+        sock = socket.socket(fileno=os.dup(raw.fileno()))
+        try:
+            sock.setblocking(False)
+            sent = await self._sendmsg(sock, frame, fds, deadline)
+        finally:
+            sock.close()
+            for fd in fds:
+                os.close(fd)
+        if sent < len(frame):
+            self.transport.write(frame[sent:])
+
+    async def _drain(self, deadline: float) -> None:
+        """Wait until the transport holds no output (resume_writing fires at an empty buffer)."""
+        if not self.transport.get_write_buffer_size():
+            return
+        self._drained = self.daemon.loop.create_future()
+        self.transport.set_write_buffer_limits(high=1, low=0)
+        try:
+            await asyncio.wait_for(self._drained, max(0.0, deadline - self.daemon.loop.time()))
+        except asyncio.TimeoutError:
+            self.transport.abort()
+            raise errors.TimedOut(f"the peer read none of its replies for {SEND_STALL_S}s") from None
+        finally:
+            self._drained = None
+            if not self.closed:
+                self.transport.set_write_buffer_limits(high=WRITE_HIGH_BYTES, low=WRITE_LOW_BYTES)
+
+    async def _sendmsg(self, sock: socket.socket, frame: bytes, fds: list[int], deadline: float) -> int:
+        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+        loop = self.daemon.loop
+        while True:
+            try:
+                return sock.sendmsg([frame], ancillary)
+            except BlockingIOError:
+                pass
+            # The kernel's buffer is full: wait for room on our own descriptor
+            # (the transport's is registered with the loop already).
+            ready = loop.create_future()
+            loop.add_writer(sock.fileno(), lambda: ready.done() or ready.set_result(None))
+            try:
+                await asyncio.wait_for(ready, max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                self.transport.abort()
+                raise errors.TimedOut(f"the peer took no bytes for {SEND_STALL_S}s") from None
+            finally:
+                loop.remove_writer(sock.fileno())
 
     def _model(self, model_id: int):
         if model_id not in self.models:

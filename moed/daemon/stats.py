@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from .bounds import limits
+
 
 @dataclass
 class Counters:
@@ -25,6 +27,8 @@ class Counters:
     errors_sent: int = 0
     connections: int = 0
     pinned_hits: int = 0
+    timed_out: int = 0        # connections closed for sending no Hello, or nothing, in time
+    stale_detected: int = 0   # models found changed on disk (fstat) while open
 
 
 @dataclass(eq=False)
@@ -34,6 +38,8 @@ class Tenant:
     uid: int
     names: set = field(default_factory=set)
     pids: set = field(default_factory=set)
+    connections: int = 0      # open connections of this uid (max_clients_per_tenant)
+    opens_in_flight: int = 0  # model opens running for this uid (max_opens_per_tenant)
     hits: int = 0
     shared_hits: int = 0      # hits on experts another tenant's acquire read in
     misses: int = 0
@@ -93,6 +99,7 @@ def _tenant_row(daemon, tenant: Tenant) -> dict:
         "uid": tenant.uid,
         "names": sorted(tenant.names),
         "pids": sorted(tenant.pids),
+        "connections": tenant.connections,
         "hits": tenant.hits,
         "shared_hits": tenant.shared_hits,
         "misses": tenant.misses,
@@ -144,6 +151,10 @@ def snapshot(daemon) -> dict:
         **(daemon.verifier.stats() if daemon.verifier is not None else {"verify": False}),
         "connections": len(daemon.sessions),
         "bad_frames": c.bad_frames,
+        "timed_out_connections": c.timed_out,
+        "stale_detected": c.stale_detected,
+        "limits": limits(daemon.config),
+        "clients": [s.buffers() for s in daemon.sessions],
         "models": [_model_row(daemon, m) for m in models],
         "tenants": [_tenant_row(daemon, t) for t in daemon.tenants.values()],
     }

@@ -75,12 +75,19 @@ class SizeClass:
     class_id: int
     slot_bytes: int
     capacity: int
-    slots: list[Slot] = field(default_factory=list)
-    free: list[int] = field(default_factory=list)
+    # Slots are made on first use: a class's capacity is what the whole budget
+    # could hold of it (millions for tiny experts), not what it ever holds.
+    slots: dict[int, Slot] = field(default_factory=dict)
+    free: list[int] = field(default_factory=list)    # indexes of made slots that are EMPTY
 
-    def __post_init__(self):
-        self.slots = [Slot(self.class_id, i, self.slot_bytes) for i in range(self.capacity)]
-        self.free = list(range(self.capacity - 1, -1, -1))   # pop() yields slot 0 first
+    def take_free(self) -> Slot | None:
+        """An EMPTY slot (index 0 first), or None when every index is in use."""
+        if self.free:
+            return self.slots[self.free.pop()]
+        if len(self.slots) >= self.capacity:
+            return None
+        slot = self.slots[len(self.slots)] = Slot(self.class_id, len(self.slots), self.slot_bytes)
+        return slot
 
 
 class Quota(NamedTuple):
@@ -133,6 +140,14 @@ class Store:
         cls = SizeClass(class_id, slot_bytes, capacity)
         self.classes[class_id] = cls
         return cls
+
+    def remove_class(self, class_id: int) -> bool:
+        """Forget a class none of whose slots holds anything; False if one still does."""
+        cls = self.classes.get(class_id)
+        if cls is None or len(cls.free) != len(cls.slots):
+            return False
+        del self.classes[class_id]
+        return True
 
     # ---- acquire --------------------------------------------------------
 
@@ -298,9 +313,9 @@ class Store:
                 break
             self._drop(victim)
         if slot is None:
-            if not cls.free:
+            slot = cls.take_free()
+            if slot is None:
                 raise RuntimeError(f"size class {cls.class_id} has no free slot index (capacity {cls.capacity})")
-            slot = cls.slots[cls.free.pop()]
             self.used_bytes += cls.slot_bytes
         self._occupy(slot, want.key, refs=1, owner=owner)
         self.owned_bytes[owner] = self.owned_bytes.get(owner, 0) + slot.slot_bytes
@@ -428,9 +443,9 @@ class Store:
             slot.pinned = True
             self.pinned_bytes += size
             return slot, True, False
-        if not cls.free:
+        slot = cls.take_free()
+        if slot is None:
             return None
-        slot = cls.slots[cls.free.pop()]
         self._occupy(slot, want.key, refs=0, owner=None)
         slot.pinned = True
         self.pinned_bytes += size

@@ -9,7 +9,11 @@ is served. Catches a file rewritten in place under an open model, a drive
 returning bad data, and any bug that would put the wrong bytes in a slot.
 
 Keyed by ExpertKey, whose model id is tied to the file's identity (device,
-inode, size, mtime at open), so a replaced file starts with fresh hashes.
+inode, size, mtime, ctime at open), so a replaced file starts with fresh
+hashes, and a retired model's hashes are forgotten. A write through the
+filesystem changes that identity and is caught before any hash (ModelStale);
+verify mode is for what the identity cannot see: a drive returning bad data,
+a write below the filesystem, a bug that put the wrong bytes in a slot.
 """
 
 from __future__ import annotations
@@ -53,6 +57,10 @@ class Verifier:
                   where, value, first)
         return errors.VerifyMismatch(f"{where}: bytes read now (xxh3 {value:016x}) differ from the "
                                      f"first read ({first:016x}); the file changed or the drive returned bad data")
+
+    def forget(self, model_id: int) -> None:
+        """A retired model's hashes go with it (ids are never reused)."""
+        self.first = {k: v for k, v in self.first.items() if k.model_id != model_id}
 
     def stats(self) -> dict:
         return {"verify": True, "verified_reads": self.verified, "verify_mismatches": self.mismatches,

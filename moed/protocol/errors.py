@@ -30,6 +30,8 @@ class ErrorCode(enum.IntEnum):
     DAEMON_UNAVAILABLE = 17  # client side only: no daemon, or it went away
     MODEL_STALE = 18        # the file changed under an open model
     TOO_MANY_CLIENTS = 19   # max_clients connections are open already
+    TOO_BUSY = 20           # this tenant already has the most requests of a kind in flight
+    TIMED_OUT = 21          # the connection sent no Hello (or nothing) for too long; it is closed
 
 
 class MoedError(Exception):
@@ -42,31 +44,131 @@ class MoedError(Exception):
         self.message = message
 
 
-def _define(name: str, code: ErrorCode, doc: str) -> type[MoedError]:
-    cls = type(name, (MoedError,), {"code": code, "__doc__": doc})
-    cls.__module__ = __name__
-    return cls
+class InternalError(MoedError):
+    """A bug in the daemon; it keeps serving."""
+
+    code = ErrorCode.INTERNAL
 
 
-InternalError = _define("InternalError", ErrorCode.INTERNAL, "A bug in the daemon; it keeps serving.")
-BadFrame = _define("BadFrame", ErrorCode.BAD_FRAME, "The frame could not be decoded.")
-BadRequest = _define("BadRequest", ErrorCode.BAD_REQUEST, "The request's contents are invalid.")
-VersionMismatch = _define("VersionMismatch", ErrorCode.VERSION_MISMATCH, "Client and daemon protocol versions differ.")
-NotHello = _define("NotHello", ErrorCode.NOT_HELLO, "The first request on a connection must be Hello.")
-UnknownModel = _define("UnknownModel", ErrorCode.UNKNOWN_MODEL, "No open model has that id.")
-BadModelFile = _define("BadModelFile", ErrorCode.BAD_MODEL_FILE, "The file is not a usable MoE GGUF.")
-UnknownLayer = _define("UnknownLayer", ErrorCode.UNKNOWN_LAYER, "The model has no routed experts in that layer.")
-UnknownExpert = _define("UnknownExpert", ErrorCode.UNKNOWN_EXPERT, "The expert index is out of range.")
-UnknownLease = _define("UnknownLease", ErrorCode.UNKNOWN_LEASE, "This connection holds no lease with that id.")
-BudgetExhausted = _define("BudgetExhausted", ErrorCode.BUDGET_EXHAUSTED, "Nothing could be evicted before the timeout.")
-RequestTooLarge = _define("RequestTooLarge", ErrorCode.REQUEST_TOO_LARGE, "The request can never fit in the budget.")
-ReadError = _define("ReadError", ErrorCode.READ_ERROR, "Reading expert bytes from the model file failed.")
-PermissionDenied = _define("PermissionDenied", ErrorCode.PERMISSION_DENIED, "The peer may not do this.")
-ShuttingDown = _define("ShuttingDown", ErrorCode.SHUTTING_DOWN, "The daemon is stopping.")
-VerifyMismatch = _define("VerifyMismatch", ErrorCode.VERIFY_MISMATCH, "Expert bytes differ from their first read.")
-DaemonUnavailable = _define("DaemonUnavailable", ErrorCode.DAEMON_UNAVAILABLE, "No daemon answers on the socket.")
-ModelStale = _define("ModelStale", ErrorCode.MODEL_STALE, "The model file changed; open it again.")
-TooManyClients = _define("TooManyClients", ErrorCode.TOO_MANY_CLIENTS, "The daemon serves its maximum of clients.")
+class BadFrame(MoedError):
+    """The frame could not be decoded."""
+
+    code = ErrorCode.BAD_FRAME
+
+
+class BadRequest(MoedError):
+    """The request's contents are invalid."""
+
+    code = ErrorCode.BAD_REQUEST
+
+
+class VersionMismatch(MoedError):
+    """Client and daemon protocol versions differ."""
+
+    code = ErrorCode.VERSION_MISMATCH
+
+
+class NotHello(MoedError):
+    """The first request on a connection must be Hello."""
+
+    code = ErrorCode.NOT_HELLO
+
+
+class UnknownModel(MoedError):
+    """No open model has that id."""
+
+    code = ErrorCode.UNKNOWN_MODEL
+
+
+class BadModelFile(MoedError):
+    """The file is not a usable MoE GGUF."""
+
+    code = ErrorCode.BAD_MODEL_FILE
+
+
+class UnknownLayer(MoedError):
+    """The model has no routed experts in that layer."""
+
+    code = ErrorCode.UNKNOWN_LAYER
+
+
+class UnknownExpert(MoedError):
+    """The expert index is out of range."""
+
+    code = ErrorCode.UNKNOWN_EXPERT
+
+
+class UnknownLease(MoedError):
+    """This connection holds no lease with that id."""
+
+    code = ErrorCode.UNKNOWN_LEASE
+
+
+class BudgetExhausted(MoedError):
+    """Nothing could be evicted before the timeout."""
+
+    code = ErrorCode.BUDGET_EXHAUSTED
+
+
+class RequestTooLarge(MoedError):
+    """The request can never fit in the budget."""
+
+    code = ErrorCode.REQUEST_TOO_LARGE
+
+
+class ReadError(MoedError):
+    """Reading expert bytes from the model file failed."""
+
+    code = ErrorCode.READ_ERROR
+
+
+class PermissionDenied(MoedError):
+    """The peer may not do this."""
+
+    code = ErrorCode.PERMISSION_DENIED
+
+
+class ShuttingDown(MoedError):
+    """The daemon is stopping."""
+
+    code = ErrorCode.SHUTTING_DOWN
+
+
+class VerifyMismatch(MoedError):
+    """Expert bytes differ from their first read."""
+
+    code = ErrorCode.VERIFY_MISMATCH
+
+
+class DaemonUnavailable(MoedError):
+    """No daemon answers on the socket."""
+
+    code = ErrorCode.DAEMON_UNAVAILABLE
+
+
+class ModelStale(MoedError):
+    """The model file changed; open it again."""
+
+    code = ErrorCode.MODEL_STALE
+
+
+class TooManyClients(MoedError):
+    """The daemon serves its maximum of clients."""
+
+    code = ErrorCode.TOO_MANY_CLIENTS
+
+
+class TooBusy(MoedError):
+    """This tenant already has the most requests of this kind in flight; retry later."""
+
+    code = ErrorCode.TOO_BUSY
+
+
+class TimedOut(MoedError):
+    """The connection sent no Hello, or nothing at all, for too long; the daemon closed it."""
+
+    code = ErrorCode.TIMED_OUT
+
 
 _BY_CODE: dict[int, type[MoedError]] = {
     cls.code: cls for cls in MoedError.__subclasses__()

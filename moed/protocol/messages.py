@@ -11,11 +11,23 @@ Rules kept here (DESIGN.md, style 1):
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
 import msgspec
 
 PROTOCOL_VERSION = 1
+
+# Bounds checked while decoding, so no request can make the daemon build a
+# large object before a handler looks at it (a hostile frame is rejected as
+# BAD_FRAME at the edge). The largest real uses: a layer's experts (<= 512 in
+# every public MoE), every expert of a big model pinned at once (94 x 512).
+MAX_IDS = 4096
+MAX_PIN_PAIRS = 1 << 18
+MAX_PATH_CHARS = 4096
+MAX_NAME_CHARS = 256
+
+Ids = Annotated[list[int], msgspec.Meta(max_length=MAX_IDS)]
+Pairs = Annotated[list[tuple[int, int]], msgspec.Meta(max_length=MAX_PIN_PAIRS)]
 
 
 class Message(msgspec.Struct, tag_field="t", array_like=False, omit_defaults=True):
@@ -27,7 +39,7 @@ class Message(msgspec.Struct, tag_field="t", array_like=False, omit_defaults=Tru
 
 class Hello(Message, tag="hello"):
     version: int
-    client_name: str = ""
+    client_name: Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)] = ""
 
 
 class Ping(Message, tag="ping"):
@@ -35,7 +47,7 @@ class Ping(Message, tag="ping"):
 
 
 class OpenModel(Message, tag="open_model"):
-    path: str
+    path: Annotated[str, msgspec.Meta(max_length=MAX_PATH_CHARS)]
 
 
 class Acquire(Message, tag="acquire"):
@@ -43,20 +55,20 @@ class Acquire(Message, tag="acquire"):
 
     model_id: int
     layer: int
-    experts: list[int]
+    experts: Ids
     timeout_s: float | None = None
-    release: list[int] = []
+    release: Ids = []
 
 
 class Release(Message, tag="release"):
-    lease_ids: list[int]
+    lease_ids: Ids
     ack: bool = True
 
 
 class Prefetch(Message, tag="prefetch"):
     model_id: int
     layer: int
-    experts: list[int]
+    experts: Ids
     ack: bool = False
 
 
@@ -186,7 +198,7 @@ class Pin(Message, tag="pin"):
     """
 
     model_id: int
-    experts: list[tuple[int, int]] = []
+    experts: Pairs = []
     all: bool = False
     from_stats: bool = False
 
@@ -201,7 +213,7 @@ class Unpin(Message, tag="unpin"):
     """Unpin experts (or `all` of the model's); they rejoin the shared LRU or are dropped."""
 
     model_id: int
-    experts: list[tuple[int, int]] = []
+    experts: Pairs = []
     all: bool = False
 
 

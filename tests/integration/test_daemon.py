@@ -247,22 +247,28 @@ def test_split_and_mixed_models(daemon, split_model, mixed_model):
     assert len(s["models"]) == 2
 
 
-def test_truncated_file_gives_read_error_and_daemon_serves(daemon, tiny_model, tmp_path, aligned_model):
+def test_truncated_file_is_stale_and_daemon_serves(daemon, tiny_model, tmp_path, aligned_model):
+    """A truncation is a change: no byte of the file is served again, even experts
+    that are still inside it, and reopening it says why it cannot be used."""
     path = tmp_path / "t.gguf"
     shutil.copy(tiny_model, path)
     with daemon.client() as c:
         m = c.open_model(path)
+        with m.acquire(0, [0]):
+            pass
         cat = Catalog.open(path)
         _, off, _ = cat.extent(3, 7, "down")
         os.truncate(path, off)                      # the last experts are gone now
-        with pytest.raises(errors.ReadError):
+        with pytest.raises(errors.ModelStale):
             m.acquire(3, [7])
-        with m.acquire(0, [0]) as lease:            # earlier experts still read fine
-            check_lease(cat, lease, 0, [0])
-        assert c.stats()["read_errors"] >= 1
+        with pytest.raises(errors.ModelStale):
+            m.acquire(0, [0])                       # cached before the change: not served either
+        with pytest.raises(errors.BadModelFile, match="truncated|past|end"):
+            c.open_model(path)
+        assert c.stats()["stale_detected"] >= 1
         m2 = c.open_model(aligned_model)
-        with m2.acquire(0, [1]):
-            pass
+        with m2.acquire(0, [1]) as lease:
+            check_lease(Catalog.open(aligned_model), lease, 0, [1])
 
 
 def test_sigterm_exits_zero_and_leaves_nothing(start_daemon, tiny_model):

@@ -124,7 +124,7 @@ def test_identity_and_staleness(tiny_model, tmp_path):
     a, b = Catalog.open(path), Catalog.open(path)
     assert a.identity == b.identity and hash(a.identity) == hash(b.identity)
     st = os.stat(path)
-    assert a.identity[0] == (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    assert a.identity[0] == (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     a.check_current()
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
     with pytest.raises(ModelStale):

@@ -38,7 +38,7 @@ def want(expert: int, class_id: int = SMALL, layer: int = 0, model: int = 0) -> 
 
 
 def all_slots(store: Store):
-    return [s for cls in store.classes.values() for s in cls.slots]
+    return [s for cls in store.classes.values() for s in cls.slots.values()]
 
 
 def policy_members(policy) -> set:
@@ -67,7 +67,7 @@ def check_invariants(store: Store) -> None:
         if s.state == SlotState.EMPTY:
             assert s.key is None and s.refs == 0 and not s.pinned
     for cls in store.classes.values():
-        assert sorted(cls.free) == sorted(s.index for s in cls.slots if s.state == SlotState.EMPTY)
+        assert sorted(cls.free) == sorted(s.index for s in cls.slots.values() if s.state == SlotState.EMPTY)
     evictable = {s for s in live if s.state == SlotState.READY and s.refs == 0 and not s.pinned}
     assert policy_members(store.policy) == evictable
     assert len(store.policy) == len(evictable)
