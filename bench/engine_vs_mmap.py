@@ -18,6 +18,25 @@ decodes WARMUP trace tokens, then is timed over the next TOKENS.
 
     python bench/engine_vs_mmap.py [--model PATH] [--cap 2.2GB] [--budget 1.3GiB]
 
+Prefetch (issue 11): `--prefetch off,gate,gate2` runs every moed engine once per
+mode, `--recall 0.6,0.86,1.0` once per stated recall, `--rounds N` repeats the
+whole set with the modes interleaved (off, gate, gate2, off, ...), so that every
+ratio compares runs made minutes apart on the same box. The routes are forced
+to the trace, so the model's own predictor (random weights) would predict
+nothing useful: the benchmark emulates it. At every prediction the engine makes,
+each of the trace's true experts of the predicted layer is kept with probability
+RECALL and the rest of the row (same width) is filled with random wrong experts,
+so a prefetch is as large as a real one. Issuing, overlap, waste and eviction
+are the engine's and the daemon's real code (`predict_hook` only rewrites the
+prediction). Two ahead uses the same recall (an upper bound: real two-ahead
+recall is lower). `--prefetch-adapt off` prefetches on every step (default: the
+engine's governor decides). `--budget 25%` is a share of all experts' slot bytes;
+`--cap none` runs moed without the cgroup.
+
+Prefill: `--prefill N` times one prompt of N tokens (every token routed as the
+trace's next token, so a batch touches what the real model's would) instead of
+decode tokens.
+
 Needs root for the cgroup (cgroup v1 at /sys/fs/cgroup/memory). Prints one JSON
 line per engine and the ratios; RESULTS.md records them.
 """
@@ -47,37 +66,101 @@ SKELETON_DIR = "/tmp/moed-bench-engine/skeletons"
 
 
 class TraceRoutes:
-    """The route hook: overwrite ids with the trace's token `cursor`."""
+    """The route hook: every token of a graph is routed as the trace's next token after `cursor`.
 
-    def __init__(self, trace_path: str):
+    Also the predict hook (`predict`): the emulated gate-ahead predictor, see the
+    module docstring. Both hooks see layers in order within a graph; a layer not
+    above the last one seen starts the next graph (ubatch) of the same decode.
+    """
+
+    def __init__(self, trace_path: str, recall: float = 1.0, seed: int = 0):
         from moed.lab.traces import Trace
 
         trace = Trace.load(trace_path)
         self.ids = np.asarray(trace.ids, dtype=np.int32)      # (tokens, layers, k), layers 0..L-1
-        self.cursor = 0
+        self.n_experts = trace.n_experts
+        self.recall = recall
+        self.rng = np.random.default_rng(seed)
+        self.hook_s = 0.0           # time in the emulation, to tell the real predictor's cost apart
+        self.start(0)
+
+    def start(self, cursor: int) -> None:
+        """The next decode's first token is trace token `cursor`."""
+        self.cursor, self._next, self._base, self._layer = cursor, 0, 0, None
+
+    def _tokens(self, layer: int, n_rows: int) -> np.ndarray:
+        if self._layer is None or layer < self._layer:
+            self._base, self._next = self._next, self._next + n_rows
+        self._layer = layer
+        return (self.cursor + self._base + np.arange(n_rows)) % len(self.ids)
 
     def __call__(self, layer: int, ids: np.ndarray) -> None:
-        ids[:, :] = self.ids[self.cursor % len(self.ids), layer][: ids.shape[1]]
+        rows = self._tokens(layer, ids.shape[0])
+        ids[:, :] = self.ids[rows, layer][:, : ids.shape[1]]
+
+    def predict(self, target: int, lead: int, ids: np.ndarray) -> None:
+        t0 = time.perf_counter()
+        self._emulate(target, lead, ids)
+        self.hook_s += time.perf_counter() - t0
+
+    def _emulate(self, target: int, lead: int, ids: np.ndarray) -> None:
+        n, width = ids.shape
+        true = self.ids[self._tokens(target - lead, n), target]          # (n, k)
+        k = true.shape[1]
+        # a random order of the experts that are wrong for each row: true ones sort last
+        noise = self.rng.random((n, self.n_experts))
+        np.put_along_axis(noise, true, 2.0, axis=1)
+        wrong = np.argsort(noise, axis=1)[:, :width].astype(np.int32)
+        keep = self.rng.random((n, k)) < self.recall
+        ids[:, :min(k, width)] = np.where(keep, true, wrong[:, :k])[:, :width]
+        if width > k:
+            ids[:, k:] = wrong[:, k:width]
 
 
-def run_engine(kind: str, model: str, trace: str, warmup: int, tokens: int, threads: int, socket: str | None) -> dict:
+def run_engine(kind: str, model: str, trace: str, warmup: int, tokens: int, threads: int, socket: str | None,
+               prefetch: str = "off", recall: float = 1.0, adapt: bool = True, prefill: int = 0) -> dict:
     from moed.engines.llama_cpp import StreamedLlama, UnpackedLlama
 
-    routes = TraceRoutes(trace)
-    kw = dict(n_ctx=warmup + tokens + 8, n_batch=32, n_ubatch=32, n_threads=threads, verbose=False)
+    routes = TraceRoutes(trace, recall)
+    batch = 512 if prefill else 32
+    kw = dict(n_ctx=max(warmup + tokens, prefill) + 8, n_batch=batch, n_ubatch=batch, n_threads=threads,
+              verbose=False)
     t0 = time.perf_counter()
     if kind.startswith("moed"):
-        llm = StreamedLlama(model, socket_path=socket, route_hook=routes, skeleton_dir=SKELETON_DIR, **kw)
+        llm = StreamedLlama(model, socket_path=socket, route_hook=routes, skeleton_dir=SKELETON_DIR,
+                            prefetch=prefetch, prefetch_adapt=adapt, predict_hook=routes.predict, **kw)
     else:
         llm = UnpackedLlama(model, use_mmap=(kind == "mmap"), route_hook=routes, **kw)
     load_s = time.perf_counter() - t0
+    out = {"engine": kind, "load_s": round(load_s, 2)}
+    if kind.startswith("moed"):
+        out.update(prefetch=prefetch, recall=recall if prefetch != "off" else None, adapt=adapt)
+    out.update(_prefill(llm, routes, prefill) if prefill else _decode(llm, routes, warmup, tokens))
+    out["peak_rss_bytes"] = _peak_rss()
+    if kind.startswith("moed"):
+        stats = llm.moed_client.stats() if llm.moed_client else {}
+        stream = llm.stream_stats()
+        out.update(hit_rate=stats.get("hit_rate"), bytes_read=stats.get("bytes_read"),
+                   evictions=stats.get("evictions"), daemon_prefetches=stats.get("prefetches"),
+                   daemon_prefetch_hits=stats.get("prefetch_hits"),
+                   daemon_wasted_prefetches=stats.get("wasted_prefetches"),
+                   stream={k: v for k, v in stream.items() if k != "per_layer"})
+        # The real predictor's numpy cost (its matmul, top-k, union), without the emulation's.
+        steps = stream.get("prefetch_steps_on", stream["decodes"]) or 1
+        out["predictor_ms_per_step"] = round(1e3 * (stream["predict_s"] - routes.hook_s) / steps, 3)
+    llm.close()
+    return out
+
+
+def _decode(llm, routes: TraceRoutes, warmup: int, tokens: int) -> dict:
     llm.eval([llm.token_bos()])
     token = llm.token_bos()
     times = []
     for i in range(warmup + tokens):
-        routes.cursor = i
+        routes.start(i)
         if i == warmup:
             cpu0 = time.process_time()
+            stall0 = _stall(llm)
         t = time.perf_counter()
         llm.eval([token])
         times.append(time.perf_counter() - t)
@@ -85,15 +168,30 @@ def run_engine(kind: str, model: str, trace: str, warmup: int, tokens: int, thre
     timed = times[warmup:]
     # cpu_ms_per_token: this engine process only (the daemon's share is not in it);
     # on a box shared with other work it tells compute cost apart from waiting.
-    out = {"engine": kind, "load_s": round(load_s, 2), "tokens": tokens,
-           "tok_s": round(len(timed) / sum(timed), 3), "warmup_tok_s": round(warmup / max(sum(times[:warmup]), 1e-9), 3),
-           "cpu_ms_per_token": round(1e3 * cpu_s / tokens, 1), "peak_rss_bytes": _peak_rss()}
-    if kind.startswith("moed"):
-        stats = llm.moed_client.stats() if llm.moed_client else {}
-        out.update(hit_rate=stats.get("hit_rate"), bytes_read=stats.get("bytes_read"),
-                   evictions=stats.get("evictions"), stream=llm.stream_stats())
-    llm.close()
-    return out
+    return {"tokens": tokens, "tok_s": round(len(timed) / sum(timed), 3),
+            "warmup_tok_s": round(warmup / max(sum(times[:warmup]), 1e-9), 3),
+            "cpu_ms_per_token": round(1e3 * cpu_s / tokens, 1),
+            "stall_ms_per_token": None if stall0 is None else round(1e3 * (_stall(llm) - stall0) / tokens, 2)}
+
+
+def _prefill(llm, routes: TraceRoutes, n: int) -> dict:
+    """One prompt of `n` tokens after a one-token warm-up (the first decode pays one-off costs)."""
+    llm.eval([llm.token_bos()])
+    llm.reset()
+    routes.start(1000)
+    prompt = [llm.token_bos()] * n
+    cpu0, stall0 = time.process_time(), _stall(llm)
+    t = time.perf_counter()
+    llm.eval(prompt)
+    dt = time.perf_counter() - t
+    return {"prefill_tokens": n, "tok_s": round(n / dt, 3), "prefill_s": round(dt, 3),
+            "cpu_ms_per_token": round(1e3 * (time.process_time() - cpu0) / n, 2),
+            "stall_s": None if stall0 is None else round(_stall(llm) - stall0, 3)}
+
+
+def _stall(llm) -> float | None:
+    streamer = getattr(llm, "streamer", None)
+    return None if streamer is None else streamer.stats.acquire_s
 
 
 def _peak_rss() -> int:
@@ -142,10 +240,13 @@ def drop_page_cache(path: str) -> None:
         os.close(fd)
 
 
-def child(args, kind: str, group, socket: str | None, tokens: int, warmup: int) -> dict:
+def child(args, kind: str, group, socket: str | None, tokens: int, warmup: int, run: dict | None = None) -> dict:
+    run = run or {}
     prefix = group.prefix() if group else []
     cmd = [*prefix, sys.executable, __file__, "--child", kind, "--model", args.model, "--trace", args.trace,
-           "--tokens", str(tokens), "--warmup", str(warmup), "--threads", str(args.threads)]
+           "--tokens", str(tokens), "--warmup", str(warmup), "--threads", str(args.threads),
+           "--prefetch", run.get("prefetch", "off"), "--recall", str(run.get("recall", 1.0)),
+           "--prefetch-adapt", args.prefetch_adapt, "--prefill", str(args.prefill)]
     if socket:
         cmd += ["--socket", socket]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -202,13 +303,11 @@ def ensure_model(path: str) -> None:
 
 
 def main() -> int:
-    from moed.protocol.sizes import parse_size
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--trace", default=str(DEFAULT_TRACE))
-    ap.add_argument("--cap", default="2.2GB", help="memory cgroup limit for the capped runs")
-    ap.add_argument("--budget", default="1.4GiB", help="moed RAM budget inside the cap")
+    ap.add_argument("--cap", default="2.2GB", help="memory cgroup limit for the capped runs ('none': no cap)")
+    ap.add_argument("--budget", default="1.4GiB", help="moed RAM budget inside the cap (or a share: 25%%)")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=64)
     ap.add_argument("--mmap-tokens", type=int, default=8, help="timed tokens for the (slow) mmap run")
@@ -216,6 +315,12 @@ def main() -> int:
                     help="llama.cpp threads (1: ggml's spinning barriers collapse when the box is shared)")
     ap.add_argument("--engines", default="mmap,moed,resident,moed-fit")
     ap.add_argument("--policy", default="lru", choices=["lru", "lfu"], help="the daemon's eviction policy")
+    ap.add_argument("--prefetch", default="off", help="moed engines: comma-separated modes (off,gate,gate2)")
+    ap.add_argument("--recall", default="0.86", help="emulated predictor recall(s), comma-separated")
+    ap.add_argument("--prefetch-adapt", default="on", choices=["on", "off"],
+                    help="on: the engine's governor decides per decode step; off: prefetch every step")
+    ap.add_argument("--prefill", type=int, default=0, help="time a prompt of N tokens instead of decoding")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat every run, interleaved; medians are reported")
     ap.add_argument("--timeout-s", type=float, default=1200)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--socket", help=argparse.SUPPRESS)
@@ -223,53 +328,112 @@ def main() -> int:
 
     if args.child:
         print(json.dumps(run_engine(args.child, args.model, args.trace, args.warmup, args.tokens,
-                                    args.threads, args.socket)))
+                                    args.threads, args.socket, prefetch=args.prefetch,
+                                    recall=float(args.recall), adapt=args.prefetch_adapt == "on",
+                                    prefill=args.prefill)))
         return 0
 
     ensure_model(args.model)
-    cap = parse_size(args.cap) if not args.cap.endswith("GB") else int(float(args.cap[:-2]) * 1e9)
+    cap = _cap_bytes(args.cap)
     size = os.path.getsize(args.model)
-    print(f"model {args.model}: {size / 2**30:.2f} GiB; cap {cap / 2**30:.2f} GiB; "
-          f"moed budget {args.budget}; trace {pathlib.Path(args.trace).name}", file=sys.stderr)
-    results = {}
-    for kind in args.engines.split(","):
-        drop_page_cache(args.model)
-        capped = kind in ("mmap", "moed")
-        group = Cgroup(f"moed-bench-{os.getpid()}-{kind}", cap) if capped else None
-        warmup = 4 if kind == "mmap" else args.warmup
-        tokens = args.mmap_tokens if kind == "mmap" else args.tokens
-        try:
-            if kind.startswith("moed"):
-                budget = args.budget if kind == "moed" else f"{int(size * 1.1)}"
-                # Everything fits: the daemon mirrors the whole model in its pinned
-                # partition at open (as the resident engine reads it all at load).
-                extra = ("--pin-budget", f"{int(size * 1.1)}") if kind == "moed-fit" else ()
-                extra += ("--policy", args.policy)
-                res = with_daemon(args, budget, group,
-                                  lambda sock: child(args, kind, group, sock, tokens, warmup), extra)
-            else:
-                res = child(args, kind, group, None, tokens, warmup)
-            if group:
-                res["cgroup"] = group.stats()
-        finally:
-            if group:
-                group.remove()
-        results[kind] = res
-        print(json.dumps(res))
-        sys.stdout.flush()
-    ratios = {}
-    rate = {k: v.get("tok_s") for k, v in results.items()}
-    if rate.get("moed") and rate.get("mmap"):
-        ratios["moed_vs_mmap_in_cap"] = round(rate["moed"] / rate["mmap"], 2)
-    if rate.get("moed-fit") and rate.get("resident"):
-        ratios["moed_fit_vs_resident"] = round(rate["moed-fit"] / rate["resident"], 3)
-    if rate.get("moed") and rate.get("resident"):
-        ratios["moed_in_cap_vs_resident"] = round(rate["moed"] / rate["resident"], 3)
-    cpu = {k: v.get("cpu_ms_per_token") for k, v in results.items()}
-    if cpu.get("moed-fit") and cpu.get("resident"):
-        ratios["moed_fit_vs_resident_cpu"] = round(cpu["resident"] / cpu["moed-fit"], 3)
-    print(json.dumps({"ratios": ratios, "loadavg": os.getloadavg()}))
+    print(f"model {args.model}: {size / 2**30:.2f} GiB; cap {args.cap}; moed budget {args.budget}; "
+          f"trace {pathlib.Path(args.trace).name}", file=sys.stderr)
+    results: dict[str, list[dict]] = {}
+    for _ in range(args.rounds):
+        for label, kind, run in plan(args):
+            res = one_run(args, kind, run, cap, size)
+            results.setdefault(label, []).append(res)
+            print(json.dumps({"label": label, **res}))
+            sys.stdout.flush()
+    print(json.dumps({"medians": medians(results), "ratios": ratios(results), "loadavg": os.getloadavg()}))
     return 0
+
+
+def _cap_bytes(spec: str) -> int | None:
+    from moed.protocol.sizes import parse_size
+
+    if spec == "none":
+        return None
+    return int(float(spec[:-2]) * 1e9) if spec.endswith("GB") else parse_size(spec)
+
+
+def plan(args) -> list[tuple[str, str, dict]]:
+    """(label, engine kind, prefetch settings) for one round, prefetch modes interleaved."""
+    out = []
+    for kind in args.engines.split(","):
+        if not kind.startswith("moed"):
+            out.append((kind, kind, {}))
+            continue
+        for mode in args.prefetch.split(","):
+            recalls = args.recall.split(",") if mode != "off" else ["1.0"]
+            for r in recalls:
+                label = f"{kind}/{mode}" + (f"@{r}" if mode != "off" else "")
+                out.append((label, kind, {"prefetch": mode, "recall": float(r)}))
+    return out
+
+
+def one_run(args, kind: str, run: dict, cap: int | None, size: int) -> dict:
+    drop_page_cache(args.model)
+    capped = kind in ("mmap", "moed") and cap is not None
+    group = Cgroup(f"moed-bench-{os.getpid()}-{kind}", cap) if capped else None
+    warmup = 4 if kind == "mmap" else args.warmup
+    tokens = args.mmap_tokens if kind == "mmap" else args.tokens
+    try:
+        if kind.startswith("moed"):
+            budget = _budget(args.budget, args.model) if kind == "moed" else f"{int(size * 1.1)}"
+            # Everything fits: the daemon mirrors the whole model in its pinned
+            # partition at open (as the resident engine reads it all at load).
+            extra = ("--pin-budget", f"{int(size * 1.1)}") if kind == "moed-fit" else ()
+            extra += ("--policy", args.policy)
+            res = with_daemon(args, budget, group,
+                              lambda sock: child(args, kind, group, sock, tokens, warmup, run), extra)
+        else:
+            res = child(args, kind, group, None, tokens, warmup)
+        if group:
+            res["cgroup"] = group.stats()
+    finally:
+        if group:
+            group.remove()
+    return res
+
+
+def _budget(spec: str, model: str) -> str:
+    if not spec.endswith("%"):
+        return spec
+    from moed.lab.replay import parse_budget
+
+    return str(parse_budget(spec, model))
+
+
+def medians(results: dict[str, list[dict]]) -> dict[str, float | None]:
+    out = {}
+    for label, runs in results.items():
+        rates = [r["tok_s"] for r in runs if r.get("tok_s")]
+        out[label] = round(float(np.median(rates)), 3) if rates else None
+    return out
+
+
+def ratios(results: dict[str, list[dict]]) -> dict[str, float]:
+    """Median ratios: every moed run against mmap and resident, and prefetch on against off.
+
+    On against off is the median of per-round ratios (each pair ran minutes apart).
+    """
+    med = medians(results)
+    out = {}
+    for label, rate in med.items():
+        if not rate or not label.startswith("moed"):
+            continue
+        kind = label.split("/")[0]
+        for base in ("mmap", "resident"):
+            if med.get(base):
+                out[f"{label} vs {base}"] = round(rate / med[base], 3)
+        off = results.get(f"{kind}/off")
+        if off and label != f"{kind}/off":
+            per_round = [a["tok_s"] / b["tok_s"] for a, b in zip(results[label], off)
+                         if a.get("tok_s") and b.get("tok_s")]
+            if per_round:
+                out[f"{label} vs {kind}/off"] = round(float(np.median(per_round)), 3)
+    return out
 
 
 if __name__ == "__main__":

@@ -92,6 +92,8 @@ class Lookahead:
         self.predict_hook = predict_hook
         self.observers: list = []
         self.leads = LEADS[mode] if not record_width else (1, 2)
+        if predictor is not None:
+            predictor.prepare(self.leads)
         self.layers: dict[int, LayerLook] = {layer: LayerLook() for layer in source.moe_layers}
         self.predict_s = 0.0
         self.decode_steps = 0

@@ -60,8 +60,15 @@ class GatePredictor:
         self.routers = routers
         self.n_experts = int(next(iter(routers.values())).weight.shape[0])
         # (L, M) -> F[L, M].T, (n_embd, n_experts) C-contiguous: one matmul per target.
-        # Folded on first use, once: only the pairs a mode needs take memory.
+        # Folded once, by `prepare` at install or on first use: only the pairs a mode needs take memory.
         self._folded: dict[tuple[int, int], np.ndarray] = {}
+
+    def prepare(self, leads: tuple[int, ...]) -> None:
+        """Fold every (L, L + lead) pair now, so that no decode pays for it."""
+        for i, layer in enumerate(self.moe_layers):
+            for lead in leads:
+                if i + lead < len(self.moe_layers):
+                    self.folded(layer, self.moe_layers[i + lead])
 
     def folded(self, src: int, dst: int) -> np.ndarray:
         f = self._folded.get((src, dst))

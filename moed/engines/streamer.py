@@ -156,6 +156,7 @@ class ExpertStreamer:
             raise RuntimeError("this model has no gate-ahead predictor: no predictions to record")
         la.record_width = width
         la.leads = (1, 2)
+        la.predictor.prepare(la.leads)
         la.observers.append(observer)
 
     def stop_recording(self, observer: AheadObserver) -> None:
