@@ -152,27 +152,38 @@ def test_off_issues_nothing_and_does_not_observe():
     assert not la.observing and la.governor is None
 
 
-def test_governor_keeps_the_faster_arm_and_explores_the_other():
-    g = PrefetchGovernor(window=4, explore=5)
+def drive_governor(g: PrefetchGovernor, on_s: float, off_s: float, steps: int) -> list[bool]:
     arms = []
-    for _ in range(4 * 40):
+    for _ in range(steps):
         on = g.begin(decode_step=True)
         arms.append(on)
-        g.end(0.010 if on else 0.012)          # prefetch on is faster
-    assert arms[:4] == [True] * 4 and arms[4:8] == [False] * 4     # one window of each first
-    share_on = sum(arms[8:]) / len(arms[8:])
-    assert 0.75 <= share_on <= 0.85            # the faster arm, except one window in five
-    g2 = PrefetchGovernor(window=4, explore=5)
-    arms2 = []
-    for _ in range(4 * 40):
-        on = g2.begin(decode_step=True)
-        arms2.append(on)
-        g2.end(0.012 if on else 0.010)         # prefetch on is slower
-    assert sum(arms2[8:]) / len(arms2[8:]) <= 0.25
+        g.end(on_s if on else off_s)
+    return arms
+
+
+@pytest.mark.parametrize("faster_on", [True, False])
+def test_governor_holds_the_faster_arm_between_paired_probes(faster_on):
+    g = PrefetchGovernor(probe=4, hold=16, skip=2)
+    arms = drive_governor(g, 0.010 if faster_on else 0.012, 0.012 if faster_on else 0.010, 2 + 20 * 5)
+    assert arms[:2] == [True, True]                        # cold steps: on, not measured
+    assert arms[2:6] == [True, False, True, False]         # the probe pairs the arms step by step
+    assert set(arms[6:22]) == {faster_on}                  # then holds the winner
+    share_loser = sum(a != faster_on for a in arms[2:]) / len(arms[2:])
+    assert share_loser == pytest.approx(2 / 20)            # half of each probe
+    assert g.probes == 5 and g.last_median_s[True] == (0.010 if faster_on else 0.012)
+
+
+def test_governor_ignores_an_outlier_step():
+    g = PrefetchGovernor(probe=6, hold=8, skip=0)
+    times = iter([0.010, 0.012, 0.5, 0.012, 0.010, 0.012])  # one preempted 'on' step
+    for _ in range(6):
+        g.begin(decode_step=True)
+        g.end(next(times))
+    assert g.begin(decode_step=True) is True                # the median still says on is faster
 
 
 def test_governor_leaves_prompt_batches_on_and_uncounted():
-    g = PrefetchGovernor(window=2)
+    g = PrefetchGovernor(probe=2, skip=0)
     assert g.begin(decode_step=False) is True
     g.end(5.0)
-    assert g.mean_s == {True: None, False: None} and g.steps_on == 0
+    assert g.last_median_s == {True: None, False: None} and g.steps_on == 0
