@@ -98,6 +98,12 @@ def open_regular(path: str, extra_flags: int = 0) -> tuple[int, os.stat_result]:
     except OSError as exc:
         if exc.errno == errno.ELOOP and extra_flags & os.O_NOFOLLOW:
             raise BadModelFile(f"{path}: became a symbolic link while being opened") from None
+        try:            # a socket refuses open (ENXIO): say what it is, not the errno
+            mode = os.stat(path).st_mode
+        except OSError:
+            mode = stat.S_IFREG
+        if not stat.S_ISREG(mode):
+            raise BadModelFile(f"{path}: {_kind(mode)}, not a regular file") from None
         raise BadModelFile(f"{path}: cannot open: {exc.strerror}") from None
     try:
         st = os.fstat(fd)
