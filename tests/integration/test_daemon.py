@@ -296,6 +296,7 @@ def test_daemon_killed_clients_get_typed_error_and_restart_is_clean(start_daemon
     with pytest.raises(errors.DaemonUnavailable):
         m.acquire(0, [1])
     assert time.monotonic() - t0 < 1.0
+    m.prefetch(0, [2])             # a hint: dropped without an error, as documented
     d2 = start_daemon("8MiB", socket_dir=str(d.dir))   # same socket path: the stale one is replaced
     c.reconnect()
     m = c.open_model(tiny_model)

@@ -393,3 +393,12 @@ def test_a_stale_socket_of_a_dead_daemon_is_replaced(tmp_path, tiny_model):
     assert os.path.exists(d.socket)           # left behind by kill -9
     with DaemonProcess("8MiB", socket_dir=str(d.dir)) as again:
         well_behaved(again, tiny_model)
+
+
+def test_sizes_larger_than_ram_are_warned_about(tmp_path):
+    import psutil
+    ram = psutil.virtual_memory().total
+    with DaemonProcess(str(ram * 2), "--mem-floor", str(ram + 1)) as d:
+        wait_for(lambda: "larger than this machine's RAM" in d.log(), 10, what="the warning")
+        log = d.log()
+        assert "ram budget" in log and "memory floor" in log

@@ -122,6 +122,9 @@ def test_moectl_make_model(tmp_path, capsys):
     assert printed == [str(tmp_path / f"cli-0000{i}-of-00002.gguf") for i in (1, 2)]
     assert moectl(["make-model", str(out), "--quant", "q4_k"]) == 2
     assert "multiples of 256" in capsys.readouterr().err
+    missing = tmp_path / "no" / "such" / "dir" / "m.gguf"
+    assert moectl(["make-model", str(missing)]) == 2          # as align: no directories made
+    assert "does not exist" in capsys.readouterr().err and not (tmp_path / "no").exists()
 
 
 @pytest.mark.e2e

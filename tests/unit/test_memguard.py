@@ -36,6 +36,33 @@ def test_grows_back_by_the_headroom_beyond_the_band_up_to_the_budget():
     assert decide_limit(floor + hyst + 10 * BUDGET, floor, 100 * MiB, 100 * MiB, BUDGET) == BUDGET
 
 
+def test_a_large_floor_with_a_small_budget_still_grows_back():
+    """The issue's case: a 22.6 GiB floor over a 1 GiB budget kept the store at 0 B."""
+    GiB = 1 << 30
+    floor, budget = int(22.6 * GiB), 1 * GiB
+    band = hysteresis_for(floor, budget)
+    assert band <= budget // 8 < hysteresis_for(floor)
+    avail = floor + 300 * MiB               # well above the floor, within the old floor/16 band
+    assert decide_limit(avail, floor, 0, 0, budget) == 300 * MiB - band
+    assert decide_limit(floor + budget + band, floor, 0, 0, budget) == budget
+
+
+def test_why_held_tells_the_truth_in_sizes():
+    from moed.daemon.memguard import MemGuard
+    from moed.daemon.store import Store
+
+    class Box:                               # the guard reads only the store from its daemon
+        store = Store(1 << 30)
+
+    guard = MemGuard(Box(), floor_bytes=int(22.6 * (1 << 30)), sample_s=1, reader=None)
+    Box.store.set_effective_budget(0)
+    guard.last_available_bytes = guard.floor_bytes + 50 * MiB
+    text = guard.why_held()
+    assert "22.60 GiB" in text and "recovered above the floor" in text and "below" not in text
+    guard.last_available_bytes = guard.floor_bytes - 50 * MiB
+    assert "is below the floor 22.60 GiB" in guard.why_held()
+
+
 def test_cgroup_v1_headroom_counts_inactive_file_pages(tmp_path):
     d = tmp_path / "memory" / "a" / "b"
     d.mkdir(parents=True)
