@@ -35,7 +35,7 @@ def on_set_mem_floor(session, msg: m.SetMemFloor):
 
 async def on_pin(session, msg: m.Pin):
     require_operator(session)
-    model = session._model(msg.model_id)
+    model = session.model(msg.model_id)
     pinned, skipped = await session.daemon.pin(model, msg.experts, all_experts=msg.all,
                                                from_stats=msg.from_stats)
     return m.Pinned(pinned, skipped, session.daemon.store.pinned_bytes)
@@ -43,7 +43,7 @@ async def on_pin(session, msg: m.Pin):
 
 def on_unpin(session, msg: m.Unpin):
     require_operator(session)
-    model = session._model(msg.model_id)
+    model = session.model(msg.model_id)
     n = session.daemon.unpin(model, msg.experts, all_experts=msg.all)
     return m.Unpinned(n, session.daemon.store.pinned_bytes)
 

@@ -10,7 +10,7 @@ What must happen before what:
 - a lease's references are taken in one `Store.acquire` call, and given back
   exactly once (release, a failed read, or the connection closing);
 - pages of a dropped slot go back to the kernel before anything else runs on
-  the loop (`_settle`), so locked memory never exceeds the budget for long.
+  the loop (`settle`), so locked memory never exceeds the budget for long.
 
 Prefetch: a prefetch only reserves a slot the store can make room for without
 touching a held one, and its read queues behind every demand read. A demand
@@ -62,6 +62,39 @@ class Lease:
     tenant: Tenant
 
 
+class PendingAcquire:
+    """One acquire that could not be granted at once, from reservation to grant or cancel.
+
+    It owns the references its plan took (or will take, once there is room):
+    `wait()` turns them into a Lease, and any failure or cancellation gives them
+    back through `cancel()`, which is idempotent, so whoever ends it first (the
+    waiting task, or the connection closing before that task ever ran) ends it
+    exactly once.
+    """
+
+    def __init__(self, daemon: "Daemon", model: Model, layer: int, wants: list[Want], plan,
+                 tenant: Tenant, deadline: float):
+        self.daemon, self.model, self.layer, self.wants = daemon, model, layer, wants
+        self.plan, self.tenant, self.deadline = plan, tenant, deadline
+        self.ended = False
+
+    async def wait(self) -> Lease:
+        try:
+            lease = await self.daemon._complete(self)
+        except BaseException:
+            self.cancel()
+            raise
+        self.ended = True          # the references are the lease's now
+        return lease
+
+    def cancel(self) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        if self.plan is not None:
+            self.daemon._unref(self.plan.slots, self.plan.generations)
+
+
 @dataclass(eq=False)
 class Loading:
     """A read in flight for one slot; every acquire of that key awaits `done`."""
@@ -81,7 +114,8 @@ class Daemon:
         self.ramtier = RamTier(config.ram_budget_bytes + config.pin_budget_bytes)
         self.reader = ReaderPool(config.reader_threads, config.chunk_bytes)
         self.opener = Opener(config.max_opens_per_tenant, config.open_timeout_s)
-        self.memguard = MemGuard(self, config.mem_floor_bytes, config.mem_sample_s)
+        self.memguard = MemGuard(self.store, config.mem_floor_bytes, config.mem_sample_s,
+                                 settle=self.settle, room_changed=self.room_changed)
         self.tenant_quotas = resolve_tenants(config.tenants)
         self.verifier = Verifier() if config.verify else None
         # decayed access counts per expert, for `moectl pin --from-stats` (only with a pin budget)
@@ -240,11 +274,11 @@ class Daemon:
                 self._retire(old)
 
     def _maybe_drop_stale(self, model: Model) -> None:
-        if not model.stale or any(L.model is model for s in self.sessions for L in s.leases.values()):
+        if not model.stale or model.leases:
             return
         self.unpin(model, [], all_experts=True)
         self.store.drop_model(model.model_id)
-        self._settle()
+        self.settle()
         if not any(key.model_id == model.model_id for key in self.store.table):
             self._retired.add(model.model_id)
             self.models.pop(model.model_id, None)
@@ -316,17 +350,16 @@ class Daemon:
             wants = list(dict.fromkeys(wants))
         return wants
 
-    def try_acquire(self, model: Model, layer: int, experts: list[int], tenant: Tenant):
-        """Fast path: a lease if everything is resident now, else the work to wait on.
-
-        Returns (lease, None) on an immediate grant, or (None, coroutine-args).
-        """
+    def acquire(self, model: Model, layer: int, experts: list[int], tenant: Tenant,
+                timeout_s: float | None = None) -> "Lease | PendingAcquire":
+        """A lease if everything is resident now; else a PendingAcquire that owns the wait."""
         wants = self._wants(model, layer, experts)
         self.check_current(model)
         plan = self._plan(wants, tenant)
         if plan is not None and not plan.to_load and not plan.loading:
-            return self._grant(model, layer, plan, tenant), None
-        return None, (wants, plan)
+            return self._grant(model, layer, plan, tenant)
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.config.acquire_timeout_s)
+        return PendingAcquire(self, model, layer, wants, plan, tenant, deadline)
 
     def _plan(self, wants, tenant):
         try:
@@ -338,7 +371,7 @@ class Daemon:
         if plan is not None:
             self._count(plan, tenant)
             if plan.to_load:      # the store drops slots only to reserve new ones: a hit settles nothing
-                self._settle()
+                self.settle()
             for slot in plan.to_load:
                 self._start_read(slot, demand=True)
             for slot in plan.loading:
@@ -355,8 +388,8 @@ class Daemon:
         tenant.hits += plan.hits
         tenant.misses += misses
         use = tenant.use(plan.slots[0].key.model_id)
-        use[0] += plan.hits
-        use[1] += misses
+        use.hits += plan.hits
+        use.misses += misses
         if plan.hits:
             # One copy serving several tenants is the point of the daemon: count it.
             shared = sum(1 for s in plan.slots
@@ -372,33 +405,24 @@ class Daemon:
                 if self.store.use_prefetched(slot):
                     c.prefetch_hits += 1
 
-    async def acquire_slow(self, model: Model, layer: int, wants, plan, tenant: Tenant,
-                           timeout_s: float | None) -> Lease:
-        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.config.acquire_timeout_s)
-        while plan is None:
-            left = deadline - time.monotonic()
+    async def _complete(self, p: "PendingAcquire") -> Lease:
+        """Wait for room, then for the reads; the references stay p's until granted."""
+        while p.plan is None:
+            left = p.deadline - time.monotonic()
             if left <= 0:
-                raise errors.BudgetExhausted(self._no_room_message(len(wants), layer))
+                raise errors.BudgetExhausted(self._no_room_message(len(p.wants), p.layer))
             await self._wait_for_room(left)
-            plan = self._plan(wants, tenant)
+            p.plan = self._plan(p.wants, p.tenant)
+        plan = p.plan
         pending = [self._loading[s].done for s in plan.to_load + plan.loading if s in self._loading]
         if pending:
-            try:
-                # shielded: this acquire's cancellation must not cancel a read others wait on
-                results = await asyncio.gather(*map(asyncio.shield, pending), return_exceptions=True)
-            except asyncio.CancelledError:     # the connection closed while reads were in flight
-                self._unref(plan.slots, plan.generations)
-                raise
+            # shielded: this acquire's cancellation must not cancel a read others wait on
+            results = await asyncio.gather(*map(asyncio.shield, pending), return_exceptions=True)
             failures = [r for r in results if isinstance(r, BaseException)]
             if failures:
-                self._unref(plan.slots, plan.generations)
                 raise failures[0] if isinstance(failures[0], errors.MoedError) else errors.ReadError(str(failures[0]))
-        try:
-            self.check_current(model)    # the file may have changed while this acquire waited
-        except errors.ModelStale:
-            self._unref(plan.slots, plan.generations)
-            raise
-        return self._grant(model, layer, plan, tenant)
+        self.check_current(p.model)    # the file may have changed while this acquire waited
+        return self._grant(p.model, p.layer, plan, p.tenant)
 
     def _no_room_message(self, n: int, layer: int) -> str:
         st = self.store
@@ -408,6 +432,8 @@ class Daemon:
         return f"no room for {n} experts of layer {layer} before the timeout: {why}"
 
     def _grant(self, model: Model, layer: int, plan, tenant: Tenant) -> Lease:
+        model.leases += 1
+        tenant.use(model.model_id).leases += 1
         return Lease(next(self._lease_ids), model, layer, plan.slots, plan.generations, tenant)
 
     async def _wait_for_room(self, timeout_s: float) -> None:
@@ -421,7 +447,7 @@ class Daemon:
             if fut in self._room_waiters:
                 self._room_waiters.remove(fut)
 
-    def _room_changed(self) -> None:
+    def room_changed(self) -> None:
         waiters, self._room_waiters = self._room_waiters, []
         for fut in waiters:
             if not fut.done():
@@ -464,7 +490,7 @@ class Daemon:
         self.counters.bytes_read += job.bytes_total
         if slot.owner is not None and slot.key is not None:
             slot.owner.bytes_read += job.bytes_total
-            slot.owner.use(slot.key.model_id)[2] += job.bytes_total
+            slot.owner.use(slot.key.model_id).bytes_read += job.bytes_total
         if err is None and self.verifier is not None:
             err = self.verifier.check(slot.key, job.digest, f"model {slot.key.model_id} layer "
                                       f"{slot.key.layer} expert {slot.key.expert}")
@@ -476,15 +502,15 @@ class Daemon:
             log.error("read of %s failed: %s", job.what, err)
             model = self.models.get(slot.key.model_id) if slot.key is not None else None
             self.store.failed(slot)
-            self._settle()
+            self.settle()
             if isinstance(err, errors.ModelStale) and model is not None:
                 self.went_stale(model, str(err))
             loading.done.set_exception(err if isinstance(err, errors.MoedError) else
                                        errors.ReadError(f"reading {job.what} failed: {err}"))
             loading.done.exception()   # mark retrieved: a prefetch has no awaiter
-        self._room_changed()
+        self.room_changed()
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
         """Give the pages of dropped slots back to the kernel."""
         for slot in self.store.take_dropped():
             self.ramtier.release_slot(self.ramtier.segments[slot.class_id], slot.index)
@@ -492,6 +518,9 @@ class Daemon:
     # ---- release / prefetch --------------------------------------------------
 
     def release(self, lease: Lease) -> None:
+        """Give a lease's references back (exactly once: its owner forgets it first)."""
+        lease.model.leases -= 1
+        lease.tenant.use(lease.model.model_id).leases -= 1
         self._unref(lease.slots, lease.generations)
         if lease.model.stale:
             self._maybe_drop_stale(lease.model)
@@ -501,7 +530,7 @@ class Daemon:
         for slot, gen in zip(slots, generations):
             release(slot, gen)
         if self._room_waiters:
-            self._room_changed()
+            self.room_changed()
 
     def prefetch(self, model: Model, layer: int, experts: list[int], tenant: Tenant,
                  source: object = None) -> int:
@@ -516,7 +545,7 @@ class Daemon:
         for want in wants:
             slot = self.store.prefetch(want, owner=tenant)
             if slot is not None:
-                self._settle()
+                self.settle()
                 self._start_read(slot, demand=False)
                 mine.append((slot, slot.generation))
                 queued += 1
@@ -557,9 +586,9 @@ class Daemon:
             return False
         del self._loading[slot]
         self.store.cancel_prefetch(slot)
-        self._settle()
+        self.settle()
         loading.done.cancel()
-        self._room_changed()
+        self.room_changed()
         return True
 
     # ---- the pinned partition (host mirror) -------------------------------------
@@ -608,7 +637,7 @@ class Daemon:
             slots.append(slot)
             if must_read:
                 self._start_read(slot, demand=False)
-        self._room_changed()          # pinning resident keys freed room in the shared budget
+        self.room_changed()          # pinning resident keys freed room in the shared budget
         return pinned, skipped, slots
 
     def unpin(self, model: Model, experts, all_experts: bool = False) -> int:
@@ -617,7 +646,7 @@ class Daemon:
         else:
             keys = [w.key for layer, e in experts for w in self._wants(model, layer, [e])]
         n = sum(1 for k in keys if self.store.unpin(k))
-        self._settle()
+        self.settle()
         return n
 
     def _all_experts(self, model: Model) -> list[tuple[int, int]]:
@@ -635,6 +664,10 @@ class Daemon:
         from .stats import snapshot
         return snapshot(self)
 
+    @property
+    def reads_in_flight(self) -> int:
+        return len(self._loading)
+
     def mem_available_bytes(self) -> int:
         return self.memguard.available_bytes()
 
@@ -645,4 +678,4 @@ class Daemon:
         self.ramtier.close()
 
 
-__all__ = ["Daemon", "Lease", "PAGE"]
+__all__ = ["Daemon", "Lease", "PendingAcquire", "PAGE"]

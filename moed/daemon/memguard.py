@@ -6,11 +6,12 @@ grow (`Store.effective_budget_bytes`). It runs on the event loop: every
 
 - below the floor: lowers the store's limit by the deficit, evicts
   unreferenced slots down to it and gives their pages back to the kernel
-  (`Store.shrink`, `Daemon._settle`). Leased and pinned slots are never
+  (`Store.shrink`, then the `settle` callback). Leased and pinned slots are never
   touched, so the limit never goes below what leases and pins hold: the store
   stops growing, and acquires reuse slots as leases are released;
 - above floor + hysteresis: raises the limit by the headroom beyond that band,
-  up to the configured budget, and wakes acquires waiting for room;
+  up to the configured budget, and wakes acquires waiting for room (the
+  `room_changed` callback);
 - in between: leaves the limit alone (the band keeps it from oscillating).
 
 "Available" is MemAvailable from /proc/meminfo, or, when the daemon runs in
@@ -154,8 +155,12 @@ class MemoryReader:
 
 
 class MemGuard:
-    def __init__(self, daemon, floor_bytes: int, sample_s: float, reader: MemoryReader | None = None):
-        self.daemon = daemon
+    def __init__(self, store, floor_bytes: int, sample_s: float, reader: MemoryReader | None = None,
+                 settle=lambda: None, room_changed=lambda: None):
+        """`settle` gives dropped slots' pages back; `room_changed` wakes acquires waiting for room."""
+        self.store = store
+        self.settle = settle
+        self.room_changed = room_changed
         self.floor_bytes = floor_bytes
         self.sample_s = sample_s
         self.reader = reader or MemoryReader()
@@ -166,12 +171,12 @@ class MemGuard:
 
     @property
     def active(self) -> bool:
-        store = self.daemon.store
+        store = self.store
         return store.effective_budget_bytes < store.budget_bytes
 
     def why_held(self) -> str:
         """The truth about why the store may not grow to its budget now (for errors)."""
-        store = self.daemon.store
+        store = self.store
         avail = self.last_available_bytes
         held = (f"the memory guard holds the store at {format_size(store.effective_budget_bytes)} "
                 f"of its {format_size(store.budget_bytes)} budget")
@@ -195,21 +200,21 @@ class MemGuard:
 
     def step(self) -> int:
         """Take one sample and act on it; returns the bytes given back."""
-        store = self.daemon.store
+        store = self.store
         avail = self.available_bytes() if self.floor_bytes > 0 else 0
         old = store.effective_budget_bytes
         limit = decide_limit(avail, self.floor_bytes, store.used_bytes, old, store.budget_bytes)
         freed = 0
         if limit < old:
             freed = store.shrink(limit)
-            self.daemon._settle()
+            self.settle()
             # leases and pins may hold more than the target: then just stop growing
             limit = max(limit, store.used_bytes)
         store.set_effective_budget(limit)
         if freed or limit < old:
             self._gave_back(avail, freed, store)
         elif limit > old:
-            self.daemon._room_changed()
+            self.room_changed()
             if limit == store.budget_bytes:
                 log.info("memory guard: %s available again; the store may grow to its full budget %s",
                          format_size(avail), format_size(limit))
@@ -246,7 +251,7 @@ class MemGuard:
             self._task = None
 
     def stats(self) -> dict:
-        store = self.daemon.store
+        store = self.store
         return {
             "mem_guard_active": self.active,
             "effective_budget_bytes": store.effective_budget_bytes,

@@ -47,6 +47,7 @@ class Model:
     wants: dict = field(default_factory=dict)   # layer -> [Want per expert], built once: the hit path indexes it
     stale: bool = False
     domain: object = None      # None: shares segments by geometry; else its files' identity (private)
+    leases: int = 0            # leases held on it now, by every connection (kept by core)
 
     @property
     def direct_io(self) -> bool:

@@ -45,7 +45,7 @@ from . import control
 from .bounds import (MAX_QUEUED_BYTES, MAX_QUEUED_FRAMES, OPERATOR_RESERVE, SEND_STALL_S,
                      WRITE_HIGH_BYTES, WRITE_LOW_BYTES)
 from .access import peer_identity
-from .core import Daemon, Lease
+from .core import Daemon, Lease, PendingAcquire
 
 log = logging.getLogger("moed.server")
 
@@ -74,8 +74,8 @@ class Session(asyncio.Protocol):
         self.pid = self.uid = self.gid = -1
         self.tenant = None
         self.task: asyncio.Future | None = None
-        self.pending_plan = None    # references taken by an acquire whose task has not started yet
-        self.pending_coro = None    # the handler coroutine of that task, until it starts
+        self.pending: PendingAcquire | None = None   # the acquire waiting for room or reads
+        self.pending_coro = None    # the handler coroutine of the running task, until it starts
         self.reading = True
         self.write_paused = False
         self._drained: asyncio.Future | None = None    # set when the transport's output is empty
@@ -157,9 +157,9 @@ class Session(asyncio.Protocol):
             self._drained.cancel()
         if self.task is not None and not self.task.done():
             self.task.cancel()
-        plan, self.pending_plan = self.pending_plan, None
-        if plan is not None:
-            self.daemon._unref(plan.slots, plan.generations)
+        if self.pending is not None:      # its task may never have run: end it here (idempotent)
+            self.pending.cancel()
+            self.pending = None
         if self.pending_coro is not None:   # its task was cancelled before it ran
             self.pending_coro.close()
             self.pending_coro = None
@@ -365,7 +365,8 @@ class Session(asyncio.Protocol):
             finally:
                 loop.remove_writer(sock.fileno())
 
-    def _model(self, model_id: int):
+    def model(self, model_id: int):
+        """An open model this connection opened (UnknownModel otherwise, ModelStale if retired)."""
         if model_id not in self.models:
             raise errors.UnknownModel(f"this connection has not opened model {model_id}")
         return self.daemon.model_for(model_id)
@@ -373,20 +374,20 @@ class Session(asyncio.Protocol):
     def on_acquire(self, msg: m.Acquire):
         if msg.release:
             self._release_ids(msg.release, strict=False)
-        model = self._model(msg.model_id)
+        model = self.model(msg.model_id)
         if msg.timeout_s is not None and not msg.timeout_s >= 0:
             raise errors.BadRequest(f"timeout_s must be >= 0, got {msg.timeout_s}")
-        lease, pending = self.daemon.try_acquire(model, msg.layer, msg.experts, self.tenant)
-        if lease is not None:
-            return self._granted(lease)
-        wants, self.pending_plan = pending
-        return self._acquire_slow(model, msg, wants)
+        got = self.daemon.acquire(model, msg.layer, msg.experts, self.tenant, msg.timeout_s)
+        if isinstance(got, Lease):
+            return self._granted(got)
+        self.pending = got
+        return self._acquire_slow(got)
 
-    async def _acquire_slow(self, model, msg: m.Acquire, wants):
-        # The plan's references pass to acquire_slow here; a task cancelled before
-        # it ever ran leaves them in pending_plan for connection_lost to give back.
-        plan, self.pending_plan = self.pending_plan, None
-        lease = await self.daemon.acquire_slow(model, msg.layer, wants, plan, self.tenant, msg.timeout_s)
+    async def _acquire_slow(self, pending: PendingAcquire):
+        try:
+            lease = await pending.wait()
+        finally:
+            self.pending = None
         if self.closed:    # the peer went away while we read: nobody holds this lease
             self.daemon.release(lease)
             return None
@@ -415,7 +416,7 @@ class Session(asyncio.Protocol):
         return done
 
     def on_prefetch(self, msg: m.Prefetch):
-        model = self._model(msg.model_id)
+        model = self.model(msg.model_id)
         return m.Prefetched(self.daemon.prefetch(model, msg.layer, msg.experts, self.tenant, source=self))
 
     def on_stats(self, msg: m.GetStats):

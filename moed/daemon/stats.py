@@ -31,6 +31,16 @@ class Counters:
     stale_detected: int = 0   # models found changed on disk (fstat) while open
 
 
+@dataclass
+class ModelUse:
+    """One tenant's use of one model."""
+
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    leases: int = 0           # held now (kept by core at grant and release)
+
+
 @dataclass(eq=False)
 class Tenant:
     """A peer uid; `names` are what its clients called themselves in Hello."""
@@ -46,13 +56,17 @@ class Tenant:
     bytes_read: int = 0
     floor_bytes: int = 0
     ceiling_bytes: int = 0
-    per_model: dict = field(default_factory=dict)   # model_id -> [hits, misses, bytes_read]
+    per_model: dict[int, ModelUse] = field(default_factory=dict)
 
-    def use(self, model_id: int) -> list:
+    def use(self, model_id: int) -> ModelUse:
         u = self.per_model.get(model_id)
         if u is None:
-            u = self.per_model[model_id] = [0, 0, 0]
+            u = self.per_model[model_id] = ModelUse()
         return u
+
+    @property
+    def leases(self) -> int:
+        return sum(u.leases for u in self.per_model.values())
 
 
 def _model_row(daemon, model) -> dict:
@@ -73,10 +87,10 @@ def _model_row(daemon, model) -> dict:
         "pinned_experts": len(pinned),
         "pinned_bytes": sum(s.slot_bytes for s in pinned),
         "pinned": sorted([s.key.layer, s.key.expert] for s in pinned),
-        "hits": sum(u[0] for u in uses),
-        "misses": sum(u[1] for u in uses),
-        "bytes_read": sum(u[2] for u in uses),
-        "leases": sum(1 for s in daemon.sessions for L in s.leases.values() if L.model is model),
+        "hits": sum(u.hits for u in uses),
+        "misses": sum(u.misses for u in uses),
+        "bytes_read": sum(u.bytes_read for u in uses),
+        "leases": model.leases,
         "direct_io": model.direct_io,
         "stale": model.stale,
         "users": users,
@@ -84,17 +98,13 @@ def _model_row(daemon, model) -> dict:
 
 
 def _tenant_row(daemon, tenant: Tenant) -> dict:
-    sessions = [s for s in daemon.sessions if s.tenant is tenant]
     per_model: dict[int, dict] = {}
-    for mid, (hits, misses, read) in tenant.per_model.items():
-        per_model[mid] = {"hits": hits, "misses": misses, "bytes_read": read, "resident_bytes": 0, "leases": 0}
+    for mid, u in tenant.per_model.items():
+        per_model[mid] = {"hits": u.hits, "misses": u.misses, "bytes_read": u.bytes_read,
+                          "resident_bytes": 0, "leases": u.leases}
     for key, slot in daemon.store.table.items():
         if slot.owner is tenant and key.model_id in per_model:
             per_model[key.model_id]["resident_bytes"] += slot.slot_bytes
-    for s in sessions:
-        for lease in s.leases.values():
-            if lease.model.model_id in per_model:
-                per_model[lease.model.model_id]["leases"] += 1
     return {
         "uid": tenant.uid,
         "names": sorted(tenant.names),
@@ -105,7 +115,7 @@ def _tenant_row(daemon, tenant: Tenant) -> dict:
         "misses": tenant.misses,
         "bytes_read": tenant.bytes_read,
         "resident_bytes": daemon.store.owned_bytes.get(tenant, 0),
-        "leases": sum(len(s.leases) for s in sessions),
+        "leases": tenant.leases,
         "floor_bytes": tenant.floor_bytes,
         "ceiling_bytes": tenant.ceiling_bytes,
         "models": {str(mid): row for mid, row in sorted(per_model.items())},
@@ -142,7 +152,7 @@ def snapshot(daemon) -> dict:
         "wasted_prefetches": store.wasted_prefetches,
         "bytes_read": c.bytes_read,
         "read_errors": c.read_errors,
-        "reads_in_flight": len(daemon._loading),
+        "reads_in_flight": daemon.reads_in_flight,
         "direct_io": all(m.direct_io for m in models) if models else True,
         "policy": daemon.config.policy,
         "mem_available_bytes": daemon.mem_available_bytes(),

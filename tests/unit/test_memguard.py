@@ -51,11 +51,9 @@ def test_why_held_tells_the_truth_in_sizes():
     from moed.daemon.memguard import MemGuard
     from moed.daemon.store import Store
 
-    class Box:                               # the guard reads only the store from its daemon
-        store = Store(1 << 30)
-
-    guard = MemGuard(Box(), floor_bytes=int(22.6 * (1 << 30)), sample_s=1, reader=None)
-    Box.store.set_effective_budget(0)
+    store = Store(1 << 30)
+    guard = MemGuard(store, floor_bytes=int(22.6 * (1 << 30)), sample_s=1)
+    store.set_effective_budget(0)
     guard.last_available_bytes = guard.floor_bytes + 50 * MiB
     text = guard.why_held()
     assert "22.60 GiB" in text and "recovered above the floor" in text and "below" not in text
