@@ -2,12 +2,16 @@
 
 Sources, later wins: defaults, the TOML file (`--config`), command-line flags.
 Unknown keys, wrong types and impossible values fail at start with a message
-naming the key. Every `*_bytes` key also accepts a size string ("4GiB").
+naming the key. A tenant is a peer uid (SO_PEERCRED); `[tenants.<uid or user
+name>]` gives it a reserved floor and/or a ceiling of the shared budget, and
+names are resolved to uids here, once (an unknown name fails the start); the
+store enforces the quotas. Every `*_bytes` key also accepts a size string ("4GiB").
 """
 
 from __future__ import annotations
 
 import os
+import pwd
 import tomllib
 from typing import Any, Literal
 
@@ -91,8 +95,6 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         self._check_tenants()
 
     def _check_tenants(self) -> None:
-        from .tenants import resolve_tenants
-
         resolve_tenants(self.tenants)        # unknown user names fail the start
         for key, t in self.tenants.items():
             if t.floor_bytes < 0 or t.ceiling_bytes < 0:
@@ -102,6 +104,27 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         floors = sum(t.floor_bytes for t in self.tenants.values())
         if floors > self.ram_budget_bytes:
             raise ValueError(f"tenant floors add up to {floors} bytes, more than ram_budget_bytes")
+
+
+def tenant_uid(key: str) -> int:
+    """The uid a `[tenants.<key>]` table names: digits are a uid, anything else a user name."""
+    if key.isdigit():
+        return int(key)
+    try:
+        return pwd.getpwnam(key).pw_uid
+    except KeyError:
+        raise ValueError(f"tenants.{key}: no such user") from None
+
+
+def resolve_tenants(tenants: dict[str, TenantConfig]) -> dict[int, TenantConfig]:
+    out: dict[int, TenantConfig] = {}
+    for key, cfg in tenants.items():
+        uid = tenant_uid(key)
+        if uid in out:
+            raise ValueError(f"tenants.{key}: uid {uid} is configured twice")
+        out[uid] = cfg
+    return out
+
 
 
 def _sizes(raw: dict[str, Any], where: str = "") -> dict[str, Any]:

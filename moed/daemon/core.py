@@ -36,7 +36,7 @@ from moed.protocol import errors
 from moed.protocol.layout import PAGE
 from moed.protocol.sizes import format_size
 
-from .config import Config
+from .config import Config, resolve_tenants
 from .models import LayerPlan, Model, file_identity, model_info, open_catalog
 from .opener import Opener
 from .ramtier import RamTier
@@ -44,7 +44,7 @@ from .reader import ModelFile, ReaderPool, ReadJob
 from .access import Peer, check_open_files, check_readable, check_roots, world_readable
 from .memguard import MemGuard
 from .verify import Verifier, digest
-from .tenants import Heat, resolve_tenants
+from .heat import Heat
 from .stats import Counters, Tenant
 from .store import ExpertKey, Slot, SlotState, Store, Want
 from .policy import make_policy

@@ -6,7 +6,8 @@ import pytest
 
 from moed.daemon.config import TenantConfig
 from moed.daemon.store import ExpertKey
-from moed.daemon.tenants import Heat, resolve_tenants, tenant_uid
+from moed.daemon.config import resolve_tenants, tenant_uid
+from moed.daemon.heat import Heat
 
 
 class S:
