@@ -95,7 +95,8 @@ class Lookahead:
         if predictor is not None:
             predictor.prepare(self.leads)
         self.layers: dict[int, LayerLook] = {layer: LayerLook() for layer in source.moe_layers}
-        self.predict_s = 0.0
+        self.predict_s = 0.0         # in observe: the predictor's matmul, top-k, prefetch set
+        self.account_s = 0.0         # in routed: scoring, counting, sending the prefetches
         self.decode_steps = 0
         self._issuing = mode != "off"
         self._t0 = 0.0
@@ -169,6 +170,7 @@ class Lookahead:
 
     def routed(self, layer: int, ids: np.ndarray, held: int, stall_s: float) -> None:
         """Layer `layer` routed `ids` and holds `held` experts now; score it, then send prefetches."""
+        t0 = time.perf_counter()
         look = self.layers[layer]
         look.stall_s += stall_s
         preds = self._pred.pop(layer, None)
@@ -185,6 +187,7 @@ class Lookahead:
         for target, experts in outbox:
             self._send(target, experts, held)
             held += len(experts)
+        self.account_s += time.perf_counter() - t0
 
     def _score(self, look: LayerLook, ids: np.ndarray, preds: dict[int, np.ndarray]) -> None:
         for lead, pred in preds.items():
@@ -230,6 +233,7 @@ class Lookahead:
                "prediction_recall2": predicted2 / routed2 if routed2 else None,
                "prefetch_issued": issued, "prefetch_hits": hits, "prefetch_wasted": wasted,
                "prefetch_pending": issued - hits - wasted, "predict_s": self.predict_s,
+               "lookahead_account_s": self.account_s,
                "per_layer": {layer: l.as_dict() for layer, l in self.layers.items()}}
         if self.governor is not None:
             out.update(self.governor.state())
