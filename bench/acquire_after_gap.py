@@ -13,7 +13,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from moed.daemon.spawn import DaemonProcess  # noqa: E402
+from moed.spawn import DaemonProcess  # noqa: E402
 from moed.lab.makemodel import make_model  # noqa: E402
 import tempfile  # noqa: E402
 d = DaemonProcess("256MiB")

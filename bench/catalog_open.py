@@ -20,7 +20,7 @@ import time
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
-from moed.daemon.catalog import Catalog
+from moed.gguf.catalog import Catalog
 
 Q = GGMLQuantizationType
 LAYERS, EXPERTS, USED, EMBD, FF, VOCAB, HEADS, KV_HEADS, HEAD_DIM = 48, 128, 8, 2048, 768, 151936, 32, 4, 128

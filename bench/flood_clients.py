@@ -32,8 +32,8 @@ import threading
 import time
 
 from moed.client import Client
-from moed.daemon.catalog import Catalog
-from moed.daemon.spawn import DaemonProcess
+from moed.gguf.catalog import Catalog
+from moed.spawn import DaemonProcess
 from moed.lab.makemodel import make_model
 from moed.protocol import messages as m
 from moed.protocol.framing import encode

@@ -133,7 +133,7 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--threads", type=int, default=8)
     args = ap.parse_args()
-    from moed.daemon.catalog import Catalog
+    from moed.gguf.catalog import Catalog
     model = args.model or default_model()
     cat = Catalog.open(model)
     L = sorted(cat.moe_layers)

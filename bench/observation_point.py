@@ -83,7 +83,7 @@ def recall(pred: np.ndarray, ids: np.ndarray) -> tuple[int, int]:
 def measure(model: str, tokens: int, eps: float) -> dict:
     from moed.engines.llama_cpp import UnpackedLlama, _constructing, _unpacked_internals
     from moed.engines.predictor import GatePredictor, load_routers, top
-    from moed.gguf_header import read_split
+    from moed.gguf.header import read_split
 
     obs = Observer()
     with _constructing(_unpacked_internals(obs)):
@@ -136,7 +136,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         model = a.model or str(make_model(pathlib.Path(d) / "m.gguf", layers=a.layers, experts=a.experts,
                                           used=a.used, embd=a.embd, ff=a.ff, ctx=512)[0])
-        from moed.gguf_header import read_header
+        from moed.gguf.header import read_header
 
         h = read_header(model)
         eps = float(h.get(f"{h.get('general.architecture')}.attention.layer_norm_rms_epsilon", 1e-6))

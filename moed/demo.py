@@ -35,13 +35,13 @@ def default_model() -> Path:
 
 
 def routed_bytes(model: Path) -> int:
-    from moed.daemon.catalog import Catalog
+    from moed.gguf.catalog import Catalog
     cat = Catalog.open(model)
     return sum(cat.expert_bytes(layer) * cat.n_experts for layer in cat.moe_layers)
 
 
 def start_daemon(budget: int, shared: bool):
-    from moed.daemon.spawn import DaemonProcess
+    from moed.spawn import DaemonProcess
     from moed.protocol.errors import DaemonUnavailable
     # The demo's second tenant is another user: let it reach the socket.
     config = {"socket_mode": 0o666} if shared else None

@@ -6,7 +6,7 @@ import random
 import sys
 
 from moed.client import Client
-from moed.daemon.catalog import Catalog
+from moed.gguf.catalog import Catalog
 
 
 def main(sock: str, model: str, name: str, tokens: int = 64) -> int:

@@ -1,4 +1,4 @@
-"""Test support: the real `moed` as a subprocess (moed.daemon.spawn) and predicates.
+"""Test support: the real `moed` as a subprocess (moed.spawn) and predicates.
 
 `DaemonProcess` starts `python -m moed.daemon.main` on a short socket path in
 its own temporary directory and waits (with a deadline) until it answers a ping.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from moed.daemon.spawn import DaemonProcess  # noqa: F401 - re-exported for tests and benches
+from moed.spawn import DaemonProcess  # noqa: F401 - re-exported for tests and benches
 
 
 def wait_for(predicate, timeout_s: float = 10.0, interval_s: float = 0.01, what: str = "condition"):

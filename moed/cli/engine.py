@@ -119,7 +119,7 @@ def lookahead_line(st: dict) -> str:
 
 def _default_ctx(model: str, most: int = 4096) -> int:
     """The model's training context (`<arch>.context_length`), capped: the KV cache grows with it."""
-    from moed.gguf_header import read_header
+    from moed.gguf.header import read_header
 
     try:
         h = read_header(model)

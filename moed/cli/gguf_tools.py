@@ -78,7 +78,7 @@ def _make_model(args) -> int:
 
 
 def _index(args) -> int:
-    from moed.daemon.catalog import Catalog
+    from moed.gguf.catalog import Catalog
     cat = Catalog.open(args.model)
     if args.json:
         print(json.dumps(cat.to_dict()))
@@ -91,13 +91,13 @@ def _print_index(cat) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from moed.daemon.catalog import _ranges
+    from moed.gguf.catalog import format_ranges
     console = Console()
     aligned = ("yes" if cat.page_aligned else
                "partly" if any(e.page_aligned for e in cat.layers.values()) else "no")
     console.print(f"[bold]{cat.path}[/bold]  ({cat.arch}, {len(cat.files)} file(s), "
                   f"alignment {cat.alignment})")
-    console.print(f"layers {cat.n_layers}, MoE layers {_ranges(cat.moe_layers)}, experts "
+    console.print(f"layers {cat.n_layers}, MoE layers {format_ranges(cat.moe_layers)}, experts "
                   f"{cat.n_experts}, top-k {cat.n_expert_used}, parts {'+'.join(cat.parts)}")
     console.print(f"routed expert bytes {format_size(cat.expert_bytes_total)}, "
                   f"page-aligned expert extents: {aligned}")
@@ -105,7 +105,7 @@ def _print_index(cat) -> None:
                   title="bytes per expert, by size class")
     for i, (key, layers) in enumerate(cat.size_classes.items()):
         types = sorted({cat.layers[l].parts[p].type_name for l in layers for p, _ in key})
-        table.add_row(str(i), _ranges(layers), ",".join(types), *(str(b) for _, b in key),
+        table.add_row(str(i), format_ranges(layers), ",".join(types), *(str(b) for _, b in key),
                       str(sum(b for _, b in key)),
                       "yes" if all(cat.layers[l].page_aligned for l in layers) else "no")
     console.print(table)
@@ -114,8 +114,8 @@ def _print_index(cat) -> None:
 
 
 def _align(args) -> int:
-    from moed.gguf_align import align_gguf
-    from moed.daemon.catalog import Catalog
+    from moed.gguf.align import align_gguf
+    from moed.gguf.catalog import Catalog
     try:
         outs = align_gguf(args.src, args.dst, alignment=args.alignment, overwrite=args.force,
                           verify=not args.no_verify, progress=sys.stderr.isatty())

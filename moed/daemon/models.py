@@ -1,7 +1,7 @@
 """Open models: catalog plus open files plus each layer's size class.
 
 A model is identified by its files' identity (device, inode, size, mtime and
-ctime of every shard, `gguf_header.identity_of`), so two engines opening the
+ctime of every shard, `moed.gguf.header.identity_of`), so two engines opening the
 same file share one `Model`, one set of slots and one set of file descriptors.
 A file that changed since it was opened (overwritten in place included: every
 grant and every read checks with fstat) is a new identity: the old model goes
@@ -20,11 +20,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from moed.gguf_header import identity_of
+from moed.gguf.header import identity_of
 from moed.protocol import errors
 from moed.protocol.messages import LayerInfo, ModelInfo, PartExtent
 
-from .catalog import Catalog
+from moed.gguf.catalog import Catalog
 from .reader import ModelFile
 
 

@@ -2,7 +2,7 @@
 
 Parsing a model's headers reads the file, and a file can hang its reader (a
 stuck network filesystem, a device). Opens are non-blocking where the kernel
-allows (`gguf_header.open_regular`), and what remains runs here:
+allows (`moed.gguf.header.open_regular`), and what remains runs here:
 
 - each open runs in its own daemon thread, so no pool can be used up by one
   kind of bad file and shutdown never waits on a thread that hangs;

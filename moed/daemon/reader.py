@@ -30,7 +30,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
-from moed.gguf_header import FileIdentity, identity_of, open_regular
+from moed.gguf.header import FileIdentity, identity_of, open_regular
 from moed.protocol.errors import BadModelFile
 from moed.protocol.layout import PAGE
 

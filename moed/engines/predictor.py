@@ -122,7 +122,7 @@ def top(scores: np.ndarray, width: int) -> np.ndarray:
 def load_routers(headers, bases: list[int], moe_layers: list[int]) -> tuple[dict[int, Router], int]:
     """Every MoE layer's Router, read from the mapped model (dense pages, resident), and the gating func.
 
-    `headers`: `moed.gguf_header.read_split` of the model (one per shard); `bases`:
+    `headers`: `moed.gguf.header.read_split` of the model (one per shard); `bases`:
     the address at which each shard is mapped (file offset 0).
     """
     infos = {}

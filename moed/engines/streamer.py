@@ -136,7 +136,7 @@ class ExpertStreamer:
     def _install_lookahead(self, bases: list[int]) -> None:
         """Read the routers from the (now locked) dense pages; fold nothing until first use."""
         from moed.engines.predictor import GatePredictor, load_routers
-        from moed.gguf_header import read_split
+        from moed.gguf.header import read_split
 
         try:
             routers, gating = load_routers(read_split(self.mapped_files[0]), bases, self.source.moe_layers)

@@ -21,7 +21,7 @@ import contextlib
 import os
 import struct
 
-from moed.gguf_header import KV, Header, read_split, shard_names
+from moed.gguf.header import KV, Header, read_split, shard_names
 from moed.protocol.layout import round_up
 
 CHUNK_BYTES = 8 << 20
@@ -143,7 +143,7 @@ def verify_aligned(src_headers: list[Header], dst_first: str, alignment: int, *,
     """Raise ValueError unless the output has the input's metadata and tensor bytes."""
     if names is not None:
         # Partial names do not follow the shard naming; read each one directly.
-        from moed.gguf_header import check_split, read_header
+        from moed.gguf.header import check_split, read_header
         out = [read_header(n) for n in names]
         check_split(out)
     else:

@@ -28,7 +28,7 @@ counts, part sets). Lookups raise UnknownLayer / UnknownExpert / BadRequest.
 Invariants:
 - Expert `e` of a part lives at `offset + e * bytes_per_expert`, `bytes_per_expert =
   n_bytes / n_expert`, entirely inside its shard (checked at open).
-- Only headers are read (see moed.gguf_header): opening is fast even for big models
+- Only headers are read (see moed.gguf.header): opening is fast even for big models
   with big vocabularies, and no tensor data is touched.
 - `identity` is each shard's fstat identity on the descriptor its header was
   parsed from, so any later change to a shard is visible to `check_current`.
@@ -41,7 +41,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from moed.gguf_header import FileIdentity, Header, check_split, identity_of, read_header, split_files, type_name
+from moed.gguf.header import FileIdentity, Header, check_split, identity_of, read_header, split_files, type_name
 from moed.protocol.errors import BadModelFile, BadRequest, ModelStale, UnknownExpert, UnknownLayer
 from moed.protocol.layout import PAGE
 
@@ -119,7 +119,7 @@ class Catalog:
         entry = self.layers.get(layer)
         if entry is None:
             raise UnknownLayer(f"layer {layer} has no routed experts (MoE layers: "
-                               f"{_ranges(self.moe_layers)})")
+                               f"{format_ranges(self.moe_layers)})")
         return entry
 
     def extent(self, layer: int, expert: int, part: str) -> tuple[str, int, int]:
@@ -253,7 +253,7 @@ def _expert_count(path: str, arch: str, first: Header, found) -> int:
     return n
 
 
-def _ranges(values) -> str:
+def format_ranges(values) -> str:
     values = sorted(values)
     if not values:
         return "none"

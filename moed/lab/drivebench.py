@@ -139,8 +139,8 @@ def raw_reads(path: str, size: int = 1 << 20, depth: int = 8, seconds: float = 1
 def moed_reads(model_path: str, size: int = 1 << 20, depth: int = 8, seconds: float = 10.0,
                tick: Tick | None = None, seed: int = 0) -> DriveRun:
     from moed.client import Client
-    from moed.daemon.catalog import Catalog
-    from moed.daemon.spawn import DaemonProcess
+    from moed.gguf.catalog import Catalog
+    from moed.spawn import DaemonProcess
     from moed.lab.replay import slot_bytes_by_layer
 
     _check(size, depth, seconds)

@@ -28,7 +28,7 @@ import numpy as np
 from gguf import GGUFWriter, GGMLQuantizationType, GGML_QUANT_SIZES, quants
 from gguf.constants import Keys, TokenType
 
-from moed.gguf_header import shard_names
+from moed.gguf.header import shard_names
 
 ARCH = "qwen3moe"
 QUANTS = {

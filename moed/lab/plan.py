@@ -56,7 +56,7 @@ class ModelCost:
 
     @classmethod
     def of(cls, model_path: str | os.PathLike) -> "ModelCost":
-        from moed.daemon.catalog import Catalog
+        from moed.gguf.catalog import Catalog
         from moed.lab.replay import slot_bytes
         cat = Catalog.open(model_path)
         entries = [cat.layers[l] for l in cat.moe_layers]

@@ -27,7 +27,7 @@ uncounted like the warm-up.
 
 Counting comes from the daemon's own counters, as deltas over the counted
 tokens, so it is exact only when the replay is the daemon's only client (a
-private daemon, `moed.daemon.spawn.DaemonProcess`, which `moectl replay --budget` starts):
+private daemon, `moed.spawn.DaemonProcess`, which `moectl replay --budget` starts):
 
     accesses         distinct experts acquired per layer per counted token
     hit_rate         found READY at acquire (a finished prefetch included)
@@ -50,7 +50,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from moed.daemon.spawn import DaemonProcess
+from moed.spawn import DaemonProcess
 from moed.protocol.errors import BadRequest, RequestTooLarge
 from moed.protocol.layout import PAGE, round_up
 from moed.protocol.sizes import format_size, parse_size
@@ -124,13 +124,13 @@ def slot_bytes(entry) -> int:
 
 def slot_bytes_by_layer(model_path: str | os.PathLike) -> dict[int, int]:
     """`slot_bytes` per MoE layer of the model."""
-    from moed.daemon.catalog import Catalog
+    from moed.gguf.catalog import Catalog
     return {l: slot_bytes(e) for l, e in Catalog.open(model_path).layers.items()}
 
 
 def all_experts_bytes(model_path: str | os.PathLike) -> int:
     """The RAM tier bytes that would hold every routed expert of the model."""
-    from moed.daemon.catalog import Catalog
+    from moed.gguf.catalog import Catalog
     cat = Catalog.open(model_path)
     return cat.n_experts * sum(slot_bytes(e) for e in cat.layers.values())
 

@@ -65,7 +65,7 @@ def test_logits_bit_exact(request, start_daemon, reference_logits, model, budget
 
 
 def test_aligned_copy_of_a_model_gives_identical_logits(start_daemon, reference_logits, model_factory, tmp_path):
-    from moed.gguf_align import align_gguf
+    from moed.gguf.align import align_gguf
 
     original = model_factory(embd=256, ff=256)           # 32-byte alignment: copy path
     aligned = align_gguf(original, tmp_path / "aligned.gguf")[0]

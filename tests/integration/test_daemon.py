@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from moed.daemon.catalog import Catalog
+from moed.gguf.catalog import Catalog
 from moed.protocol import errors
 from moed.protocol.framing import HEADER
 from tests.support import file_bytes

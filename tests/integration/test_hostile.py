@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from moed.daemon.catalog import Catalog
-from moed.daemon.spawn import DaemonProcess
+from moed.gguf.catalog import Catalog
+from moed.spawn import DaemonProcess
 from moed.protocol import errors
 from moed.protocol import messages as m
 from moed.protocol.framing import encode

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from moed.daemon.catalog import Catalog
+from moed.gguf.catalog import Catalog
 from moed.lab.traces import TraceWriter
 from moed.protocol import errors
 from moed.protocol import messages as m

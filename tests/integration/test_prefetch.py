@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from moed.daemon.catalog import Catalog
+from moed.gguf.catalog import Catalog
 from moed.protocol import messages as m
 from tests.support import file_bytes, wait_for
 

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from moed.daemon.catalog import Catalog
+from moed.gguf.catalog import Catalog
 from moed.lab import replay as rp
 from moed.lab.traces import Trace, TraceWriter
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from moed.daemon.catalog import Catalog
+from moed.gguf.catalog import Catalog
 from moed.lab import drivebench as db
 
 

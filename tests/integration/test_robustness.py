@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moed.daemon.catalog import Catalog
+from moed.gguf.catalog import Catalog
 from moed.daemon.bounds import OPERATOR_RESERVE
 from moed.protocol import errors
 from moed.protocol import messages as m

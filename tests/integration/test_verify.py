@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from moed.daemon.catalog import Catalog
+from moed.gguf.catalog import Catalog
 from moed.protocol import errors
 from tests.integration.test_daemon import check_lease, expert_bytes
 

@@ -13,7 +13,7 @@ import sys
 import time
 
 from moed.client import Client
-from moed.daemon.catalog import Catalog
+from moed.gguf.catalog import Catalog
 
 
 def check_random(sock: str, model_path: str, n: int, seed: int) -> int:

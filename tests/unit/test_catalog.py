@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from moed.ctl import main as moectl
-from moed.daemon.catalog import Catalog
-from moed.gguf_header import read_header
+from moed.gguf.catalog import Catalog
+from moed.gguf.header import read_header
 from moed.protocol.errors import BadModelFile, BadRequest, ModelStale, UnknownExpert, UnknownLayer
 
 EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(\w+)_exps\.weight$")
