@@ -111,7 +111,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from moed.lab.makemodel import make_model
-    from tests.support import DaemonProcess
+    from moed.testing import DaemonProcess
 
     tmp = tempfile.mkdtemp(prefix="moedbench-", dir="/tmp")
     model = str(make_model(os.path.join(tmp, "m.gguf"), layers=4, experts=64, used=8)[0])

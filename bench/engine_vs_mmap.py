@@ -272,7 +272,7 @@ def child(args, kind: str, group, socket: str | None, tokens: int, warmup: int, 
 
 
 def with_daemon(args, budget: str, cgroup: Cgroup | None, fn, extra: tuple = ()):
-    from tests.support import wait_for
+    from moed.testing import wait_for
 
     sock_dir = pathlib.Path(f"/tmp/moed-bench-{os.getpid()}")
     sock_dir.mkdir(exist_ok=True)

@@ -30,7 +30,7 @@ from moed.client import Client  # noqa: E402
 from moed.gguf.catalog import Catalog  # noqa: E402
 from moed.lab import replay as rp  # noqa: E402
 from moed.lab.makemodel import make_model  # noqa: E402
-from tests.support import DaemonProcess  # noqa: E402
+from moed.testing import DaemonProcess  # noqa: E402
 
 
 def slot_bytes(model: str) -> int:

@@ -32,7 +32,7 @@ from moed.gguf.catalog import Catalog  # noqa: E402
 from moed.lab import replay as rp  # noqa: E402
 from moed.lab.makemodel import make_model  # noqa: E402
 from moed.protocol import errors  # noqa: E402
-from tests.support import DaemonProcess  # noqa: E402
+from moed.testing import DaemonProcess  # noqa: E402
 
 
 def client(sock: str, model: str, n: int, check_every: int, seed: int, out) -> None:

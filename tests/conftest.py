@@ -78,7 +78,7 @@ def llama_cpp():
 @pytest.fixture
 def start_daemon():
     """`start_daemon(budget="64MiB", *extra_args, **kw)` -> DaemonProcess, killed after the test."""
-    from tests.support import DaemonProcess
+    from moed.testing import DaemonProcess
     started: list = []
 
     def start(budget: str = "64MiB", *args: str, **kw):

@@ -1,4 +1,4 @@
-"""e2e fixtures: the real daemon (tests/support.DaemonProcess) and llama.cpp reference runs."""
+"""e2e fixtures: the real daemon (moed.testing.DaemonProcess) and llama.cpp reference runs."""
 
 from __future__ import annotations
 

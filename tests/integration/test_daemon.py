@@ -16,7 +16,7 @@ import pytest
 from moed.gguf.catalog import Catalog
 from moed.protocol import errors
 from moed.protocol.framing import HEADER
-from tests.support import file_bytes
+from moed.testing import file_bytes
 
 
 def expert_bytes(model_path, layer: int) -> int:

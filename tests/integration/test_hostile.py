@@ -22,7 +22,7 @@ from moed.protocol import errors
 from moed.protocol import messages as m
 from moed.protocol.framing import encode
 from tests.integration.test_daemon import check_lease
-from tests.support import wait_for
+from moed.testing import wait_for
 
 PING_WITHIN_S = 1.0
 GRACE_S = 2.0
@@ -166,7 +166,7 @@ def test_requests_over_the_list_bounds_are_bad_frames(hostile_daemon, tiny_model
 
 
 def test_eight_flooders_leave_the_daemon_small(hostile_daemon, tiny_model):
-    from tests.support import proc_status_bytes
+    from moed.testing import proc_status_bytes
     d = hostile_daemon()
     well_behaved(d, tiny_model)
     base = proc_status_bytes(d.proc.pid, "VmRSS")

@@ -10,7 +10,7 @@ import tempfile
 
 import pytest
 
-from tests.support import DaemonProcess, wait_for
+from moed.testing import DaemonProcess, wait_for
 
 MOED = [sys.executable, "-m", "moed.daemon.main"]
 

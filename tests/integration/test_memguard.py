@@ -14,7 +14,7 @@ from moed.protocol import errors
 from moed.protocol import messages as m
 from tests.integration.test_daemon import check_lease, expert_bytes
 from tests.integration.peer import NOBODY, Outcome, as_peer
-from tests.support import proc_status_bytes, wait_for
+from moed.testing import proc_status_bytes, wait_for
 from moed.gguf.catalog import Catalog
 
 

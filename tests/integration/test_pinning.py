@@ -12,7 +12,7 @@ from moed.lab.traces import TraceWriter
 from moed.protocol import errors
 from moed.protocol import messages as m
 from tests.integration.test_daemon import check_lease, expert_bytes
-from tests.support import wait_for
+from moed.testing import wait_for
 
 
 def moectl(sock: str, *args: str) -> subprocess.CompletedProcess:

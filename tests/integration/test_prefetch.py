@@ -14,7 +14,7 @@ import pytest
 
 from moed.gguf.catalog import Catalog
 from moed.protocol import messages as m
-from tests.support import file_bytes, wait_for
+from moed.testing import file_bytes, wait_for
 
 
 def slot_bytes(model) -> int:

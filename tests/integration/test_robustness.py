@@ -19,9 +19,9 @@ from moed.daemon.bounds import OPERATOR_RESERVE
 from moed.protocol import errors
 from moed.protocol import messages as m
 from moed.protocol.framing import encode
-from tests.integration.frames import RawConnection, frames
+from moed.testing.frames import RawConnection, frames
 from tests.integration.test_daemon import check_lease, expert_bytes, worker
-from tests.support import DaemonProcess, proc_status_bytes, wait_for
+from moed.testing import DaemonProcess, proc_status_bytes, wait_for
 
 
 

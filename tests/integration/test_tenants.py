@@ -87,7 +87,7 @@ def test_without_tenant_config_everyone_shares_one_lru(start_shared, model_facto
 
 def test_unknown_tenant_user_fails_the_start(tmp_path):
     from moed.protocol.errors import DaemonUnavailable
-    from tests.support import DaemonProcess
+    from moed.testing import DaemonProcess
     conf = tmp_path / "moed.toml"
     conf.write_text("[tenants.no-such-user-here]\nfloor_bytes = 1\n")
     with pytest.raises(DaemonUnavailable, match="no such user"):

@@ -1,14 +1,17 @@
-"""Test support: the real `moed` as a subprocess (moed.spawn) and predicates.
+"""Support shared by the tests and the benchmarks: predicates with deadlines, file bytes, /proc.
 
-`DaemonProcess` starts `python -m moed.daemon.main` on a short socket path in
-its own temporary directory and waits (with a deadline) until it answers a ping.
+Shipped with the package (as numpy.testing is) so that benchmarks need nothing
+from `tests/`. `moed.testing.frames` holds the hostile-frame strategies, which
+need hypothesis (the `dev` extra).
 """
 
 from __future__ import annotations
 
 import time
 
-from moed.spawn import DaemonProcess  # noqa: F401 - re-exported for tests and benches
+from moed.spawn import DaemonProcess  # re-exported: tests and benches start daemons through it
+
+__all__ = ["DaemonProcess", "file_bytes", "proc_status_bytes", "wait_for"]
 
 
 def wait_for(predicate, timeout_s: float = 10.0, interval_s: float = 0.01, what: str = "condition"):
