@@ -1,0 +1,78 @@
+"""The layering, checked on every module's imports (read with ast, nothing imported).
+
+- protocol imports only the standard library and msgspec;
+- the client never imports the daemon, gguf, psutil or llama_cpp;
+- the daemon never imports the client;
+- the model-file layer (moed.gguf) imports only the protocol, gguf-py and numpy
+  (and rich, for align's progress bar);
+- the lab never imports the daemon;
+- benchmarks import nothing from tests.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def imports_of(path: pathlib.Path) -> set[str]:
+    """Absolute names of every module `path` imports (relative imports resolved)."""
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                found.add(".".join(base + ([node.module] if node.module else [])))
+            else:
+                found.add(node.module or "")
+    return found
+
+
+def modules(where: str) -> list[pathlib.Path]:
+    return sorted((ROOT / where).rglob("*.py"))
+
+
+def top(name: str) -> str:
+    return name.split(".")[0]
+
+
+def offending(where: str, allowed) -> dict[str, list[str]]:
+    out = {}
+    for path in modules(where):
+        bad = sorted(n for n in imports_of(path) if not allowed(n))
+        if bad:
+            out[str(path.relative_to(ROOT))] = bad
+    return out
+
+
+STDLIB = set(sys.stdlib_module_names) | {"__future__"}
+
+
+@pytest.mark.parametrize("where, rule, allowed", [
+    ("moed/protocol", "stdlib and msgspec only",
+     lambda n: top(n) in STDLIB | {"msgspec"} or n.startswith("moed.protocol")),
+    ("moed/client", "never the daemon, gguf, psutil or llama_cpp",
+     lambda n: not (n.startswith(("moed.daemon", "moed.gguf", "moed.lab", "moed.engines"))
+                    or top(n) in {"gguf", "psutil", "llama_cpp"})),
+    ("moed/daemon", "never the client", lambda n: not n.startswith("moed.client")),
+    ("moed/gguf", "the protocol, gguf-py and numpy",
+     lambda n: top(n) in STDLIB | {"gguf", "numpy", "rich"} or n.startswith(("moed.protocol", "moed.gguf"))),
+    ("moed/lab", "never the daemon", lambda n: not n.startswith("moed.daemon")),
+    ("bench", "nothing from tests", lambda n: top(n) != "tests"),
+])
+def test_layering(where, rule, allowed):
+    assert offending(where, allowed) == {}, f"{where} must import {rule}"
+
+
+def test_the_checker_sees_relative_imports():
+    """The rules above would pass vacuously if imports were not found."""
+    found = imports_of(ROOT / "moed" / "daemon" / "core.py")
+    assert "moed.daemon.store" in found and "moed.protocol" in found
