@@ -82,7 +82,7 @@ def good_client(sock_path: str, model: str, stop: threading.Event, out: dict) ->
             worst = max(worst, time.monotonic() - t0)
             layer = rng.choice(h.moe_layers)
             experts = rng.sample(range(h.n_experts), h.n_expert_used)
-            with h.acquire(layer, experts, timeout=10) as lease:
+            with h.acquire(layer, experts, timeout_s=10) as lease:
                 for e in experts:
                     path, off, length = cat.extent(layer, e, h.parts[0])
                     if lease.view(e, h.parts[0]).tobytes() != file_bytes(path, off, length):

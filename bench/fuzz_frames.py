@@ -52,7 +52,7 @@ def good_client(sock: str, model: str, stop: threading.Event, result: dict) -> N
             while not stop.is_set():
                 layer = rng.choice(h.moe_layers)
                 experts = rng.sample(range(h.n_experts), h.n_expert_used)
-                with h.acquire(layer, experts, timeout=10) as lease:
+                with h.acquire(layer, experts, timeout_s=10) as lease:
                     for e in experts:
                         path, off, length = cat.extent(layer, e, h.parts[0])
                         if lease.view(e, h.parts[0]).tobytes() != file_bytes(path, off, length):

@@ -49,7 +49,7 @@ def spawn_holder(sock: str, model: str, layer: int) -> tuple[int, int, int]:
             os.close(held_r)
             os.close(go_w)
             c = Client(sock, "holder")
-            lease = c.open_model(model).acquire(layer, [0, 1, 2, 3], timeout=10)
+            lease = c.open_model(model).acquire(layer, [0, 1, 2, 3], timeout_s=10)
             os.write(held_w, b"h")
             os.read(go_r, 1)              # wait to be told (or killed)
             lease.release()

@@ -146,7 +146,7 @@ def run(args, model: str, floor_bytes: int, label: str) -> dict:
             for layer in h.moe_layers:           # fill the store to its budget
                 for e in range(0, h.n_experts, h.n_expert_used):
                     try:
-                        with h.acquire(layer, list(range(e, e + h.n_expert_used)), timeout=5):
+                        with h.acquire(layer, list(range(e, e + h.n_expert_used)), timeout_s=5):
                             pass
                     except errors.BudgetExhausted:
                         pass

@@ -46,7 +46,7 @@ def client(sock: str, model: str, n: int, check_every: int, seed: int, out) -> N
             layer = rng.choice(h.moe_layers)
             experts = rng.sample(range(h.n_experts), h.n_expert_used)
             try:
-                with h.acquire(layer, experts, timeout=30) as lease:
+                with h.acquire(layer, experts, timeout_s=30) as lease:
                     if i % check_every == 0:
                         for e in experts:
                             for part in h.parts:

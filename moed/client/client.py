@@ -17,6 +17,7 @@ import socket
 import struct
 import threading
 import time
+import warnings
 
 import msgspec
 import numpy as np
@@ -262,11 +263,20 @@ class ModelHandle:
     def segment(self, class_id: int) -> Segment:
         return self.client.segment(class_id)
 
-    def acquire(self, layer: int, experts, timeout: float | None = None, release=()) -> "Lease":
-        """Pin `experts` of `layer`; blocks until they are resident. `release` piggybacks."""
+    def acquire(self, layer: int, experts, timeout_s: float | None = None, release=(), *,
+                timeout: float | None = None) -> "Lease":
+        """Hold `experts` of `layer`; blocks until they are resident. `release` piggybacks.
+
+        `timeout_s`: how long the daemon may wait for room (None: its default).
+        `timeout` is the old name, kept as a deprecated alias.
+        """
+        if timeout is not None:
+            warnings.warn("ModelHandle.acquire(timeout=) is deprecated; use timeout_s=",
+                          DeprecationWarning, stacklevel=2)
+            timeout_s = timeout if timeout_s is None else timeout_s
         experts = list(map(int, experts))
         rel = [lease._take_for_release() for lease in release]
-        g = self.client.request(m.Acquire(self.model_id, layer, experts, timeout, [r for r in rel if r]))
+        g = self.client.request(m.Acquire(self.model_id, layer, experts, timeout_s, [r for r in rel if r]))
         return Lease(self, layer, list(dict.fromkeys(experts)), g)
 
     def prefetch(self, layer: int, experts) -> None:

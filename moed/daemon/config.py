@@ -18,6 +18,8 @@ from typing import Any, Literal
 import msgspec
 
 from moed.protocol.paths import DEFAULT_SOCKET
+
+from .policy import POLICIES
 from moed.protocol.sizes import parse_size
 
 
@@ -42,7 +44,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ram_budget_bytes: int = 1 << 30
     mem_floor_bytes: int = 0
     pin_budget_bytes: int = 0
-    policy: Literal["lru", "lfu"] = "lru"
+    policy: str = "lru"                  # a name in policy.POLICIES
     reader_threads: int = 8
     chunk_bytes: int = 256 << 10
     direct_io: Literal["auto", "on", "off"] = "auto"
@@ -68,6 +70,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def __post_init__(self):
         checks = [
             (self.ram_budget_bytes > 0, "ram_budget_bytes must be positive"),
+            (self.policy in POLICIES, f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}"),
             (1 <= self.reader_threads <= MAX_READER_THREADS,
              f"reader_threads must be 1..{MAX_READER_THREADS}, got {self.reader_threads}"),
             (self.chunk_bytes >= 4096 and self.chunk_bytes % 4096 == 0,

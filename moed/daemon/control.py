@@ -57,9 +57,6 @@ def handlers(session) -> dict:
     }
 
 
-HANDLED = (m.SetMemFloor, m.Pin, m.Unpin)
-
-
 def visible_stats(session, stats: dict) -> dict:
     """What one peer may see: operators everything; others their own tenant row and
     only the models they could open themselves (no other tenant's pids, names or leases)."""

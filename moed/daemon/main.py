@@ -30,6 +30,7 @@ from moed.protocol.sizes import format_size, parse_size
 from .config import Config, ConfigError, load_config
 from .core import Daemon
 from .memlock import mlock_status
+from .policy import POLICIES
 from .ramtier import MlockUnavailable
 from .server import Session
 
@@ -53,7 +54,7 @@ def parse_args(argv):
     p.add_argument("--direct-io", choices=["auto", "on", "off"], help="O_DIRECT reads (auto: probe, fall back)")
     p.add_argument("--require-mlock", action="store_true", default=None, help="refuse to start if memory cannot be locked")
     p.add_argument("--reader-threads", type=int)
-    p.add_argument("--policy", choices=["lru", "lfu"])
+    p.add_argument("--policy", choices=list(POLICIES))
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
 

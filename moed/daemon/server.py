@@ -424,7 +424,3 @@ class Session(asyncio.Protocol):
 
     def on_models(self, msg: m.ListModels):
         return m.ModelsReply(control.visible_stats(self, self.daemon.stats())["models"])
-
-
-HANDLED_REQUESTS = (m.Hello, m.Ping, m.OpenModel, m.Acquire, m.Release, m.Prefetch, m.GetStats, m.ListModels,
-                    *control.HANDLED)

@@ -93,7 +93,7 @@ class MoedSource:
 
     def acquire(self, layer: int, experts: Sequence[int], release: MoedGrant | None = None) -> MoedGrant:
         prior = [release.lease] if release is not None else []
-        lease = self.model.acquire(layer, list(experts), timeout=self.timeout_s, release=prior)
+        lease = self.model.acquire(layer, list(experts), timeout_s=self.timeout_s, release=prior)
         return MoedGrant(lease, self.model.segment(lease.class_id), (self.model.model_id, lease.class_id))
 
     def release(self, grant: MoedGrant) -> None:

@@ -17,7 +17,6 @@ API summary
     cat.size_class(l)                # the layer's SizeClass
     cat.page_aligned                 # every part of every layer page-aligned (also per layer/part)
     cat.expert_bytes(l)              # sum of the parts' bytes for one expert of layer l
-    cat.check_current()              # raises ModelStale if any shard changed since open
     cat.to_dict()                    # JSON-ready summary (moectl index --json)
 
 `Catalog.open` raises `moed.protocol.errors.BadModelFile` (clear message naming the
@@ -31,7 +30,8 @@ Invariants:
 - Only headers are read (see moed.gguf.header): opening is fast even for big models
   with big vocabularies, and no tensor data is touched.
 - `identity` is each shard's fstat identity on the descriptor its header was
-  parsed from, so any later change to a shard is visible to `check_current`.
+  parsed from, so any later change to a shard changes `identity_of` its stat
+  (the daemon checks its open descriptors against it: ModelFile.changed).
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ import os
 import re
 from dataclasses import dataclass
 
-from moed.gguf.header import FileIdentity, Header, check_split, identity_of, read_header, split_files, type_name
-from moed.protocol.errors import BadModelFile, BadRequest, ModelStale, UnknownExpert, UnknownLayer
+from moed.gguf.header import FileIdentity, Header, check_split, read_header, split_files, type_name
+from moed.protocol.errors import BadModelFile, BadRequest, UnknownExpert, UnknownLayer
 from moed.protocol.layout import PAGE
 
 PART_ORDER = ("gate", "up", "gate_up", "down")   # slot layout order
@@ -152,16 +152,6 @@ class Catalog:
     def expert_bytes_total(self) -> int:
         return sum(e.expert_bytes for e in self.layers.values()) * self.n_experts
 
-    def check_current(self) -> None:
-        """Raise ModelStale if any shard was replaced or modified since open."""
-        for f, ident in zip(self.files, self.identity):
-            try:
-                now = _identity(f)
-            except BadModelFile:
-                raise ModelStale(f"{f}: model file disappeared; open it again") from None
-            if now != ident:
-                raise ModelStale(f"{f}: model file changed since it was opened; open it again")
-
     def to_dict(self) -> dict:
         return {
             "path": self.path,
@@ -191,16 +181,6 @@ class Catalog:
 
 
 # ---------------------------------------------------------------------- helpers
-
-def _identity(path: str) -> FileIdentity:
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise BadModelFile(f"{path}: no such file") from None
-    except OSError as exc:
-        raise BadModelFile(f"{path}: cannot stat: {exc.strerror}") from None
-    return identity_of(st)
-
 
 def _build(path: str, files, identity, headers: list[Header]) -> Catalog:
     first = headers[0]

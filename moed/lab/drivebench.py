@@ -176,7 +176,7 @@ def _drive_daemon(probe, models, shares, seconds: float, tick: Tick | None) -> D
             layer, expert = share[k % len(share)]
             k += 1
             t0 = time.perf_counter()
-            lease = model.acquire(layer, [expert], timeout=60)
+            lease = model.acquire(layer, [expert], timeout_s=60)
             lat[i].append(time.perf_counter() - t0)
             lease.release()
 

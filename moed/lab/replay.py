@@ -308,7 +308,7 @@ class Replayer:
 
     def _acquire(self, layer: int, experts: list[int]):
         try:
-            return self.model.acquire(layer, experts, timeout=self.opts.acquire_timeout_s)
+            return self.model.acquire(layer, experts, timeout_s=self.opts.acquire_timeout_s)
         except RequestTooLarge as exc:
             raise RequestTooLarge(f"the budget cannot hold one layer's experts ({len(experts)} of layer "
                                   f"{layer}): {exc}") from None

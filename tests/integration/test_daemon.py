@@ -73,11 +73,11 @@ def test_killed_client_frees_its_leases(start_daemon, tiny_model):
     with d.client() as c:
         m = c.open_model(tiny_model)
         with pytest.raises(errors.BudgetExhausted):
-            m.acquire(1, [0], timeout=0.2)
+            m.acquire(1, [0], timeout_s=0.2)
         holder.send_signal(signal.SIGKILL)
         holder.wait()
         # the kill frees the budget: an acquire that waits now succeeds
-        with m.acquire(1, [0, 1, 2, 3], timeout=5) as lease:
+        with m.acquire(1, [0, 1, 2, 3], timeout_s=5) as lease:
             check_lease(Catalog.open(tiny_model), lease, 1, [0, 1, 2, 3])
 
 
@@ -91,10 +91,10 @@ def test_full_budget_waits_then_succeeds_when_released(start_daemon, tiny_model)
             mb.acquire(0, [2, 3, 4])
         t0 = time.monotonic()
         with pytest.raises(errors.BudgetExhausted):
-            mb.acquire(0, [2], timeout=0.3)
+            mb.acquire(0, [2], timeout_s=0.3)
         assert time.monotonic() - t0 >= 0.25
         held.release()
-        with mb.acquire(0, [2, 3], timeout=5):
+        with mb.acquire(0, [2, 3], timeout_s=5):
             pass
 
 
@@ -324,3 +324,13 @@ def test_concurrent_acquires_of_one_missing_expert_share_one_read(daemon, model_
     assert s["bytes_read"] == Catalog.open(model).expert_bytes(1)
     for c in clients:
         c.close()
+
+
+def test_acquire_timeout_keeps_its_old_name_as_a_deprecated_alias(daemon, tiny_model):
+    with daemon.client() as c:
+        m = c.open_model(tiny_model)
+        with pytest.warns(DeprecationWarning, match="timeout_s"):
+            lease = m.acquire(0, [1], timeout=5)
+        lease.release()
+        with m.acquire(0, [1], timeout_s=5):
+            pass

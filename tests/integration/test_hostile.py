@@ -35,7 +35,7 @@ def well_behaved(d, model) -> None:
         c.ping()
         assert time.monotonic() - t0 < PING_WITHIN_S
         h = c.open_model(model)
-        with h.acquire(1, [2, 5], timeout=5) as lease:
+        with h.acquire(1, [2, 5], timeout_s=5) as lease:
             check_lease(Catalog.open(model), lease, 1, [2, 5])
 
 
@@ -295,7 +295,7 @@ def test_overwrite_in_place_while_acquiring_never_mixes(hostile_daemon, model_fa
             while not stop.is_set():
                 for layer in cat.moe_layers:
                     try:
-                        with h.acquire(layer, [0, 3], timeout=5) as lease:
+                        with h.acquire(layer, [0, 3], timeout_s=5) as lease:
                             check_lease(cat, lease, layer, [0, 3])    # v1's bytes, exactly
                             outcomes.append("v1")
                     except errors.ModelStale:

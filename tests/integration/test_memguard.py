@@ -51,7 +51,7 @@ def test_floor_raised_live_gives_back_all_but_leased_then_grows_back(start_daemo
         with h.acquire(0, [0]):                         # hits still work
             pass
         with pytest.raises(errors.BudgetExhausted, match="memory guard"):
-            h.acquire(1, [5], timeout=0.3)              # growing is refused
+            h.acquire(1, [5], timeout_s=0.3)              # growing is refused
         held.release()
         wait_for(lambda: c.stats()["used_bytes"] == 0, 5, what="released experts given back")
 
@@ -61,7 +61,7 @@ def test_floor_raised_live_gives_back_all_but_leased_then_grows_back(start_daemo
         s = c.stats()
         assert not s["mem_guard_active"] and s["effective_budget_bytes"] == s["budget_bytes"]
         assert r.effective_budget_bytes == s["budget_bytes"]
-        with h.acquire(1, [5, 6], timeout=5) as lease:
+        with h.acquire(1, [5, 6], timeout_s=5) as lease:
             check_lease(cat, lease, 1, [5, 6])
     assert "memory guard" in d.log() and "gave back" in d.log()
     assert d.stop() == 0
@@ -73,7 +73,7 @@ def test_guard_started_with_floor_above_available_holds_store_empty(start_daemon
     with d.client() as c:
         h = c.open_model(tiny_model)
         with pytest.raises(errors.BudgetExhausted):
-            h.acquire(0, [0], timeout=0.5)
+            h.acquire(0, [0], timeout_s=0.5)
         s = c.stats()
         assert s["mem_guard_active"] and s["effective_budget_bytes"] == 0 and s["used_bytes"] == 0
 

@@ -23,7 +23,7 @@ def moectl(sock: str, *args: str) -> subprocess.CompletedProcess:
 def stream(h, layers, n_experts: int) -> None:
     for layer in layers:
         for e in range(n_experts):
-            with h.acquire(layer, [e], timeout=5):
+            with h.acquire(layer, [e], timeout_s=5):
                 pass
 
 

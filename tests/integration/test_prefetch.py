@@ -114,7 +114,7 @@ def test_demand_acquire_is_not_blocked_by_prefetches_filling_the_budget(start_da
     with d.client() as c:
         h = c.open_model(model)
         h.prefetch(0, [0, 1, 2, 3])                 # the whole budget, reads queued
-        with h.acquire(1, [8, 9], timeout=10) as lease:
+        with h.acquire(1, [8, 9], timeout_s=10) as lease:
             check(cat, lease, 1, [8, 9])
         s = settled(c)
     assert s["used_bytes"] <= s["budget_bytes"]

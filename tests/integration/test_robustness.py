@@ -54,7 +54,7 @@ def test_after_fuzzing_the_daemon_serves_and_logged_no_crash(fuzz_daemon, fuzz_c
     with fuzz_daemon.client() as c:
         c.request(m.SetMemFloor(0))               # a fuzzed frame may have been a valid control request
         h = c.open_model(tiny_model)
-        with h.acquire(0, [1, 2], timeout=5) as lease:
+        with h.acquire(0, [1, 2], timeout_s=5) as lease:
             check_lease(Catalog.open(tiny_model), lease, 0, [1, 2])
         assert c.stats()["bad_frames"] > 0
     assert "Traceback" not in fuzz_daemon.log()
@@ -149,7 +149,7 @@ def test_disconnect_mid_read_and_mid_wait_leaks_nothing(start_daemon, model_fact
             time.sleep(0.01)
             s.close()
         holder.release()
-        with h_model.acquire(3, list(range(8, 16)), timeout=5) as lease:   # all 8 slots free again
+        with h_model.acquire(3, list(range(8, 16)), timeout_s=5) as lease:   # all 8 slots free again
             check_lease(Catalog.open(model), lease, 3, list(range(8, 16)))
         wait_for(lambda: _leak_free(c, 8, slot), 5, what="every reference given back")
     assert d.stop() == 0
@@ -187,7 +187,7 @@ def test_truncation_under_concurrent_readers_and_replacement_makes_a_new_model(d
         for layer in (2, 3, 0, 1):
             for e in range(i, 8, 3):
                 try:
-                    with handles[i].acquire(layer, [e], timeout=5) as lease:
+                    with handles[i].acquire(layer, [e], timeout_s=5) as lease:
                         check_lease(cat, lease, layer, [e])   # never wrong bytes
                         outcomes.append(("ok", layer))
                 except errors.ModelStale:

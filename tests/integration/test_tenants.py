@@ -27,7 +27,7 @@ def _use(sock: str, model: str, layer: int, experts: list[int]) -> tuple[int, in
     with Client(sock, "nobody-engine") as c:
         m = c.open_model(model)
         for e in experts:
-            with m.acquire(layer, [e], timeout=5):
+            with m.acquire(layer, [e], timeout_s=5):
                 pass
         me = next(t for t in c.stats()["tenants"] if t["uid"] == os.getuid())
     return me["hits"], me["misses"]
@@ -45,7 +45,7 @@ def test_floor_holds_under_the_other_tenants_pressure_and_ceiling_caps(start_sha
         m = c.open_model(model)
         for layer in (1, 2, 3):                    # root streams 48 experts through 8 slots
             for e in range(16):
-                with m.acquire(layer, [e], timeout=5):
+                with m.acquire(layer, [e], timeout_s=5):
                     pass
         s = c.stats()
     rows = {t["uid"]: t for t in s["tenants"]}
@@ -78,7 +78,7 @@ def test_without_tenant_config_everyone_shares_one_lru(start_shared, model_facto
     with d.client() as c:
         m = c.open_model(model)
         for e in range(16):
-            with m.acquire(1, [e], timeout=5):
+            with m.acquire(1, [e], timeout_s=5):
                 pass
         rows = {t["uid"]: t for t in c.stats()["tenants"]}
     assert rows[NOBODY]["resident_bytes"] == 0
@@ -101,7 +101,7 @@ def test_hits_on_another_tenants_reads_are_counted_as_shared(start_shared, model
     assert not out.error and out.result == (0, 3), out
     with d.client() as c:
         m = c.open_model(model)
-        with m.acquire(2, [0, 1, 2, 3], timeout=5):   # three were read in by nobody, one is new
+        with m.acquire(2, [0, 1, 2, 3], timeout_s=5):   # three were read in by nobody, one is new
             pass
         s = c.stats()
     rows = {t["uid"]: t for t in s["tenants"]}

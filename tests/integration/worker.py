@@ -26,7 +26,7 @@ def check_random(sock: str, model_path: str, n: int, seed: int) -> int:
         for _ in range(n):
             layer = rng.choice(m.moe_layers)
             experts = rng.sample(range(m.n_experts), m.n_expert_used)
-            with m.acquire(layer, experts, timeout=30) as lease:
+            with m.acquire(layer, experts, timeout_s=30) as lease:
                 for e in experts:
                     for part in m.parts:
                         path, off, length = cat.extent(layer, e, part)

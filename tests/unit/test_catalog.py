@@ -13,8 +13,8 @@ import pytest
 
 from moed.ctl import main as moectl
 from moed.gguf.catalog import Catalog
-from moed.gguf.header import read_header
-from moed.protocol.errors import BadModelFile, BadRequest, ModelStale, UnknownExpert, UnknownLayer
+from moed.gguf.header import identity_of, read_header
+from moed.protocol.errors import BadModelFile, BadRequest, UnknownExpert, UnknownLayer
 
 EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(\w+)_exps\.weight$")
 
@@ -118,20 +118,18 @@ def test_q4_k_layers(model_factory):
     assert len(cat.size_classes) == 2
 
 
-def test_identity_and_staleness(tiny_model, tmp_path):
+def test_identity_changes_with_any_change(tiny_model, tmp_path):
     path = tmp_path / "m.gguf"
     shutil.copy(tiny_model, path)
     a, b = Catalog.open(path), Catalog.open(path)
     assert a.identity == b.identity and hash(a.identity) == hash(b.identity)
     st = os.stat(path)
     assert a.identity[0] == (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-    a.check_current()
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
-    with pytest.raises(ModelStale):
-        a.check_current()
-    os.unlink(path)
-    with pytest.raises(ModelStale):
-        b.check_current()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))      # a touch is a change
+    assert identity_of(os.stat(path)) != a.identity[0]
+    os.chmod(path, 0o600)                                               # so is a chmod (ctime)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))                 # mtime put back ...
+    assert identity_of(os.stat(path)) != a.identity[0]                  # ... ctime still tells
 
 
 def test_lookup_errors(tiny_model):
