@@ -82,6 +82,8 @@ class TraceRoutes:
         self.recall = recall
         self.rng = np.random.default_rng(seed)
         self.hook_s = 0.0           # time in the emulation, to tell the real predictor's cost apart
+        self._orders = np.argsort(self.rng.random((4096, self.n_experts)), axis=1).astype(np.int32)
+        self._order_i = 0
         self.start(0)
 
     def start(self, cursor: int) -> None:
@@ -106,6 +108,9 @@ class TraceRoutes:
     def _emulate(self, target: int, lead: int, ids: np.ndarray) -> None:
         n, width = ids.shape
         true = self.ids[self._tokens(target - lead, n), target]          # (n, k)
+        if n == 1:
+            self._emulate_row(true[0], ids[0])
+            return
         k = true.shape[1]
         # a random order of the experts that are wrong for each row: true ones sort last
         noise = self.rng.random((n, self.n_experts))
@@ -115,6 +120,19 @@ class TraceRoutes:
         ids[:, :min(k, width)] = np.where(keep, true, wrong[:, :k])[:, :width]
         if width > k:
             ids[:, k:] = wrong[:, k:width]
+
+    def _emulate_row(self, true: np.ndarray, out: np.ndarray) -> None:
+        """One token, the same emulation without per-row sorting: a stored random order of the experts."""
+        k, width = len(true), len(out)
+        order = self._orders[self._order_i % len(self._orders)]
+        self._order_i += 1
+        is_true = np.zeros(self.n_experts, dtype=bool)
+        is_true[true] = True
+        wrong = order[~is_true[order]][:width]
+        keep = self.rng.random(k) < self.recall
+        out[:min(k, width)] = np.where(keep, true, wrong[:k])[:width]
+        if width > k:
+            out[k:] = wrong[k:width]
 
 
 def run_engine(kind: str, model: str, trace: str, warmup: int, tokens: int, threads: int, socket: str | None,
@@ -155,7 +173,7 @@ def run_engine(kind: str, model: str, trace: str, warmup: int, tokens: int, thre
 def _decode(llm, routes: TraceRoutes, warmup: int, tokens: int) -> dict:
     llm.eval([llm.token_bos()])
     token = llm.token_bos()
-    times = []
+    times, arms = [], []
     for i in range(warmup + tokens):
         routes.start(i)
         if i == warmup:
@@ -164,14 +182,25 @@ def _decode(llm, routes: TraceRoutes, warmup: int, tokens: int) -> dict:
         t = time.perf_counter()
         llm.eval([token])
         times.append(time.perf_counter() - t)
+        arms.append(_arm(llm))
     cpu_s = time.process_time() - cpu0
     timed = times[warmup:]
+    by_arm = {a: [t for t, x in zip(timed, arms[warmup:]) if x is a] for a in (True, False)}
     # cpu_ms_per_token: this engine process only (the daemon's share is not in it);
     # on a box shared with other work it tells compute cost apart from waiting.
     return {"tokens": tokens, "tok_s": round(len(timed) / sum(timed), 3),
             "warmup_tok_s": round(warmup / max(sum(times[:warmup]), 1e-9), 3),
             "cpu_ms_per_token": round(1e3 * cpu_s / tokens, 1),
-            "stall_ms_per_token": None if stall0 is None else round(1e3 * (_stall(llm) - stall0) / tokens, 2)}
+            "stall_ms_per_token": None if stall0 is None else round(1e3 * (_stall(llm) - stall0) / tokens, 2),
+            # timed steps by the arm the engine's governor ran them in (prefetch on / off)
+            "steps_on": len(by_arm[True]), "steps_off": len(by_arm[False]),
+            "step_ms_on": round(1e3 * float(np.mean(by_arm[True])), 2) if by_arm[True] else None,
+            "step_ms_off": round(1e3 * float(np.mean(by_arm[False])), 2) if by_arm[False] else None}
+
+
+def _arm(llm) -> bool | None:
+    la = getattr(getattr(llm, "streamer", None), "lookahead", None)
+    return None if la is None else la.arm()
 
 
 def _prefill(llm, routes: TraceRoutes, n: int) -> dict:

@@ -160,6 +160,8 @@ class Lookahead:
     def _prefetch_set(self, ids: np.ndarray) -> np.ndarray:
         """Experts to prefetch for a batch's predictions: the union, or the whole layer, best first."""
         n = self.predictor.n_experts
+        if ids.shape[0] == 1:
+            return ids[0][ids[0] >= 0]           # one token: its row is distinct and best first already
         votes = np.bincount(ids[ids >= 0].ravel(), minlength=n)
         chosen = np.flatnonzero(votes)
         if len(chosen) >= WHOLE_LAYER_SHARE * n and ids.shape[0] > 1:
@@ -194,17 +196,16 @@ class Lookahead:
             if pred.shape[0] != ids.shape[0]:
                 continue         # the last layer keeps only the output rows: no row-by-row match
             pred = pred[:, :self.width]
-            named = np.zeros((ids.shape[0], self.predictor.n_experts), dtype=bool)
-            r, c = np.nonzero(pred >= 0)
-            named[r, pred[r, c]] = True
-            r, c = np.nonzero(ids >= 0)
-            got = int(named[r, ids[r, c]].sum())
-            valid = ids >= 0
+            if ids.shape[0] == 1:                # a decode step: sets are cheaper than masks
+                routed = {int(e) for e in ids[0] if e >= 0}
+                got, n_routed = len(routed.intersection(pred[0].tolist())), len(routed)
+            else:
+                got, n_routed = _named_pairs(pred, ids, self.predictor.n_experts)
             if lead == 1:
-                look.routed += int(valid.sum())
+                look.routed += n_routed
                 look.predicted += got
             else:
-                look.routed2 += int(valid.sum())
+                look.routed2 += n_routed
                 look.predicted2 += got
 
     def _send(self, target: int, experts: np.ndarray, held: int) -> None:
@@ -223,6 +224,10 @@ class Lookahead:
 
     # ---- reporting -----------------------------------------------------------
 
+    def arm(self) -> bool:
+        """Whether the current (or last) decode step prefetches."""
+        return self._issuing
+
     def totals(self) -> dict:
         ls = self.layers.values()
         routed, predicted = sum(l.routed for l in ls), sum(l.predicted for l in ls)
@@ -238,3 +243,12 @@ class Lookahead:
         if self.governor is not None:
             out.update(self.governor.state())
         return out
+
+
+def _named_pairs(pred: np.ndarray, ids: np.ndarray, n_experts: int) -> tuple[int, int]:
+    """(routed (token, expert) pairs that `pred` named in the same row, routed pairs)."""
+    named = np.zeros((ids.shape[0], n_experts), dtype=bool)
+    r, c = np.nonzero(pred >= 0)
+    named[r, pred[r, c]] = True
+    r, c = np.nonzero(ids >= 0)
+    return int(named[r, ids[r, c]].sum()), len(r)

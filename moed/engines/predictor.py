@@ -109,7 +109,7 @@ def top(scores: np.ndarray, width: int) -> np.ndarray:
     """The `width` best experts of every row, best first, int32 (n_rows, width)."""
     n = scores.shape[1]
     width = min(width, n)
-    if width * 4 < n:       # partition first: sorting every expert is the cost on wide models
+    if n > 256 and width * 4 < n:   # partition first: sorting every expert is the cost on wide models
         part = np.argpartition(-scores, width - 1, axis=1)[:, :width]
         order = np.argsort(-np.take_along_axis(scores, part, axis=1), axis=1, kind="stable")
         return np.take_along_axis(part, order, axis=1).astype(np.int32)
