@@ -33,4 +33,4 @@ def main(sock: str, model: str, name: str, tokens: int = 64) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:4]))
+    sys.exit(main(sys.argv[1], sys.argv[2], sys.argv[3]))

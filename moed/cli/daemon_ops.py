@@ -30,6 +30,7 @@ def cmd_ping(args) -> int:
             times.append((time.perf_counter() - t0) * 1e6)
         times.sort()
         h = c.hello
+        assert h is not None          # set by connect()
         print(f"moed {h.daemon_version} pid {h.daemon_pid} on {c.socket_path}: "
               f"round trip {times[len(times) // 2]:.0f} µs (median of {len(times)})")
     return 0

@@ -184,7 +184,8 @@ def cmd_policy(args: argparse.Namespace) -> int:
         raise BadRequest("MTP grouping needs both --mtp N and --accept A")
     trace = Trace.load(args.trace)
     acc = policies.accesses(trace, args.warm)
-    points = [(s, None) for s in sizes] if sizes is not None else [(None, n) for n in slots]
+    points: list[tuple[float | None, int | None]] = (
+        [(s, None) for s in sizes] if sizes is not None else [(None, n) for n in slots])
     results = [policies.replay(acc, p, size, n) for size, n in points for p in names]
     rows = [r.to_json() for r in results]
     if args.drive_gbps is not None:

@@ -7,6 +7,8 @@ replay's alone. Bad input is a one-line error and exit 2.
 
 from __future__ import annotations
 
+from typing import Any
+
 import json
 import sys
 
@@ -66,7 +68,7 @@ class _progress:
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
-        self.bar = None
+        self.bar: Any = None          # a rich Progress once entered
         self.task = None
 
     def __enter__(self):

@@ -41,7 +41,7 @@ class Segment:
         return self._array[off : off + self.info.part_bytes[k]]
 
     def close(self) -> None:
-        self._array = None
+        self.__dict__.pop("_array", None)    # a view after close raises AttributeError, never reads freed memory
         try:
             self._map.close()
         except BufferError:

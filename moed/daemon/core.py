@@ -30,6 +30,7 @@ import os
 import time
 import weakref
 from dataclasses import dataclass
+from typing import cast
 
 from moed import __version__
 from moed.protocol import errors
@@ -104,12 +105,12 @@ class Loading:
 
 
 class Daemon:
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, loop: asyncio.AbstractEventLoop):
         self.config = config
         self.started_at = time.time()
         self.pid = os.getpid()
         self.version = __version__
-        self.loop: asyncio.AbstractEventLoop | None = None
+        self.loop = loop
         self.store = Store(config.ram_budget_bytes, make_policy(config.policy), config.pin_budget_bytes)
         self.ramtier = RamTier(config.ram_budget_bytes + config.pin_budget_bytes)
         self.reader = ReaderPool(config.reader_threads, config.chunk_bytes)
@@ -457,6 +458,7 @@ class Daemon:
 
     def _start_read(self, slot: Slot, demand: bool) -> None:
         key = slot.key
+        assert key is not None            # a reserved (LOADING) slot always has its key
         plan = self.models[key.model_id].layers[key.layer]
         seg = self.ramtier.segments[slot.class_id]
         pieces = [(f, off + key.expert * size, size, seg.part_addr(slot.index, k))
@@ -470,7 +472,7 @@ class Daemon:
 
     def _read_done_thread(self, job: ReadJob, err: BaseException | None) -> None:
         """Reader thread: lock the filled pages, then hand over to the loop."""
-        slot = job.tag
+        slot = cast(Slot, job.tag)
         if err is None:
             # Bytes read after the file changed (or while it changed) are never served.
             changed = next((f for f in {p[0] for p in job.pieces} if f.changed()), None)
@@ -488,19 +490,20 @@ class Daemon:
             return
         del self._loading[slot]
         self.counters.bytes_read += job.bytes_total
-        if slot.owner is not None and slot.key is not None:
-            slot.owner.bytes_read += job.bytes_total
-            slot.owner.use(slot.key.model_id).bytes_read += job.bytes_total
+        key, owner = slot.key, cast("Tenant | None", slot.owner)
+        assert key is not None            # still LOADING: nothing vacated it (cancel removes _loading first)
+        if owner is not None:
+            owner.bytes_read += job.bytes_total
+            owner.use(key.model_id).bytes_read += job.bytes_total
         if err is None and self.verifier is not None:
-            err = self.verifier.check(slot.key, job.digest, f"model {slot.key.model_id} layer "
-                                      f"{slot.key.layer} expert {slot.key.expert}")
+            err = self.verifier.check(key, job.digest, job.what)
         if err is None:
             self.store.loaded(slot)
             loading.done.set_result(None)
         else:
             self.counters.read_errors += 1
             log.error("read of %s failed: %s", job.what, err)
-            model = self.models.get(slot.key.model_id) if slot.key is not None else None
+            model = self.models.get(key.model_id)
             self.store.failed(slot)
             self.settle()
             if isinstance(err, errors.ModelStale) and model is not None:

@@ -149,8 +149,7 @@ def sd_notify(state: str) -> None:
 async def serve(config: Config) -> None:
     loop = asyncio.get_running_loop()
     locked, why = mlock_status(config.ram_budget_bytes + config.pin_budget_bytes, config.require_mlock)
-    daemon = Daemon(config)
-    daemon.loop = loop
+    daemon = Daemon(config, loop)
     if not locked:
         daemon.ramtier.locked = False
         daemon.ramtier.lock_error = why

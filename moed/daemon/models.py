@@ -18,7 +18,9 @@ not gets segments of its own, see access.world_readable).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from moed.gguf.header import identity_of
 from moed.protocol import errors
@@ -26,6 +28,9 @@ from moed.protocol.messages import LayerInfo, ModelInfo, PartExtent
 
 from moed.gguf.catalog import Catalog
 from .reader import ModelFile
+
+if TYPE_CHECKING:
+    from .ramtier import Segment
 
 
 @dataclass(eq=False)
@@ -75,7 +80,7 @@ def open_catalog(path: str) -> Catalog:
         raise errors.BadModelFile(f"{path}: cannot read as GGUF ({exc})") from None
 
 
-def model_info(model: Model, class_segments: dict[int, object]) -> ModelInfo:
+def model_info(model: Model, class_segments: Mapping[int, "Segment"]) -> ModelInfo:
     cat = model.catalog
     layers = []
     for layer in sorted(model.layers):

@@ -97,6 +97,7 @@ class ReadJob:
     demand: bool = True
     tag: object = None
     what: str = "expert"          # names the expert in errors and logs
+    digest: int = 0               # verify mode: xxh3 of the bytes read (set by the completion callback)
     bytes_total: int = 0
     _left: int = 0
     _error: BaseException | None = None

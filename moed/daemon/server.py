@@ -35,6 +35,7 @@ import os
 import socket
 import struct
 from collections import deque
+from typing import Coroutine
 
 from moed.protocol import errors
 from moed.protocol import messages as m
@@ -46,11 +47,17 @@ from .bounds import (MAX_QUEUED_BYTES, MAX_QUEUED_FRAMES, OPERATOR_RESERVE, SEND
                      WRITE_HIGH_BYTES, WRITE_LOW_BYTES)
 from .access import peer_identity
 from .core import Daemon, Lease, PendingAcquire
+from .stats import Tenant
 
 log = logging.getLogger("moed.server")
 
 _PEERCRED = struct.Struct("3i")
 MAX_NAMES_PER_TENANT = 32
+
+
+def _resolve(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def peer_credentials(sock) -> tuple[int, int, int]:
@@ -60,9 +67,13 @@ def peer_credentials(sock) -> tuple[int, int, int]:
 
 
 class Session(asyncio.Protocol):
+    # Set by connection_made, before any other callback can run.
+    transport: asyncio.Transport
+    tenant: Tenant
+    loop: asyncio.AbstractEventLoop
+
     def __init__(self, daemon: Daemon):
         self.daemon = daemon
-        self.transport: asyncio.Transport | None = None
         self.frames = FrameReader(decoder=None, max_frame_bytes=MAX_REQUEST_FRAME_BYTES)
         self.queue: deque = deque()       # encoded payloads (bytes) or BadFrame errors, in order
         self.queued_bytes = 0
@@ -72,10 +83,9 @@ class Session(asyncio.Protocol):
         self.leases: dict[int, Lease] = {}
         self.models: set[int] = set()
         self.pid = self.uid = self.gid = -1
-        self.tenant = None
         self.task: asyncio.Future | None = None
         self.pending: PendingAcquire | None = None   # the acquire waiting for room or reads
-        self.pending_coro = None    # the handler coroutine of the running task, until it starts
+        self.pending_coro: Coroutine | None = None    # the handler coroutine of the running task, until it starts
         self.reading = True
         self.write_paused = False
         self._drained: asyncio.Future | None = None    # set when the transport's output is empty
@@ -92,6 +102,7 @@ class Session(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        self.loop = self.daemon.loop
         transport.set_write_buffer_limits(high=WRITE_HIGH_BYTES, low=WRITE_LOW_BYTES)
         sock = transport.get_extra_info("socket")
         self.pid, self.uid, self.gid = peer_credentials(sock)
@@ -107,7 +118,7 @@ class Session(asyncio.Protocol):
             self.closed = True
             transport.close()
             return
-        self.last_request_at = self.daemon.loop.time()
+        self.last_request_at = self.loop.time()
         self._arm(self.daemon.config.hello_timeout_s)
 
     def _refusal(self) -> str | None:
@@ -126,7 +137,7 @@ class Session(asyncio.Protocol):
     def _arm(self, delay_s: float) -> None:
         if self._deadline is not None:
             self._deadline.cancel()
-        self._deadline = self.daemon.loop.call_later(delay_s, self._deadline_passed) if delay_s > 0 else None
+        self._deadline = self.loop.call_later(delay_s, self._deadline_passed) if delay_s > 0 else None
 
     def _deadline_passed(self) -> None:
         self._deadline = None
@@ -136,7 +147,7 @@ class Session(asyncio.Protocol):
             self._time_out(f"no hello within {self.daemon.config.hello_timeout_s}s")
             return
         idle_s = self.daemon.config.idle_timeout_s
-        quiet_s = self.daemon.loop.time() - self.last_request_at
+        quiet_s = self.loop.time() - self.last_request_at
         if self.busy or self.leases or quiet_s < idle_s:
             self._arm(max(idle_s - quiet_s, idle_s / 4))   # busy or holding: not idle; look again later
             return
@@ -176,7 +187,7 @@ class Session(asyncio.Protocol):
         frames = self.frames.feed(data)
         self.queue.extend(frames)
         self.queued_bytes += sum(len(f) for f in frames if isinstance(f, bytes))
-        self.last_request_at = self.daemon.loop.time()
+        self.last_request_at = self.loop.time()
         if not self.busy:
             self._pump()
         self._flow()
@@ -296,16 +307,18 @@ class Session(asyncio.Protocol):
         return m.HelloReply(PROTOCOL_VERSION, d.version, d.pid, self.uid, self.pid)
 
     def on_ping(self, msg: m.Ping):
-        return m.Pong(int(self.daemon.loop.time() * 1e9))
+        return m.Pong(int(self.loop.time() * 1e9))
 
     async def on_open_model(self, msg: m.OpenModel):
         model = await self.daemon.open_model(msg.path, peer_identity(self.pid, self.uid, self.gid),
                                              self.tenant)
         self.models.add(model.model_id)
-        await self._send_with_fds(encode(model.info), [s.class_id for s in model.info.segments])
+        info = model.info
+        assert info is not None         # set when the model was added
+        await self._send_with_fds(encode(info), [s.class_id for s in info.segments])
         return None
 
-    async def _send_with_fds(self, frame: bytes, class_ids: list[int]) -> None:
+    async def _send_with_fds(self, frame: bytes | bytearray, class_ids: list[int]) -> None:
         """Write a frame with descriptors attached (the transport cannot carry them).
 
         Order: everything the transport holds goes out first (its output
@@ -313,7 +326,7 @@ class Session(asyncio.Protocol):
         frame's first bytes, and the transport writes whatever the kernel did
         not take. A peer that reads nothing for SEND_STALL_S is disconnected.
         """
-        deadline = self.daemon.loop.time() + SEND_STALL_S
+        deadline = self.loop.time() + SEND_STALL_S
         await self._drain(deadline)
         raw = self.transport.get_extra_info("socket")
         fds = [self.daemon.ramtier.segments[c].readonly_fd() for c in class_ids]
@@ -333,10 +346,10 @@ class Session(asyncio.Protocol):
         """Wait until the transport holds no output (resume_writing fires at an empty buffer)."""
         if not self.transport.get_write_buffer_size():
             return
-        self._drained = self.daemon.loop.create_future()
+        self._drained = self.loop.create_future()
         self.transport.set_write_buffer_limits(high=1, low=0)
         try:
-            await asyncio.wait_for(self._drained, max(0.0, deadline - self.daemon.loop.time()))
+            await asyncio.wait_for(self._drained, max(0.0, deadline - self.loop.time()))
         except asyncio.TimeoutError:
             self.transport.abort()
             raise errors.TimedOut(f"the peer read none of its replies for {SEND_STALL_S}s") from None
@@ -345,7 +358,7 @@ class Session(asyncio.Protocol):
             if not self.closed:
                 self.transport.set_write_buffer_limits(high=WRITE_HIGH_BYTES, low=WRITE_LOW_BYTES)
 
-    async def _sendmsg(self, sock: socket.socket, frame: bytes, fds: list[int], deadline: float) -> int:
+    async def _sendmsg(self, sock: socket.socket, frame: bytes | bytearray, fds: list[int], deadline: float) -> int:
         ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
         loop = self.daemon.loop
         while True:
@@ -356,7 +369,7 @@ class Session(asyncio.Protocol):
             # The kernel's buffer is full: wait for room on our own descriptor
             # (the transport's is registered with the loop already).
             ready = loop.create_future()
-            loop.add_writer(sock.fileno(), lambda: ready.done() or ready.set_result(None))
+            loop.add_writer(sock.fileno(), _resolve, ready)
             try:
                 await asyncio.wait_for(ready, max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:

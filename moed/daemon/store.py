@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 from .policy import LRU, EvictionPolicy
 
@@ -200,7 +200,8 @@ class Store:
                 if s is None:
                     s = slots[i] = self._reserve(wants[i], owner)
                     to_load.append(s)
-        return Plan(slots, [s.generation for s in slots], to_load, loading, hits, len(to_load))
+        granted = cast(list[Slot], slots)     # every None was reserved above
+        return Plan(granted, [s.generation for s in granted], to_load, loading, hits, len(to_load))
 
     def prefetch(self, want: Want, owner: object = None) -> Slot | None:
         """Reserve a LOADING slot for a key not resident, without evicting a held slot.
@@ -353,7 +354,7 @@ class Store:
 
     def _vacate(self, slot: Slot) -> None:
         """Take a slot's key out of the table: it is EMPTY (its index and bytes stay until `_drop`)."""
-        del self.table[slot.key]
+        del self.table[cast(ExpertKey, slot.key)]    # only occupied slots are vacated
         slot.key = None
         slot.state = SlotState.EMPTY
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from moed.protocol import messages as m
 from moed.protocol.framing import HEADER
 
-TAGS = [t.__struct_config__.tag for t in m.REQUEST_TYPES + m.REPLY_TYPES] + ["", "nope", "hello\x00"]
+TAGS = [getattr(t, "__struct_config__").tag for t in m.REQUEST_TYPES + m.REPLY_TYPES] + ["", "nope", "hello\x00"]
 FIELDS = ["version", "model_id", "layer", "experts", "timeout_s", "release", "lease_ids", "ack", "path",
           "client_name", "floor_bytes", "all", "from_stats", "x"]
 
@@ -110,7 +110,7 @@ class RawConnection:
         """Send `frames` then a Ping; the replies before the Pong (reconnects if the daemon hung up)."""
         try:
             self.sock.sendall(b"".join(frames) + self._encode(m.Ping()))
-            replies = []
+            replies: list = []
             while True:
                 r = self._next()
                 if r is None:
