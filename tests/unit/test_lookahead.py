@@ -163,14 +163,27 @@ def drive_governor(g: PrefetchGovernor, on_s: float, off_s: float, steps: int) -
 
 @pytest.mark.parametrize("faster_on", [True, False])
 def test_governor_holds_the_faster_arm_between_paired_probes(faster_on):
-    g = PrefetchGovernor(probe=4, hold=16, skip=2)
-    arms = drive_governor(g, 0.010 if faster_on else 0.012, 0.012 if faster_on else 0.010, 2 + 20 * 5)
+    g = PrefetchGovernor(probe=4, hold=8, hold_max=32, skip=2)
+    arms = drive_governor(g, 0.010 if faster_on else 0.012, 0.012 if faster_on else 0.010, 400)
     assert arms[:2] == [True, True]                        # cold steps: on, not measured
     assert arms[2:6] == [True, False, True, False]         # the probe pairs the arms step by step
-    assert set(arms[6:22]) == {faster_on}                  # then holds the winner
-    share_loser = sum(a != faster_on for a in arms[2:]) / len(arms[2:])
-    assert share_loser == pytest.approx(2 / 20)            # half of each probe
-    assert g.probes == 5 and g.last_median_s[True] == (0.010 if faster_on else 0.012)
+    assert set(arms[6:14]) == {faster_on}                  # then holds the winner for `hold` steps
+    assert arms[14:18] == [True, False, True, False]
+    assert set(arms[18:34]) == {faster_on}                 # the same winner: the hold doubles
+    share_loser = sum(a != faster_on for a in arms[200:]) / len(arms[200:])
+    assert share_loser == pytest.approx(2 / 36, abs=0.02)  # half of each probe, once the hold is 32
+    assert g.last_median_s[True] == (0.010 if faster_on else 0.012)
+    assert (g.state()["prefetch_on_vs_off"] < 1) == faster_on
+
+
+def test_governor_weighs_several_probes_against_one_noisy_one():
+    g = PrefetchGovernor(probe=2, hold=2, hold_max=2, skip=0, memory=4)
+    for on_s in (0.010, 0.010, 0.010):                     # three probes: on 17% faster
+        for _ in range(4):
+            g.end(on_s if g.begin(decode_step=True) else 0.012)
+    for _ in range(2):                                     # one probe where on looks 5% slower
+        g.end(0.0126 if g.begin(decode_step=True) else 0.012)
+    assert g.begin(decode_step=True) is True               # the mean verdict still says on
 
 
 def test_governor_ignores_an_outlier_step():
