@@ -33,10 +33,10 @@ import time
 
 from moed.client import Client
 from moed.gguf.catalog import Catalog
-from moed.spawn import DaemonProcess
 from moed.lab.makemodel import make_model
 from moed.protocol import messages as m
 from moed.protocol.framing import encode
+from moed.spawn import DaemonProcess
 
 
 def rss_bytes(pid: int) -> int:

@@ -34,10 +34,8 @@ from hypothesis import strategies as st  # noqa: E402
 from moed.gguf.catalog import Catalog  # noqa: E402
 from moed.lab.makemodel import make_model  # noqa: E402
 from moed.protocol import messages as m  # noqa: E402
-from moed.testing.frames import RawConnection, frames  # noqa: E402
 from moed.testing import DaemonProcess, file_bytes, proc_status_bytes  # noqa: E402
-
-
+from moed.testing.frames import RawConnection, frames  # noqa: E402
 
 
 def good_client(sock: str, model: str, stop: threading.Event, result: dict) -> None:

@@ -17,7 +17,6 @@ from moed.protocol.errors import MoedError
 from moed.protocol.paths import default_socket_path
 
 
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moectl", description="Operate and study moed.")
     parser.add_argument("--socket", default=default_socket_path(),

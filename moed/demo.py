@@ -41,8 +41,8 @@ def routed_bytes(model: Path) -> int:
 
 
 def start_daemon(budget: int, shared: bool):
-    from moed.spawn import DaemonProcess
     from moed.protocol.errors import DaemonUnavailable
+    from moed.spawn import DaemonProcess
     # The demo's second tenant is another user: let it reach the socket.
     config = {"socket_mode": 0o666} if shared else None
     try:
@@ -70,6 +70,7 @@ def second_tenant_possible(model: Path) -> bool:
 def engine_command(sock: str, model: Path, prompt: str, name: str, as_nobody: bool) -> list[str]:
     try:
         import llama_cpp  # noqa: F401
+
         from moed.engines import llama_cpp as _streamed  # noqa: F401
         cmd = [sys.executable, "-m", "moed.ctl", "--socket", sock, "generate", str(model),
                "--prompt", prompt, "-n", "48"]

@@ -96,7 +96,7 @@ class DaemonProcess:
             self.proc.wait()
         self._log.close()
 
-    def __enter__(self) -> "DaemonProcess":
+    def __enter__(self) -> DaemonProcess:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -238,7 +238,7 @@ def _print_policy(args: argparse.Namespace, trace: Any, acc: Any, rows: list[dic
     by_point = [rows[i * len(names):(i + 1) * len(names)] for i in range(len(points))]
     for chunk in by_point:
         size = chunk[0]["size"]
-        shared = [r["slots"] for r in chunk if not r["policy"] in ("lru", "lfu", "slru", "opt")]
+        shared = [r["slots"] for r in chunk if r["policy"] not in ("lru", "lfu", "slru", "opt")]
         label = f"{100 * size:.0f}%" if size is not None else "-"
         t.add_row(label, str(shared[0] if shared else chunk[0]["slots"]),
                   *(f"{100 * r['hit_rate']:.1f}%" for r in chunk))

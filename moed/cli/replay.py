@@ -7,10 +7,9 @@ replay's alone. Bad input is a one-line error and exit 2.
 
 from __future__ import annotations
 
-from typing import Any
-
 import json
 import sys
+from typing import Any
 
 from moed.cli import fail
 from moed.protocol.errors import MoedError
@@ -107,6 +106,7 @@ def _register_bench_drive(sub) -> None:
 
 def cmd_bench_drive(args) -> int:
     import os
+
     from moed.lab import drivebench as db
     if args.create is not None:
         db.write_bench_model(args.path, args.create, part_bytes=args.size)

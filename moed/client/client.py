@@ -85,7 +85,7 @@ class Client:
             seg.close()
         self._segments.clear()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -213,7 +213,7 @@ class Client:
     def models(self) -> list[dict]:
         return self.request(m.ListModels()).models
 
-    def open_model(self, path: str | os.PathLike) -> "ModelHandle":
+    def open_model(self, path: str | os.PathLike) -> ModelHandle:
         # the daemon resolves paths itself: never in its own working directory
         info, fds = self.request(m.OpenModel(os.path.abspath(os.fspath(path))), fds=True)
         if len(fds) != len(info.segments):
@@ -264,7 +264,7 @@ class ModelHandle:
         return self.client.segment(class_id)
 
     def acquire(self, layer: int, experts, timeout_s: float | None = None, release=(), *,
-                timeout: float | None = None) -> "Lease":
+                timeout: float | None = None) -> Lease:
         """Hold `experts` of `layer`; blocks until they are resident. `release` piggybacks.
 
         `timeout_s`: how long the daemon may wait for room (None: its default).
@@ -333,7 +333,7 @@ class Lease:
         if lease_id is not None and self.model.client._sock is not None:
             self.model.client.send(m.Release([lease_id], ack=False))
 
-    def __enter__(self) -> "Lease":
+    def __enter__(self) -> Lease:
         return self
 
     def __exit__(self, *exc) -> None:

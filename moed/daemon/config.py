@@ -18,11 +18,9 @@ from typing import Any, Literal
 import msgspec
 
 from moed.protocol.paths import DEFAULT_SOCKET
-
-from .policy import POLICIES
 from moed.protocol.sizes import parse_size
 
-
+from .policy import POLICIES
 
 MAX_READER_THREADS = 256
 MAX_SOCKET_PATH_BYTES = 107      # sun_path is 108 bytes with its terminating NUL

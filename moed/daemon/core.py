@@ -37,18 +37,18 @@ from moed.protocol import errors
 from moed.protocol.layout import PAGE
 from moed.protocol.sizes import format_size
 
+from .access import Peer, check_open_files, check_readable, check_roots, world_readable
 from .config import Config, resolve_tenants
+from .heat import Heat
+from .memguard import MemGuard
 from .models import LayerPlan, Model, file_identity, model_info, open_catalog
 from .opener import Opener
+from .policy import make_policy
 from .ramtier import RamTier
 from .reader import ModelFile, ReaderPool, ReadJob
-from .access import Peer, check_open_files, check_readable, check_roots, world_readable
-from .memguard import MemGuard
-from .verify import Verifier, digest
-from .heat import Heat
 from .stats import Counters, Tenant
 from .store import ExpertKey, Slot, SlotState, Store, Want
-from .policy import make_policy
+from .verify import Verifier, digest
 
 log = logging.getLogger("moed")
 
@@ -73,7 +73,7 @@ class PendingAcquire:
     exactly once.
     """
 
-    def __init__(self, daemon: "Daemon", model: Model, layer: int, wants: list[Want], plan,
+    def __init__(self, daemon: Daemon, model: Model, layer: int, wants: list[Want], plan,
                  tenant: Tenant, deadline: float):
         self.daemon, self.model, self.layer, self.wants = daemon, model, layer, wants
         self.plan, self.tenant, self.deadline = plan, tenant, deadline
@@ -352,7 +352,7 @@ class Daemon:
         return wants
 
     def acquire(self, model: Model, layer: int, experts: list[int], tenant: Tenant,
-                timeout_s: float | None = None) -> "Lease | PendingAcquire":
+                timeout_s: float | None = None) -> Lease | PendingAcquire:
         """A lease if everything is resident now; else a PendingAcquire that owns the wait."""
         wants = self._wants(model, layer, experts)
         self.check_current(model)
@@ -406,7 +406,7 @@ class Daemon:
                 if self.store.use_prefetched(slot):
                     c.prefetch_hits += 1
 
-    async def _complete(self, p: "PendingAcquire") -> Lease:
+    async def _complete(self, p: PendingAcquire) -> Lease:
         """Wait for room, then for the reads; the references stay p's until granted."""
         while p.plan is None:
             left = p.deadline - time.monotonic()
@@ -442,7 +442,7 @@ class Daemon:
         self._room_waiters.append(fut)
         try:
             await asyncio.wait_for(fut, timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         finally:
             if fut in self._room_waiters:

@@ -22,7 +22,6 @@ import stat
 import sys
 
 import psutil
-
 import uvloop
 
 from moed.protocol.sizes import format_size, parse_size

@@ -22,11 +22,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from moed.gguf.catalog import Catalog
 from moed.gguf.header import identity_of
 from moed.protocol import errors
 from moed.protocol.messages import LayerInfo, ModelInfo, PartExtent
 
-from moed.gguf.catalog import Catalog
 from .reader import ModelFile
 
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ def open_catalog(path: str) -> Catalog:
         raise errors.BadModelFile(f"{path}: cannot read as GGUF ({exc})") from None
 
 
-def model_info(model: Model, class_segments: Mapping[int, "Segment"]) -> ModelInfo:
+def model_info(model: Model, class_segments: Mapping[int, Segment]) -> ModelInfo:
     cat = model.catalog
     layers = []
     for layer in sorted(model.layers):

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from moed.protocol import errors
 
@@ -41,7 +42,7 @@ class Opener:
         thread.start()
         try:
             return await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise errors.BadModelFile(f"{what}: opening took longer than {self.timeout_s}s "
                                       f"(a hung file or filesystem?)") from None
 

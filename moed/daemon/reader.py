@@ -27,8 +27,8 @@ import logging
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from moed.gguf.header import FileIdentity, identity_of, open_regular
 from moed.protocol.errors import BadModelFile
@@ -93,7 +93,7 @@ class ReadJob:
     """Read `pieces` [(file, file_offset, length, dest_addr)] then call `on_done(job, err)`."""
 
     pieces: list[tuple[ModelFile, int, int, int]]
-    on_done: Callable[["ReadJob", BaseException | None], None]
+    on_done: Callable[[ReadJob, BaseException | None], None]
     demand: bool = True
     tag: object = None
     what: str = "expert"          # names the expert in errors and logs

@@ -35,7 +35,7 @@ import os
 import socket
 import struct
 from collections import deque
-from typing import Coroutine
+from collections.abc import Coroutine
 
 from moed.protocol import errors
 from moed.protocol import messages as m
@@ -43,9 +43,15 @@ from moed.protocol.framing import MAX_REQUEST_FRAME_BYTES, FrameReader, decode, 
 from moed.protocol.messages import PROTOCOL_VERSION
 
 from . import control
-from .bounds import (MAX_QUEUED_BYTES, MAX_QUEUED_FRAMES, OPERATOR_RESERVE, SEND_STALL_S,
-                     WRITE_HIGH_BYTES, WRITE_LOW_BYTES)
 from .access import peer_identity
+from .bounds import (
+    MAX_QUEUED_BYTES,
+    MAX_QUEUED_FRAMES,
+    OPERATOR_RESERVE,
+    SEND_STALL_S,
+    WRITE_HIGH_BYTES,
+    WRITE_LOW_BYTES,
+)
 from .core import Daemon, Lease, PendingAcquire
 from .stats import Tenant
 
@@ -350,7 +356,7 @@ class Session(asyncio.Protocol):
         self.transport.set_write_buffer_limits(high=1, low=0)
         try:
             await asyncio.wait_for(self._drained, max(0.0, deadline - self.loop.time()))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.transport.abort()
             raise errors.TimedOut(f"the peer read none of its replies for {SEND_STALL_S}s") from None
         finally:
@@ -372,7 +378,7 @@ class Session(asyncio.Protocol):
             loop.add_writer(sock.fileno(), _resolve, ready)
             try:
                 await asyncio.wait_for(ready, max(0.0, deadline - loop.time()))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.transport.abort()
                 raise errors.TimedOut(f"the peer took no bytes for {SEND_STALL_S}s") from None
             finally:

@@ -104,7 +104,7 @@ class Catalog:
     # ------------------------------------------------------------------ open
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> "Catalog":
+    def open(cls, path: str | os.PathLike) -> Catalog:
         first_path = os.path.abspath(os.fspath(path))
         first = read_header(first_path)
         files = split_files(first_path, first)

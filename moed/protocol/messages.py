@@ -11,7 +11,7 @@ Rules kept here (DESIGN.md, style 1):
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Union
+from typing import Annotated, Any
 
 import msgspec
 
@@ -222,10 +222,10 @@ class Unpinned(Message, tag="unpinned"):
     pinned_bytes: int
 
 
-Request = Union[Hello, Ping, OpenModel, Acquire, Release, Prefetch, GetStats, ListModels,
-                SetMemFloor, Pin, Unpin]
-Reply = Union[Error, HelloReply, Pong, ModelInfo, Granted, Released, Prefetched, StatsReply, ModelsReply,
-              MemFloorSet, Pinned, Unpinned]
+Request = (Hello | Ping | OpenModel | Acquire | Release | Prefetch | GetStats | ListModels
+           | SetMemFloor | Pin | Unpin)
+Reply = (Error | HelloReply | Pong | ModelInfo | Granted | Released | Prefetched | StatsReply | ModelsReply
+         | MemFloorSet | Pinned | Unpinned)
 
 REPLY_TYPE: dict[type, type] = {
     Hello: HelloReply,
@@ -241,8 +241,8 @@ REPLY_TYPE: dict[type, type] = {
     Unpin: Unpinned,
 }
 
-REQUEST_TYPES: tuple[type, ...] = Request.__args__  # type: ignore[attr-defined]
-REPLY_TYPES: tuple[type, ...] = Reply.__args__  # type: ignore[attr-defined]
+REQUEST_TYPES: tuple[type, ...] = Request.__args__
+REPLY_TYPES: tuple[type, ...] = Reply.__args__
 
 
 def wants_reply(request: Message) -> bool:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from moed.protocol import messages as m
 from moed.protocol.framing import HEADER
 
-TAGS = [getattr(t, "__struct_config__").tag for t in m.REQUEST_TYPES + m.REPLY_TYPES] + ["", "nope", "hello\x00"]
+TAGS = [t.__struct_config__.tag for t in m.REQUEST_TYPES + m.REPLY_TYPES] + ["", "nope", "hello\x00"]  # type: ignore[attr-defined]
 FIELDS = ["version", "model_id", "layer", "experts", "timeout_s", "release", "lease_ids", "ack", "path",
           "client_name", "floor_bytes", "all", "from_stats", "x"]
 
@@ -90,8 +90,9 @@ class RawConnection:
         assert isinstance(self._next(), m.HelloReply)
 
     def _next(self):
-        from moed.protocol.framing import reply_decoder
         import os
+
+        from moed.protocol.framing import reply_decoder
         while True:
             if len(self.buf) >= 4:
                 (n,) = HEADER.unpack_from(self.buf)

@@ -17,12 +17,12 @@ import time
 import pytest
 
 from moed.gguf.catalog import Catalog
-from moed.spawn import DaemonProcess
 from moed.protocol import errors
 from moed.protocol import messages as m
 from moed.protocol.framing import encode
-from tests.integration.test_daemon import check_lease
+from moed.spawn import DaemonProcess
 from moed.testing import wait_for
+from tests.integration.test_daemon import check_lease
 
 PING_WITHIN_S = 1.0
 GRACE_S = 2.0

@@ -10,14 +10,12 @@ import psutil
 import pytest
 
 from moed.daemon.memguard import hysteresis_for
+from moed.gguf.catalog import Catalog
 from moed.protocol import errors
 from moed.protocol import messages as m
-from tests.integration.test_daemon import check_lease, expert_bytes
-from tests.integration.peer import NOBODY, Outcome, as_peer
 from moed.testing import proc_status_bytes, wait_for
-from moed.gguf.catalog import Catalog
-
-
+from tests.integration.peer import NOBODY, Outcome, as_peer
+from tests.integration.test_daemon import check_lease, expert_bytes
 
 
 def test_floor_raised_live_gives_back_all_but_leased_then_grows_back(start_daemon, model_factory):

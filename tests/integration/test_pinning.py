@@ -11,8 +11,8 @@ from moed.gguf.catalog import Catalog
 from moed.lab.traces import TraceWriter
 from moed.protocol import errors
 from moed.protocol import messages as m
-from tests.integration.test_daemon import check_lease, expert_bytes
 from moed.testing import wait_for
+from tests.integration.test_daemon import check_lease, expert_bytes
 
 
 def moectl(sock: str, *args: str) -> subprocess.CompletedProcess:

@@ -14,16 +14,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moed.gguf.catalog import Catalog
 from moed.daemon.bounds import OPERATOR_RESERVE
+from moed.gguf.catalog import Catalog
 from moed.protocol import errors
 from moed.protocol import messages as m
 from moed.protocol.framing import encode
+from moed.testing import DaemonProcess, proc_status_bytes, wait_for
 from moed.testing.frames import RawConnection, frames
 from tests.integration.test_daemon import check_lease, expert_bytes, worker
-from moed.testing import DaemonProcess, proc_status_bytes, wait_for
-
-
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +71,7 @@ def test_peer_that_never_reads_its_replies_is_paused_not_buffered(daemon):
         for _ in range(200):                      # 400,000 stats requests, none of the replies read
             s.sendall(burst)
             sent += 2000
-    except (socket.timeout, BlockingIOError):
+    except (TimeoutError, BlockingIOError):
         pass                                      # the daemon stopped reading us: flow control
     grown = proc_status_bytes(pid, "VmRSS") - base
     assert sent < 400_000 or grown < 64 << 20

@@ -192,8 +192,8 @@ def test_a_write_through_a_client_mapping_faults(start_shared, tiny_model, share
     got = as_peer(NOBODY, NOBODY, _make_writable, d.socket, path)
     assert got.result == ["mprotect EACCES", "mmap EACCES", "reopen EACCES"], got
     with d.client() as c:                           # and the daemon's bytes are intact
-        from tests.integration.test_daemon import check_lease
         from moed.gguf.catalog import Catalog
+        from tests.integration.test_daemon import check_lease
         h = c.open_model(path)
         with h.acquire(0, [1]) as lease:
             check_lease(Catalog.open(path), lease, 0, [1])

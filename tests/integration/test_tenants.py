@@ -12,8 +12,6 @@ from tests.integration.peer import NOBODY, Outcome, as_peer
 from tests.integration.test_daemon import expert_bytes
 
 
-
-
 def public_copy(model, shared_dir: str) -> str:
     path = shutil.copy(model, os.path.join(shared_dir, "model.gguf"))
     os.chmod(path, 0o644)

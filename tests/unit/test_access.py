@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from moed.daemon.access import R, X, Peer, check_roots, peer_identity, permits
+from moed.daemon.access import Peer, R, X, check_roots, peer_identity, permits
 from moed.protocol import errors
 
 U = 0xFFFFFFFF

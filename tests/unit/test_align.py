@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from moed.ctl import main as moectl
-from moed.gguf.catalog import Catalog
 from moed.gguf.align import align_gguf, verify_aligned
+from moed.gguf.catalog import Catalog
 from moed.gguf.header import read_header, read_split
 from moed.protocol.errors import BadModelFile
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moed.daemon.policy import DecayingLFU, LRU
+from moed.daemon.policy import LRU, DecayingLFU
 from moed.daemon.store import ExpertKey, Store, Want
 
 SLOT = 4096

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from moed.daemon.config import TenantConfig
-from moed.daemon.store import ExpertKey
-from moed.daemon.config import resolve_tenants, tenant_uid
+from moed.daemon.config import TenantConfig, resolve_tenants, tenant_uid
 from moed.daemon.heat import Heat
+from moed.daemon.store import ExpertKey
 
 
 class S:
