@@ -1,6 +1,6 @@
 """The slot state machine and the one byte budget shared by every model and tenant.
 
-Pure: no I/O, no clocks, no asyncio. The server drives it and the RAM tier
+Pure: no I/O, no clocks, no asyncio. Core (moed.daemon.core) drives it and the RAM tier
 follows the page effects it reports (`take_dropped`).
 
 Invariants, kept here:
@@ -71,7 +71,7 @@ class Slot:
 
 
 @dataclass(eq=False)
-class SizeClass:
+class SlotClass:
     class_id: int
     slot_bytes: int
     capacity: int
@@ -123,7 +123,7 @@ class Store:
         # guard holds the box above its floor. Never above budget_bytes.
         self.effective_budget_bytes = budget_bytes
         self.policy = policy if policy is not None else LRU()
-        self.classes: dict[int, SizeClass] = {}
+        self.classes: dict[int, SlotClass] = {}
         self.table: dict[ExpertKey, Slot] = {}
         self.evictable_bytes = 0
         self.evictions = 0
@@ -134,10 +134,10 @@ class Store:
 
     # ---- classes --------------------------------------------------------
 
-    def add_class(self, class_id: int, slot_bytes: int, capacity: int) -> SizeClass:
+    def add_class(self, class_id: int, slot_bytes: int, capacity: int) -> SlotClass:
         if class_id in self.classes:
             raise ValueError(f"size class {class_id} exists")
-        cls = SizeClass(class_id, slot_bytes, capacity)
+        cls = SlotClass(class_id, slot_bytes, capacity)
         self.classes[class_id] = cls
         return cls
 

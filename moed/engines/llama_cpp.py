@@ -1,7 +1,7 @@
 """`StreamedLlama`: llama-cpp-python's `Llama` with its routed experts served by moed.
 
 What this module owns: loading llama.cpp so that the experts are left to the
-daemon (DESIGN.md "Engine integration"), and keeping `Llama`'s whole API
+daemon (docs/design.md, "Engine technique"), and keeping `Llama`'s whole API
 (`__call__`, `create_completion`, `create_chat_completion`, `tokenize`, `eval`, ...).
 
 How it hooks in without copying `Llama.__init__`: while the base constructor

@@ -1,6 +1,6 @@
 """The protocol as data: one tagged msgspec Struct per request, exactly one reply type.
 
-Rules kept here (DESIGN.md, style 1):
+Rules kept here (docs/design.md, "Protocol and how it evolves"):
 - fields are only ever appended, always with defaults, so old peers still decode;
 - a tag is never reused;
 - `REPLY_TYPE` maps every request type to its single reply type (an `Error`
