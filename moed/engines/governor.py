@@ -1,35 +1,49 @@
-"""Whether the engine prefetches on its next decode step: a paired A/B test on its own step times.
+"""Whether the engine prefetches on its next decode step: a recall floor, then a paired A/B test.
 
-What this module owns: the choice between prefetch on and off for single-token
-(decode) steps, made from nothing but the engine's measured step times. Pure:
-no clock, no I/O (the caller passes the seconds).
+What this module owns: the choice, for each single-token (decode) step, between
+prefetch on (predict and issue), off (neither) and shadow (predict, score the
+prediction, issue nothing), from two engine-local signals: the recall of its own
+predictions and its measured step times. Pure: no clock, no I/O (the caller
+passes the seconds and the counts).
 
-The rule. The engine alternates between a probe and a hold. A probe is
-`probe` decode steps that alternate on, off, on, off, ...; its verdict is the
-log of the ratio of the two arms' median step times. A hold runs the arm that
-the mean verdict of the last `memory` probes favours (on when it is not
-slower) for `hold` steps; while the same arm keeps winning the hold doubles, up
-to `hold_max`, and it drops back to `hold` when the winner changes. The first
-`skip` decode steps (a cold cache, first-touch costs) run with prefetch on and
-are not measured. Alternating step by step pairs the arms: both see the same
-cache, the same context length and the same load on the box, which a
-window-by-window comparison does not (the first window, on a cold cache, was
-measured 30% slower than the next whatever its arm). Medians, because a step
-that another process preempted is an outlier, not a trend; several probes,
-because eight steps of each arm differ by their tokens' routes alone by ~10%.
+The rule.
+1. Recall floor. The engine keeps a running recall of its one-ahead predictions
+   (routed token-experts the prediction named; an exponential mean over the
+   steps that predicted). Below `recall_floor` (0.75) prefetch stays off: most
+   of what it would read is wrong, and wrong prefetches evict slots of the
+   shared cache that would have hit. That damage lasts beyond the step (it is
+   the cache's contents), so a step-by-step A/B cannot see it, both arms share
+   the polluted cache: measured in the 2.2 GB cap at recall 0.6, the steps a
+   run ran with prefetch off were 17% slower than those of a run that never
+   prefetched, while the A/B saw the two arms within 2%. While below the floor,
+   probes are shadow probes: they predict and score but send nothing, so the
+   recall is re-measured without reading a byte.
+2. Paired A/B. At or above the floor the engine alternates between a probe and
+   a hold. A probe is `probe` decode steps that alternate on, off, on, off, ...;
+   its verdict is the log of the ratio of the two arms' median step times. A
+   hold runs the arm that the mean verdict of the last `memory` probes favours
+   (on when it is not slower) for `hold` steps; while the same arm keeps winning
+   the hold doubles, up to `hold_max`, and it drops back to `hold` when the
+   winner changes. Alternating step by step pairs the arms: both see the same
+   cache, context length and load on the box, which a window-by-window
+   comparison does not (the first window, on a cold cache, was measured 30%
+   slower than the next whatever its arm). Medians, because a preempted step is
+   an outlier, not a trend; several probes, because eight steps of each arm
+   differ by their tokens' routes alone by ~10%.
+The first `skip` decode steps (cold cache, first-touch costs) run on and are not
+timed. A held-on arm whose recall falls below the floor turns off at once.
 
 Why measure instead of modelling the drive: prefetch pays when the reads it moves
 off the critical path (at most the compute they overlap) outweigh what it adds:
 wasted reads on a drive that is already the limit, and slots it evicts that would
-have hit. Both sides depend on the drive, the budget, the other tenants and how
-good the predictions are; the engine sees none of these directly, but its step
-time sees all of them. Cost: the losing arm runs half of each probe, a share of
-probe / 2 / (probe + hold) of the steps: 1/5 while the hold is 32 steps, 1/18 once
-it is 128, so when prefetch makes a step X slower the rule costs about X / 18 in
-a steady state, and when it makes a step faster it gives up that share of the gain.
+have hit. Both depend on the drive, the budget, the other tenants and how good the
+predictions are; the engine sees none of these directly, but its step time and
+its recall see all of them. Cost: the losing arm runs half of each probe, a share
+of probe / 2 / (probe + hold) of the steps: 1/5 while the hold is 32 steps, 1/18
+once it is 128.
 
 Invariants: `begin` and `end` alternate; steps that are not decode steps (prompt
-batches) do not touch the schedule and always run with prefetch on.
+batches) do not touch the schedule and always run on.
 """
 
 from __future__ import annotations
@@ -37,6 +51,8 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
+
+ON, OFF, SHADOW = "on", "off", "shadow"
 
 
 @dataclass
@@ -46,66 +62,79 @@ class PrefetchGovernor:
     hold_max: int = 128
     skip: int = 8
     memory: int = 4
-    arm: bool = True
-    steps_on: int = 0
-    steps_off: int = 0
+    recall_floor: float = 0.75
+    recall_alpha: float = 0.1       # weight of the newest step in the running recall
+    mode: str = ON
+    recall: float | None = None
+    steps: dict = field(default_factory=lambda: {ON: 0, OFF: 0, SHADOW: 0})
     probes: int = 0
-    last_median_s: dict = field(default_factory=lambda: {True: None, False: None})
-    verdicts: list = field(default_factory=list)   # log(median on / median off) per probe, newest last
-    _step: int = 0                  # decode steps begun
+    last_median_s: dict = field(default_factory=lambda: {ON: None, OFF: None})
+    verdicts: list = field(default_factory=list)   # log(median on / median off) per timed probe
+    _step: int = 0
     _phase_left: int = 0
     _probing: bool = False
     _hold_now: int = 0
-    _held: bool = True              # the arm of the last hold
-    _times: dict = field(default_factory=lambda: {True: [], False: []})
+    _held: str = ON
+    _times: dict = field(default_factory=lambda: {ON: [], OFF: []})
     _counted: bool = False
 
-    def begin(self, decode_step: bool) -> bool:
-        """Start a step; True when it should prefetch."""
+    def begin(self, decode_step: bool) -> str:
+        """Start a step; returns ON, OFF or SHADOW."""
         self._counted = decode_step
         if not decode_step:
-            return True
+            return ON
         self._step += 1
         if self._step <= self.skip:
-            self.arm = True
+            self.mode = ON
         else:
-            if self._phase_left == 0:
+            if self._phase_left == 0 or (self.mode == ON and not self._probing and self._below_floor()):
                 self._next_phase()
             if self._probing:
-                self.arm = self._phase_left % 2 == 0       # on, off, on, off, ... (probe is even)
+                first = SHADOW if self._below_floor() else ON
+                self.mode = first if self._phase_left % 2 == 0 else OFF    # alternate (probe is even)
             self._phase_left -= 1
-        if self.arm:
-            self.steps_on += 1
-        else:
-            self.steps_off += 1
-        return self.arm
+        self.steps[self.mode] += 1
+        return self.mode
+
+    def scored(self, predicted: int, routed: int) -> None:
+        """A step's one-ahead predictions named `predicted` of its `routed` token-experts."""
+        if routed:
+            r = predicted / routed
+            self.recall = r if self.recall is None else self.recall_alpha * r + (1 - self.recall_alpha) * self.recall
 
     def end(self, seconds: float) -> None:
         """The step started by the last `begin` took `seconds`."""
-        if self._counted and self._probing and self._step > self.skip:
-            self._times[self.arm].append(seconds)
+        if self._counted and self._probing and self._step > self.skip and self.mode in self._times:
+            self._times[self.mode].append(seconds)
+
+    def _below_floor(self) -> bool:
+        return self.recall is not None and self.recall < self.recall_floor
 
     def _next_phase(self) -> None:
         if self._probing:
             self._hold_winner()
         else:
-            self._times = {True: [], False: []}
+            self._times = {ON: [], OFF: []}
             self._probing, self._phase_left = True, self.probe + self.probe % 2
 
     def _hold_winner(self) -> None:
-        on, off = (statistics.median(self._times[a]) for a in (True, False))
-        self.last_median_s = {True: on, False: off}
         self.probes += 1
-        self.verdicts = (self.verdicts + [math.log(on / off) if on > 0 and off > 0 else 0.0])[-self.memory:]
-        winner = sum(self.verdicts) <= 0
+        if self._below_floor() or not self._times[ON]:
+            winner = OFF                              # a shadow probe, or the recall fell: not timed
+        else:
+            on, off = (statistics.median(self._times[a]) for a in (ON, OFF))
+            self.last_median_s = {ON: on, OFF: off}
+            self.verdicts = (self.verdicts + [math.log(on / off) if on > 0 and off > 0 else 0.0])[-self.memory:]
+            winner = ON if sum(self.verdicts) <= 0 else OFF
         same = self.probes > 1 and winner == self._held
         self._hold_now = min(self.hold_max, 2 * self._hold_now) if same else self.hold
-        self.arm = self._held = winner
+        self.mode = self._held = winner
         self._probing, self._phase_left = False, self._hold_now
 
     def state(self) -> dict:
         mean = sum(self.verdicts) / len(self.verdicts) if self.verdicts else None
-        return {"prefetch_steps_on": self.steps_on, "prefetch_steps_off": self.steps_off,
-                "prefetch_probes": self.probes, "step_s_on": self.last_median_s[True],
-                "step_s_off": self.last_median_s[False],
-                "prefetch_on_vs_off": None if mean is None else math.exp(mean)}
+        return {"prefetch_steps_on": self.steps[ON], "prefetch_steps_off": self.steps[OFF],
+                "prefetch_steps_shadow": self.steps[SHADOW], "prefetch_probes": self.probes,
+                "step_s_on": self.last_median_s[ON], "step_s_off": self.last_median_s[OFF],
+                "prefetch_on_vs_off": None if mean is None else math.exp(mean),
+                "governor_recall": self.recall}

@@ -43,7 +43,7 @@ from typing import Callable
 
 import numpy as np
 
-from moed.engines.governor import PrefetchGovernor
+from moed.engines.governor import ON, SHADOW, PrefetchGovernor
 from moed.engines.predictor import GatePredictor, top
 
 MODES = ("off", "gate", "gate2")
@@ -99,6 +99,8 @@ class Lookahead:
         self.account_s = 0.0         # in routed: scoring, counting, sending the prefetches
         self.decode_steps = 0
         self._issuing = mode != "off"
+        self._shadow = False                 # this step predicts and scores but sends nothing
+        self._step_scored = [0, 0]           # this step's one-ahead (predicted, routed), for the governor
         self._t0 = 0.0
         self._pred: dict[int, dict[int, np.ndarray]] = {}   # target -> lead -> (rows, width) ids
         self._outbox: list[tuple[int, np.ndarray]] = []     # (target, experts) to send after this acquire
@@ -110,14 +112,16 @@ class Lookahead:
     @property
     def observing(self) -> bool:
         """Whether the callback should stop at ffn_norm nodes now."""
-        return self.predictor is not None and (self._issuing or self.record_width > 0)
+        return self.predictor is not None and (self._issuing or self._shadow or self.record_width > 0)
 
     # ---- a decode ----------------------------------------------------------
 
     def begin_decode(self, n_tokens: int) -> None:
         self._t0 = time.perf_counter()
+        self._step_scored = [0, 0]
         if self.governor is not None:
-            self._issuing = self.governor.begin(n_tokens <= DECODE_ROWS)
+            mode = self.governor.begin(n_tokens <= DECODE_ROWS)
+            self._issuing, self._shadow = mode == ON, mode == SHADOW
 
     def end_decode(self) -> None:
         """After llama_decode: what a stopped graph never routed is wasted."""
@@ -128,6 +132,7 @@ class Lookahead:
         self._outbox.clear()
         self.decode_steps += 1
         if self.governor is not None:
+            self.governor.scored(*self._step_scored)
             self.governor.end(time.perf_counter() - self._t0)
 
     # ---- ffn_norm-L ----------------------------------------------------------
@@ -204,6 +209,8 @@ class Lookahead:
             if lead == 1:
                 look.routed += n_routed
                 look.predicted += got
+                self._step_scored[0] += got
+                self._step_scored[1] += n_routed
             else:
                 look.routed2 += n_routed
                 look.predicted2 += got

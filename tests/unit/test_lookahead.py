@@ -152,51 +152,70 @@ def test_off_issues_nothing_and_does_not_observe():
     assert not la.observing and la.governor is None
 
 
-def drive_governor(g: PrefetchGovernor, on_s: float, off_s: float, steps: int) -> list[bool]:
-    arms = []
+def drive_governor(g: PrefetchGovernor, on_s: float, off_s: float, steps: int, recall: float = 1.0) -> list[str]:
+    modes = []
     for _ in range(steps):
-        on = g.begin(decode_step=True)
-        arms.append(on)
-        g.end(on_s if on else off_s)
-    return arms
+        mode = g.begin(decode_step=True)
+        modes.append(mode)
+        if mode != "off":
+            g.scored(round(100 * recall), 100)
+        g.end(on_s if mode == "on" else off_s)
+    return modes
 
 
 @pytest.mark.parametrize("faster_on", [True, False])
 def test_governor_holds_the_faster_arm_between_paired_probes(faster_on):
     g = PrefetchGovernor(probe=4, hold=8, hold_max=32, skip=2)
-    arms = drive_governor(g, 0.010 if faster_on else 0.012, 0.012 if faster_on else 0.010, 400)
-    assert arms[:2] == [True, True]                        # cold steps: on, not measured
-    assert arms[2:6] == [True, False, True, False]         # the probe pairs the arms step by step
-    assert set(arms[6:14]) == {faster_on}                  # then holds the winner for `hold` steps
-    assert arms[14:18] == [True, False, True, False]
-    assert set(arms[18:34]) == {faster_on}                 # the same winner: the hold doubles
-    share_loser = sum(a != faster_on for a in arms[200:]) / len(arms[200:])
-    assert share_loser == pytest.approx(2 / 36, abs=0.02)  # half of each probe, once the hold is 32
-    assert g.last_median_s[True] == (0.010 if faster_on else 0.012)
+    win = "on" if faster_on else "off"
+    modes = drive_governor(g, 0.010 if faster_on else 0.012, 0.012 if faster_on else 0.010, 400)
+    assert modes[:2] == ["on", "on"]                          # cold steps: on, not timed
+    assert modes[2:6] == ["on", "off", "on", "off"]           # the probe pairs the arms step by step
+    assert set(modes[6:14]) == {win}                          # then holds the winner for `hold` steps
+    assert modes[14:18] == ["on", "off", "on", "off"]
+    assert set(modes[18:34]) == {win}                         # the same winner: the hold doubles
+    share_loser = sum(m != win for m in modes[200:]) / len(modes[200:])
+    assert share_loser == pytest.approx(2 / 36, abs=0.02)     # half of each probe, once the hold is 32
+    assert g.last_median_s["on"] == (0.010 if faster_on else 0.012)
     assert (g.state()["prefetch_on_vs_off"] < 1) == faster_on
+
+
+def test_governor_below_the_recall_floor_stays_off_and_only_shadows():
+    g = PrefetchGovernor(probe=4, hold=8, hold_max=32, skip=2)
+    modes = drive_governor(g, 0.008, 0.012, 200, recall=0.6)   # faster on, but mostly wrong predictions
+    assert modes[:2] == ["on", "on"]                          # cold steps measure the recall
+    assert "on" not in modes[2:]                              # never issues again
+    assert modes[2:6] == ["shadow", "off", "shadow", "off"]   # probes predict without sending
+    assert g.state()["governor_recall"] == pytest.approx(0.6)
+
+
+def test_governor_turns_off_at_once_when_recall_drops_during_a_hold():
+    g = PrefetchGovernor(probe=4, hold=32, skip=2, recall_alpha=1.0)
+    drive_governor(g, 0.010, 0.012, 10)                       # on won the first probe, holding on
+    assert g.mode == "on"
+    g.scored(50, 100)                                         # the predictions went bad
+    assert g.begin(decode_step=True) in ("shadow", "off")
 
 
 def test_governor_weighs_several_probes_against_one_noisy_one():
     g = PrefetchGovernor(probe=2, hold=2, hold_max=2, skip=0, memory=4)
-    for on_s in (0.010, 0.010, 0.010):                     # three probes: on 17% faster
+    for _ in range(3):                                       # three probes: on 17% faster
         for _ in range(4):
-            g.end(on_s if g.begin(decode_step=True) else 0.012)
-    for _ in range(2):                                     # one probe where on looks 5% slower
-        g.end(0.0126 if g.begin(decode_step=True) else 0.012)
-    assert g.begin(decode_step=True) is True               # the mean verdict still says on
+            g.end(0.010 if g.begin(decode_step=True) == "on" else 0.012)
+    for _ in range(2):                                       # one probe where on looks 5% slower
+        g.end(0.0126 if g.begin(decode_step=True) == "on" else 0.012)
+    assert g.begin(decode_step=True) == "on"                 # the mean verdict still says on
 
 
 def test_governor_ignores_an_outlier_step():
     g = PrefetchGovernor(probe=6, hold=8, skip=0)
-    times = iter([0.010, 0.012, 0.5, 0.012, 0.010, 0.012])  # one preempted 'on' step
-    for _ in range(6):
+    for t in [0.010, 0.012, 0.5, 0.012, 0.010, 0.012]:       # one preempted 'on' step
         g.begin(decode_step=True)
-        g.end(next(times))
-    assert g.begin(decode_step=True) is True                # the median still says on is faster
+        g.end(t)
+    assert g.begin(decode_step=True) == "on"                 # the median still says on is faster
 
 
 def test_governor_leaves_prompt_batches_on_and_uncounted():
     g = PrefetchGovernor(probe=2, skip=0)
-    assert g.begin(decode_step=False) is True
+    assert g.begin(decode_step=False) == "on"
     g.end(5.0)
-    assert g.last_median_s == {True: None, False: None} and g.steps_on == 0
+    assert g.last_median_s == {"on": None, "off": None} and g.steps["on"] == 0
