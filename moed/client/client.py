@@ -24,7 +24,7 @@ import numpy as np
 
 from moed.protocol import errors
 from moed.protocol import messages as m
-from moed.protocol.framing import HEADER, MAX_FRAME_BYTES, encode, reply_decoder
+from moed.protocol.framing import FrameReader, encode, reply_decoder
 from moed.protocol.paths import default_socket_path  # also re-exported by moed.client
 
 from .segments import Segment
@@ -45,7 +45,8 @@ class Client:
         self.spin_ns = int(spin_us * 1000)
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
-        self._buf = bytearray()
+        self._frames = FrameReader(reply_decoder)
+        self._early: list = []          # replies that arrived in one recv with the one awaited
         self._segments: dict[int, Segment] = {}
         self.hello: m.HelloReply | None = None
         self.connect()
@@ -67,7 +68,7 @@ class Client:
             sock.close()
             raise errors.DaemonUnavailable(f"cannot connect to moed at {self.socket_path}: {exc.strerror or exc}") from None
         self._sock = sock
-        self._buf.clear()
+        self._frames, self._early = FrameReader(reply_decoder), []
         self.hello = self.request(m.Hello(m.PROTOCOL_VERSION, self.client_name))
 
     def reconnect(self) -> None:
@@ -132,16 +133,10 @@ class Client:
 
     def _parting_error(self, sock: socket.socket) -> m.Error | None:
         try:
-            data = bytes(self._buf) + sock.recv(1 << 16, socket.MSG_DONTWAIT)
+            got = self._early + self._frames.feed(sock.recv(1 << 16, socket.MSG_DONTWAIT))
         except OSError:
-            data = bytes(self._buf)
-        if len(data) < 4 or len(data) < 4 + HEADER.unpack_from(data)[0]:
-            return None
-        try:
-            reply = reply_decoder.decode(data[4 : 4 + HEADER.unpack_from(data)[0]])
-        except Exception:  # noqa: BLE001 - no reason to be had; report the broken pipe
-            return None
-        return reply if isinstance(reply, m.Error) else None
+            got = self._early
+        return next((r for r in got if isinstance(r, m.Error)), None)
 
     def _broken(self, exc: BaseException, reason: m.Error | None = None):
         sock, self._sock = self._sock, None
@@ -154,35 +149,22 @@ class Client:
         raise errors.DaemonUnavailable(f"connection to moed lost: {exc or 'closed'}") from None
 
     def _recv_reply(self, sock: socket.socket, want_fds: bool):
+        """The next reply (and any descriptors that came with it), split by the shared FrameReader."""
         fds: list[int] = []
-        buf = self._buf
-        if not buf and not want_fds:
-            # The hit path: one recv holding exactly one reply, decoded in place.
-            data = self._spin_recv(sock) if self.spin_ns else None
-            if data is None:
-                data = sock.recv(1 << 16)
-            if len(data) >= 4 and len(data) == 4 + HEADER.unpack_from(data)[0]:
-                return reply_decoder.decode(memoryview(data)[4:]), fds
-            if not data:
-                raise EOFError("daemon closed the connection")
-            buf += data
-        while True:
-            if len(buf) >= 4:
-                (n,) = HEADER.unpack_from(buf)
-                if n > MAX_FRAME_BYTES:
-                    raise EOFError(f"reply frame of {n} bytes")
-                if len(buf) >= 4 + n:
-                    payload = bytes(buf[4 : 4 + n])
-                    del buf[: 4 + n]
-                    return reply_decoder.decode(payload), fds
+        while not self._early:
             if want_fds:
                 data, new_fds, _, _ = socket.recv_fds(sock, 1 << 16, 16)
                 fds.extend(new_fds)
             else:
-                data = sock.recv(1 << 16)
+                # The hit path: usually one recv holding exactly one reply, decoded in place.
+                data = (self._spin_recv(sock) if self.spin_ns else None) or sock.recv(1 << 16)
             if not data:
                 raise EOFError("daemon closed the connection")
-            buf += data
+            self._early = self._frames.feed(data)
+        reply = self._early.pop(0)
+        if isinstance(reply, errors.BadFrame):      # the stream cannot be trusted any more
+            raise EOFError(f"undecodable reply: {reply}")
+        return reply, fds
 
     def _spin_recv(self, sock: socket.socket) -> bytes | None:
         """Poll for the reply for up to `spin_ns` before sleeping in recv.

@@ -85,27 +85,23 @@ class RawConnection:
         s = self._socket_mod.socket(self._socket_mod.AF_UNIX, self._socket_mod.SOCK_STREAM)
         s.settimeout(self.timeout_s)
         s.connect(self.path)
-        self.sock, self.buf = s, bytearray()
+        from moed.protocol.framing import FrameReader, reply_decoder
+
+        self.sock, self.frames, self._got = s, FrameReader(reply_decoder), []
         s.sendall(self._encode(m.Hello(m.PROTOCOL_VERSION, "fuzzer")))
         assert isinstance(self._next(), m.HelloReply)
 
     def _next(self):
         import os
 
-        from moed.protocol.framing import reply_decoder
-        while True:
-            if len(self.buf) >= 4:
-                (n,) = HEADER.unpack_from(self.buf)
-                if len(self.buf) >= 4 + n:
-                    body = bytes(self.buf[4 : 4 + n])
-                    del self.buf[: 4 + n]
-                    return reply_decoder.decode(body)
+        while not self._got:
             data, fds, _, _ = self._socket_mod.recv_fds(self.sock, 1 << 16, 16)
             for fd in fds:
                 os.close(fd)
             if not data:
                 return None
-            self.buf += data
+            self._got = self.frames.feed(data)
+        return self._got.pop(0)
 
     def exchange(self, frames: list[bytes]) -> list:
         """Send `frames` then a Ping; the replies before the Pong (reconnects if the daemon hung up)."""

@@ -15,7 +15,7 @@ import pytest
 
 from moed.gguf.catalog import Catalog
 from moed.protocol import errors
-from moed.protocol.framing import HEADER
+from moed.protocol.framing import HEADER, FrameReader, reply_decoder
 from moed.testing import file_bytes
 
 
@@ -127,19 +127,16 @@ def _raw(sock_path: str) -> socket.socket:
     return s
 
 
-def _read_reply(s: socket.socket):
-    from moed.protocol.framing import reply_decoder
-    head = b""
-    while len(head) < 4:
-        chunk = s.recv(4 - len(head))
+def _read_reply(s: socket.socket, frames: FrameReader | None = None):
+    """One reply off a raw socket, split by the same FrameReader the client uses; None at EOF."""
+    frames = frames or FrameReader(reply_decoder)
+    while True:
+        chunk = s.recv(1 << 16)
         if not chunk:
             return None
-        head += chunk
-    (n,) = HEADER.unpack(head)
-    body = b""
-    while len(body) < n:
-        body += s.recv(n - len(body))
-    return reply_decoder.decode(body)
+        got = frames.feed(chunk)
+        if got:
+            return got[0]
 
 
 def test_malformed_frames_get_errors_and_daemon_keeps_serving(daemon, tiny_model):

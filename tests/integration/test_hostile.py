@@ -14,12 +14,13 @@ import sys
 import threading
 import time
 
+import msgspec
 import pytest
 
 from moed.gguf.catalog import Catalog
 from moed.protocol import errors
 from moed.protocol import messages as m
-from moed.protocol.framing import encode
+from moed.protocol.framing import HEADER, FrameReader, encode, reply_decoder
 from moed.spawn import DaemonProcess
 from moed.testing import wait_for
 from tests.integration.test_daemon import check_lease
@@ -110,15 +111,15 @@ def test_an_open_model_reply_is_passed_when_the_flooder_finally_reads(hostile_da
     s = raw(d)
     assert isinstance(_reply(s), m.HelloReply)
     s.sendall(encode(m.GetStats()) * 200 + encode(m.OpenModel(str(tiny_model))) + encode(m.Ping()))
-    seen, fds = [], []
+    seen: list = []
+    fds: list[int] = []
     s.settimeout(10)
-    buf = bytearray()
+    frames = FrameReader(reply_decoder)
     while not seen or not isinstance(seen[-1], m.Pong):
         data, got, _, _ = socket.recv_fds(s, 1 << 16, 16)
         assert data, "closed early"
         fds += got
-        buf += data
-        seen += _frames(buf)
+        seen += frames.feed(data)
     kinds = [type(r).__name__ for r in seen]
     assert kinds.count("StatsReply") == 200 and kinds[-2:] == ["ModelInfo", "Pong"]
     assert len(fds) == len(seen[-2].segments) >= 1
@@ -131,22 +132,11 @@ def test_an_open_model_reply_is_passed_when_the_flooder_finally_reads(hostile_da
 
 def _reply(s: socket.socket):
     s.settimeout(10)
-    buf = bytearray()
+    frames = FrameReader(reply_decoder)
     while True:
-        buf += s.recv(1 << 16)
-        out = _frames(buf)
-        if out:
-            return out[0]
-
-
-def _frames(buf: bytearray) -> list:
-    from moed.protocol.framing import HEADER, reply_decoder
-    out = []
-    while len(buf) >= 4 and len(buf) >= 4 + HEADER.unpack_from(buf)[0]:
-        n = HEADER.unpack_from(buf)[0]
-        out.append(reply_decoder.decode(bytes(buf[4:4 + n])))
-        del buf[:4 + n]
-    return out
+        got = frames.feed(s.recv(1 << 16))
+        if got:
+            return got[0]
 
 
 def test_requests_over_the_list_bounds_are_bad_frames(hostile_daemon, tiny_model):
@@ -154,9 +144,7 @@ def test_requests_over_the_list_bounds_are_bad_frames(hostile_daemon, tiny_model
     s = raw(d)
     assert isinstance(_reply(s), m.HelloReply)
     huge = {"t": "acquire", "model_id": 1, "layer": 0, "experts": [1] * (m.MAX_IDS + 1)}
-    import msgspec
     payload = msgspec.msgpack.encode(huge)
-    from moed.protocol.framing import HEADER
     s.sendall(HEADER.pack(len(payload)) + payload)
     r = _reply(s)
     assert isinstance(r, m.Error) and r.code == errors.ErrorCode.BAD_FRAME
