@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 
-from moed.protocol.layout import PAGE, round_up, slot_layout
+from moed.protocol.layout import PAGE, slot_bytes, slot_layout
 from moed.protocol.messages import SegmentInfo
 
 from . import libc
@@ -85,8 +85,7 @@ class RamTier:
         self._mutex = threading.Lock()
 
     def add_segment(self, class_id: int, part_names: list[str], part_bytes: list[int]) -> Segment:
-        slot_bytes = sum(round_up(b) for b in part_bytes)     # the strides slot_layout will give
-        capacity = max(1, self.capacity_bytes // slot_bytes)
+        capacity = max(1, self.capacity_bytes // slot_bytes(part_bytes))
         seg = Segment(class_id, part_names, part_bytes, capacity)
         self.segments[class_id] = seg
         return seg

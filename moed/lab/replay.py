@@ -52,7 +52,8 @@ import numpy as np
 
 from moed.spawn import DaemonProcess
 from moed.protocol.errors import BadRequest, RequestTooLarge
-from moed.protocol.layout import PAGE, round_up
+from moed.protocol import layout
+from moed.protocol.layout import PAGE
 from moed.protocol.sizes import format_size, parse_size
 
 PREFETCH_MODES = ("none", "gate", "gate2", "oracle")
@@ -119,7 +120,7 @@ class ReplayResult:
 
 def slot_bytes(entry) -> int:
     """Bytes one expert of a catalog `LayerEntry` takes in the RAM tier (parts page-rounded)."""
-    return sum(round_up(p.bytes_per_expert) for p in entry.parts.values())
+    return layout.slot_bytes(p.bytes_per_expert for p in entry.parts.values())
 
 
 def slot_bytes_by_layer(model_path: str | os.PathLike) -> dict[int, int]:

@@ -14,6 +14,11 @@ def round_up(n: int, to: int = PAGE) -> int:
     return (n + to - 1) // to * to
 
 
+def slot_bytes(part_bytes) -> int:
+    """RAM tier bytes of one slot: every part rounded up to a page (what the strides add up to)."""
+    return sum(round_up(b) for b in part_bytes)
+
+
 def slot_layout(part_bytes: list[int], capacity: int) -> tuple[list[int], list[int], int]:
     """(part_off, part_stride, segment_bytes) for `capacity` slots."""
     strides = [round_up(b) for b in part_bytes]
