@@ -190,10 +190,10 @@ class Client:
         return self.request(m.Ping()).time_ns
 
     def stats(self) -> dict:
-        return self.request(m.GetStats()).stats
+        return msgspec.to_builtins(self.request(m.GetStats()).stats)
 
     def models(self) -> list[dict]:
-        return self.request(m.ListModels()).models
+        return msgspec.to_builtins(self.request(m.ListModels()).models)
 
     def open_model(self, path: str | os.PathLike) -> ModelHandle:
         # the daemon resolves paths itself: never in its own working directory

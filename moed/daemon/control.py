@@ -58,8 +58,9 @@ def handlers(session) -> dict:
 
 
 def visible_stats(session, stats: dict) -> dict:
-    """What one peer may see: operators everything; others their own tenant row and
-    only the models they could open themselves (no other tenant's pids, names or leases)."""
+    """What one peer may see: operators everything; others their own tenant row, their
+    own connections, and only the models they could open themselves (no other
+    tenant's pids, names or leases)."""
     if is_operator(session):
         return stats
     from .access import check_readable, peer_identity
@@ -75,4 +76,5 @@ def visible_stats(session, stats: dict) -> dict:
             return False
 
     return {**stats, "tenants": [t for t in stats["tenants"] if t["uid"] == session.uid],
+            "clients": [c for c in stats["clients"] if c["uid"] == session.uid],
             "models": [r for r in stats["models"] if readable(r)]}

@@ -34,6 +34,8 @@ import logging
 import os
 import socket
 import struct
+
+import msgspec
 from collections import deque
 from collections.abc import Coroutine
 
@@ -41,6 +43,7 @@ from moed.protocol import errors
 from moed.protocol import messages as m
 from moed.protocol.framing import MAX_REQUEST_FRAME_BYTES, FrameReader, decode, encode, request_decoder
 from moed.protocol.messages import PROTOCOL_VERSION
+from moed.protocol.stats import ModelRow, Stats
 
 from . import control
 from .access import peer_identity
@@ -439,7 +442,8 @@ class Session(asyncio.Protocol):
         return m.Prefetched(self.daemon.prefetch(model, msg.layer, msg.experts, self.tenant, source=self))
 
     def on_stats(self, msg: m.GetStats):
-        return m.StatsReply(control.visible_stats(self, self.daemon.stats()))
+        return m.StatsReply(msgspec.convert(control.visible_stats(self, self.daemon.stats()), Stats))
 
     def on_models(self, msg: m.ListModels):
-        return m.ModelsReply(control.visible_stats(self, self.daemon.stats())["models"])
+        rows = control.visible_stats(self, self.daemon.stats())["models"]
+        return m.ModelsReply(msgspec.convert(rows, list[ModelRow]))

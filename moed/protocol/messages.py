@@ -15,6 +15,8 @@ from typing import Annotated, Any
 
 import msgspec
 
+from .stats import ModelRow, Stats
+
 PROTOCOL_VERSION = 1
 
 # Bounds checked while decoding, so no request can make the daemon build a
@@ -164,11 +166,11 @@ class Prefetched(Message, tag="prefetched"):
 
 
 class StatsReply(Message, tag="stats_reply"):
-    stats: dict[str, Any]
+    stats: Stats
 
 
 class ModelsReply(Message, tag="models_reply"):
-    models: list[dict[str, Any]]
+    models: list[ModelRow]
 
 
 # ---- control (operator) requests: the peer must be root or the daemon's uid ----

@@ -42,9 +42,7 @@ EXAMPLES: dict[type, list] = {
     m.Granted: [m.Granted(lease_id=9, class_id=1, slots=[0, 3])],
     m.Released: [m.Released(count=2)],
     m.Prefetched: [m.Prefetched(queued=0)],
-    m.StatsReply: [m.StatsReply({"hits": 3, "ratio": 0.5, "models": [{"id": 1}], "direct_io": True})],
-    m.ModelsReply: [m.ModelsReply([{"model_id": 1, "path": "/m.gguf", "layers": [1, 2]}])],
-}
+}   # StatsReply and ModelsReply: typed rows, generated below like every later type
 
 
 def tag(t: type) -> str:
@@ -77,6 +75,21 @@ def sample(t: type):
 
 for _t in m.REQUEST_TYPES + m.REPLY_TYPES:        # types added later get a generated example
     EXAMPLES.setdefault(_t, []).append(sample(_t))
+
+
+def test_stats_refuse_undeclared_or_missing_keys():
+    """The stats contract is the Stats struct: a key the daemon forgets, or adds
+    without declaring it, fails the conversion instead of reaching clients."""
+    from moed.protocol.stats import Stats
+    good = msgspec.to_builtins(sample(Stats))
+    assert msgspec.convert(good, Stats) == sample(Stats)
+    with pytest.raises(msgspec.ValidationError, match="unknown field"):
+        msgspec.convert({**good, "surprise": 1}, Stats)
+    with pytest.raises(msgspec.ValidationError, match="budget_bytes"):
+        msgspec.convert({k: v for k, v in good.items() if k != "budget_bytes"}, Stats)
+    for key in ("budget_bytes", "used_bytes", "pinned_bytes", "hits", "misses", "prefetch_hits",
+                "bytes_read", "direct_io", "mem_available_bytes", "mem_floor_bytes", "models", "tenants"):
+        assert key in good                       # the brief's contract keys
 
 
 def test_tags_are_unique_across_requests_and_replies():

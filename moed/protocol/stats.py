@@ -1,0 +1,143 @@
+"""The stats contract as code: what `moectl stats --json` and `Client.stats()` carry.
+
+`Stats` is the GetStats reply's payload and `ModelRow` the ListModels reply's
+rows. The brief's contract keys (budget_bytes, used_bytes, pinned_bytes, hits,
+misses, prefetch_hits, bytes_read, direct_io, mem_available_bytes,
+mem_floor_bytes, models, tenants) are fields here; fields are only appended,
+with defaults, like every message. The daemon builds a snapshot and converts
+it through these types, so a key it forgets or mistypes fails loudly in the
+tests, and a key it adds without declaring it here is refused
+(`forbid_unknown_fields`).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class _Row(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=False):
+    pass
+
+
+class ModelRow(_Row):
+    model_id: int
+    path: str
+    files: list[str]
+    moe_layers: int
+    n_experts: int
+    n_expert_used: int
+    resident_experts: int
+    resident_bytes: int
+    pinned_experts: int
+    pinned_bytes: int
+    pinned: list[tuple[int, int]]      # (layer, expert) of every pinned expert
+    hits: int
+    misses: int
+    bytes_read: int
+    leases: int
+    direct_io: bool
+    stale: bool
+    users: list[int]                   # uids with the model open
+
+
+class TenantModelRow(_Row):
+    hits: int
+    misses: int
+    bytes_read: int
+    resident_bytes: int
+    leases: int
+
+
+class TenantRow(_Row):
+    uid: int
+    names: list[str]
+    pids: list[int]
+    connections: int
+    hits: int
+    shared_hits: int
+    misses: int
+    bytes_read: int
+    resident_bytes: int
+    leases: int
+    floor_bytes: int
+    ceiling_bytes: int
+    models: dict[str, TenantModelRow]
+
+
+class ClientRow(_Row):
+    """What one connection makes the daemon hold now."""
+
+    pid: int
+    uid: int
+    leases: int
+    busy: bool
+    queued_requests: int
+    queued_bytes: int
+    buffered_out_bytes: int
+    reading: bool
+
+
+class Limits(_Row):
+    max_clients: int
+    max_clients_per_tenant: int
+    operator_reserve: int
+    max_request_frame_bytes: int
+    max_queued_requests: int
+    max_queued_bytes: int
+    write_high_bytes: int
+    hello_timeout_s: float
+    idle_timeout_s: float
+    max_opens_per_tenant: int
+    open_timeout_s: float
+
+
+class Stats(_Row):
+    version: str
+    pid: int
+    uptime_s: float
+    budget_bytes: int
+    used_bytes: int
+    pinned_bytes: int
+    pin_budget_bytes: int
+    evictable_bytes: int
+    locked: bool
+    lock_error: str
+    locked_bytes: int
+    resident_experts: int
+    evictions: int
+    hits: int
+    shared_hits: int
+    misses: int
+    pinned_hits: int
+    pinned_hit_share: float
+    pinned_experts: int
+    hit_rate: float
+    joined_reads: int
+    prefetches: int
+    prefetch_hits: int
+    wasted_prefetches: int
+    bytes_read: int
+    read_errors: int
+    reads_in_flight: int
+    direct_io: bool
+    policy: str
+    mem_available_bytes: int
+    mem_floor_bytes: int
+    mem_guard_active: bool
+    effective_budget_bytes: int
+    given_back_bytes: int
+    mem_guard_actions: int
+    mem_hysteresis_bytes: int
+    mem_cgroup_limited: bool
+    verify: bool
+    connections: int
+    bad_frames: int
+    timed_out_connections: int
+    stale_detected: int
+    limits: Limits
+    clients: list[ClientRow]
+    models: list[ModelRow]
+    tenants: list[TenantRow]
+    verified_reads: int = 0            # verify mode only
+    verify_mismatches: int = 0
+    verify_hashed_experts: int = 0
