@@ -29,6 +29,10 @@ pending, per layer and in total, at every moment. Recall is per token: routed
 (token, expert) pairs that the one-ahead prediction (its first `width`) named,
 over all routed pairs of layers that had a prediction.
 
+The governor (moed.engines.governor) hears, per step, how many of the experts
+named for prefetch (sent, or in a shadow step only named) the layer then routed:
+the precision its floor is about.
+
 Prompt batches: the prefetch is the union of every token's prediction; when that
 union covers most of the layer (`WHOLE_LAYER_SHARE`), the whole layer is asked
 for, most-predicted experts first. Every prefetch is cut to what the budget can
@@ -100,7 +104,8 @@ class Lookahead:
         self.decode_steps = 0
         self._issuing = mode != "off"
         self._shadow = False                 # this step predicts and scores but sends nothing
-        self._step_scored = [0, 0]           # this step's one-ahead (predicted, routed), for the governor
+        self._step_named = [0, 0]            # this step's (named and routed, named), sent or shadow
+        self._shadow_named: dict[int, np.ndarray] = {}      # target -> experts a shadow step would send
         self._t0 = 0.0
         self._pred: dict[int, dict[int, np.ndarray]] = {}   # target -> lead -> (rows, width) ids
         self._outbox: list[tuple[int, np.ndarray]] = []     # (target, experts) to send after this acquire
@@ -118,7 +123,7 @@ class Lookahead:
 
     def begin_decode(self, n_tokens: int) -> None:
         self._t0 = time.perf_counter()
-        self._step_scored = [0, 0]
+        self._step_named = [0, 0]
         if self.governor is not None:
             mode = self.governor.begin(n_tokens <= DECODE_ROWS)
             self._issuing, self._shadow = mode == ON, mode == SHADOW
@@ -127,12 +132,14 @@ class Lookahead:
         """After llama_decode: what a stopped graph never routed is wasted."""
         for target, mask in self._pending.items():
             self.layers[target].wasted += int(mask.sum())
+            self._step_named[1] += int(mask.sum())
         self._pending.clear()
+        self._shadow_named.clear()
         self._pred.clear()
         self._outbox.clear()
         self.decode_steps += 1
         if self.governor is not None:
-            self.governor.scored(*self._step_scored)
+            self.governor.scored(*self._step_named)
             self.governor.end(time.perf_counter() - self._t0)
 
     # ---- ffn_norm-L ----------------------------------------------------------
@@ -151,7 +158,7 @@ class Lookahead:
             self._pred.setdefault(target, {})[lead] = ids
             for observer in self.observers:
                 observer.ahead(target, lead, ids)
-            if self._issuing and lead in LEADS[self.mode]:
+            if (self._issuing or self._shadow) and lead in LEADS[self.mode]:
                 self._outbox.append((target, self._prefetch_set(ids[:, :self.width])))
         self.predict_s += time.perf_counter() - t0
 
@@ -183,16 +190,25 @@ class Lookahead:
         preds = self._pred.pop(layer, None)
         if preds:
             self._score(look, ids, preds)
-        mask = self._pending.pop(layer, None)
-        if mask is not None:
-            used = np.zeros_like(mask)
+        mask, shadow = self._pending.pop(layer, None), self._shadow_named.pop(layer, None)
+        if mask is not None or shadow is not None:
+            used = np.zeros(self.predictor.n_experts, dtype=bool)
             used[ids[ids >= 0]] = True
-            hit = int((mask & used).sum())
-            look.hits += hit
-            look.wasted += int(mask.sum()) - hit
+            for named in (m for m in (mask, shadow) if m is not None):
+                hit = int((named & used).sum())
+                self._step_named[0] += hit
+                self._step_named[1] += int(named.sum())
+            if mask is not None:
+                hit = int((mask & used).sum())
+                look.hits += hit
+                look.wasted += int(mask.sum()) - hit
         outbox, self._outbox = self._outbox, []
         for target, experts in outbox:
-            self._send(target, experts, held)
+            experts = self._within_capacity(target, experts, held)
+            if self._issuing:
+                self._send(target, experts)
+            else:
+                _name(self._shadow_named, target, experts, self.predictor.n_experts)
             held += len(experts)
         self.account_s += time.perf_counter() - t0
 
@@ -209,25 +225,19 @@ class Lookahead:
             if lead == 1:
                 look.routed += n_routed
                 look.predicted += got
-                self._step_scored[0] += got
-                self._step_scored[1] += n_routed
             else:
                 look.routed2 += n_routed
                 look.predicted2 += got
 
-    def _send(self, target: int, experts: np.ndarray, held: int) -> None:
+    def _within_capacity(self, target: int, experts: np.ndarray, held: int) -> np.ndarray:
         cap = self.source.capacity(target)
-        if cap is not None:
-            experts = experts[:max(0, cap - held)]
+        return experts if cap is None else experts[:max(0, cap - held)]
+
+    def _send(self, target: int, experts: np.ndarray) -> None:
         if not len(experts):
             return
         self.source.prefetch(target, experts.tolist())
-        mask = self._pending.get(target)
-        if mask is None:
-            mask = self._pending[target] = np.zeros(self.predictor.n_experts, dtype=bool)
-        fresh = int((~mask[experts]).sum())
-        mask[experts] = True
-        self.layers[target].issued += fresh
+        self.layers[target].issued += _name(self._pending, target, experts, self.predictor.n_experts)
 
     # ---- reporting -----------------------------------------------------------
 
@@ -259,3 +269,13 @@ def _named_pairs(pred: np.ndarray, ids: np.ndarray, n_experts: int) -> tuple[int
     named[r, pred[r, c]] = True
     r, c = np.nonzero(ids >= 0)
     return int(named[r, ids[r, c]].sum()), len(r)
+
+
+def _name(named: dict[int, np.ndarray], target: int, experts: np.ndarray, n_experts: int) -> int:
+    """Add `experts` to `target`'s mask in `named`; returns how many were not in it yet."""
+    mask = named.get(target)
+    if mask is None:
+        mask = named[target] = np.zeros(n_experts, dtype=bool)
+    fresh = int((~mask[experts]).sum())
+    mask[experts] = True
+    return fresh

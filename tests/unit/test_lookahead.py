@@ -152,13 +152,14 @@ def test_off_issues_nothing_and_does_not_observe():
     assert not la.observing and la.governor is None
 
 
-def drive_governor(g: PrefetchGovernor, on_s: float, off_s: float, steps: int, recall: float = 1.0) -> list[str]:
+def drive_governor(g: PrefetchGovernor, on_s: float, off_s: float, steps: int,
+                   precision: float = 1.0) -> list[str]:
     modes = []
     for _ in range(steps):
         mode = g.begin(decode_step=True)
         modes.append(mode)
         if mode != "off":
-            g.scored(round(100 * recall), 100)
+            g.scored(round(100 * precision), 100)
         g.end(on_s if mode == "on" else off_s)
     return modes
 
@@ -179,17 +180,17 @@ def test_governor_holds_the_faster_arm_between_paired_probes(faster_on):
     assert (g.state()["prefetch_on_vs_off"] < 1) == faster_on
 
 
-def test_governor_below_the_recall_floor_stays_off_and_only_shadows():
+def test_governor_below_the_precision_floor_stays_off_and_only_shadows():
     g = PrefetchGovernor(probe=4, hold=8, hold_max=32, skip=2)
-    modes = drive_governor(g, 0.008, 0.012, 200, recall=0.6)   # faster on, but mostly wrong predictions
-    assert modes[:2] == ["on", "on"]                          # cold steps measure the recall
+    modes = drive_governor(g, 0.008, 0.012, 200, precision=0.6)  # faster on, but much of it wrong
+    assert modes[:2] == ["on", "on"]                          # cold steps measure the precision
     assert "on" not in modes[2:]                              # never issues again
     assert modes[2:6] == ["shadow", "off", "shadow", "off"]   # probes predict without sending
-    assert g.state()["governor_recall"] == pytest.approx(0.6)
+    assert g.state()["prefetch_precision"] == pytest.approx(0.6)
 
 
-def test_governor_turns_off_at_once_when_recall_drops_during_a_hold():
-    g = PrefetchGovernor(probe=4, hold=32, skip=2, recall_alpha=1.0)
+def test_governor_turns_off_at_once_when_precision_drops_during_a_hold():
+    g = PrefetchGovernor(probe=4, hold=32, skip=2, precision_alpha=1.0)
     drive_governor(g, 0.010, 0.012, 10)                       # on won the first probe, holding on
     assert g.mode == "on"
     g.scored(50, 100)                                         # the predictions went bad
@@ -219,3 +220,17 @@ def test_governor_leaves_prompt_batches_on_and_uncounted():
     assert g.begin(decode_step=False) == "on"
     g.end(5.0)
     assert g.last_median_s == {"on": None, "off": None} and g.steps["on"] == 0
+
+
+def test_shadow_steps_name_prefetches_for_the_governor_but_send_nothing():
+    rng = np.random.default_rng(7)
+    p, drive = GatePredictor(routers(), LAYERS), Drive()
+    la = Lookahead(p, drive, "gate", width=2)
+    la.governor.skip, la.governor.precision = 0, 0.1        # below the floor: every probe is a shadow one
+    for _ in range(8):
+        x = rng.standard_normal((1, D)).astype(np.float32)
+        run_step(la, x, {l: top(p.scores(x, l, l), 2) for l in LAYERS})
+    t = la.totals()
+    assert drive.sent == [] and t["prefetch_issued"] == 0
+    assert t["prefetch_steps_shadow"] > 0
+    assert t["prefetch_precision"] > 0.1                    # the shadow steps measured it
