@@ -274,7 +274,7 @@ class ModelHandle:
 
 
 class Lease:
-    """Experts pinned in the RAM tier until released (or the connection closes)."""
+    """Experts held in the RAM tier until released (or the connection closes)."""
 
     __slots__ = ("model", "layer", "experts", "lease_id", "class_id", "slots", "_segment", "_live")
 

@@ -17,7 +17,7 @@ Invariants (what must happen before what):
 - Pages are hidden before their grant is released: once the daemon may reuse a
   slot, this process can no longer read it.
 - `finish` (after llama_decode returns) hides and releases what is still held, so
-  an idle engine pins nothing.
+  an idle engine holds nothing.
 - The look-ahead only reads the graph's tensors and sends prefetches; it never
   writes a tensor, so prefetch cannot change what llama.cpp computes.
 - An exception in the callback is stored and the callback answers False, which

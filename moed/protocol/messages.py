@@ -53,7 +53,7 @@ class OpenModel(Message, tag="open_model"):
 
 
 class Acquire(Message, tag="acquire"):
-    """Pin `experts` of `layer` until released; `release` piggybacks earlier leases."""
+    """Hold `experts` of `layer` until released (a lease); `release` piggybacks earlier leases."""
 
     model_id: int
     layer: int
