@@ -23,7 +23,6 @@ import argparse
 import atexit
 import json
 import os
-import random
 import shutil
 import socket
 import sys
@@ -32,11 +31,11 @@ import threading
 import time
 
 from moed.client import Client
-from moed.gguf.catalog import Catalog
 from moed.lab.makemodel import make_model
 from moed.protocol import messages as m
 from moed.protocol.framing import encode
 from moed.spawn import DaemonProcess
+from moed.testing import good_client
 
 
 def rss_bytes(pid: int) -> int:
@@ -45,12 +44,6 @@ def rss_bytes(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("no VmRSS")
-
-
-def file_bytes(path: str, off: int, n: int) -> bytes:
-    with open(path, "rb") as f:
-        f.seek(off)
-        return f.read(n)
 
 
 def flooder(sock_path: str, model: str, open_first: bool, stop: threading.Event, sent: list) -> None:
@@ -70,29 +63,6 @@ def flooder(sock_path: str, model: str, open_first: bool, stop: threading.Event,
     sent.append((s, n))
 
 
-def good_client(sock_path: str, model: str, stop: threading.Event, out: dict) -> None:
-    cat = Catalog.open(model)
-    rng = random.Random(7)
-    worst, n = 0.0, 0
-    with Client(sock_path, "good", timeout_s=10) as c:
-        h = c.open_model(model)
-        while not stop.is_set():
-            t0 = time.monotonic()
-            c.ping()
-            worst = max(worst, time.monotonic() - t0)
-            layer = rng.choice(h.moe_layers)
-            experts = rng.sample(range(h.n_experts), h.n_expert_used)
-            with h.acquire(layer, experts, timeout_s=10) as lease:
-                for e in experts:
-                    path, off, length = cat.extent(layer, e, h.parts[0])
-                    if lease.view(e, h.parts[0]).tobytes() != file_bytes(path, off, length):
-                        out["error"] = f"wrong bytes for layer {layer} expert {e}"
-                        return
-            n += 1
-            time.sleep(0.002)
-    out.update(worst_ping_s=worst, acquires=n)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--flooders", type=int, default=8)
@@ -103,7 +73,7 @@ def main() -> int:
     model = str(make_model(os.path.join(tmp, "m.gguf"), layers=4, experts=8, used=2)[0])
     d = DaemonProcess("8MiB")
     warm_stop, warm = threading.Event(), {}
-    t = threading.Thread(target=good_client, args=(d.socket, model, warm_stop, warm))
+    t = threading.Thread(target=good_client, args=(d.socket, model, warm_stop, warm, 0.002))
     t.start()
     time.sleep(2.0)                       # warm-up: the good client's working set is resident
     base = rss_bytes(d.proc.pid)

@@ -31,36 +31,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from moed.gguf.catalog import Catalog  # noqa: E402
 from moed.lab.makemodel import make_model  # noqa: E402
 from moed.protocol import messages as m  # noqa: E402
-from moed.testing import DaemonProcess, file_bytes, proc_status_bytes  # noqa: E402
+from moed.testing import DaemonProcess, good_client, proc_status_bytes  # noqa: E402
 from moed.testing.frames import RawConnection, frames  # noqa: E402
-
-
-def good_client(sock: str, model: str, stop: threading.Event, result: dict) -> None:
-    import random
-    cat = Catalog.open(model)
-    rng = random.Random(7)
-    n = 0
-    try:
-        from moed.client import Client
-        with Client(sock, "good") as c:
-            h = c.open_model(model)
-            while not stop.is_set():
-                layer = rng.choice(h.moe_layers)
-                experts = rng.sample(range(h.n_experts), h.n_expert_used)
-                with h.acquire(layer, experts, timeout_s=10) as lease:
-                    for e in experts:
-                        path, off, length = cat.extent(layer, e, h.parts[0])
-                        if lease.view(e, h.parts[0]).tobytes() != file_bytes(path, off, length):
-                            result["error"] = f"wrong bytes for layer {layer} expert {e}"
-                            return
-                n += 1
-                time.sleep(0.001)        # pace it: the fuzzer needs the CPU more
-    except Exception as exc:  # noqa: BLE001 - reported
-        result["error"] = f"{type(exc).__name__}: {exc}"
-    result["acquires"] = n
 
 
 def main() -> int:

@@ -24,6 +24,7 @@ from moed.protocol.framing import HEADER, FrameReader, encode, reply_decoder
 from moed.spawn import DaemonProcess
 from moed.testing import wait_for
 from tests.integration.test_daemon import check_lease
+from tests.integration.test_robustness import _can_connect
 
 PING_WITHIN_S = 1.0
 GRACE_S = 2.0
@@ -211,18 +212,10 @@ def test_one_tenant_cannot_take_every_connection(hostile_daemon, tiny_model):
     with pytest.raises(errors.TooManyClients, match="max_clients_per_tenant"):
         d.client("fourth")
     held.pop().close()
-    wait_for(lambda: _connects(d), 5, what="a freed per-tenant slot")
+    wait_for(lambda: _can_connect(d), 5, what="a freed per-tenant slot")
     for c in held:
         c.close()
     stops_in_grace(d)
-
-
-def _connects(d) -> bool:
-    try:
-        d.client("again").close()
-        return True
-    except errors.TooManyClients:
-        return False
 
 
 # ---- bad files at model paths -----------------------------------------------------------
