@@ -33,8 +33,10 @@ The rule.
    slower than the next whatever its arm). Medians, because a preempted step is
    an outlier, not a trend; several probes, because eight steps of each arm
    differ by their tokens' routes alone by ~10%.
-The first `skip` decode steps (cold cache, first-touch costs) run on and are not
-timed. A held-on arm whose precision falls below the floor turns off at once.
+The first `skip` decode steps (cold cache, first-touch costs) are shadow steps:
+not timed, they only measure the precision before anything is sent (running
+them on, a recall-0.6 engine at a 25% budget read enough wrong experts during
+those steps to stay 3-4% behind an engine that never prefetched). A held-on arm whose precision falls below the floor turns off at once.
 
 Why measure instead of modelling the drive: prefetch pays when the reads it moves
 off the critical path (at most the compute they overlap) outweigh what it adds:
@@ -88,7 +90,7 @@ class PrefetchGovernor:
             return ON
         self._step += 1
         if self._step <= self.skip:
-            self.mode = ON
+            self.mode = SHADOW
         else:
             if self._phase_left == 0 or (self.mode == ON and not self._probing and self._below_floor()):
                 self._next_phase()

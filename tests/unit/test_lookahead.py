@@ -169,7 +169,7 @@ def test_governor_holds_the_faster_arm_between_paired_probes(faster_on):
     g = PrefetchGovernor(probe=4, hold=8, hold_max=32, skip=2)
     win = "on" if faster_on else "off"
     modes = drive_governor(g, 0.010 if faster_on else 0.012, 0.012 if faster_on else 0.010, 400)
-    assert modes[:2] == ["on", "on"]                          # cold steps: on, not timed
+    assert modes[:2] == ["shadow", "shadow"]                  # cold steps: predict, send nothing, not timed
     assert modes[2:6] == ["on", "off", "on", "off"]           # the probe pairs the arms step by step
     assert set(modes[6:14]) == {win}                          # then holds the winner for `hold` steps
     assert modes[14:18] == ["on", "off", "on", "off"]
@@ -183,7 +183,7 @@ def test_governor_holds_the_faster_arm_between_paired_probes(faster_on):
 def test_governor_below_the_precision_floor_stays_off_and_only_shadows():
     g = PrefetchGovernor(probe=4, hold=8, hold_max=32, skip=2)
     modes = drive_governor(g, 0.008, 0.012, 200, precision=0.6)  # faster on, but much of it wrong
-    assert modes[:2] == ["on", "on"]                          # cold steps measure the precision
+    assert modes[:2] == ["shadow", "shadow"]                  # cold steps measure the precision
     assert "on" not in modes[2:]                              # never issues again
     assert modes[2:6] == ["shadow", "off", "shadow", "off"]   # probes predict without sending
     assert g.state()["prefetch_precision"] == pytest.approx(0.6)
