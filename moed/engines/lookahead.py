@@ -33,6 +33,11 @@ The governor (moed.engines.governor) hears, per step, how many of the experts
 named for prefetch (sent, or in a shadow step only named) the layer then routed:
 the precision its floor is about.
 
+Only predicted experts that this engine's own LRU estimate of the daemon's
+cache (moed.engines.residency) says are gone are sent: once everything fits,
+a warm engine sends (almost) nothing, and a wrong guess of a resident expert
+costs no message. Precision is then over what would be read.
+
 Prompt batches: the prefetch is the union of every token's prediction; when that
 union covers most of the layer (`WHOLE_LAYER_SHARE`), the whole layer is asked
 for, most-predicted experts first. Every prefetch is cut to what the budget can
@@ -49,6 +54,7 @@ import numpy as np
 
 from moed.engines.governor import ON, SHADOW, PrefetchGovernor
 from moed.engines.predictor import GatePredictor, top
+from moed.engines.residency import ResidencyEstimate
 
 MODES = ("off", "gate", "gate2")
 LEADS = {"off": (), "gate": (1,), "gate2": (1, 2)}
@@ -99,6 +105,8 @@ class Lookahead:
         if predictor is not None:
             predictor.prepare(self.leads)
         self.layers: dict[int, LayerLook] = {layer: LayerLook() for layer in source.moe_layers}
+        self.residency = ResidencyEstimate(source.capacity, getattr(source, "size_class", source.capacity))
+        self.skipped_resident = 0    # predicted experts not sent: the estimate says the daemon has them
         self.predict_s = 0.0         # in observe: the predictor's matmul, top-k, prefetch set
         self.account_s = 0.0         # in routed: scoring, counting, sending the prefetches
         self.decode_steps = 0
@@ -187,6 +195,7 @@ class Lookahead:
         t0 = time.perf_counter()
         look = self.layers[layer]
         look.stall_s += stall_s
+        self.residency.touch(layer, np.unique(ids[ids >= 0]))
         preds = self._pred.pop(layer, None)
         if preds:
             self._score(look, ids, preds)
@@ -204,9 +213,12 @@ class Lookahead:
                 look.wasted += int(mask.sum()) - hit
         outbox, self._outbox = self._outbox, []
         for target, experts in outbox:
-            experts = self._within_capacity(target, experts, held)
+            gone = self.residency.missing(target, experts.tolist())
+            self.skipped_resident += len(experts) - len(gone)
+            experts = self._within_capacity(target, np.asarray(gone, dtype=np.int64), held)
             if self._issuing:
                 self._send(target, experts)
+                self.residency.touch(target, experts)
             else:
                 _name(self._shadow_named, target, experts, self.predictor.n_experts)
             held += len(experts)
@@ -255,7 +267,7 @@ class Lookahead:
                "prediction_recall2": predicted2 / routed2 if routed2 else None,
                "prefetch_issued": issued, "prefetch_hits": hits, "prefetch_wasted": wasted,
                "prefetch_pending": issued - hits - wasted, "predict_s": self.predict_s,
-               "lookahead_account_s": self.account_s,
+               "lookahead_account_s": self.account_s, "prefetch_skipped_resident": self.skipped_resident,
                "per_layer": {layer: l.as_dict() for layer, l in self.layers.items()}}
         if self.governor is not None:
             out.update(self.governor.state())

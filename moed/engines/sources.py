@@ -102,5 +102,9 @@ class MoedSource:
     def capacity(self, layer: int) -> int | None:
         return self.model.segment(self._layers[layer].class_id).info.capacity
 
+    def size_class(self, layer: int) -> int:
+        """The daemon's size class of the layer: layers of one class share its slots."""
+        return self._layers[layer].class_id
+
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         self.model.prefetch(layer, list(experts))

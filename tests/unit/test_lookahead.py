@@ -234,3 +234,32 @@ def test_shadow_steps_name_prefetches_for_the_governor_but_send_nothing():
     assert drive.sent == [] and t["prefetch_issued"] == 0
     assert t["prefetch_steps_shadow"] > 0
     assert t["prefetch_precision"] > 0.1                    # the shadow steps measured it
+
+
+def test_residency_estimate_is_an_lru_per_class():
+    from moed.engines.residency import ResidencyEstimate
+
+    r = ResidencyEstimate(lambda layer: 3, lambda layer: layer % 2)     # odd and even layers: two classes
+    r.touch(0, [1, 2])
+    r.touch(2, [1])                                                     # same class as layer 0
+    assert r.missing(0, [1, 2, 3]) == [3]
+    r.touch(2, [5])                                                     # a fourth key evicts (0, 1)
+    assert r.missing(0, [1, 2]) == [1]
+    assert r.missing(1, [1]) == [1]                                     # the other class is separate
+    unknown = ResidencyEstimate(lambda layer: None, lambda layer: 0)
+    unknown.touch(0, [1])
+    assert unknown.missing(0, [1, 2]) == [1, 2]                         # no capacity: assume nothing
+
+
+def test_an_engine_whose_experts_fit_stops_sending_once_warm():
+    rng = np.random.default_rng(8)
+    p, drive = GatePredictor(routers(), LAYERS), Drive(capacity=E * len(LAYERS))
+    la = Lookahead(p, drive, "gate", width=2, adapt=False)
+    xs = [rng.standard_normal((1, D)).astype(np.float32) for _ in range(40)]
+    for x in xs * 2:                                                    # the same 40 tokens twice
+        run_step(la, x, {l: top(p.scores(x, l, l), 2) for l in LAYERS})
+    sent_first = len(drive.sent)
+    for x in xs:
+        run_step(la, x, {l: top(p.scores(x, l, l), 2) for l in LAYERS})
+    assert sent_first > 0 and len(drive.sent) == sent_first            # warm: everything it predicts is held
+    assert la.totals()["prefetch_skipped_resident"] > 0
