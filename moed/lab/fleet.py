@@ -155,7 +155,7 @@ def load_member(spec: str, name: str | None = None) -> Member:
     """A member from `TRACE[:MODEL.gguf][@RATE]`: the trace, and the model's slot bytes if given."""
     trace_path, model_path, rate = parse_spec(spec)
     trace = Trace.load(trace_path)
-    label = name or os.path.basename(trace_path)
+    label = name or os.path.basename(trace_path).split(".")[0]
     if model_path is None:
         return Member(label, trace, rate)
     from moed.gguf.catalog import Catalog
@@ -646,7 +646,7 @@ def replay_fleet(
         raise BadRequest("the budget must not be negative")
     stream = interleave(members, warm, seed, phases)
     names = [m.name for m in members]
-    total = _all_size(members)
+    total = all_size(members)
     rows = [
         {
             "name": m.name,
@@ -686,7 +686,7 @@ def replay_fleet(
     )
 
 
-def _all_size(members: Sequence[Member]) -> int:
+def all_size(members: Sequence[Member]) -> int:
     """Bytes (or slots) of every distinct model's experts: a model shared by engines counts once."""
     _, key_bytes = _key_space(members)
     return int(key_bytes.sum())
