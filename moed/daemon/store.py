@@ -29,13 +29,21 @@ Invariants, kept here:
   Without quotas, eviction is the policy's single order, untouched.
 - A prefetched slot (`prefetched`) that leaves the table before any lease used
   it (evicted, or its queued read cancelled) counts once in `wasted_prefetches`.
+- A READY slot leaves the table only after `claim(slot)` said yes: engines may
+  hold READY slots without telling the store (the residency table's local
+  holds, moed.daemon.residency), and `claim` is how the store asks. A refused
+  slot is adopted: it takes a reference (`adopted`), leaves the policy, and is
+  given back by `release_adopted` once nobody holds it locally. Victims are
+  chosen and claimed before anything is changed, so an acquire either finds
+  all the room it needs or changes nothing; claimed slots that end up not
+  evicted are handed back with `unclaim`.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import NamedTuple, cast
+from typing import Callable, NamedTuple, cast
 
 from .policy import LRU, EvictionPolicy
 
@@ -65,6 +73,7 @@ class Slot:
     refs: int = 0
     pinned: bool = False
     unpin_pending: bool = False   # unpinned while held or loading: leaves the partition when free
+    adopted: bool = False         # held locally when eviction was tried: one reference is the store's
     generation: int = 0
     prefetched: bool = False   # loaded by a prefetch, not yet used by a lease
     owner: object = None       # tenant charged for the residency (quotas, stats)
@@ -131,6 +140,11 @@ class Store:
         self._dropped: list[Slot] = []   # slots whose pages the RAM tier should give back
         self.owned_bytes: dict[object, int] = {}     # owner -> bytes of its resident slots
         self.quotas: dict[object, Quota] = {}        # owner -> floor/ceiling, when configured
+        # Local holds (see the module docstring): the defaults are a store with none.
+        self.claim: Callable[[Slot], bool] = lambda slot: True
+        self.unclaim: Callable[[Slot], None] = lambda slot: None
+        self.adopted: set[Slot] = set()
+        self._claims: list[Slot] = []      # claimed by _claim_room during one operation
 
     # ---- classes --------------------------------------------------------
 
@@ -171,11 +185,8 @@ class Store:
             if self.quotas:
                 if not self._make_room_for(owner, need, slots):
                     return None
-            else:
-                held_here = sum(s.slot_bytes for s in slots if s is not None and self._is_evictable(s))
-                room = self.effective_budget_bytes - self.used_bytes + self.evictable_bytes - held_here
-                if need > room:
-                    return None
+            elif not self._claim_room(need, slots):
+                return None
         # The hit path: take a reference on every resident slot (inlined: it runs
         # for every expert of every acquire).
         loading, hits = [], 0
@@ -200,6 +211,7 @@ class Store:
                 if s is None:
                     s = slots[i] = self._reserve(wants[i], owner)
                     to_load.append(s)
+        self._settle_claims()
         granted = cast(list[Slot], slots)     # every None was reserved above
         return Plan(granted, [s.generation for s in granted], to_load, loading, hits, len(to_load))
 
@@ -221,9 +233,10 @@ class Store:
         if self.quotas:
             if not self._make_room_for(owner, cls.slot_bytes, ()):
                 return None
-        elif cls.slot_bytes > self.effective_budget_bytes - self.used_bytes + self.evictable_bytes:
+        elif not self._claim_room(cls.slot_bytes, ()):
             return None
         slot = self._reserve(want, owner)
+        self._settle_claims()
         slot.refs = 0
         slot.prefetched = True
         return slot
@@ -274,25 +287,93 @@ class Store:
         skip = {s for s in present if s is not None}
         taken: dict = {}
         victims: list[Slot] = []
+        refused: list[Slot] = []
         for s in self.policy.candidates():
             if over <= 0:
                 break
             if s.owner is owner and s not in skip:
-                victims.append(s)
                 skip.add(s)
+                if not self.claim(s):
+                    refused.append(s)
+                    continue
+                victims.append(s)
                 over -= s.slot_bytes
                 short -= s.slot_bytes
-        if over > 0:
+        if over <= 0:
+            for s in self.policy.candidates():
+                if short <= 0:
+                    break
+                if s in skip or not self._may_evict_for(s, owner, taken):
+                    continue
+                skip.add(s)
+                if not self.claim(s):
+                    refused.append(s)
+                    continue
+                victims.append(s)
+                taken[s.owner] = taken.get(s.owner, 0) + s.slot_bytes
+                short -= s.slot_bytes
+        for s in refused:
+            self._adopt(s)
+        if over > 0 or short > 0:
+            self._unclaim_all(victims)
             return None
+        return victims
+
+    def _claim_room(self, need: int, present) -> bool:
+        """Claim, in policy order, evictable slots enough for `need` new bytes; False
+        (nothing claimed, though locally held candidates are adopted) if there are not.
+
+        The claimed slots stay first in the policy, so the evictions that follow
+        (`_evict_one`) take exactly them.
+        """
+        short = need - (self.effective_budget_bytes - self.used_bytes)
+        if short <= 0:
+            return True
+        skip = {s for s in present if s is not None}
+        claimed: list[Slot] = []
+        refused: list[Slot] = []
         for s in self.policy.candidates():
             if short <= 0:
                 break
-            if s in skip or not self._may_evict_for(s, owner, taken):
+            if s in skip:
                 continue
-            victims.append(s)
-            taken[s.owner] = taken.get(s.owner, 0) + s.slot_bytes
-            short -= s.slot_bytes
-        return victims if short <= 0 else None
+            if self.claim(s):
+                claimed.append(s)
+                short -= s.slot_bytes
+            else:
+                refused.append(s)
+        for s in refused:
+            self._adopt(s)
+        if short > 0:
+            self._unclaim_all(claimed)
+            return False
+        self._claims += claimed
+        return True
+
+    def _settle_claims(self) -> None:
+        """Claimed slots the operation did not evict after all are handed back."""
+        claims, self._claims = self._claims, []
+        self._unclaim_all(s for s in claims if s.state is READY)
+
+    def _unclaim_all(self, slots) -> None:
+        for s in slots:
+            self.unclaim(s)
+
+    def _adopt(self, slot: Slot) -> None:
+        """A READY slot someone holds locally: the store takes a reference on their behalf."""
+        if self._is_evictable(slot):
+            self.policy.remove(slot)
+            self.evictable_bytes -= slot.slot_bytes
+        slot.refs += 1
+        slot.adopted = True
+        self.adopted.add(slot)
+
+    def release_adopted(self, slot: Slot) -> None:
+        """Nobody holds an adopted slot locally any more: drop the store's reference."""
+        if slot in self.adopted:
+            self.adopted.discard(slot)
+            slot.adopted = False
+            self.release(slot, slot.generation)
 
     def _may_evict_for(self, s: Slot, owner: object, taken: dict) -> bool:
         o = s.owner
@@ -309,6 +390,8 @@ class Store:
         slot = None
         while self.effective_budget_bytes - self.used_bytes < cls.slot_bytes:
             victim = self._evict_one()
+            if victim is None:
+                raise RuntimeError("store accounting broken: room promised but nothing evictable")
             if victim.class_id == cls.class_id:
                 slot = victim          # same size: reuse its pages as they are
                 break
@@ -334,12 +417,14 @@ class Store:
         slot.owner = owner
         self.table[key] = slot
 
-    def _evict_one(self) -> Slot:
-        victim = self.policy.victim()
-        if victim is None:
-            raise RuntimeError("store accounting broken: room promised but nothing evictable")
-        self._evict(victim)
-        return victim
+    def _evict_one(self) -> Slot | None:
+        """Evict the policy's first claimable slot (adopting the locally held); None if none is."""
+        while (victim := self.policy.victim()) is not None:
+            if self.claim(victim):
+                self._evict(victim)
+                return victim
+            self._adopt(victim)
+        return None
 
     def _evict(self, victim: Slot) -> None:
         """Take an evictable slot out of the table (it becomes EMPTY, its index kept)."""
@@ -477,9 +562,12 @@ class Store:
             self.owned_bytes[None] = self.owned_bytes.get(None, 0) + size
             self.policy.add(slot)
             self.evictable_bytes += size
-        else:
+        elif self.claim(slot):
             self._vacate(slot)
             self._drop(slot)
+        else:                           # held locally: it leaves once let go
+            slot.unpin_pending = True
+            self._adopt(slot)
 
     # ---- shrinking ------------------------------------------------------
 
@@ -496,6 +584,8 @@ class Store:
         freed = 0
         while self.used_bytes > target_used_bytes and self.evictable_bytes > 0:
             victim = self._evict_one()
+            if victim is None:
+                break
             self._drop(victim)
             freed += victim.slot_bytes
         return freed
@@ -509,9 +599,13 @@ class Store:
         """Forget every unreferenced slot of a model (it was closed or went stale)."""
         for key in [k for k in self.table if k.model_id == model_id]:
             slot = self.table[key]
-            if self._is_evictable(slot):
-                self.policy.remove(slot)
-                self.evictable_bytes -= slot.slot_bytes
-                self._vacate(slot)
-                self._disown(slot)
-                self._drop(slot)
+            if not self._is_evictable(slot):
+                continue
+            if not self.claim(slot):
+                self._adopt(slot)          # dropped when its local holder lets go
+                continue
+            self.policy.remove(slot)
+            self.evictable_bytes -= slot.slot_bytes
+            self._vacate(slot)
+            self._disown(slot)
+            self._drop(slot)

@@ -453,6 +453,10 @@ class StoreMachine(RuleBasedStateMachine):
         self.floors: dict = {}
         self.ceilings: dict = {}
 
+    def locally_held(self) -> set:
+        """Slots engines hold without the store knowing (LocalHoldMachine); none here."""
+        return set()
+
     def settle(self):
         # The daemon gives dropped pages back before any read starts; a slot
         # dropped here is EMPTY or was just reserved again (LOADING).
@@ -483,8 +487,10 @@ class StoreMachine(RuleBasedStateMachine):
         missing = [k for k in keys if k not in present]
         need = sum(CLASS_BYTES[class_of(k)] for k in missing)
         whole = need + sum(s.slot_bytes for s in present.values() if not s.pinned)
+        held = self.locally_held()
         spare = sum(s.slot_bytes for s in all_slots(store)
-                    if s.state == SlotState.READY and s.refs == 0 and not s.pinned and s.key not in present)
+                    if s.state == SlotState.READY and s.refs == 0 and not s.pinned and s.key not in present
+                    and s not in held)
         room = store.effective_budget_bytes - store.used_bytes + spare
         used_before, owned_before = store.used_bytes, self.owned()
         before = {k: (id(s), s.refs, s.generation) for k, s in store.table.items()}
@@ -493,7 +499,7 @@ class StoreMachine(RuleBasedStateMachine):
                 store.acquire(wants, who)
             event("acquire: too large")
             return
-        evictions = store.evictions
+        evictions, adopted_before = store.evictions, set(store.adopted)
         try:
             plan = store.acquire(wants, who)
         except ValueError:
@@ -502,7 +508,10 @@ class StoreMachine(RuleBasedStateMachine):
         if plan is None:
             event("acquire: waits")
             assert missing and (store.quotas or need > room)
-            assert {k: (id(s), s.refs, s.generation) for k, s in store.table.items()} == before
+            # nothing changed, but for slots found held locally: the store adopted them
+            newly = store.adopted - adopted_before
+            after = {k: (id(s), s.refs - (s in newly), s.generation) for k, s in store.table.items()}
+            assert after == before
             return
         assert store.quotas or not missing or need <= room
         event("acquire: evicted" if store.evictions > evictions else "acquire: granted")
@@ -560,8 +569,10 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(k=KEYS, who=WHO)
     def prefetch(self, k, who):
         store = self.store
+        held = sum(s.slot_bytes for s in self.locally_held()
+                   if s.refs == 0 and s.state == SlotState.READY and not s.pinned)
         fits = (k not in store.table and CLASS_BYTES[class_of(k)]
-                <= store.effective_budget_bytes - store.used_bytes + store.evictable_bytes)
+                <= store.effective_budget_bytes - store.used_bytes + store.evictable_bytes - held)
         owned_before = self.owned()
         slot = store.prefetch(Want(k, class_of(k)), who)
         if not store.quotas:
@@ -624,7 +635,10 @@ class StoreMachine(RuleBasedStateMachine):
         was_pinned = slot is not None and slot.pinned
         free_now = was_pinned and slot.refs == 0 and slot.state == SlotState.READY
         assert store.unpin(k) == was_pinned
-        if free_now:                                  # rejoins the shared budget, or goes
+        if free_now and slot in self.locally_held():  # rejoins the budget, or is adopted until let go
+            assert store.table.get(k) is slot
+            assert not slot.pinned or (slot.unpin_pending and slot.adopted)
+        elif free_now:                                # rejoins the shared budget, or goes
             event("unpin: now")
             assert not slot.pinned
             assert store.table.get(k) is slot or slot.state == SlotState.EMPTY
@@ -665,7 +679,7 @@ class StoreMachine(RuleBasedStateMachine):
                     counts[id(slot)] = counts.get(id(slot), 0) + 1
                     assert slot.state != SlotState.EMPTY      # a held slot is never evicted
         for s in all_slots(self.store):
-            assert s.refs == counts.get(id(s), 0)
+            assert s.refs == counts.get(id(s), 0) + s.adopted     # adoption is the store's one reference
 
 
 class LFUStoreMachine(StoreMachine):
@@ -683,6 +697,61 @@ class QuotaMachine(StoreMachine):
         self.floors, self.ceilings = {a: floor_bytes}, {b: ceiling_bytes}
 
 
+class LocalHoldMachine(StoreMachine):
+    """Engines also hold READY slots locally (the residency table's no-round-trip hits).
+
+    `claim` refuses exactly the slots someone holds locally at their current
+    generation, as the daemon's hold scan does. Checked after every step: a
+    locally held slot is never vacated or refilled, every refused slot was
+    adopted (one reference) until its holders let go, and no slot stays
+    claimed while still resident after an operation (claims are settled).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.local: list[tuple] = []            # (slot, generation) held locally
+        self.claimed: dict = {}                 # slot -> generation when claimed
+        self.store.claim = self._claim
+        self.store.unclaim = lambda slot: self.claimed.pop(slot, None)
+
+    def locally_held(self) -> set:
+        return {slot for slot, gen in self.local if slot.generation == gen}
+
+    def _claim(self, slot) -> bool:
+        if slot in self.locally_held():
+            event("claim refused: held locally")
+            return False
+        self.claimed[slot] = slot.generation
+        return True
+
+    @precondition(lambda self: any(s.state == SlotState.READY for s in self.store.table.values()))
+    @rule(data=st.data())
+    def hold_locally(self, data):
+        ready = sorted((s for s in self.store.table.values() if s.state == SlotState.READY
+                        and self.claimed.get(s) != s.generation), key=lambda s: (s.class_id, s.index))
+        if ready:
+            slot = data.draw(st.sampled_from(ready))
+            self.local.append((slot, slot.generation))
+
+    @precondition(lambda self: self.local)
+    @rule(data=st.data())
+    def let_go_locally(self, data):
+        slot, gen = self.local.pop(data.draw(st.integers(0, len(self.local) - 1)))
+        if slot.adopted and slot not in self.locally_held():
+            self.store.release_adopted(slot)
+        self.settle()
+
+    @invariant()
+    def local_holds_are_never_vacated(self):
+        for slot, gen in self.local:
+            assert slot.generation == gen and slot.state == SlotState.READY and self.store.table[slot.key] is slot
+
+    @invariant()
+    def claims_are_settled(self):
+        for slot, gen in self.claimed.items():
+            assert not (slot.generation == gen and slot.state == SlotState.READY), "resident and still claimed"
+
+
 # STORE_EXAMPLES=2000 hunts longer (minutes); the default keeps the suite fast.
 _machine_settings = settings(max_examples=int(os.environ.get("STORE_EXAMPLES", 50)),
                              stateful_step_count=40, deadline=None,
@@ -693,3 +762,13 @@ TestLFUStoreMachine = LFUStoreMachine.TestCase
 TestLFUStoreMachine.settings = _machine_settings
 TestQuotaMachine = QuotaMachine.TestCase
 TestQuotaMachine.settings = _machine_settings
+TestLocalHoldMachine = LocalHoldMachine.TestCase
+TestLocalHoldMachine.settings = _machine_settings
+
+
+class LocalHoldQuotaMachine(LocalHoldMachine, QuotaMachine):
+    """Local holds with a floor and a ceiling configured."""
+
+
+TestLocalHoldQuotaMachine = LocalHoldQuotaMachine.TestCase
+TestLocalHoldQuotaMachine.settings = _machine_settings
