@@ -148,3 +148,28 @@ def plot_fleet(report: Any, out: str) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
+
+
+def cmd_plan_fleet(args: argparse.Namespace) -> int:
+    """`moectl plan --fleet SPEC...`: one budget, pins and floors for the box."""
+    from moed.lab import fleetplan
+
+    if args.model is not None or args.trace is not None:
+        raise BadRequest("plan --fleet takes its models and traces as TRACE:MODEL.gguf[@RATE], not MODEL --trace")
+    result = fleetplan.make_fleet_plan(
+        load(args.fleet),
+        target_tok_s=args.target_tok_s,
+        drive_gbps=args.drive_gbps,
+        ram_bytes=args.ram,
+        reserve_bytes=args.reserve,
+        compute_ms=args.compute_ms,
+        warm=args.warm,
+        seed=args.seed,
+        measure_s=args.measure_seconds,
+    )
+    if args.json:
+        print(json.dumps(result.to_json(), sort_keys=True))
+    else:
+        for line in fleetplan.describe(result):
+            print(line)
+    return 0

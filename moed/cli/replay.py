@@ -163,8 +163,11 @@ class _DriveProgress:
 def _register_plan(sub) -> None:
     from moed.protocol.sizes import parse_size
     p = sub.add_parser("plan", help="recommend the RAM and pin budgets for a target decode rate")
-    p.add_argument("model", metavar="MODEL.gguf")
-    p.add_argument("--trace", required=True, metavar="T", help="a routing trace of this model")
+    p.add_argument("model", metavar="MODEL.gguf", nargs="?", help="the model (not with --fleet)")
+    p.add_argument("--trace", metavar="T", help="a routing trace of this model")
+    p.add_argument("--fleet", nargs="+", metavar="TRACE:MODEL.gguf[@RATE]",
+                   help="size one box for several engines instead (moed.cli.fleet)")
+    p.add_argument("--seed", type=int, default=0, help="--fleet: seed of the interleaving")
     p.add_argument("--target-tok-s", type=float, default=None,
                    help="decode rate to reach (default: the best the RAM allows)")
     p.add_argument("--drive-gbps", type=float, default=None,
@@ -186,6 +189,11 @@ def _register_plan(sub) -> None:
 def cmd_plan(args) -> int:
     from moed.lab import plan as pl
     from moed.lab.traces import Trace
+    if args.fleet:
+        from moed.cli.fleet import cmd_plan_fleet
+        return cmd_plan_fleet(args)
+    if args.model is None or args.trace is None:
+        return fail("plan: give MODEL.gguf --trace T, or --fleet TRACE:MODEL.gguf[@RATE] ...")
     try:
         trace = Trace.load(args.trace)
         result = pl.make_plan(args.model, trace, target_tok_s=args.target_tok_s, drive_gbps=args.drive_gbps,

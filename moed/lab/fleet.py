@@ -459,6 +459,29 @@ def _quota_lru(stream: Stream, budget: int, floors: Sequence[int]) -> tuple[np.n
     return np.frombuffer(hit, np.uint8).astype(bool), q.refused
 
 
+def low_water(stream: Stream, budget: int, keep: np.ndarray | None = None) -> list[int]:
+    """Each engine's fewest bytes held in the shared LRU (no floors) from its first counted
+    access on; `keep` masks the accesses replayed (the rest are served elsewhere: pins)."""
+    n = int(stream.owner.max(initial=0)) + 1
+    q = _QuotaLRU([0] * n, np.unique(stream.key_bytes).tolist(), budget)
+    kb = stream.key_bytes.tolist()
+    low: list[int | None] = [None] * n
+    mask = np.ones(stream.n, bool) if keep is None else keep
+    for i, k, o, c in zip(
+        np.flatnonzero(mask).tolist(),
+        stream.keys[mask].tolist(),
+        stream.owner[mask].tolist(),
+        stream.counted[mask].tolist(),
+    ):
+        q.access(i, k, o, kb[k])
+        if c and low[o] is None:
+            low[o] = q.owned[o]
+        for j, v in enumerate(low):
+            if v is not None and q.owned[j] < v:
+                low[j] = q.owned[j]
+    return [v or 0 for v in low]
+
+
 def _cache_hits(
     keys: np.ndarray, token: np.ndarray, counted: np.ndarray, key_bytes: np.ndarray, budget: int, policy: str
 ) -> tuple[np.ndarray, int]:

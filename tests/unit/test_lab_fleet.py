@@ -244,3 +244,45 @@ def test_bad_input_is_one_line_and_exit_2(capsys, two_traces, argv):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("moectl: ") and err.count("\n") == 1
+
+
+# ---- plan --fleet -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def fleet_specs(model_factory, tmp_path):
+    a = model_factory(layers=3, experts=8, used=2)
+    b = model_factory(layers=2, experts=8, used=2, layer_quants="q8_0,q4_0")
+    ta = trace_file(skewed(1, tokens=300), tmp_path / "a.npz")
+    tb = trace_file(skewed(2, layers=2, tokens=300), tmp_path / "b.npz")
+    return [f"{ta}:{a}", f"{tb}:{b}@0.25"]
+
+
+def test_plan_fleet_smallest_budget_for_the_target(fleet_specs):
+    from moed.lab import fleetplan
+
+    members = [fleet.load_member(s) for s in fleet_specs]
+    planner = fleetplan.FleetPlanner(members, drive_gbps=0.001, compute_ms=1.0)
+    target = 0.5 * planner.tok_s(planner.hits(planner.all_bytes)) + 0.5 * planner.tok_s(planner.hits(0))
+    p = fleetplan.make_fleet_plan(
+        members, target_tok_s=target, drive_gbps=0.001, compute_ms=1.0, ram_bytes=1 << 30, reserve_bytes=0
+    )
+    assert p.meets_target and p.tok_s >= target and 0 < p.budget_bytes < p.all_experts_bytes
+    step = int(max(1.0, planner.mean_slot))
+    assert planner.tok_s(planner.hits(p.budget_bytes - step)) < target <= planner.tok_s(planner.hits(p.budget_bytes))
+    assert p.hit_rate >= p.unpinned_hit_rate and p.ram_budget_bytes + p.pin_budget_bytes == p.budget_bytes
+    assert sum(m["floor_bytes"] for m in p.per_model) <= p.ram_budget_bytes
+    assert all(m["floor_bytes"] > 0 for m in p.per_model)
+
+
+def test_plan_fleet_cli(capsys, fleet_specs):
+    got = run_json(
+        capsys, "plan", "--fleet", *fleet_specs, "--drive-gbps", 1, "--ram", "64MiB", "--reserve", 0, "--json"
+    )
+    assert got["budget_bytes"] == got["all_experts_bytes"]  # no target: all the RAM allows
+    assert [m["rate"] for m in got["per_model"]] == [1.0, 0.25]
+    assert got["commands"][0].startswith("moed --ram-budget ")
+    assert main(["plan", "--fleet", *fleet_specs, "--drive-gbps", "1", "--ram", "64MiB"]) == 0
+    assert "recommended" in capsys.readouterr().out
+    assert main(["plan", "--fleet", fleet_specs[0].split(":")[0], "--drive-gbps", "1"]) == 2
+    assert main(["plan"]) == 2
