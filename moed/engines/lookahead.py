@@ -30,13 +30,13 @@ pending, per layer and in total, at every moment. Recall is per token: routed
 over all routed pairs of layers that had a prediction.
 
 The governor (moed.engines.governor) hears, per step, how many of the experts
-named for prefetch (sent, or in a shadow step only named) the layer then routed:
-the precision its floor is about.
+predicted for prefetch (before the residency filter below; in a shadow step
+only predicted) the layer then routed: the precision its floor is about.
 
 Only predicted experts that this engine's own LRU estimate of the daemon's
 cache (moed.engines.residency) says are gone are sent: once everything fits,
 a warm engine sends (almost) nothing, and a wrong guess of a resident expert
-costs no message. Precision is then over what would be read.
+costs no message.
 
 Prompt batches: the prefetch is the union of every token's prediction; when that
 union covers most of the layer (`WHOLE_LAYER_SHARE`), the whole layer is asked
@@ -113,7 +113,7 @@ class Lookahead:
         self._issuing = mode != "off"
         self._shadow = False                 # this step predicts and scores but sends nothing
         self._step_named = [0, 0]            # this step's (named and routed, named), sent or shadow
-        self._shadow_named: dict[int, np.ndarray] = {}      # target -> experts a shadow step would send
+        self._named: dict[int, np.ndarray] = {}             # target -> experts predicted for prefetch
         self._t0 = 0.0
         self._pred: dict[int, dict[int, np.ndarray]] = {}   # target -> lead -> (rows, width) ids
         self._outbox: list[tuple[int, np.ndarray]] = []     # (target, experts) to send after this acquire
@@ -140,9 +140,8 @@ class Lookahead:
         """After llama_decode: what a stopped graph never routed is wasted."""
         for target, mask in self._pending.items():
             self.layers[target].wasted += int(mask.sum())
-            self._step_named[1] += int(mask.sum())
         self._pending.clear()
-        self._shadow_named.clear()
+        self._named.clear()
         self._pred.clear()
         self._outbox.clear()
         self.decode_steps += 1
@@ -199,13 +198,12 @@ class Lookahead:
         preds = self._pred.pop(layer, None)
         if preds:
             self._score(look, ids, preds)
-        mask, shadow = self._pending.pop(layer, None), self._shadow_named.pop(layer, None)
-        if mask is not None or shadow is not None:
+        mask, named = self._pending.pop(layer, None), self._named.pop(layer, None)
+        if mask is not None or named is not None:
             used = np.zeros(self.predictor.n_experts, dtype=bool)
             used[ids[ids >= 0]] = True
-            for named in (m for m in (mask, shadow) if m is not None):
-                hit = int((named & used).sum())
-                self._step_named[0] += hit
+            if named is not None:
+                self._step_named[0] += int((named & used).sum())
                 self._step_named[1] += int(named.sum())
             if mask is not None:
                 hit = int((mask & used).sum())
@@ -213,14 +211,14 @@ class Lookahead:
                 look.wasted += int(mask.sum()) - hit
         outbox, self._outbox = self._outbox, []
         for target, experts in outbox:
+            _name(self._named, target, experts, self.predictor.n_experts)
+            if not self._issuing:
+                continue                         # a shadow step: named for the governor, not sent
             gone = self.residency.missing(target, experts.tolist())
             self.skipped_resident += len(experts) - len(gone)
             experts = self._within_capacity(target, np.asarray(gone, dtype=np.int64), held)
-            if self._issuing:
-                self._send(target, experts)
-                self.residency.touch(target, experts)
-            else:
-                _name(self._shadow_named, target, experts, self.predictor.n_experts)
+            self._send(target, experts)
+            self.residency.touch(target, experts)
             held += len(experts)
         self.account_s += time.perf_counter() - t0
 
