@@ -141,8 +141,10 @@ def run_engine(kind: str, model: str, trace: str, warmup: int, tokens: int, thre
 
     routes = TraceRoutes(trace, recall)
     batch = 512 if prefill else 32
+    # n_threads_batch too: llama-cpp-python defaults prompt batches to every core, which on
+    # this 2-vCPU box makes prefill race the daemon and any other work for the CPU.
     kw = dict(n_ctx=max(warmup + tokens, prefill) + 8, n_batch=batch, n_ubatch=batch, n_threads=threads,
-              verbose=False)
+              n_threads_batch=threads, verbose=False)
     t0 = time.perf_counter()
     if kind.startswith("moed"):
         llm = StreamedLlama(model, socket_path=socket, route_hook=routes, skeleton_dir=SKELETON_DIR,
