@@ -27,6 +27,7 @@ from moed.protocol import messages as m
 from moed.protocol.framing import FrameReader, encode, reply_decoder
 from moed.protocol.paths import default_socket_path  # also re-exported by moed.client
 
+from . import local
 from .segments import Segment
 
 DEFAULT_SPIN_US = 100.0   # busy-poll for a reply this long before sleeping (0: never)
@@ -48,6 +49,10 @@ class Client:
         self._frames = FrameReader(reply_decoder)
         self._early: list = []          # replies that arrived in one recv with the one awaited
         self._segments: dict[int, Segment] = {}
+        # Hits without a round trip (moed.client.local): this connection's hold
+        # region and each class's slot states, mapped once the first model opens.
+        self._region: local.HoldRegion | None = None
+        self._states: dict[int, local.ReadOnlyWords] = {}
         self.hello: m.HelloReply | None = None
         self.connect()
 
@@ -85,6 +90,10 @@ class Client:
         for seg in self._segments.values():
             seg.close()
         self._segments.clear()
+        self._states.clear()
+        if self._region is not None:       # the daemon stopped counting its holds when the socket closed
+            self._region.close()
+            self._region = None
 
     def __enter__(self) -> Client:
         return self
@@ -198,16 +207,38 @@ class Client:
     def open_model(self, path: str | os.PathLike) -> ModelHandle:
         # the daemon resolves paths itself: never in its own working directory
         info, fds = self.request(m.OpenModel(os.path.abspath(os.fspath(path))), fds=True)
-        if len(fds) != len(info.segments):
+        n = len(info.segments)
+        want = 2 * n + 1 if info.residency else n
+        if len(fds) != want:
             for fd in fds:
                 os.close(fd)
-            raise errors.InternalError(f"expected {len(info.segments)} segment descriptors, got {len(fds)}")
+            raise errors.InternalError(f"expected {want} descriptors with the model, got {len(fds)}")
         for seg_info, fd in zip(info.segments, fds):
             if seg_info.class_id in self._segments:
                 os.close(fd)
             else:
                 self._segments[seg_info.class_id] = Segment(seg_info, fd)
-        return ModelHandle(self, info)
+        table = None
+        if info.residency:
+            for seg_info, fd in zip(info.segments, fds[n:2 * n]):
+                if seg_info.class_id in self._states:
+                    os.close(fd)
+                else:
+                    self._states[seg_info.class_id] = local.ReadOnlyWords(fd)
+            table = local.ReadOnlyWords(fds[2 * n])
+            self._map_holds()
+        return ModelHandle(self, info, table if self._region is not None else None)
+
+    def _map_holds(self) -> None:
+        """This connection's hold region, asked for once (when local hits are enabled)."""
+        if self._region is not None or not local.enabled():
+            return
+        reply, fds = self.request(m.MapHolds(), fds=True)
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise errors.InternalError(f"expected one hold-region descriptor, got {len(fds)}")
+        self._region = local.HoldRegion(fds[0], reply.region_words)
 
     def segment(self, class_id: int) -> Segment:
         return self._segments[class_id]
@@ -224,9 +255,11 @@ def _frame(msg) -> bytearray:
 class ModelHandle:
     """One open model on this connection; geometry mirrors the daemon's catalog."""
 
-    def __init__(self, client: Client, info: m.ModelInfo):
+    def __init__(self, client: Client, info: m.ModelInfo, table: local.ReadOnlyWords | None = None):
         self.client = client
         self.info = info
+        self._table = table           # None: every acquire is a round trip
+        self._rows = {layer: i * info.n_experts for i, layer in enumerate(sorted(info.moe_layers))}
         self.model_id = info.model_id
         self.path = info.path
         self.files = info.files
@@ -257,9 +290,34 @@ class ModelHandle:
                           DeprecationWarning, stacklevel=2)
             timeout_s = timeout if timeout_s is None else timeout_s
         experts = list(map(int, experts))
+        if self._table is not None:
+            lease = self._acquire_locally(layer, experts)
+            if lease is not None:
+                for prior in release:
+                    prior.release()
+                return lease
         rel = [lease._take_for_release() for lease in release]
         g = self.client.request(m.Acquire(self.model_id, layer, experts, timeout_s, [r for r in rel if r]))
         return Lease(self, layer, list(dict.fromkeys(experts)), g)
+
+    def _acquire_locally(self, layer: int, experts: list[int]) -> Lease | None:
+        """A hit with no round trip, or None (not all resident, or anything odd: ask the daemon)."""
+        client = self.client
+        region, row, info = client._region, self._rows.get(layer), self._layers.get(layer)
+        if region is None or row is None or info is None or client._sock is None:
+            return None
+        uniq = list(dict.fromkeys(experts))
+        if not uniq or min(uniq) < 0 or max(uniq) >= self.n_experts:
+            return None                   # the daemon answers with the right error
+        holds = region.take(len(uniq))
+        if holds is None:
+            return None                   # every hold word in use: the daemon holds the rest
+        slots = region.hit(self._table, row, uniq, client._states[info.class_id], info.class_id, holds)
+        if slots is None:
+            region.give(holds)
+            return None
+        region.record(self.model_id, info.class_id, slots)
+        return Lease(self, layer, uniq, m.Granted(0, info.class_id, slots), (region, holds))
 
     def prefetch(self, layer: int, experts) -> None:
         """Ask for experts to be read ahead; never waits, never errors back.
@@ -276,9 +334,10 @@ class ModelHandle:
 class Lease:
     """Experts held in the RAM tier until released (or the connection closes)."""
 
-    __slots__ = ("model", "layer", "experts", "lease_id", "class_id", "slots", "_segment", "_live")
+    __slots__ = ("model", "layer", "experts", "lease_id", "class_id", "slots", "_segment", "_live", "_holds")
 
-    def __init__(self, model: ModelHandle, layer: int, experts: list[int], granted: m.Granted):
+    def __init__(self, model: ModelHandle, layer: int, experts: list[int], granted: m.Granted,
+                 holds: tuple[local.HoldRegion, list[int]] | None = None):
         self.model = model
         self.layer = layer
         self.experts = experts
@@ -287,6 +346,7 @@ class Lease:
         self.slots = dict(zip(experts, granted.slots))
         self._segment = model.segment(granted.class_id)
         self._live = True
+        self._holds = holds           # a local lease (no round trip): its region and hold words
 
     @property
     def segment(self) -> Segment:
@@ -304,10 +364,21 @@ class Lease:
             raise errors.UnknownExpert(f"expert {expert} is not in this lease ({self.experts})") from None
         return self._segment.view(slot, part)
 
+    @property
+    def local(self) -> bool:
+        """Granted with no round trip (held in this connection's hold region)."""
+        return self._holds is not None
+
     def _take_for_release(self) -> int | None:
+        """The lease id to send the daemon, or None (released already, or local: let go here)."""
         if not self._live:
             return None
         self._live = False
+        if self._holds is not None:
+            region, words = self._holds
+            if region is self.model.client._region:     # a closed connection's region counts no more
+                region.clear(words)
+            return None
         return self.lease_id
 
     def release(self) -> None:

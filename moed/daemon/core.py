@@ -46,6 +46,7 @@ from .opener import Opener
 from .policy import make_policy
 from .ramtier import RamTier
 from .reader import ModelFile, ReaderPool, ReadJob
+from .residency import Residency
 from .stats import Counters, Tenant
 from .store import ExpertKey, Slot, SlotState, Store, Want
 from .verify import Verifier, digest
@@ -112,6 +113,11 @@ class Daemon:
         self.version = __version__
         self.loop = loop
         self.store = Store(config.ram_budget_bytes, make_policy(config.policy), config.pin_budget_bytes)
+        # Local holds: the store asks the residency tables before a READY slot leaves.
+        self.residency = Residency()
+        self.store.claim = self.residency.claim
+        self.store.unclaim = self.residency.unclaim
+        self._maintain_task: asyncio.Task | None = None
         self.ramtier = RamTier(config.ram_budget_bytes + config.pin_budget_bytes)
         self.reader = ReaderPool(config.reader_threads, config.chunk_bytes)
         self.opener = Opener(config.max_opens_per_tenant, config.open_timeout_s)
@@ -204,6 +210,7 @@ class Daemon:
         model.wants = {layer: [Want(ExpertKey(model.model_id, layer, e), plan.class_id)
                                for e in range(catalog.n_experts)]
                        for layer, plan in layers.items()}
+        self.residency.add_model(model.model_id, list(layers), catalog.n_experts)
         model.info = model_info(model, self.ramtier.segments)
         self.models[model.model_id] = model
         self._by_identity[(path, identity)] = model
@@ -247,6 +254,7 @@ class Daemon:
     def _retire(self, model: Model) -> None:
         """The model takes no new acquires; its slots go once its last lease is released."""
         model.stale = True
+        self.residency.retire_model(model.model_id)     # no new local hits on it
         self._maybe_drop_stale(model)
 
     def went_stale(self, model: Model, why: str) -> errors.ModelStale:
@@ -285,6 +293,7 @@ class Daemon:
             self.models.pop(model.model_id, None)
             self._by_identity.pop((model.path, model.identity), None)
             model.close()
+            self.residency.drop_model(model.model_id)
             if self.verifier is not None:
                 self.verifier.forget(model.model_id)
             if model.domain is not None:
@@ -298,6 +307,7 @@ class Daemon:
             if dom == domain and self.store.remove_class(class_id):
                 del self._classes[(dom, key)]
                 self.ramtier.remove_segment(class_id)
+                self.residency.remove_class(class_id)
 
     def _class_for(self, key: tuple, domain=None) -> int:
         class_id = self._classes.get((domain, key))
@@ -306,6 +316,7 @@ class Daemon:
             names = [p for p, _ in key]
             seg = self.ramtier.add_segment(class_id, names, [b for _, b in key])
             self.store.add_class(class_id, seg.slot_bytes, seg.capacity)
+            self.residency.add_class(class_id, seg.capacity)
             self._classes[(domain, key)] = class_id
         return class_id
 
@@ -363,6 +374,8 @@ class Daemon:
         return PendingAcquire(self, model, layer, wants, plan, tenant, deadline)
 
     def _plan(self, wants, tenant):
+        if self.residency.regions:
+            self.fold_local()        # local hits reach the LRU before it picks a victim
         try:
             plan = self.store.acquire(wants, owner=tenant)
             while plan is None and self._cancel_newest_prefetch():
@@ -499,6 +512,7 @@ class Daemon:
             err = self.verifier.check(key, job.digest, job.what)
         if err is None:
             self.store.loaded(slot)
+            self.residency.publish(slot)
             loading.done.set_result(None)
         else:
             self.counters.read_errors += 1
@@ -665,6 +679,7 @@ class Daemon:
 
     def stats(self) -> dict:
         from .stats import snapshot
+        self.fold_local(counters=True)
         return snapshot(self)
 
     @property
@@ -679,6 +694,93 @@ class Daemon:
         for model in self.models.values():
             model.close()
         self.ramtier.close()
+        self.residency.close()
+
+    # ---- local holds (hits without a round trip) ---------------------------------
+
+    def fold_local(self, counters: bool = False) -> None:
+        """Fold what engines recorded in their regions: recency (touches) into the
+        eviction order, so the shared LRU sees local hits; with `counters`, local hit
+        counts into the stats."""
+        res, store = self.residency, self.store
+        for session in list(res.regions):
+            for class_id, index in res.touches(session):
+                cls = store.classes.get(class_id)
+                slot = cls.slots.get(index) if cls is not None else None
+                if slot is not None and slot.state is SlotState.READY and slot.key is not None:
+                    self._count_local(slot, session.tenant)
+            if counters:
+                for model_id, hits in res.local_hits(session).items():
+                    if model_id in self.models:
+                        self.counters.local_hits += hits
+                        self.counters.hits += hits
+                        session.tenant.hits += hits
+                        session.tenant.use(model_id).hits += hits
+
+    def _count_local(self, slot: Slot, tenant: Tenant) -> None:
+        """One local hit on `slot`: recency and the per-slot counts a daemon hit keeps
+        (hit totals come from the regions' counters, which cannot overflow)."""
+        self.store.touch_local(slot)
+        c = self.counters
+        if slot.pinned:
+            c.pinned_hits += 1
+        if slot.owner is not tenant and slot.owner is not None:
+            c.shared_hits += 1
+            tenant.shared_hits += 1
+        if self.heat is not None:
+            self.heat.add([slot])
+        if self.store.use_prefetched(slot):
+            c.prefetch_hits += 1
+
+    def sweep_adopted(self) -> None:
+        """Give back the references the store took for local holds that are gone."""
+        released = False
+        for slot in list(self.store.adopted):
+            if not self.residency.held(slot.class_id, slot.index, slot.generation):
+                key = slot.key
+                self.store.release_adopted(slot)
+                released = True
+                model = self.models.get(key.model_id) if key is not None else None
+                if model is not None and model.stale:
+                    self._maybe_drop_stale(model)
+        if released:
+            self.settle()
+            self.room_changed()
+
+    def _check_files_changed(self) -> None:
+        """Local hits check no file: find changes here, so a changed model stops being
+        hit locally within one period (its table is zeroed when it is retired)."""
+        for model in list(self.models.values()):
+            if not model.stale:
+                try:
+                    self.check_current(model)
+                except errors.ModelStale:
+                    pass
+
+    def start(self) -> None:
+        self._maintain_task = asyncio.ensure_future(self._maintain())
+
+    async def _maintain(self, period_s: float = 0.02) -> None:
+        """Every `period_s`: fold touches, sweep adopted slots; every 50 periods, counters."""
+        n = 0
+        while True:
+            await asyncio.sleep(period_s)
+            n += 1
+            try:
+                if self.residency.regions or self.store.adopted:
+                    self.fold_local(counters=n % 50 == 0)
+                    self.sweep_adopted()
+                    self._check_files_changed()
+            except Exception:  # noqa: BLE001 - the next period tries again; never lose the loop
+                log.exception("local-hold maintenance failed")
+
+    async def stop(self) -> None:
+        if self._maintain_task is not None:
+            self._maintain_task.cancel()
+            try:
+                await self._maintain_task
+            except asyncio.CancelledError:
+                pass
 
 
 __all__ = ["Daemon", "Lease", "PendingAcquire", "PAGE"]

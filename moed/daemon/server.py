@@ -34,15 +34,16 @@ import logging
 import os
 import socket
 import struct
+from collections import deque
+from collections.abc import Callable, Coroutine
 
 import msgspec
-from collections import deque
-from collections.abc import Coroutine
 
 from moed.protocol import errors
 from moed.protocol import messages as m
 from moed.protocol.framing import MAX_REQUEST_FRAME_BYTES, FrameReader, decode, encode, request_decoder
 from moed.protocol.messages import PROTOCOL_VERSION
+from moed.protocol.residency import REGION_WORDS
 from moed.protocol.stats import ModelRow, Stats
 
 from . import control
@@ -103,7 +104,7 @@ class Session(asyncio.Protocol):
         self._handlers = {
             m.Hello: self.on_hello, m.Ping: self.on_ping, m.OpenModel: self.on_open_model,
             m.Acquire: self.on_acquire, m.Release: self.on_release, m.Prefetch: self.on_prefetch,
-            m.GetStats: self.on_stats, m.ListModels: self.on_models,
+            m.GetStats: self.on_stats, m.ListModels: self.on_models, m.MapHolds: self.on_map_holds,
             **control.handlers(self),
         }
 
@@ -188,6 +189,9 @@ class Session(asyncio.Protocol):
         for lease in leases:
             self.daemon.release(lease)
         self.daemon.forget_prefetches(self)       # its queued read-ahead is no longer wanted
+        if self in self.daemon.residency.regions:  # its local holds stop counting now
+            self.daemon.residency.close_region(self)
+            self.daemon.sweep_adopted()
         self.tenant.pids.discard(self.pid)
         if leases:
             log.info("connection of pid %d closed holding %d leases; released them", self.pid, len(leases))
@@ -230,6 +234,7 @@ class Session(asyncio.Protocol):
                 "queued_requests": len(self.queue),
                 "queued_bytes": self.queued_bytes + self.frames.buffered_bytes,
                 "buffered_out_bytes": self.transport.get_write_buffer_size() if self.transport else 0,
+                "local_holds": self.daemon.residency.holds_of(self),
                 "reading": self.reading}
 
     # ---- dispatch ------------------------------------------------------------
@@ -324,10 +329,25 @@ class Session(asyncio.Protocol):
         self.models.add(model.model_id)
         info = model.info
         assert info is not None         # set when the model was added
-        await self._send_with_fds(encode(info), [s.class_id for s in info.segments])
+        classes = [s.class_id for s in info.segments]
+        d = self.daemon
+
+        def fds() -> list[int]:
+            return ([d.ramtier.segments[c].readonly_fd() for c in classes]
+                    + d.residency.fds_for(model.model_id, classes))
+
+        await self._send_with_fds(encode(msgspec.structs.replace(info, residency=True)), fds)
         return None
 
-    async def _send_with_fds(self, frame: bytes | bytearray, class_ids: list[int]) -> None:
+    async def on_map_holds(self, msg: m.MapHolds):
+        fd = self.daemon.residency.open_region(self)
+        try:
+            await self._send_with_fds(encode(m.HoldsMapped(REGION_WORDS)), lambda: [os.dup(fd)])
+        finally:
+            os.close(fd)
+        return None
+
+    async def _send_with_fds(self, frame: bytes | bytearray, make_fds: Callable[[], list[int]]) -> None:
         """Write a frame with descriptors attached (the transport cannot carry them).
 
         Order: everything the transport holds goes out first (its output
@@ -338,7 +358,7 @@ class Session(asyncio.Protocol):
         deadline = self.loop.time() + SEND_STALL_S
         await self._drain(deadline)
         raw = self.transport.get_extra_info("socket")
-        fds = [self.daemon.ramtier.segments[c].readonly_fd() for c in class_ids]
+        fds = make_fds()
         # A dup shares the socket's file status: it stays non-blocking, as the loop needs.
         sock = socket.socket(fileno=os.dup(raw.fileno()))
         try:

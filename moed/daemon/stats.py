@@ -27,6 +27,7 @@ class Counters:
     errors_sent: int = 0
     connections: int = 0
     pinned_hits: int = 0
+    local_hits: int = 0       # hits engines served themselves (folded from hold regions)
     timed_out: int = 0        # connections closed for sending no Hello, or nothing, in time
     stale_detected: int = 0   # models found changed on disk (fstat) while open
 
@@ -163,6 +164,9 @@ def snapshot(daemon) -> dict:
         "bad_frames": c.bad_frames,
         "timed_out_connections": c.timed_out,
         "stale_detected": c.stale_detected,
+        "local_hits": c.local_hits,
+        "local_claims_refused": daemon.residency.claims_refused,
+        "adopted_slots": len(daemon.store.adopted),
         "limits": limits(daemon.config),
         "clients": [s.buffers() for s in daemon.sessions],
         "models": [_model_row(daemon, m) for m in models],

@@ -42,8 +42,9 @@ Invariants, kept here:
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, cast
+from typing import NamedTuple, cast
 
 from .policy import LRU, EvictionPolicy
 
@@ -495,6 +496,15 @@ class Store:
                 self.evictable_bytes += slot.slot_bytes
             elif slot.unpin_pending:
                 self._unpin_now(slot)
+
+    def touch_local(self, slot: Slot) -> None:
+        """An engine hit this slot without a round trip: it is the most recently used."""
+        if slot.state is READY and slot.key is not None:
+            if self._is_evictable(slot):
+                self.policy.remove(slot)
+                self.policy.add(slot)
+            if self.policy.wants_touch:
+                self.policy.touch(slot)
 
     def use_prefetched(self, slot: Slot) -> bool:
         """True once, the first time a prefetched slot is hit."""

@@ -11,7 +11,7 @@ Rules kept here (docs/design.md, "Protocol and how it evolves"):
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 import msgspec
 
@@ -72,6 +72,10 @@ class Prefetch(Message, tag="prefetch"):
     layer: int
     experts: Ids
     ack: bool = False
+
+
+class MapHolds(Message, tag="map_holds"):
+    """Ask for this connection's hold region (one writable descriptor comes with the reply)."""
 
 
 class GetStats(Message, tag="stats"):
@@ -147,6 +151,9 @@ class ModelInfo(Message, tag="model_info"):
     parts: list[str]
     layers: list[LayerInfo]
     segments: list[SegmentInfo]
+    # True: after the segments' descriptors come each segment's slot-state words
+    # (same order) and then the model's residency table (moed.protocol.residency).
+    residency: bool = False
 
 
 class Granted(Message, tag="granted"):
@@ -159,6 +166,10 @@ class Granted(Message, tag="granted"):
 
 class Released(Message, tag="released"):
     count: int
+
+
+class HoldsMapped(Message, tag="holds_mapped"):
+    region_words: int          # the region's size in uint64 words (layout: moed.protocol.residency)
 
 
 class Prefetched(Message, tag="prefetched"):
@@ -225,9 +236,9 @@ class Unpinned(Message, tag="unpinned"):
 
 
 Request = (Hello | Ping | OpenModel | Acquire | Release | Prefetch | GetStats | ListModels
-           | SetMemFloor | Pin | Unpin)
+           | SetMemFloor | Pin | Unpin | MapHolds)
 Reply = (Error | HelloReply | Pong | ModelInfo | Granted | Released | Prefetched | StatsReply | ModelsReply
-         | MemFloorSet | Pinned | Unpinned)
+         | MemFloorSet | Pinned | Unpinned | HoldsMapped)
 
 REPLY_TYPE: dict[type, type] = {
     Hello: HelloReply,
@@ -241,6 +252,7 @@ REPLY_TYPE: dict[type, type] = {
     SetMemFloor: MemFloorSet,
     Pin: Pinned,
     Unpin: Unpinned,
+    MapHolds: HoldsMapped,
 }
 
 REQUEST_TYPES: tuple[type, ...] = Request.__args__

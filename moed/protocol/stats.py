@@ -75,6 +75,7 @@ class ClientRow(_Row):
     queued_bytes: int
     buffered_out_bytes: int
     reading: bool
+    local_holds: int = 0               # slots it holds in its hold region (no round trip)
 
 
 class Limits(_Row):
@@ -138,6 +139,9 @@ class Stats(_Row):
     clients: list[ClientRow]
     models: list[ModelRow]
     tenants: list[TenantRow]
+    local_hits: int = 0                # hits served in engines with no round trip (folded from regions)
+    local_claims_refused: int = 0      # evictions put off because an engine held the slot locally
+    adopted_slots: int = 0             # slots the store holds for engines' local holds now
     verified_reads: int = 0            # verify mode only
     verify_mismatches: int = 0
     verify_hashed_experts: int = 0

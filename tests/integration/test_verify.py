@@ -9,6 +9,7 @@ import pytest
 
 from moed.gguf.catalog import Catalog
 from moed.protocol import errors
+from moed.testing import wait_for
 from tests.integration.test_daemon import check_lease, expert_bytes
 
 
@@ -52,6 +53,9 @@ def test_bytes_changed_under_the_daemon(start_daemon, tiny_model, tmp_path, veri
             s = c.stats()
             assert s["verify_mismatches"] == 0 and s["verified_reads"] >= 2
         corrupt(path, cat, 0, 1)
+        # Engines' local hits check no file: the daemon finds the change within a
+        # maintenance period (20 ms) and stops them, with no acquire needed.
+        wait_for(lambda: c.stats()["stale_detected"] == 1, 5, what="the change detected")
         for e in (1, 2):                               # the changed expert and an untouched one
             with pytest.raises(errors.ModelStale):
                 h.acquire(0, [e])

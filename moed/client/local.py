@@ -1,0 +1,108 @@
+"""The client's side of hits without a round trip: its hold region and the model's tables.
+
+Owns this connection's hold region (mapped read-write; only this process
+writes it), the read-only residency table of each open model and the slot
+states of each size class. The protocol and the argument for it are in
+moed.protocol.residency; each hit is one call into moed._holds.
+
+Invariants:
+- a hold word is written only at an index this object handed out (`take`) and
+  cleared before the index is handed out again (`give`);
+- a local lease's bytes are read only between a successful `hit` and its
+  release, which clears its holds;
+- touches go into the ring before its head moves (a seq_cst store), so the
+  daemon never reads a touch that is not written.
+
+`MOED_LOCAL_HITS=0` turns the fast path off (every acquire is a round trip).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+
+import numpy as np
+
+from moed.protocol import residency as rz
+
+try:
+    from moed import _holds
+except ImportError:          # not built (a source checkout never installed): round trips only
+    _holds = None
+
+
+def enabled() -> bool:
+    return _holds is not None and os.environ.get("MOED_LOCAL_HITS", "1") != "0"
+
+
+class ReadOnlyWords:
+    """A read-only mapping of a daemon memfd of uint64 words."""
+
+    def __init__(self, fd: int):
+        size = os.fstat(fd).st_size
+        self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        os.close(fd)
+
+
+class HoldRegion:
+    def __init__(self, fd: int, region_words: int):
+        if region_words != rz.REGION_WORDS:
+            os.close(fd)
+            raise ValueError(f"hold region of {region_words} words; this client knows {rz.REGION_WORDS}")
+        self.map = mmap.mmap(fd, region_words * 8)
+        os.close(fd)
+        self.words = np.frombuffer(self.map, dtype=np.uint64)
+        self._free = list(range(rz.HOLD_BASE + rz.HOLD_WORDS - 1, rz.HOLD_BASE - 1, -1))
+        self._lock = threading.Lock()
+        self._head = 0
+        self._counters: dict[int, int] = {}      # model id -> its counter word
+
+    def take(self, n: int) -> list[int] | None:
+        with self._lock:
+            if len(self._free) < n:
+                return None
+            out = self._free[-n:]
+            del self._free[-n:]
+            return out
+
+    def give(self, indexes: list[int]) -> None:
+        with self._lock:
+            self._free += indexes
+
+    def hit(self, table, row_base: int, experts: list[int], states, class_id: int,
+            holds: list[int]) -> list[int] | None:
+        assert _holds is not None
+        return _holds.hit(table.map, row_base, experts, states.map, self.map, holds, class_id)
+
+    def clear(self, holds: list[int]) -> None:
+        assert _holds is not None
+        _holds.clear(self.map, holds)
+        self.give(holds)
+
+    def record(self, model_id: int, class_id: int, slots: list[int]) -> None:
+        """Count the hit and leave its touches for the daemon's LRU."""
+        with self._lock:
+            w = self.words
+            for slot in slots:
+                w[rz.RING_BASE + self._head % rz.RING_WORDS] = rz.touch(class_id, slot)
+                self._head += 1
+            _holds.store(self.map, rz.W_RING_HEAD, self._head)   # after the entries: a release
+            word = self._counter(model_id)
+            if word is not None:
+                w[word] += len(slots)
+
+    def _counter(self, model_id: int) -> int | None:
+        word = self._counters.get(model_id)
+        if word is None and len(self._counters) < rz.MAX_MODEL_COUNTERS:
+            word = rz.COUNTER_BASE + 2 * len(self._counters) + 1
+            self.words[word - 1] = model_id
+            self._counters[model_id] = word
+        return word
+
+    def close(self) -> None:
+        del self.words
+        try:
+            self.map.close()
+        except BufferError:
+            pass      # a lease's view still holds it; the mapping goes with it

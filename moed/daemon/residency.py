@@ -1,0 +1,229 @@
+"""The daemon's side of hits without a round trip: residency tables, slot states, hold regions.
+
+Owns, as memfds: one residency table per open model and one slot-state array
+per size class (the daemon is their only writer; clients get read-only
+descriptors with the model's segments), and one hold region per connection
+that asked for one (only that client writes it). The words, their encodings and
+the memory-ordering argument are in moed.protocol.residency.
+
+Invariants, kept here:
+- A residency is published (entry and READY state written) only once its slot
+  is READY in the store (`publish`, called when a read completes), and taken
+  back (`claim`) before the store lets the slot leave the table: the store asks
+  `claim` first for every READY slot it evicts, drops or unpins, and a claim
+  that finds a hold refuses, leaving the residency published.
+- Every region's holds are scanned after the EVICTING store (moed._holds.find
+  fences first), so a hold the client made before it checked the state is seen.
+- A connection's region stops counting the moment the connection closes
+  (`close_region`); slots the store adopted for it are released by `sweep`.
+- Nothing a client writes in its region is trusted beyond "this word matches a
+  live residency": touch and counter words are bounds-checked and clamped.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+from dataclasses import dataclass, field
+
+from moed import _holds
+from moed.protocol import residency as rz
+
+log = logging.getLogger("moed.residency")
+
+MAX_COUNTER_STEP = 1 << 32        # a local-hit counter cannot claim more than this per fold
+
+
+class Words:
+    """A memfd of uint64 words, mapped read-write in the daemon."""
+
+    def __init__(self, name: str, n_words: int):
+        self.n_words = max(1, n_words)
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, self.n_words * 8)
+        self.map = mmap.mmap(self.fd, self.n_words * 8)
+        os.fchmod(self.fd, 0o400)          # clients reopen it read-only, and cannot reopen it writable
+
+    def readonly_fd(self) -> int:
+        return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+    def close(self) -> None:
+        try:
+            self.map.close()
+        except BufferError:
+            pass
+        os.close(self.fd)
+
+
+@dataclass(eq=False)
+class Region:
+    """One connection's hold region (the client maps it read-write; we read it)."""
+
+    fd: int
+    map: mmap.mmap
+    ring_seen: int = 0
+    counters_seen: dict = field(default_factory=dict)    # model_id -> local hits already folded
+
+    def close(self) -> None:
+        try:
+            self.map.close()
+        except BufferError:
+            pass
+        os.close(self.fd)
+
+
+class Residency:
+    def __init__(self):
+        self.states: dict[int, Words] = {}          # class id -> slot states
+        self.tables: dict[int, Words] = {}          # model id -> residency table
+        self.layer_index: dict[int, dict[int, int]] = {}   # model id -> layer -> row
+        self.n_experts: dict[int, int] = {}
+        self.regions: dict[object, Region] = {}     # session -> its region
+        self._published: dict = {}                  # slot -> (model id, table word, generation)
+        self.claims_refused = 0
+
+    # ---- tables ----------------------------------------------------------
+
+    def add_class(self, class_id: int, capacity: int) -> None:
+        self.states[class_id] = Words(f"moed-states-{class_id}", capacity)
+
+    def remove_class(self, class_id: int) -> None:
+        words = self.states.pop(class_id, None)
+        if words is not None:
+            words.close()
+
+    def add_model(self, model_id: int, layers: list[int], n_experts: int) -> None:
+        self.tables[model_id] = Words(f"moed-table-{model_id}", len(layers) * n_experts)
+        self.layer_index[model_id] = {layer: i for i, layer in enumerate(sorted(layers))}
+        self.n_experts[model_id] = n_experts
+
+    def retire_model(self, model_id: int) -> None:
+        """No new local hits on a stale or closed model: zero its table (holds still count)."""
+        table = self.tables.get(model_id)
+        if table is not None:
+            for slot, (mid, word, _) in list(self._published.items()):
+                if mid == model_id:
+                    _holds.store(table.map, word, 0)
+
+    def drop_model(self, model_id: int) -> None:
+        table = self.tables.pop(model_id, None)
+        if table is not None:
+            table.close()
+        self.layer_index.pop(model_id, None)
+        self.n_experts.pop(model_id, None)
+
+    def fds_for(self, model_id: int, class_ids: list[int]) -> list[int]:
+        """Read-only descriptors: each class's states, in order, then the model's table."""
+        return [self.states[c].readonly_fd() for c in class_ids] + [self.tables[model_id].readonly_fd()]
+
+    # ---- publishing and claiming -------------------------------------------
+
+    def publish(self, slot) -> None:
+        """The slot is READY with its key: make it visible to local hits."""
+        key = slot.key
+        table = self.tables.get(key.model_id)
+        if table is None:
+            return
+        word = self.layer_index[key.model_id][key.layer] * self.n_experts[key.model_id] + key.expert
+        g = slot.generation
+        _holds.store(self.states[slot.class_id].map, slot.index, rz.state(g, rz.READY))
+        _holds.store(table.map, word, rz.entry(g, slot.index))
+        self._published[slot] = (key.model_id, word, g)
+
+    def claim(self, slot) -> bool:
+        """Take a published residency back unless some region holds it (then False)."""
+        pub = self._published.get(slot)
+        if pub is None or pub[2] != slot.generation:
+            return True
+        model_id, word, g = pub
+        states = self.states[slot.class_id].map
+        ready, evicting = rz.state(g, rz.READY), rz.state(g, rz.EVICTING)
+        if not _holds.cas(states, slot.index, ready, evicting) and _holds.load(states, slot.index) != evicting:
+            return True                      # not READY(g): nothing a client could hold
+        if self.held(slot.class_id, slot.index, g):
+            _holds.store(states, slot.index, ready)
+            self.claims_refused += 1
+            return False
+        del self._published[slot]
+        table = self.tables.get(model_id)
+        if table is not None:
+            _holds.store(table.map, word, 0)
+        return True
+
+    def unclaim(self, slot) -> None:
+        """A claimed slot the store kept after all: publish it again."""
+        if slot.key is not None and slot not in self._published:
+            self.publish(slot)
+
+    def held(self, class_id: int, index: int, generation: int) -> bool:
+        target = rz.hold(class_id, index, generation)
+        return any(_holds.find(r.map, rz.HOLD_BASE, rz.HOLD_WORDS, target) for r in self.regions.values())
+
+    # ---- regions -------------------------------------------------------------
+
+    def open_region(self, session) -> int:
+        """A new region for `session`; returns a read-write descriptor for its client."""
+        if session in self.regions:
+            raise ValueError("this connection has a hold region already")
+        fd = os.memfd_create("moed-holds", os.MFD_CLOEXEC)
+        os.ftruncate(fd, rz.REGION_WORDS * 8)
+        region = Region(fd, mmap.mmap(fd, rz.REGION_WORDS * 8))
+        _holds.store(region.map, rz.W_MAGIC, rz.MAGIC)
+        self.regions[session] = region
+        return os.dup(fd)
+
+    def close_region(self, session) -> None:
+        """The connection closed: its holds stop counting at once."""
+        region = self.regions.pop(session, None)
+        if region is not None:
+            region.close()
+
+    def holds_of(self, session) -> int:
+        region = self.regions.get(session)
+        return _holds.count(region.map, rz.HOLD_BASE, rz.HOLD_WORDS) if region is not None else 0
+
+    # ---- folding what clients recorded -----------------------------------------
+
+    def touches(self, session) -> list[tuple[int, int]]:
+        """(class id, slot) of the local hits `session` recorded since the last call."""
+        region = self.regions.get(session)
+        if region is None:
+            return []
+        head = _holds.load(region.map, rz.W_RING_HEAD)
+        if head <= region.ring_seen:
+            region.ring_seen = min(region.ring_seen, head)
+            return []
+        start = max(region.ring_seen, head - rz.RING_WORDS)        # older ones were overwritten
+        region.ring_seen = head
+        out = []
+        for i in range(start, head):
+            word = _holds.load(region.map, rz.RING_BASE + i % rz.RING_WORDS)
+            out.append((word >> 32, word & 0xFFFFFFFF))
+        return out
+
+    def local_hits(self, session) -> dict[int, int]:
+        """model id -> local hits `session` recorded since the last call (clamped)."""
+        region = self.regions.get(session)
+        if region is None:
+            return {}
+        out = {}
+        for i in range(rz.MAX_MODEL_COUNTERS):
+            base = rz.COUNTER_BASE + 2 * i
+            mid, hits = _holds.load(region.map, base), _holds.load(region.map, base + 1)
+            if mid == 0:
+                continue
+            step = hits - region.counters_seen.get(mid, 0)
+            if 0 < step <= MAX_COUNTER_STEP:
+                out[mid] = step
+            region.counters_seen[mid] = hits
+        return out
+
+    def close(self) -> None:
+        for words in list(self.states.values()) + list(self.tables.values()):
+            words.close()
+        for region in self.regions.values():
+            region.close()
+        self.states.clear()
+        self.tables.clear()
+        self.regions.clear()

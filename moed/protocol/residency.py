@@ -1,0 +1,87 @@
+"""Hits without a round trip: the shared words, their encodings, and why they are safe.
+
+Three kinds of shared memory, all naturally aligned little-endian uint64 words:
+
+- the **residency table** of a model (daemon writes, clients map read-only):
+  word `layer_index * n_experts + expert` is 0 when that expert is not resident,
+  else `entry(generation, slot)`;
+- the **slot states** of a size class (daemon writes, clients map read-only):
+  word `slot` is `state(generation, READY)` while the slot holds the expert
+  installed at `generation`, anything else otherwise (EVICTING, EMPTY);
+- a **hold region** per connection (that client writes, the daemon reads): hold
+  words naming (class, slot, generation), a ring of touches (recency for the
+  daemon's LRU), and local-hit counters per model.
+
+A slot's generation grows every time the slot gets a new residency, so a
+(slot, generation) pair names one residency of one expert, never another
+(40 bits in entries and states: no wrap in practice).
+
+The protocol (moed._holds does each side's steps with seq_cst atomics):
+
+    client hit                          daemon eviction of a READY slot
+    e = load(entry)        (0: miss)    cas(state, READY(g) -> EVICTING(g))
+    store(hold, (c, slot, g))           fence
+    fence                               for every region: load every hold word
+    s = load(state)                     if some word == (c, slot, g): state = READY(g),
+    s == READY(g): hit, read the bytes      the slot is not evicted (the store adopts it)
+    else: clear the hold, ask the daemon else: entry = 0, the slot may be refilled
+    ... release: store(hold, 0)
+
+Why a hit can never read a slot that is being refilled: all these operations
+are sequentially consistent, so they fall in one total order. Take a hit on
+(slot, g): the client's load of the state read READY(g), so it came before the
+daemon's CAS to EVICTING(g) of that residency (after the CAS the state never
+reads READY(g) again: a refill publishes READY(g') with g' > g). The client's
+hold store came before its load, and the daemon's hold loads come after its
+CAS; so the daemon's loads come after the client's store and see the hold (or a
+later value of that word, which only the client writes, and which it clears
+only on release). The daemon then does not evict; the slot is refilled only
+after a later claim finds no hold, i.e. after the client released it. Dekker's
+argument: of "client stores, then loads" and "daemon stores, then loads", at
+least one side sees the other's store. A stale entry is harmless: the state
+check compares the generation the entry named.
+
+What a hostile client can do with its own region: write any words there. A
+hold word that matches a live residency keeps that slot from eviction (bounded
+by the region's HOLD_WORDS, charged to its tenant, gone when its connection
+closes); a word that matches nothing only costs the daemon a comparison.
+Touches and counters are bounds-checked and clamped by the daemon. It can never
+write the table, the states or another client's region, so it can never make
+another engine read wrong bytes.
+"""
+
+from __future__ import annotations
+
+READY = 1
+EVICTING = 2
+GEN_MASK = (1 << 40) - 1
+
+# The hold region, in words.
+MAGIC = 0x6D6F65642D686F6C          # "moed-hol"
+W_MAGIC = 0
+W_RING_HEAD = 1                     # touches ever written (the ring index is head % RING_WORDS)
+COUNTER_BASE = 8                    # pairs (model_id, local hits) from here
+MAX_MODEL_COUNTERS = 24
+HOLD_BASE = 64
+HOLD_WORDS = 1024                   # a connection holds at most this many slots locally
+RING_BASE = HOLD_BASE + HOLD_WORDS
+RING_WORDS = 4096
+REGION_WORDS = RING_BASE + RING_WORDS
+
+
+def entry(generation: int, slot: int) -> int:
+    return ((generation & GEN_MASK) << 24) | (slot + 1)
+
+
+def state(generation: int, st: int) -> int:
+    return ((generation & GEN_MASK) << 2) | st
+
+
+def hold(class_id: int, slot: int, generation: int) -> int:
+    """A hold word. Class, slot and generation are truncated: a collision can only
+    make the daemon keep a slot it could have evicted, never the reverse."""
+    return ((class_id & 0xFFFF) << 48) | ((slot & 0xFFFFFF) << 24) | (generation & 0xFFFFFF)
+
+
+def touch(class_id: int, slot: int) -> int:
+    return ((class_id & 0xFFFFFFFF) << 32) | (slot & 0xFFFFFFFF)
