@@ -21,11 +21,13 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import types
 
 import numpy as np
 
 from moed.protocol import residency as rz
 
+_holds: types.ModuleType | None
 try:
     from moed import _holds
 except ImportError:          # not built (a source checkout never installed): round trips only
@@ -82,6 +84,7 @@ class HoldRegion:
 
     def record(self, model_id: int, class_id: int, slots: list[int]) -> None:
         """Count the hit and leave its touches for the daemon's LRU."""
+        assert _holds is not None
         with self._lock:
             w = self.words
             for slot in slots:

@@ -26,6 +26,7 @@ import logging
 import mmap
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from moed import _holds
 from moed.protocol import residency as rz
@@ -79,7 +80,7 @@ class Residency:
         self.tables: dict[int, Words] = {}          # model id -> residency table
         self.layer_index: dict[int, dict[int, int]] = {}   # model id -> layer -> row
         self.n_experts: dict[int, int] = {}
-        self.regions: dict[object, Region] = {}     # session -> its region
+        self.regions: dict[Any, Region] = {}        # session -> its region
         self._published: dict = {}                  # slot -> (model id, table word, generation)
         self.claims_refused = 0
 
@@ -102,7 +103,7 @@ class Residency:
         """No new local hits on a stale or closed model: zero its table (holds still count)."""
         table = self.tables.get(model_id)
         if table is not None:
-            for slot, (mid, word, _) in list(self._published.items()):
+            for mid, word, _ in list(self._published.values()):
                 if mid == model_id:
                     _holds.store(table.map, word, 0)
 
