@@ -165,8 +165,9 @@ def run_engine(kind: str, model: str, trace: str, warmup: int, tokens: int, thre
                    daemon_prefetch_hits=stats.get("prefetch_hits"),
                    daemon_wasted_prefetches=stats.get("wasted_prefetches"),
                    stream={k: v for k, v in stream.items() if k != "per_layer"})
-        # The real predictor's numpy cost (its matmul, top-k, union), without the emulation's.
-        steps = stream.get("prefetch_steps_on", stream["decodes"]) or 1
+        # The real predictor's numpy cost (its matmul, top-k, union) per step that predicted,
+        # without the emulation's.
+        steps = (stream.get("prefetch_steps_on", stream["decodes"]) + stream.get("prefetch_steps_shadow", 0)) or 1
         out["predictor_ms_per_step"] = round(1e3 * (stream["predict_s"] - routes.hook_s) / steps, 3)
     llm.close()
     return out

@@ -30,11 +30,11 @@ pending, per layer and in total, at every moment. Recall is per token: routed
 over all routed pairs of layers that had a prediction.
 
 The governor (moed.engines.governor) hears, per step, how many of the experts
-predicted for prefetch (before the residency filter below; in a shadow step
+predicted for prefetch (before the cache-estimate filter below; in a shadow step
 only predicted) the layer then routed: the precision its floor is about.
 
 Only predicted experts that this engine's own LRU estimate of the daemon's
-cache (moed.engines.residency) says are gone are sent: once everything fits,
+cache (moed.engines.cache_estimate) says are gone are sent: once everything fits,
 a warm engine sends (almost) nothing, and a wrong guess of a resident expert
 costs no message.
 
@@ -54,7 +54,7 @@ import numpy as np
 
 from moed.engines.governor import ON, SHADOW, PrefetchGovernor
 from moed.engines.predictor import GatePredictor, top
-from moed.engines.residency import ResidencyEstimate
+from moed.engines.cache_estimate import CacheEstimate
 
 MODES = ("off", "gate", "gate2")
 LEADS = {"off": (), "gate": (1,), "gate2": (1, 2)}
@@ -105,7 +105,7 @@ class Lookahead:
         if predictor is not None:
             predictor.prepare(self.leads)
         self.layers: dict[int, LayerLook] = {layer: LayerLook() for layer in source.moe_layers}
-        self.residency = ResidencyEstimate(source.capacity, getattr(source, "size_class", source.capacity))
+        self.cache = CacheEstimate(source.capacity, getattr(source, "size_class", source.capacity))
         self.skipped_resident = 0    # predicted experts not sent: the estimate says the daemon has them
         self.predict_s = 0.0         # in observe: the predictor's matmul, top-k, prefetch set
         self.account_s = 0.0         # in routed: scoring, counting, sending the prefetches
@@ -194,7 +194,7 @@ class Lookahead:
         t0 = time.perf_counter()
         look = self.layers[layer]
         look.stall_s += stall_s
-        self.residency.touch(layer, np.unique(ids[ids >= 0]))
+        self.cache.touch(layer, np.unique(ids[ids >= 0]))
         preds = self._pred.pop(layer, None)
         if preds:
             self._score(look, ids, preds)
@@ -214,11 +214,11 @@ class Lookahead:
             _name(self._named, target, experts, self.predictor.n_experts)
             if not self._issuing:
                 continue                         # a shadow step: named for the governor, not sent
-            gone = self.residency.missing(target, experts.tolist())
+            gone = self.cache.missing(target, experts.tolist())
             self.skipped_resident += len(experts) - len(gone)
             experts = self._within_capacity(target, np.asarray(gone, dtype=np.int64), held)
             self._send(target, experts)
-            self.residency.touch(target, experts)
+            self.cache.touch(target, experts)
             held += len(experts)
         self.account_s += time.perf_counter() - t0
 

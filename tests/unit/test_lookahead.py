@@ -236,17 +236,17 @@ def test_shadow_steps_name_prefetches_for_the_governor_but_send_nothing():
     assert t["prefetch_precision"] > 0.1                    # the shadow steps measured it
 
 
-def test_residency_estimate_is_an_lru_per_class():
-    from moed.engines.residency import ResidencyEstimate
+def test_cache_estimate_is_an_lru_per_class():
+    from moed.engines.cache_estimate import CacheEstimate
 
-    r = ResidencyEstimate(lambda layer: 3, lambda layer: layer % 2)     # odd and even layers: two classes
+    r = CacheEstimate(lambda layer: 3, lambda layer: layer % 2)     # odd and even layers: two classes
     r.touch(0, [1, 2])
     r.touch(2, [1])                                                     # same class as layer 0
     assert r.missing(0, [1, 2, 3]) == [3]
     r.touch(2, [5])                                                     # a fourth key evicts (0, 1)
     assert r.missing(0, [1, 2]) == [1]
     assert r.missing(1, [1]) == [1]                                     # the other class is separate
-    unknown = ResidencyEstimate(lambda layer: None, lambda layer: 0)
+    unknown = CacheEstimate(lambda layer: None, lambda layer: 0)
     unknown.touch(0, [1])
     assert unknown.missing(0, [1, 2]) == [1, 2]                         # no capacity: assume nothing
 

@@ -1,4 +1,4 @@
-"""Which experts are probably resident already: this engine's own LRU estimate of the daemon's cache.
+"""Which experts are probably in the daemon's cache already: this engine's own LRU estimate of it.
 
 What this module owns: an estimate, per size class, of the (layer, expert) keys
 the daemon still holds, made from nothing but what this engine acquired and
@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 
-class ResidencyEstimate:
+class CacheEstimate:
     def __init__(self, capacity_of, class_of):
         """`capacity_of(layer)`: slots of the layer's class (None: unknown); `class_of(layer)`: its class key."""
         self._capacity_of = capacity_of
