@@ -154,7 +154,9 @@ def test_skeleton_load_is_bit_exact_and_holds_no_expert_bytes(request, start_dae
 def test_daemon_gone_mid_generation_is_a_typed_error(start_daemon, aligned_model):
     from moed.protocol.errors import DaemonUnavailable
 
-    d = start_daemon()
+    # A budget that forces misses: experts already resident are served from the
+    # engine's own mappings with no daemon (local hits), so only a miss can tell.
+    d = start_daemon("2MiB")
     llm, client = streamed(d, aligned_model)
     try:
         tokens = llm.tokenize(PROMPT)

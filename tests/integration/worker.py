@@ -3,7 +3,8 @@
 Modes:
 - random N SEED: N acquires of random experts, each checked against the file's
   bytes; prints "ok <checked>" or exits 1 naming the first mismatch.
-- hold LAYER E1,E2,..: acquire and print "held", then sleep until killed.
+- hold LAYER E1,E2,..: acquire (a second time, locally, when the first read
+  them in), print "held ... local=True|False", then sleep until killed.
 """
 
 from __future__ import annotations
@@ -44,7 +45,11 @@ def hold(sock: str, model_path: str, layer: int, experts: list[int]) -> int:
     c = Client(sock, "holder")
     m = c.open_model(model_path)
     lease = m.acquire(layer, experts)
-    print(f"held {lease.lease_id}", flush=True)
+    if not lease.local:           # read in by this acquire: hold it again, now without a round trip
+        again = m.acquire(layer, experts)
+        lease.release()
+        lease = again
+    print(f"held {lease.lease_id} local={lease.local}", flush=True)
     while True:
         time.sleep(3600)
 
