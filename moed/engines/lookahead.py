@@ -79,11 +79,12 @@ class LayerLook:
     wasted: int = 0
     stall_s: float = 0.0       # time in this layer's acquires
 
-    def as_dict(self) -> dict:
+    def as_dict(self, tokens: int) -> dict:
         return {"recall": self.predicted / self.routed if self.routed else None,
                 "recall2": self.predicted2 / self.routed2 if self.routed2 else None,
                 "issued": self.issued, "hits": self.hits, "wasted": self.wasted,
-                "pending": self.issued - self.hits - self.wasted, "stall_s": self.stall_s}
+                "pending": self.issued - self.hits - self.wasted, "stall_s": self.stall_s,
+                "stall_s_per_token": self.stall_s / tokens if tokens else 0.0}
 
 
 class Lookahead:
@@ -110,6 +111,7 @@ class Lookahead:
         self.predict_s = 0.0         # in observe: the predictor's matmul, top-k, prefetch set
         self.account_s = 0.0         # in routed: scoring, counting, sending the prefetches
         self.decode_steps = 0
+        self.tokens = 0
         self._issuing = mode != "off"
         self._shadow = False                 # this step predicts and scores but sends nothing
         self._step_named = [0, 0]            # this step's (named and routed, named), sent or shadow
@@ -131,6 +133,7 @@ class Lookahead:
 
     def begin_decode(self, n_tokens: int) -> None:
         self._t0 = time.perf_counter()
+        self.tokens += n_tokens
         self._step_named = [0, 0]
         if self.governor is not None:
             mode = self.governor.begin(n_tokens <= DECODE_ROWS)
@@ -266,7 +269,7 @@ class Lookahead:
                "prefetch_issued": issued, "prefetch_hits": hits, "prefetch_wasted": wasted,
                "prefetch_pending": issued - hits - wasted, "predict_s": self.predict_s,
                "lookahead_account_s": self.account_s, "prefetch_skipped_resident": self.skipped_resident,
-               "per_layer": {layer: l.as_dict() for layer, l in self.layers.items()}}
+               "per_layer": {layer: l.as_dict(self.tokens) for layer, l in self.layers.items()}}
         if self.governor is not None:
             out.update(self.governor.state())
         return out

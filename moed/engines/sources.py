@@ -3,7 +3,8 @@
 What this module owns: the narrow interface the llama.cpp adapter needs from a
 provider of expert bytes (extents per layer, acquire with piggybacked release,
 release, and for every granted expert either a (segment, fd, offset) to map or an
-address to copy from), and its implementation over the moed client.
+address to copy from; prefetch and, optionally, `size_class(layer)` for the
+look-ahead), and its implementation over the moed client.
 
 Invariants:
 - A `Grant` is valid from `acquire` until it is released (by `release` or by
@@ -54,6 +55,9 @@ class ExpertSource(Protocol):
 
     def capacity(self, layer: int) -> int | None:
         """Most experts of `layer` one acquire can ever hold (None: unknown)."""
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
+        """Read `experts` of `layer` ahead; never waits (needed only with prefetch on)."""
 
 
 class MoedGrant:

@@ -111,6 +111,7 @@ def assert_counters_add_up(st: dict) -> None:
     first = st["per_layer"][min(st["per_layer"])]
     assert first["issued"] == 0 and first["recall"] is None     # nothing precedes the first layer
     assert st["stall_s"] == pytest.approx(sum(layer["stall_s"] for layer in per))
+    assert st["stall_s_per_token"] == pytest.approx(sum(layer["stall_s_per_token"] for layer in per))
 
 
 def test_prefetch_on_and_off_engines_share_one_daemon(start_daemon, reference_logits, aligned_model):
