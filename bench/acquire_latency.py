@@ -8,7 +8,11 @@ Granted reply (blocking Python on both ends: the cheapest cross-process round
 trip Python can do). moed: a real daemon; each client process acquires the
 same resident experts again and again, releasing each lease by piggybacking
 it on the next acquire (the engine's path: no second round trip).
-Prints p50/p99 in µs per client count and the ratio moed p50 / floor p50.
+Each client count runs twice against the daemon: with local hits (the
+residency table: a hit is one call into moed._holds, no syscall) and with them
+off (MOED_LOCAL_HITS=0: every acquire a socket round trip).
+Prints p50/p99 in µs per client count and the ratios against the floor.
+`--strace` also counts the syscalls of 1,000 local hits with strace -c.
 """
 
 from __future__ import annotations
@@ -71,7 +75,8 @@ def floor_client(path: str, request: bytes, n: int, out) -> None:
     out.put(times)
 
 
-def moed_client(sock: str, model: str, n: int, experts: list[int], out) -> None:
+def moed_client(sock: str, model: str, n: int, experts: list[int], local_hits: bool, out) -> None:
+    os.environ["MOED_LOCAL_HITS"] = "1" if local_hits else "0"
     from moed.client import Client
     c = Client(sock, f"bench{os.getpid()}")
     h = c.open_model(model)
@@ -83,6 +88,23 @@ def moed_client(sock: str, model: str, n: int, experts: list[int], out) -> None:
         times.append(time.perf_counter_ns() - t0)
     prev.release()
     out.put(times)
+
+
+def count_syscalls(sock: str, model: str, experts: list[int]) -> dict:
+    """strace -c -f of a process doing 1,000 local hits after its warm-up, minus one doing none."""
+    import subprocess
+    code = ("import sys,os; from moed.client import Client; c=Client(sys.argv[1]); h=c.open_model(sys.argv[2]); "
+            "p=h.acquire(0, list(range(8))); p=h.acquire(0, list(range(8)), release=[p]); n=int(sys.argv[3]); "
+            "os.write(2, b'MARK');\nfor _ in range(n): p=h.acquire(0, list(range(8)), release=[p])\n"
+            "os.write(2, b'MARK')")
+    counts = {}
+    for n in (0, 1000):
+        out = subprocess.run(["strace", "-f", "-c", "-o", "/dev/stdout", sys.executable, "-c", code, sock, model,
+                              str(n)], capture_output=True, text=True, timeout=120)
+        total = [line for line in out.stdout.splitlines() if line.strip().endswith("total")]
+        counts[n] = int(total[-1].split()[3]) if total else -1
+    return {"calls_with_0_hits": counts[0], "calls_with_1000_hits": counts[1000],
+            "per_hit": (counts[1000] - counts[0]) / 1000}
 
 
 def run_clients(target, args_for, k: int) -> list[int]:
@@ -108,6 +130,7 @@ def main() -> int:
     ap.add_argument("--clients", default="1,4")
     ap.add_argument("--n", type=int, default=20000)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--strace", action="store_true", help="count syscalls of 1,000 local hits")
     args = ap.parse_args()
 
     from moed.lab.makemodel import make_model
@@ -129,22 +152,32 @@ def main() -> int:
     try:
         for k in [int(x) for x in args.clients.split(",")]:
             floor = run_clients(floor_client, lambda i: (floor_path, request, args.n), k)
-            moed = run_clients(moed_client, lambda i: (d.socket, model, args.n, experts), k)
+            moed = run_clients(moed_client, lambda i: (d.socket, model, args.n, experts, False), k)
+            loc = run_clients(moed_client, lambda i: (d.socket, model, args.n, experts, True), k)
             row = {"clients": k, "floor_p50_us": pct(floor, .5), "floor_p99_us": pct(floor, .99),
-                   "moed_p50_us": pct(moed, .5), "moed_p99_us": pct(moed, .99)}
+                   "moed_p50_us": pct(moed, .5), "moed_p99_us": pct(moed, .99),
+                   "local_p50_us": pct(loc, .5), "local_p99_us": pct(loc, .99)}
             row["ratio_p50"] = row["moed_p50_us"] / row["floor_p50_us"]
+            row["local_ratio_p50"] = row["local_p50_us"] / row["floor_p50_us"]
             rows.append(row)
+        if args.strace:
+            rows.append({"syscalls_per_1000_local_hits": count_syscalls(d.socket, model, experts)})
     finally:
         d.stop()
         srv.terminate()
     if args.json:
         print(json.dumps(rows))
         return 0
-    print(f"acquire on a hit (8 experts, release piggybacked), {args.n} round trips per client")
-    print(f"{'clients':>7} {'floor p50':>10} {'floor p99':>10} {'moed p50':>10} {'moed p99':>10} {'p50 ratio':>10}")
+    print(f"acquire on a hit (8 experts, release piggybacked), {args.n} acquires per client")
+    print(f"{'clients':>7} {'floor p50':>10} {'floor p99':>10} {'socket p50':>10} {'socket p99':>10} "
+          f"{'local p50':>10} {'local p99':>10} {'sock/floor':>10} {'local/floor':>11}")
     for r in rows:
+        if "clients" not in r:
+            print(r)
+            continue
         print(f"{r['clients']:>7} {r['floor_p50_us']:>9.1f}µ {r['floor_p99_us']:>9.1f}µ "
-              f"{r['moed_p50_us']:>9.1f}µ {r['moed_p99_us']:>9.1f}µ {r['ratio_p50']:>10.2f}")
+              f"{r['moed_p50_us']:>9.1f}µ {r['moed_p99_us']:>9.1f}µ {r['local_p50_us']:>9.1f}µ "
+              f"{r['local_p99_us']:>9.1f}µ {r['ratio_p50']:>10.2f} {r['local_ratio_p50']:>11.3f}")
     return 0
 
 
