@@ -197,7 +197,8 @@ class Lookahead:
         t0 = time.perf_counter()
         look = self.layers[layer]
         look.stall_s += stall_s
-        self.cache.touch(layer, np.unique(ids[ids >= 0]))
+        if self.mode != "off":
+            self.cache.touch(layer, np.unique(ids[ids >= 0]))
         preds = self._pred.pop(layer, None)
         if preds:
             self._score(look, ids, preds)
