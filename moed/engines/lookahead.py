@@ -40,8 +40,10 @@ costs no message.
 
 Prompt batches: the prefetch is the union of every token's prediction; when that
 union covers most of the layer (`WHOLE_LAYER_SHARE`), the whole layer is asked
-for, most-predicted experts first. Every prefetch is cut to what the budget can
-hold beside the current lease (`capacity - held`), best first.
+for, most-predicted experts first; the last layer, which keeps only the
+batch's output rows when not every token's logits are wanted, is predicted from
+those rows alone. Every prefetch is cut to what the budget can hold beside the
+current lease (`capacity - held`), best first.
 """
 
 from __future__ import annotations
@@ -120,6 +122,9 @@ class Lookahead:
         self._pred: dict[int, dict[int, np.ndarray]] = {}   # target -> lead -> (rows, width) ids
         self._outbox: list[tuple[int, np.ndarray]] = []     # (target, experts) to send after this acquire
         self._pending: dict[int, np.ndarray] = {}           # target -> bool mask of experts issued
+        self._last_layer = source.moe_layers[-1]
+        self._rows_now = 0                   # rows of the last ffn_norm seen (the graph's tokens)
+        self._out_rows: int | None = None    # rows the last layer kept, when fewer than the graph's
 
     def mode_leads(self) -> tuple[int, ...]:
         return LEADS[self.mode]
@@ -169,8 +174,20 @@ class Lookahead:
             for observer in self.observers:
                 observer.ahead(target, lead, ids)
             if (self._issuing or self._shadow) and lead in LEADS[self.mode]:
-                self._outbox.append((target, self._prefetch_set(ids[:, :self.width])))
+                self._outbox.append((target, self._prefetch_set(self._output_rows(target, ids)[:, :self.width])))
+        self._rows_now = x.shape[0]
         self.predict_s += time.perf_counter() - t0
+
+    def _output_rows(self, target: int, ids: np.ndarray) -> np.ndarray:
+        """The rows the target layer will route: the last layer of a batch may keep only its outputs.
+
+        Without logits for every token, llama.cpp's last layer routes only the
+        batch's output rows (its last token for Llama.eval); once seen, its
+        prefetch is predicted from that many last rows instead of the whole batch.
+        """
+        if target == self._last_layer and self._out_rows and ids.shape[0] > self._out_rows:
+            return ids[-self._out_rows:]
+        return ids
 
     def _targets(self, layer: int):
         layers = self.predictor.moe_layers
@@ -199,6 +216,8 @@ class Lookahead:
         look.stall_s += stall_s
         if self.mode != "off":
             self.cache.touch(layer, np.unique(ids[ids >= 0]))
+        if layer == self._last_layer:
+            self._out_rows = ids.shape[0] if ids.shape[0] < self._rows_now else None
         preds = self._pred.pop(layer, None)
         if preds:
             self._score(look, ids, preds)

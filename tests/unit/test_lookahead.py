@@ -263,3 +263,21 @@ def test_an_engine_whose_experts_fit_stops_sending_once_warm():
         run_step(la, x, {l: top(p.scores(x, l, l), 2) for l in LAYERS})
     assert sent_first > 0 and len(drive.sent) == sent_first            # warm: everything it predicts is held
     assert la.totals()["prefetch_skipped_resident"] > 0
+
+
+def test_the_last_layer_of_a_batch_is_prefetched_for_its_output_rows_once_seen():
+    rng = np.random.default_rng(9)
+    p, drive = GatePredictor(routers(), LAYERS), Drive()
+    la = Lookahead(p, drive, "gate", width=2, adapt=False)
+    x = rng.standard_normal((48, D)).astype(np.float32)
+    routes = {l: top(p.scores(x, l, l), 2) for l in LAYERS}
+    routes[LAYERS[-1]] = routes[LAYERS[-1]][-1:]                # only the output row, as llama.cpp does
+    run_step(la, x, routes)
+    first = [e for layer, e in drive.sent if layer == LAYERS[-1]]
+    drive.sent.clear()
+    run_step(la, x, routes)
+    second = [e for layer, e in drive.sent if layer == LAYERS[-1]]
+    assert len(first[0]) > 2                                     # the first batch predicted every row
+    assert 0 < len(second[0]) <= 2                               # then only the output row's top 2
+    t = la.totals()
+    assert counts_add_up(t)
