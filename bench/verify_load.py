@@ -9,8 +9,9 @@ slots are evicted and re-read all the time) and checks the bytes of every
 `verify = true` and, as the baseline, `verify = false`.
 
 Prints per run: acquires, wall time, acquires/s, misses, re-reads verified,
-verify mismatches and byte-check failures; then the throughput ratio
-verify / baseline.
+verify mismatches and byte-check failures, hits served locally (no round trip)
+and the daemon's CPU time per acquire; then the throughput ratio
+verify / baseline. `MOED_LOCAL_HITS=0` in the environment turns local hits off.
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ def run(model: str, budget: int, verify: bool, args) -> dict:
     with open(conf, "w") as f:
         f.write(f"verify = {'true' if verify else 'false'}\n")
     d = DaemonProcess(str(budget), "--config", conf)
+    import psutil
+    daemon_proc = psutil.Process(d.proc.pid)
+    cpu0 = sum(daemon_proc.cpu_times()[:2])
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     procs = [ctx.Process(target=client, args=(d.socket, model, args.acquires, args.check_every, i, q))
@@ -75,6 +79,7 @@ def run(model: str, budget: int, verify: bool, args) -> dict:
     wall = time.perf_counter() - t0
     for p in procs:
         p.join()
+    cpu_s = sum(daemon_proc.cpu_times()[:2]) - cpu0
     with d.client() as c:
         s = c.stats()
     d.stop()
@@ -83,7 +88,9 @@ def run(model: str, budget: int, verify: bool, args) -> dict:
             "misses": s["misses"], "hits": s["hits"], "evictions": s["evictions"],
             "verified_reads": s.get("verified_reads", 0), "verify_mismatches": s.get("verify_mismatches", 0),
             "refused": sum(r[1] for r in results), "byte_failures": sum(r[0] for r in results),
-            "checked_parts": sum(r[2] for r in results), "exit_codes": [p.exitcode for p in procs]}
+            "checked_parts": sum(r[2] for r in results), "exit_codes": [p.exitcode for p in procs],
+            "local_hits": s.get("local_hits", 0), "daemon_cpu_s": cpu_s,
+            "daemon_cpu_us_per_acquire": cpu_s / total * 1e6}
 
 
 def main() -> int:
@@ -107,7 +114,9 @@ def main() -> int:
               f"({r['rate']:,.0f}/s); hits/misses {r['hits']}/{r['misses']}, {r['evictions']} evictions; "
               f"re-reads verified {r['verified_reads']}, verify mismatches {r['verify_mismatches']}, "
               f"acquires refused {r['refused']}; byte checks {r['checked_parts']} parts, "
-              f"failures {r['byte_failures']}; client exits {set(r['exit_codes'])}")
+              f"failures {r['byte_failures']}; client exits {set(r['exit_codes'])}; "
+              f"local hits {r['local_hits']}; daemon CPU {r['daemon_cpu_s']:.1f} s "
+              f"({r['daemon_cpu_us_per_acquire']:.0f} µs an acquire)")
     on = max((r for r in runs if r["verify"]), key=lambda r: r["rate"])
     off = max((r for r in runs if not r["verify"]), key=lambda r: r["rate"])
     print(f"ratio throughput verify/baseline (best of {args.repeat} each): {on['rate'] / off['rate']:.3f}")
