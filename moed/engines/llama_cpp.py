@@ -214,6 +214,8 @@ class StreamedLlama(Llama):
                 model_path = self.streamer.mapped_files[0]
             with _constructing(_hooked_internals(self.streamer)):
                 super().__init__(model_path=model_path, **llama_kwargs)
+            if not self._logits_all:         # Llama.eval asks for the last token's logits only
+                self.streamer.lookahead.expect_output_rows(1)
             self._check_capacity()
         except BaseException:
             self._close_client()

@@ -178,6 +178,10 @@ class Lookahead:
         self._rows_now = x.shape[0]
         self.predict_s += time.perf_counter() - t0
 
+    def expect_output_rows(self, n: int | None) -> None:
+        """The last layer will route only the batch's last `n` rows (None: every row)."""
+        self._out_rows = n
+
     def _output_rows(self, target: int, ids: np.ndarray) -> np.ndarray:
         """The rows the target layer will route: the last layer of a batch may keep only its outputs.
 
@@ -216,7 +220,7 @@ class Lookahead:
         look.stall_s += stall_s
         if self.mode != "off":
             self.cache.touch(layer, np.unique(ids[ids >= 0]))
-        if layer == self._last_layer:
+        if layer == self._last_layer and self._rows_now > 1:      # a batch: what did it keep?
             self._out_rows = ids.shape[0] if ids.shape[0] < self._rows_now else None
         preds = self._pred.pop(layer, None)
         if preds:
