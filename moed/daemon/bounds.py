@@ -8,12 +8,14 @@ server enforces and the stats report the same numbers.
 from __future__ import annotations
 
 from moed.protocol.framing import MAX_REQUEST_FRAME_BYTES
+from moed.protocol.residency import HOLD_WORDS
 
 MAX_QUEUED_FRAMES = 64         # whole requests waiting on one connection before it is no longer read
 MAX_QUEUED_BYTES = 256 << 10   # ... or their encoded bytes
 WRITE_HIGH_BYTES = 64 << 10    # replies buffered for a peer before the session stops answering it
 WRITE_LOW_BYTES = 16 << 10     # ... and resumes once the peer has read them down to this
 SEND_STALL_S = 30.0            # a peer that takes none of its open_model reply for this long is dropped
+LOCAL_HOLD_SHARE = 0.5         # of the budget one tenant may keep from eviction by local holds
 OPERATOR_RESERVE = 8           # connections beyond max_clients kept for operators (moectl on a full daemon)
 
 
@@ -23,6 +25,8 @@ def limits(config) -> dict:
         "max_clients": config.max_clients,
         "max_clients_per_tenant": config.max_clients_per_tenant,
         "operator_reserve": OPERATOR_RESERVE,
+        "local_hold_share": LOCAL_HOLD_SHARE,
+        "local_holds_per_connection": HOLD_WORDS,
         "max_request_frame_bytes": MAX_REQUEST_FRAME_BYTES,
         "max_queued_requests": MAX_QUEUED_FRAMES,
         "max_queued_bytes": MAX_QUEUED_BYTES,

@@ -38,6 +38,7 @@ from moed.protocol.layout import PAGE
 from moed.protocol.sizes import format_size
 
 from .access import Peer, check_open_files, check_readable, check_roots, world_readable
+from .bounds import LOCAL_HOLD_SHARE
 from .config import Config, resolve_tenants
 from .heat import Heat
 from .memguard import MemGuard
@@ -137,6 +138,7 @@ class Daemon:
         # source (a session) -> (model_id, layer) -> [(slot, generation)] of its prefetches
         self._prefetched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._room_waiters: list[asyncio.Future] = []
+        self._waiting: dict[Tenant, int] = {}      # tenant -> its acquires waiting for room now
         self._model_ids = itertools.count(1)
         self._retired: set[int] = set()     # ids of stale models already dropped
         self._lease_ids = itertools.count(1)
@@ -425,7 +427,13 @@ class Daemon:
             left = p.deadline - time.monotonic()
             if left <= 0:
                 raise errors.BudgetExhausted(self._no_room_message(len(p.wants), p.layer))
-            await self._wait_for_room(left)
+            self._waiting[p.tenant] = self._waiting.get(p.tenant, 0) + 1
+            try:
+                await self._wait_for_room(left)
+            finally:
+                self._waiting[p.tenant] -= 1
+                if not self._waiting[p.tenant]:
+                    del self._waiting[p.tenant]
             p.plan = self._plan(p.wants, p.tenant)
         plan = p.plan
         pending = [self._loading[s].done for s in plan.to_load + plan.loading if s in self._loading]
@@ -698,12 +706,18 @@ class Daemon:
 
     # ---- local holds (hits without a round trip) ---------------------------------
 
-    def fold_local(self, counters: bool = False) -> None:
+    def close_local(self, session) -> None:
+        """A connection with a hold region closed: count what it recorded, then its holds end."""
+        self.fold_local(counters=True, only=session)
+        self.residency.close_region(session)
+        self.sweep_adopted()
+
+    def fold_local(self, counters: bool = False, only=None) -> None:
         """Fold what engines recorded in their regions: recency (touches) into the
         eviction order, so the shared LRU sees local hits; with `counters`, local hit
         counts into the stats."""
         res, store = self.residency, self.store
-        for session in list(res.regions):
+        for session in [only] if only is not None else list(res.regions):
             for class_id, index in res.touches(session):
                 cls = store.classes.get(class_id)
                 slot = cls.slots.get(index) if cls is not None else None
@@ -746,6 +760,29 @@ class Daemon:
         if released:
             self.settle()
             self.room_changed()
+        if self.store.adopted:
+            self._bound_local_holds()
+
+    def _bound_local_holds(self) -> None:
+        """No tenant keeps another from room by holding more than LOCAL_HOLD_SHARE of the
+        budget locally: while another tenant's acquire waits for room, the connections
+        of one that does are closed (their holds stop counting). A tenant starving only
+        itself is left alone, as with socket leases."""
+        if not self._waiting:
+            return
+        cap = int(self.store.budget_bytes * LOCAL_HOLD_SHARE)
+        by_tenant: dict[Tenant, int] = {}
+        holders: dict[Tenant, set] = {}
+        for slot in self.store.adopted:
+            for session in self.residency.holders(slot.class_id, slot.index, slot.generation):
+                by_tenant[session.tenant] = by_tenant.get(session.tenant, 0) + slot.slot_bytes
+                holders.setdefault(session.tenant, set()).add(session)
+        for tenant, held in by_tenant.items():
+            if held > cap and any(t is not tenant for t in self._waiting):
+                log.warning("uid %d holds %s locally, over its share %s of the budget: closing %d connection(s)",
+                            tenant.uid, format_size(held), format_size(cap), len(holders[tenant]))
+                for session in holders[tenant]:
+                    session.transport.abort()
 
     def _check_files_changed(self) -> None:
         """Local hits check no file: find changes here, so a changed model stops being

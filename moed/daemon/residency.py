@@ -161,6 +161,11 @@ class Residency:
         target = rz.hold(class_id, index, generation)
         return any(_holds.find(r.map, rz.HOLD_BASE, rz.HOLD_WORDS, target) for r in self.regions.values())
 
+    def holders(self, class_id: int, index: int, generation: int) -> list:
+        """The sessions whose regions hold this residency."""
+        target = rz.hold(class_id, index, generation)
+        return [s for s, r in self.regions.items() if _holds.find(r.map, rz.HOLD_BASE, rz.HOLD_WORDS, target)]
+
     # ---- regions -------------------------------------------------------------
 
     def open_region(self, session) -> int:

@@ -190,8 +190,7 @@ class Session(asyncio.Protocol):
             self.daemon.release(lease)
         self.daemon.forget_prefetches(self)       # its queued read-ahead is no longer wanted
         if self in self.daemon.residency.regions:  # its local holds stop counting now
-            self.daemon.residency.close_region(self)
-            self.daemon.sweep_adopted()
+            self.daemon.close_local(self)
         self.tenant.pids.discard(self.pid)
         if leases:
             log.info("connection of pid %d closed holding %d leases; released them", self.pid, len(leases))

@@ -90,6 +90,8 @@ class Limits(_Row):
     idle_timeout_s: float
     max_opens_per_tenant: int
     open_timeout_s: float
+    local_hold_share: float = 0.5
+    local_holds_per_connection: int = 0
 
 
 class Stats(_Row):

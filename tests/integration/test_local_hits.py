@@ -41,18 +41,18 @@ def test_a_locally_held_slot_is_never_evicted_and_its_killed_holder_frees_it(sta
     model = model_factory(layers=2, experts=8, used=2)
     cat = Catalog.open(model)
     slot = expert_bytes(model, 0)
-    d = start_daemon(str(3 * slot))                     # room for three experts
-    holder = worker("hold", d.socket, model, 0, "0,1")
+    d = start_daemon(str(5 * slot))                     # room for five: two held stay under the tenant's share
+    holder = worker("hold-local", d.socket, model, 0, "0,1")
     try:
         line = holder.stdout.readline()
         assert "local=True" in line, line
         with d.client() as c:
             h = c.open_model(model)
-            # the two held slots cannot be evicted: a third fits, a second pair never does
-            with h.acquire(1, [3], timeout_s=5) as lease:
-                check_lease(cat, lease, 1, [3])
+            # the two held slots cannot be evicted: three more fit, a fourth pair never does
+            with h.acquire(1, [3, 6, 7], timeout_s=5) as lease:
+                check_lease(cat, lease, 1, [3, 6, 7])
             with pytest.raises(errors.BudgetExhausted):
-                h.acquire(1, [4, 5], timeout_s=0.5)
+                h.acquire(1, [2, 3, 4, 5], timeout_s=0.5)
             s = c.stats()
             assert s["adopted_slots"] == 2 and s["local_claims_refused"] >= 2
             holder.send_signal(signal.SIGKILL)
@@ -60,8 +60,8 @@ def test_a_locally_held_slot_is_never_evicted_and_its_killed_holder_frees_it(sta
             t0 = time.monotonic()
             wait_for(lambda: c.stats()["adopted_slots"] == 0, 5, what="the killed holder's slots freed")
             assert time.monotonic() - t0 < 1.0
-            with h.acquire(1, [4, 5], timeout_s=5) as lease:
-                check_lease(cat, lease, 1, [4, 5])
+            with h.acquire(1, [2, 3, 4, 5], timeout_s=5) as lease:
+                check_lease(cat, lease, 1, [2, 3, 4, 5])
     finally:
         holder.kill()
         holder.wait()
@@ -113,3 +113,40 @@ def test_local_hits_off_by_environment(start_daemon, tiny_model, monkeypatch):
             with h.acquire(0, [1]) as lease:
                 assert not lease.local
         assert c.stats()["local_hits"] == 0 and os.environ["MOED_LOCAL_HITS"] == "0"
+
+
+def _acquire_as_other_tenant(sock: str, model: str) -> bool:
+    from moed.client import Client
+    with Client(sock, "other") as c:
+        o = c.open_model(model)
+        with o.acquire(1, [0, 1, 2, 3], timeout_s=10) as lease:
+            check_lease(Catalog.open(model), lease, 1, [0, 1, 2, 3])
+    return True
+
+
+def test_a_tenant_holding_over_its_share_locally_is_cut_off(start_shared, shared_dir, model_factory):
+    """Local holds are bounded like everything else a tenant can make the daemon keep:
+    past LOCAL_HOLD_SHARE of the budget, while another tenant waits for room, its
+    connections are closed and the other tenant gets its room."""
+    import shutil
+
+    from moed.daemon.bounds import LOCAL_HOLD_SHARE
+    from tests.integration.peer import NOBODY, Outcome, as_peer
+
+    model = os.path.join(shared_dir, "m.gguf")
+    shutil.copy(model_factory(layers=2, experts=8, used=2), model)
+    os.chmod(model, 0o644)
+    slot = expert_bytes(model, 0)
+    d = start_shared(str(8 * slot))
+    greedy = d.client("greedy")
+    g = greedy.open_model(model)
+    mine = list(range(6))                                  # 6 of 8 slots > LOCAL_HOLD_SHARE
+    assert 6 / 8 > LOCAL_HOLD_SHARE
+    with g.acquire(0, mine):
+        pass
+    kept = g.acquire(0, mine)                              # held locally, never released
+    assert kept.local
+    assert as_peer(NOBODY, NOBODY, _acquire_as_other_tenant, d.socket, model) == Outcome(result=True)
+    wait_for(lambda: "over its share" in d.log(), 5, what="the warning")
+    with pytest.raises(errors.DaemonUnavailable):
+        greedy.ping()

@@ -3,8 +3,9 @@
 Modes:
 - random N SEED: N acquires of random experts, each checked against the file's
   bytes; prints "ok <checked>" or exits 1 naming the first mismatch.
-- hold LAYER E1,E2,..: acquire (a second time, locally, when the first read
-  them in), print "held ... local=True|False", then sleep until killed.
+- hold LAYER E1,E2,..: acquire, print "held ... local=False", then sleep until killed;
+- hold-local LAYER E1,E2,..: the same, held locally (acquired a second time, with
+  no round trip, when the first read them in).
 """
 
 from __future__ import annotations
@@ -41,11 +42,11 @@ def check_random(sock: str, model_path: str, n: int, seed: int) -> int:
     return 0
 
 
-def hold(sock: str, model_path: str, layer: int, experts: list[int]) -> int:
+def hold(sock: str, model_path: str, layer: int, experts: list[int], local: bool = False) -> int:
     c = Client(sock, "holder")
     m = c.open_model(model_path)
     lease = m.acquire(layer, experts)
-    if not lease.local:           # read in by this acquire: hold it again, now without a round trip
+    if local and not lease.local:     # read in by this acquire: hold it again, now without a round trip
         again = m.acquire(layer, experts)
         lease.release()
         lease = again
@@ -58,6 +59,6 @@ if __name__ == "__main__":
     mode, sock, model = sys.argv[1:4]
     if mode == "random":
         sys.exit(check_random(sock, model, int(sys.argv[4]), int(sys.argv[5])))
-    if mode == "hold":
-        sys.exit(hold(sock, model, int(sys.argv[4]), [int(x) for x in sys.argv[5].split(",")]))
+    if mode in ("hold", "hold-local"):
+        sys.exit(hold(sock, model, int(sys.argv[4]), [int(x) for x in sys.argv[5].split(",")], mode == "hold-local"))
     sys.exit(f"unknown mode {mode}")
