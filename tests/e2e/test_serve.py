@@ -1,0 +1,224 @@
+"""`moectl serve` (llama-cpp-python's OpenAI server on moed) through the official openai client.
+
+Real processes only: the daemon, one or two `moectl serve` processes, and the
+openai client in the test.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from moed.testing import DaemonProcess, wait_for
+
+pytestmark = pytest.mark.e2e
+pytest.importorskip("llama_cpp")
+pytest.importorskip("llama_cpp.server.app")  # the [server] extra
+openai = pytest.importorskip("openai")
+
+PROMPT = "the expert model reads memory pages"
+# Banned tokens: the generated vocabulary's </s> (id 2), so every completion runs
+# to max_tokens, and its byte tokens <0x80>..<0xFF> (ids 131..258), since llama.cpp's
+# streaming holds text back while it is not valid UTF-8 (a random model emitting
+# stray high bytes would stream nothing until the end). Not min_tokens: this server
+# drops the logit bias when both are given (list.extend returns None).
+BANNED = {str(t): -100 for t in [2, *range(3 + 0x80, 3 + 0x100)]}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeProcess:
+    """`moectl --socket S serve MODEL --port P`, ready once /v1/models answers."""
+
+    def __init__(self, socket_path: str, model, *args: str, log_dir):
+        self.port = free_port()
+        self.log_path = log_dir / f"serve-{self.port}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "moed.ctl",
+                "--socket",
+                socket_path,
+                "serve",
+                str(model),
+                "--port",
+                str(self.port),
+                "--ctx",
+                "1024",
+                "--threads",
+                "1",
+                *args,
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        self.client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0, timeout=60
+        )
+        wait_for(self._ready, timeout_s=60, interval_s=0.1, what=f"moectl serve on port {self.port}")
+
+    def _ready(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"moectl serve exited {self.proc.returncode}:\n{self.log()}")
+        try:
+            return bool(self.client.models.list().data)
+        except openai.APIConnectionError:
+            return False
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def complete(server: ServeProcess, n: int = 16, **kw):
+    """A greedy completion of exactly `n` tokens."""
+    return server.client.completions.create(
+        model="m", prompt=PROMPT, max_tokens=n, temperature=0, logit_bias=BANNED, **kw
+    )
+
+
+def served_experts(d: DaemonProcess) -> int:
+    """Experts the daemon has granted so far (hits, local ones included, and misses)."""
+    with d.client("test") as c:
+        s = c.stats()
+    return s["hits"] + s["misses"]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model, tmp_path_factory):
+    d = DaemonProcess("512KiB")
+    server = ServeProcess(d.socket, tiny_model, log_dir=tmp_path_factory.mktemp("serve"))
+    yield d, server
+    server.stop()
+    d.kill()
+
+
+def test_completion_through_the_openai_client(served):
+    d, server = served
+    before = served_experts(d)
+    r = complete(server, 16)
+    assert r.object == "text_completion" and r.choices[0].text
+    assert r.usage.completion_tokens == 16
+    assert served_experts(d) > before  # the experts came from moed
+
+
+def test_chat_completion(served):
+    d, server = served
+    r = server.client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0
+    )
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens >= 1
+
+
+def test_streaming_chunks_arrive_before_the_end(served):
+    d, server = served
+    want = complete(server, 300).choices[0].text
+    stream = complete(server, 300, stream=True)
+    chunks = [next(iter(stream))]
+    at_first_chunk = served_experts(d)
+    chunks += list(stream)
+    # The engine was still acquiring experts after the first chunk reached us.
+    assert served_experts(d) > at_first_chunk
+    assert len(chunks) > 100
+    assert "".join(c.choices[0].text for c in chunks) == want
+
+
+def test_two_servers_for_two_models_on_one_daemon(model_factory, tmp_path):
+    a_model, b_model = model_factory(seed=1), model_factory(seed=2)
+    d = DaemonProcess("1MiB")
+    servers = []
+    try:
+        servers = [ServeProcess(d.socket, m, log_dir=tmp_path) for m in (a_model, b_model)]
+        start = threading.Barrier(2)
+        spans: dict[int, tuple[float, float, str]] = {}
+
+        def ask(i: int) -> None:
+            start.wait()
+            t0 = time.monotonic()
+            text = complete(servers[i], 150).choices[0].text
+            spans[i] = (t0, time.monotonic(), text)
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert set(spans) == {0, 1}
+        (a0, a1, _), (b0, b1, _) = spans[0], spans[1]
+        assert a0 < b1 and b0 < a1  # both were in flight at once
+        with d.client("test") as c:
+            models = {m["path"]: m for m in c.stats()["models"]}
+        for m in (a_model, b_model):
+            row = models[str(m)]
+            assert row["hits"] + row["misses"] > 0
+    finally:
+        for s in servers:
+            s.stop()
+        d.kill()
+
+
+def test_daemon_killed_mid_request_is_a_503_and_a_restart_recovers(tiny_model, tmp_path):
+    d = DaemonProcess("512KiB")
+    server = None
+    try:
+        server = ServeProcess(d.socket, tiny_model, log_dir=tmp_path)
+        complete(server, 4)  # loaded and warm
+        outcome: dict = {}
+
+        def long_request() -> None:
+            try:
+                outcome["reply"] = complete(server, 900)
+            except openai.APIStatusError as exc:
+                outcome["error"] = exc
+
+        t = threading.Thread(target=long_request)
+        before = served_experts(d)
+        t.start()
+        wait_for(lambda: served_experts(d) > before + 200, timeout_s=30, what="the request to be under way")
+        d.kill()
+        t.join(60)
+        assert not t.is_alive()
+        err = outcome.get("error")
+        assert err is not None, "the request finished without the daemon"
+        assert err.status_code == 503
+        assert "moed unavailable" in str(err.message)
+
+        # moed is down: a new request is refused at once, with the reason.
+        with pytest.raises(openai.APIStatusError) as down:
+            complete(server, 4)
+        assert down.value.status_code == 503 and "cannot connect to moed" in str(down.value.message)
+        with pytest.raises(openai.APIStatusError) as down_stream:
+            complete(server, 4, stream=True)
+        assert down_stream.value.status_code == 503
+
+        d = DaemonProcess("512KiB", socket_dir=str(d.dir))
+        r = complete(server, 8)
+        assert r.usage.completion_tokens == 8
+        assert served_experts(d) > 0
+        assert server.proc.poll() is None
+    finally:
+        if server is not None:
+            server.stop()
+        d.kill()
