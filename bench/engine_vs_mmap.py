@@ -149,6 +149,12 @@ def run_engine(kind: str, model: str, trace: str, warmup: int, tokens: int, thre
     if kind.startswith("moed"):
         llm = StreamedLlama(model, socket_path=socket, route_hook=routes, skeleton_dir=SKELETON_DIR,
                             prefetch=prefetch, prefetch_adapt=adapt, predict_hook=routes.predict, **kw)
+    elif kind == "stock":
+        # stock llama_cpp.Llama, resident: its repacked x86 kernels (about 20% faster than the
+        # same-kernel engine) and its own routes (it cannot take forced ones; the work a token
+        # does is the same top-k either way)
+        import llama_cpp
+        llm = llama_cpp.Llama(model, use_mmap=False, **kw)
     else:
         llm = UnpackedLlama(model, use_mmap=(kind == "mmap"), route_hook=routes, **kw)
     load_s = time.perf_counter() - t0
@@ -456,7 +462,7 @@ def ratios(results: dict[str, list[dict]]) -> dict[str, float]:
         if not rate or not label.startswith("moed"):
             continue
         kind = label.split("/")[0]
-        for base in ("mmap", "resident"):
+        for base in ("mmap", "resident", "stock"):
             if med.get(base):
                 out[f"{label} vs {base}"] = round(rate / med[base], 3)
         off = results.get(f"{kind}/off")
