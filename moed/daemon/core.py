@@ -29,7 +29,7 @@ import logging
 import os
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 from moed import __version__
@@ -80,6 +80,7 @@ class PendingAcquire:
         self.daemon, self.model, self.layer, self.wants = daemon, model, layer, wants
         self.plan, self.tenant, self.deadline = plan, tenant, deadline
         self.ended = False
+        self.started_s = time.perf_counter()     # Daemon.acquire sets its own start
 
     async def wait(self) -> Lease:
         try:
@@ -88,6 +89,7 @@ class PendingAcquire:
             self.cancel()
             raise
         self.ended = True          # the references are the lease's now
+        self.daemon.counters.acquire_latency_s.observe(time.perf_counter() - self.started_s)
         return lease
 
     def cancel(self) -> None:
@@ -104,6 +106,7 @@ class Loading:
 
     job: ReadJob
     done: asyncio.Future
+    started_s: float = field(default_factory=time.perf_counter)
 
 
 class Daemon:
@@ -367,13 +370,18 @@ class Daemon:
     def acquire(self, model: Model, layer: int, experts: list[int], tenant: Tenant,
                 timeout_s: float | None = None) -> Lease | PendingAcquire:
         """A lease if everything is resident now; else a PendingAcquire that owns the wait."""
+        started_s = time.perf_counter()
         wants = self._wants(model, layer, experts)
         self.check_current(model)
         plan = self._plan(wants, tenant)
         if plan is not None and not plan.to_load and not plan.loading:
-            return self._grant(model, layer, plan, tenant)
+            lease = self._grant(model, layer, plan, tenant)
+            self.counters.acquire_latency_s.observe(time.perf_counter() - started_s)
+            return lease
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.config.acquire_timeout_s)
-        return PendingAcquire(self, model, layer, wants, plan, tenant, deadline)
+        pending = PendingAcquire(self, model, layer, wants, plan, tenant, deadline)
+        pending.started_s = started_s
+        return pending
 
     def _plan(self, wants, tenant):
         if self.residency.regions:
@@ -510,6 +518,7 @@ class Daemon:
         if loading is None or loading.job is not job:
             return
         del self._loading[slot]
+        self.counters.read_latency_s.observe(time.perf_counter() - loading.started_s)
         self.counters.bytes_read += job.bytes_total
         key, owner = slot.key, cast("Tenant | None", slot.owner)
         assert key is not None            # still LOADING: nothing vacated it (cancel removes _loading first)

@@ -7,10 +7,33 @@ mem_available_bytes, mem_floor_bytes, models, tenants. Keys are only added.
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass, field
 
 from .bounds import limits
+
+# Upper bounds of the latency histograms' buckets, in seconds (a hit is tens of µs,
+# a miss one NVMe read of an expert or a few, a wait for room up to the timeout).
+LATENCY_BOUNDS_S = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass
+class LatencyHistogram:
+    """Counts of durations per bucket (`counts[i]`: at most `LATENCY_BOUNDS_S[i]` and more
+    than the bound before it; the last counts everything above the last bound)."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BOUNDS_S) + 1))
+    sum_s: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(LATENCY_BOUNDS_S, seconds)] += 1
+        self.sum_s += seconds
+
+    def row(self) -> dict:
+        return {"bounds_s": list(LATENCY_BOUNDS_S), "counts": list(self.counts), "sum_s": self.sum_s,
+                "count": sum(self.counts)}
 
 
 @dataclass
@@ -30,6 +53,11 @@ class Counters:
     local_hits: int = 0       # hits engines served themselves (folded from hold regions)
     timed_out: int = 0        # connections closed for sending no Hello, or nothing, in time
     stale_detected: int = 0   # models found changed on disk (fstat) while open
+    # Daemon acquires, from the request on the loop to its grant (hits granted at
+    # once included; failed and local acquires not); reads, from submission to
+    # completion on the loop (queueing behind other reads included).
+    acquire_latency_s: LatencyHistogram = field(default_factory=LatencyHistogram)
+    read_latency_s: LatencyHistogram = field(default_factory=LatencyHistogram)
 
 
 @dataclass
@@ -167,6 +195,8 @@ def snapshot(daemon) -> dict:
         "local_hits": c.local_hits,
         "local_claims_refused": daemon.residency.claims_refused,
         "adopted_slots": len(daemon.store.adopted),
+        "acquire_latency_s": c.acquire_latency_s.row(),
+        "read_latency_s": c.read_latency_s.row(),
         "limits": limits(daemon.config),
         "clients": [s.buffers() for s in daemon.sessions],
         "models": [_model_row(daemon, m) for m in models],

@@ -94,6 +94,16 @@ class Limits(_Row):
     local_holds_per_connection: int = 0
 
 
+class HistogramRow(_Row):
+    """Durations per bucket: `counts[i]` at most `bounds_s[i]` (and above the bound
+    before it); the last count is above every bound."""
+
+    bounds_s: list[float] = []
+    counts: list[int] = []
+    sum_s: float = 0.0
+    count: int = 0
+
+
 class Stats(_Row):
     version: str
     pid: int
@@ -147,3 +157,5 @@ class Stats(_Row):
     verified_reads: int = 0            # verify mode only
     verify_mismatches: int = 0
     verify_hashed_experts: int = 0
+    acquire_latency_s: HistogramRow = msgspec.field(default_factory=HistogramRow)   # request to grant
+    read_latency_s: HistogramRow = msgspec.field(default_factory=HistogramRow)      # submit to done
