@@ -20,8 +20,8 @@ import argparse
 import atexit
 import multiprocessing as mp
 import os
-import shutil
 import random
+import shutil
 import sys
 import tempfile
 import time

@@ -81,7 +81,7 @@ class _Session:
                                      **llama_kwargs)
         except ValueError as exc:  # llama.cpp refused the file
             self.client.close()
-            raise SystemExit(fail(str(exc)))
+            raise SystemExit(fail(str(exc))) from None
         except BaseException:
             self.client.close()
             raise
@@ -125,7 +125,7 @@ def _default_ctx(model: str, most: int = 4096) -> int:
         h = read_header(model)
         arch = h.get("general.architecture")
         trained = int(h.get(f"{arch}.context_length", most))
-    except Exception:  # llama.cpp will report a bad file itself, in its own words
+    except Exception:  # noqa: BLE001 - llama.cpp will report a bad file itself, in its own words
         return most
     return max(1, min(trained, most))
 

@@ -62,8 +62,9 @@ NORM = 2
 
 def ggml_base_library() -> ctypes.CDLL:
     """libggml-base from the installed llama-cpp-python (it exports ggml_tensor_overhead)."""
-    import llama_cpp  # noqa: F401  (loads the shared libraries)
     from pathlib import Path
+
+    import llama_cpp  # noqa: F401  (loads the shared libraries)
 
     lib_dir = Path(llama_cpp.__file__).parent / "lib"
     for name in ("libggml-base.so", "libggml.so", "libllama.so"):

@@ -26,14 +26,15 @@ import threading
 import traceback
 import types
 import warnings
-from typing import Sequence
+from collections.abc import Sequence
 
 import llama_cpp
 import llama_cpp.llama as _llama_module
 from llama_cpp import Llama
 
 from moed.engines import ggml_tensor
-from moed.engines.lookahead import MODES as PREFETCH_MODES, PredictHook
+from moed.engines.lookahead import MODES as PREFETCH_MODES
+from moed.engines.lookahead import PredictHook
 from moed.engines.sources import ExpertSource, MoedSource
 from moed.engines.streamer import ExpertStreamer, RouteHook, snapshot_bases
 from moed.protocol.errors import BudgetExhausted, RequestTooLarge

@@ -49,14 +49,14 @@ current lease (`capacity - held`), best first.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
+from moed.engines.cache_estimate import CacheEstimate
 from moed.engines.governor import ON, SHADOW, PrefetchGovernor
 from moed.engines.predictor import GatePredictor, top
-from moed.engines.cache_estimate import CacheEstimate
 
 MODES = ("off", "gate", "gate2")
 LEADS = {"off": (), "gate": (1,), "gate2": (1, 2)}

@@ -32,8 +32,9 @@ import logging
 import os
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -301,7 +302,7 @@ class ExpertStreamer:
     def _release_quietly(self, grant: Grant) -> None:
         try:
             self.source.release(grant)
-        except Exception as exc:  # the lease may already be gone with the failed acquire
+        except Exception as exc:  # noqa: BLE001 - the lease may already be gone with the failed acquire
             log.debug("release after failed acquire: %s", exc)
 
     def begin(self, n_tokens: int) -> None:

@@ -23,7 +23,7 @@ misses divided by the counted decode tokens, the same denominator as without MTP
 
 from __future__ import annotations
 
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np

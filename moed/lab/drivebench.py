@@ -33,8 +33,9 @@ import os
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -140,8 +141,8 @@ def moed_reads(model_path: str, size: int = 1 << 20, depth: int = 8, seconds: fl
                tick: Tick | None = None, seed: int = 0) -> DriveRun:
     from moed.client import Client
     from moed.gguf.catalog import Catalog
-    from moed.spawn import DaemonProcess
     from moed.lab.replay import slot_bytes_by_layer
+    from moed.spawn import DaemonProcess
 
     _check(size, depth, seconds)
     cat = Catalog.open(model_path)

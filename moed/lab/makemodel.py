@@ -25,7 +25,7 @@ import pathlib
 from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGUFWriter, GGMLQuantizationType, GGML_QUANT_SIZES, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
 from gguf.constants import Keys, TokenType
 
 from moed.gguf.header import shard_names

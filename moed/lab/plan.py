@@ -55,7 +55,7 @@ class ModelCost:
     dense_bytes: int          # file bytes that are not routed experts
 
     @classmethod
-    def of(cls, model_path: str | os.PathLike) -> "ModelCost":
+    def of(cls, model_path: str | os.PathLike) -> ModelCost:
         from moed.gguf.catalog import Catalog
         from moed.lab.replay import slot_bytes
         cat = Catalog.open(model_path)

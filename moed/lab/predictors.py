@@ -24,7 +24,7 @@ Gate-ahead rows appear only when the trace has those predictions.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np

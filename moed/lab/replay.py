@@ -45,16 +45,17 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from moed.spawn import DaemonProcess
-from moed.protocol.errors import BadRequest, RequestTooLarge
 from moed.protocol import layout
+from moed.protocol.errors import BadRequest, RequestTooLarge
 from moed.protocol.layout import PAGE
 from moed.protocol.sizes import format_size, parse_size
+from moed.spawn import DaemonProcess
 
 PREFETCH_MODES = ("none", "gate", "gate2", "oracle")
 COUNTERS = ("hits", "misses", "joined_reads", "prefetches", "prefetch_hits",
@@ -317,7 +318,8 @@ class Replayer:
     def _result(self, d: dict, accesses: int, tokens: int, stall_s: float, wall_s: float,
                 warm_tokens: int) -> ReplayResult:
         o = self.opts
-        rate = (lambda n: n / accesses if accesses else 0.0)
+        def rate(n):
+            return (n / accesses if accesses else 0.0)
         demand = d["misses"] - d["joined_reads"]
         slot = self._mean_slot_bytes()
         budget_slots = int(self.budget_bytes // slot) if slot else 0

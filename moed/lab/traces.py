@@ -225,7 +225,8 @@ class Trace:
 
     def _step(self, i: int) -> Step:
         a, b = int(self.step_offsets[i]), int(self.step_offsets[i + 1])
-        view = (lambda arr: None if arr is None else arr[a:b].transpose(1, 0, 2))
+        def view(arr):
+            return (None if arr is None else arr[a:b].transpose(1, 0, 2))
         return Step(chr(self.step_kinds[i]), view(self.ids), view(self.ahead1), view(self.ahead2))
 
     def __iter__(self) -> Iterator[Step]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-
 LLAMA_KW = dict(n_ctx=256, n_batch=64, n_ubatch=64, logits_all=True, n_threads=2, verbose=False, seed=0)
 PROMPT = b"the expert model reads memory pages from the drive, one token at a time"
 

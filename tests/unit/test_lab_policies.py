@@ -3,13 +3,15 @@ access/counting rules on whole traces, and Belady as an upper bound."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moed.lab import policies
-from moed.lab.policies import POLICIES, PER_LAYER, accesses, replay, simulate
+from moed.lab.policies import PER_LAYER, POLICIES, accesses, replay, simulate
 from moed.lab.traces import TraceWriter
 from moed.protocol.errors import BadRequest
 
@@ -196,9 +198,8 @@ def test_opt_matches_brute_force_on_tiny_streams(data, cap):
 
 def _brute_opt(keys, cap, counted):
     """Exhaustive search over every keep/evict/bypass choice (tiny inputs only)."""
-    from functools import lru_cache
 
-    @lru_cache(maxsize=None)
+    @functools.cache
     def best(i, cache):
         if i == len(keys):
             return 0
