@@ -73,7 +73,9 @@ def print_stats(s: dict) -> None:
                    + f"; {format_size(s.get('given_back_bytes', 0))} given back"),
         ("verify", (f"on: {s['verified_reads']} re-reads verified, {s['verify_mismatches']} MISMATCHES"
                     if s.get("verify") else "off")),
-        ("connections", str(s["connections"])),
+        ("local hits", f"{s.get('local_hits', 0)} served in engines with no round trip, "
+                       f"{s.get('adopted_slots', 0)} slots held there now"),
+        ("connections", _connections_line(s)),
     ]
     for k, v in rows:
         t.add_row(k, v)
@@ -89,6 +91,21 @@ def print_stats(s: dict) -> None:
                    f"{format_size(r.get('floor_bytes', 0))}/"
                    + (format_size(r["ceiling_bytes"]) if r.get("ceiling_bytes") else "-"))
     console.print(tt)
+
+
+def _connections_line(s: dict) -> str:
+    """Connections, what the busiest one makes the daemon hold, and the bounds on it."""
+    clients, lim = s.get("clients", []), s.get("limits", {})
+    queued = max((c["queued_bytes"] for c in clients), default=0)
+    out = max((c["buffered_out_bytes"] for c in clients), default=0)
+    line = f"{s['connections']} (max {lim.get('max_clients', '?')}, {lim.get('max_clients_per_tenant', '?')} a tenant)"
+    if clients:
+        line += (f"; most buffered by one: {format_size(queued)} of requests "
+                 f"(bound {format_size(lim.get('max_queued_bytes', 0))}), {format_size(out)} of replies "
+                 f"(bound {format_size(lim.get('write_high_bytes', 0))})")
+    if s.get("timed_out_connections"):
+        line += f"; {s['timed_out_connections']} closed for silence"
+    return line
 
 
 def _print_models(console, models: list[dict]) -> None:
