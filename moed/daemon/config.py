@@ -64,6 +64,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_opens_per_tenant: int = 2        # model opens in flight per uid (a hung file ties up only these)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     tenants: dict[str, TenantConfig] = {}
+    metrics_listen: str = ""             # HOST:PORT of the Prometheus endpoint; "" (default): off
 
     def __post_init__(self):
         checks = [
@@ -93,6 +94,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for ok, why in checks:
             if not ok:
                 raise ValueError(why)
+        if self.metrics_listen:
+            parse_listen(self.metrics_listen)
         self._check_tenants()
 
     def _check_tenants(self) -> None:
@@ -105,6 +108,14 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         floors = sum(t.floor_bytes for t in self.tenants.values())
         if floors > self.ram_budget_bytes:
             raise ValueError(f"tenant floors add up to {floors} bytes, more than ram_budget_bytes")
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """`HOST:PORT` (or `[v6]:PORT`) -> (host, port); ValueError names what is wrong."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"metrics_listen must be HOST:PORT (e.g. 127.0.0.1:9477), got {text!r}")
+    return host.strip("[]"), int(port)
 
 
 def tenant_uid(key: str) -> int:

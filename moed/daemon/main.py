@@ -55,6 +55,7 @@ def parse_args(argv):
     p.add_argument("--reader-threads", type=int)
     p.add_argument("--policy", choices=list(POLICIES))
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--metrics-listen", help="serve Prometheus metrics on HOST:PORT, e.g. 127.0.0.1:9477 (default: off)")
     return p.parse_args(argv)
 
 
@@ -159,6 +160,7 @@ async def serve(config: Config) -> None:
     except StartupError:
         daemon.close()
         raise
+    metrics = start_metrics(daemon, loop, config, listener)
     server = await loop.create_unix_server(lambda: Session(daemon), sock=listener)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -175,6 +177,8 @@ async def serve(config: Config) -> None:
     sd_notify("STOPPING=1")
     log.info("stopping")
     server.close()
+    if metrics is not None:
+        metrics.close()
     await _drain(daemon, config.shutdown_grace_s)
     for session in list(daemon.sessions):
         session.transport.abort()
@@ -185,6 +189,21 @@ async def serve(config: Config) -> None:
         pass
     daemon.close()
     log.info("stopped")
+
+
+def start_metrics(daemon: Daemon, loop: asyncio.AbstractEventLoop, config: Config, listener: socket.socket):
+    """The Prometheus endpoint if `metrics_listen` is set (moed.daemon.metrics), else None."""
+    if not config.metrics_listen:
+        return None
+    try:
+        from .metrics import MetricsServer
+
+        return MetricsServer(daemon, loop, config.metrics_listen)
+    except (ImportError, OSError) as exc:
+        listener.close()
+        os.unlink(config.socket_path)    # ours, just bound: leave nothing behind
+        daemon.close()
+        raise StartupError(f"cannot serve metrics on {config.metrics_listen}: {exc}") from None
 
 
 async def _drain(daemon: Daemon, grace_s: float) -> None:
