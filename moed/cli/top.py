@@ -1,0 +1,241 @@
+"""moectl top: a live view of the daemon, refreshed each second (rich Live).
+
+What this module owns: turning two stats snapshots into rates over the interval
+between them (`rates`, `tenant_rows`, `model_rows`: pure, unit-tested) and
+rendering them (`frame`). Shown: hits/s, misses/s, hit % and MiB/s read over the
+interval, evictions/s, prefetches issued/s and the share of them wasted, the
+mean acquire service time, reads in flight, memory (the RAM tier against its
+budget, MemAvailable against the floor, bytes given back), and one row per
+tenant and per model. q or Ctrl-C quits; `--once` prints one frame (rates over
+one `--interval`) for scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import select
+import sys
+import time
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from moed.protocol.sizes import format_size
+
+MIB = float(1 << 20)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("top", help="live view: rates, tenants, models, memory (q quits)")
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between snapshots (default 1)")
+    p.set_defaults(func=cmd_top)
+
+
+# ---- rates (pure) ----------------------------------------------------------
+
+
+def _per_s(prev: dict, cur: dict, key: str, dt: float) -> float:
+    return (cur.get(key, 0) - prev.get(key, 0)) / dt if dt > 0 else 0.0
+
+
+def _share(part: float, whole: float) -> float | None:
+    return 100.0 * part / whole if whole > 0 else None
+
+
+def rates(prev: dict, cur: dict, dt: float) -> dict:
+    """Daemon-wide rates over the `dt` seconds between two snapshots (None: nothing to divide)."""
+    d = {k: cur[k] - prev[k] for k in ("hits", "misses", "prefetches", "wasted_prefetches")}
+    acq_prev, acq_cur = prev.get("acquire_latency_s") or {}, cur.get("acquire_latency_s") or {}
+    acquires = acq_cur.get("count", 0) - acq_prev.get("count", 0)
+    return {
+        "hits_s": _per_s(prev, cur, "hits", dt),
+        "misses_s": _per_s(prev, cur, "misses", dt),
+        "hit_pct": _share(d["hits"], d["hits"] + d["misses"]),
+        "read_mib_s": _per_s(prev, cur, "bytes_read", dt) / MIB,
+        "evictions_s": _per_s(prev, cur, "evictions", dt),
+        "prefetch_s": _per_s(prev, cur, "prefetches", dt),
+        "prefetch_waste_pct": _share(d["wasted_prefetches"], d["prefetches"]),
+        "acquire_mean_s": (
+            (acq_cur.get("sum_s", 0.0) - acq_prev.get("sum_s", 0.0)) / acquires if acquires > 0 else None
+        ),
+    }
+
+
+def _row_rates(prev: dict | None, cur: dict, dt: float) -> dict:
+    prev = prev or {"hits": 0, "misses": 0, "bytes_read": 0}
+    hits, misses = cur["hits"] - prev["hits"], cur["misses"] - prev["misses"]
+    return {
+        "hits_s": _per_s(prev, cur, "hits", dt),
+        "hit_pct": _share(hits, hits + misses),
+        "read_mib_s": _per_s(prev, cur, "bytes_read", dt) / MIB,
+    }
+
+
+def tenant_rows(prev: dict, cur: dict, dt: float) -> list[dict]:
+    """One row per tenant of `cur`: its snapshot row plus its rates (a new tenant counts from 0)."""
+    before = {t["uid"]: t for t in prev["tenants"]}
+    return [{**t, **_row_rates(before.get(t["uid"]), t, dt)} for t in cur["tenants"]]
+
+
+def model_rows(prev: dict, cur: dict, dt: float) -> list[dict]:
+    before = {m["model_id"]: m for m in prev["models"]}
+    return [{**m, **_row_rates(before.get(m["model_id"]), m, dt)} for m in cur["models"]]
+
+
+# ---- rendering ---------------------------------------------------------------
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}%"
+
+
+def _n(v: float) -> str:
+    return f"{v:,.1f}"
+
+
+def _memory(s: dict) -> Text:
+    used, budget = s["used_bytes"], s["budget_bytes"]
+    avail, floor = s["mem_available_bytes"], s["mem_floor_bytes"]
+    line = Text(
+        f"RAM tier {format_size(used)} of {format_size(budget)} ({_pct(_share(used, budget))}), "
+        f"pinned {format_size(s['pinned_bytes'])}; MemAvailable {format_size(avail)}, "
+        f"floor {format_size(floor)}"
+    )
+    if floor:
+        line.append(f" (headroom {format_size(max(0, avail - floor))})")
+    line.append(f"; given back {format_size(s.get('given_back_bytes', 0))}")
+    if s.get("mem_guard_active"):
+        line.append(f"\nGUARD ACTIVE: store held to {format_size(s['effective_budget_bytes'])}", style="bold red")
+    return line
+
+
+def frame(prev: dict, cur: dict, dt: float):
+    """One screen: header, rates, memory, tenants, models."""
+    r = rates(prev, cur, dt)
+    head = Text(
+        f"moed {cur['version']}  pid {cur['pid']}  up {cur['uptime_s']:.0f} s  "
+        f"{cur['connections']} connections  {cur['reads_in_flight']} reads in flight  "
+        f"policy {cur['policy']}",
+        style="bold",
+    )
+    t = Table(
+        title=f"over the last {dt:.1f} s (acquire: mean service time)", title_justify="left", box=None, pad_edge=False
+    )
+    cells = [
+        ("hits/s", _n(r["hits_s"])),
+        ("miss/s", _n(r["misses_s"])),
+        ("hit%", _pct(r["hit_pct"])),
+        ("read MiB/s", f"{r['read_mib_s']:.2f}"),
+        ("evict/s", _n(r["evictions_s"])),
+        ("prefetch/s", _n(r["prefetch_s"])),
+        ("waste", _pct(r["prefetch_waste_pct"])),
+        ("acquire", "-" if r["acquire_mean_s"] is None else f"{r['acquire_mean_s'] * 1e6:.0f} µs"),
+    ]
+    for name, _ in cells:
+        t.add_column(name, justify="right")
+    t.add_row(*(v for _, v in cells))
+    tenants = Table(
+        "uid",
+        "names",
+        "conns",
+        "leases",
+        "hits/s",
+        "hit %",
+        "read MiB/s",
+        "resident",
+        title="tenants",
+        title_justify="left",
+    )
+    for row in tenant_rows(prev, cur, dt):
+        tenants.add_row(
+            str(row["uid"]),
+            ",".join(row["names"])[:24],
+            str(row["connections"]),
+            str(row["leases"]),
+            _n(row["hits_s"]),
+            _pct(row["hit_pct"]),
+            f"{row['read_mib_s']:.2f}",
+            format_size(row["resident_bytes"]),
+        )
+    models = Table(
+        "id",
+        "model",
+        "hits/s",
+        "hit %",
+        "read MiB/s",
+        "resident",
+        "pinned",
+        "leases",
+        title="models",
+        title_justify="left",
+    )
+    for row in model_rows(prev, cur, dt):
+        name = os.path.basename(row["path"]) + (" (stale)" if row["stale"] else "")
+        models.add_row(
+            str(row["model_id"]),
+            name,
+            _n(row["hits_s"]),
+            _pct(row["hit_pct"]),
+            f"{row['read_mib_s']:.2f}",
+            format_size(row["resident_bytes"]),
+            format_size(row["pinned_bytes"]),
+            str(row["leases"]),
+        )
+    return Group(head, t, _memory(cur), tenants, models)
+
+
+# ---- the live loop -------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _keys():
+    """A function `wait(timeout_s) -> True if q was pressed`; the terminal in cbreak mode meanwhile."""
+    if not sys.stdin.isatty():
+        yield lambda timeout_s: bool(time.sleep(timeout_s))
+        return
+    import termios
+    import tty
+
+    fd = sys.stdin.fileno()
+    saved = termios.tcgetattr(fd)
+    tty.setcbreak(fd)
+
+    def wait(timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            ready, _, _ = select.select([fd], [], [], left)
+            if ready and os.read(fd, 1) in (b"q", b"Q"):
+                return True
+        return False
+
+    try:
+        yield wait
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
+    from moed.client import Client
+
+    with Client(args.socket, "moectl top") as c:
+        prev, t_prev = c.stats(), time.monotonic()
+        if args.once:
+            time.sleep(args.interval)
+            Console().print(frame(prev, c.stats(), time.monotonic() - t_prev))
+            return 0
+        try:
+            with _keys() as wait, Live(frame(prev, prev, 0.0), refresh_per_second=4) as live:
+                while not wait(args.interval):
+                    cur, now = c.stats(), time.monotonic()
+                    live.update(frame(prev, cur, now - t_prev))
+                    prev, t_prev = cur, now
+        except KeyboardInterrupt:
+            pass
+    return 0
