@@ -9,6 +9,11 @@ root, the second runs as user `nobody`, so stats show two tenants), prints
 Engines are `StreamedLlama` (llama.cpp through llama-cpp-python) generating
 text; where llama-cpp-python is not installed, two plain clients stand in and
 replay random routes, checking every byte against the file.
+
+`scripts/demo --serve`: moed (with its Prometheus endpoint) and one OpenAI-compatible
+server (`moectl serve`) on the model; the official `openai` client sends a chat
+request and a streamed completion, the answers and the metrics line for hits are
+printed, and everything stops cleanly.
 """
 
 from __future__ import annotations
@@ -40,13 +45,13 @@ def routed_bytes(model: Path) -> int:
     return sum(cat.expert_bytes(layer) * cat.n_experts for layer in cat.moe_layers)
 
 
-def start_daemon(budget: int, shared: bool):
+def start_daemon(budget: int, shared: bool, *extra: str):
     from moed.protocol.errors import DaemonUnavailable
     from moed.spawn import DaemonProcess
     # The demo's second tenant is another user: let it reach the socket.
     config = {"socket_mode": 0o666} if shared else None
     try:
-        daemon = DaemonProcess(budget, "--log-level", "warning", config=config)
+        daemon = DaemonProcess(budget, "--log-level", "warning", *extra, config=config)
     except DaemonUnavailable as exc:
         raise SystemExit(f"demo: {exc}") from None
     if shared:
@@ -81,17 +86,79 @@ def engine_command(sock: str, model: Path, prompt: str, name: str, as_nobody: bo
     return cmd
 
 
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_demo(model: Path, budget: int) -> int:
+    """moed + one `moectl serve`; a chat request and a streamed completion through openai."""
+    import time
+    import urllib.request
+
+    try:
+        import llama_cpp.server.app  # noqa: F401
+        import openai
+    except ImportError as exc:
+        print(f"demo --serve needs llama-cpp-python[server] and openai (scripts/setup-venv installs them): {exc}",
+              file=sys.stderr)
+        return 1
+    metrics_port, port = free_port(), free_port()
+    daemon = start_daemon(budget, False, "--metrics-listen", f"127.0.0.1:{metrics_port}")
+    server = subprocess.Popen([sys.executable, "-m", "moed.ctl", "--socket", daemon.socket, "serve", str(model),
+                               "--port", str(port), "--alias", "demo", "--ctx", "1024"])
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+    ok = False
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit("demo: moectl serve did not come up") from None
+                time.sleep(0.2)
+        print(f"demo: OpenAI-compatible server on http://127.0.0.1:{port}/v1, experts from moed", flush=True)
+        chat = client.chat.completions.create(model="demo", max_tokens=24, temperature=0,
+                                              messages=[{"role": "user", "content": "Say hello."}])
+        print(f"demo: chat answer: {chat.choices[0].message.content!r}", flush=True)
+        print("demo: streamed completion: ", end="", flush=True)
+        for chunk in client.completions.create(model="demo", prompt="Once upon a time", max_tokens=48,
+                                               temperature=0, stream=True):
+            print(repr(chunk.choices[0].text)[1:-1], end="", flush=True)
+        print(flush=True)
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        for line in metrics.splitlines():
+            if line.startswith(("moed_hits_total", "moed_misses_total")):
+                print(f"demo: metrics: {line}", flush=True)
+        ok = True
+    finally:
+        server.terminate()
+        server.wait(30)
+        rc = daemon.stop(15)
+    print(f"demo: server stopped, moed stopped (exit {rc})")
+    return 0 if ok and rc == 0 else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="scripts/demo")
     ap.add_argument("model", nargs="?", help="a MoE GGUF (default: a generated small qwen3moe)")
     ap.add_argument("--budget-fraction", type=float, default=0.5,
                     help="RAM budget as a share of the model's routed expert bytes")
+    ap.add_argument("--serve", action="store_true",
+                    help="moed and one OpenAI-compatible server instead; requests through the openai client")
     args = ap.parse_args(argv)
     model = Path(args.model).resolve() if args.model else default_model()
     total = routed_bytes(model)
     budget = max(int(total * args.budget_fraction), 1 << 20)
     print(f"demo: model {model} ({total / 2**20:.1f} MiB of routed experts), "
           f"moed budget {budget / 2**20:.1f} MiB", flush=True)
+    if args.serve:
+        return serve_demo(model, budget)
     two_users = second_tenant_possible(model)
     daemon = start_daemon(budget, shared=two_users)
     sock = daemon.socket
