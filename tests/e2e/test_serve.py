@@ -37,32 +37,15 @@ def free_port() -> int:
 
 
 class ServeProcess:
-    """`moectl --socket S serve MODEL --port P`, ready once /v1/models answers."""
+    """`moectl --socket S serve MODEL --port P` (or `serve --config F`), ready once /v1/models answers."""
 
-    def __init__(self, socket_path: str, model, *args: str, log_dir):
+    def __init__(self, socket_path: str, model, *args: str, log_dir, config=None):
         self.port = free_port()
         self.log_path = log_dir / f"serve-{self.port}.log"
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "moed.ctl",
-                "--socket",
-                socket_path,
-                "serve",
-                str(model),
-                "--port",
-                str(self.port),
-                "--ctx",
-                "1024",
-                "--threads",
-                "1",
-                *args,
-            ],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
+        what = ["--config", str(config)] if config else [str(model), "--ctx", "1024", "--threads", "1"]
+        cmd = [sys.executable, "-m", "moed.ctl", "--socket", socket_path, "serve", *what, "--port", str(self.port)]
+        self.proc = subprocess.Popen([*cmd, *args], stdout=self._log, stderr=subprocess.STDOUT)
         self.client = openai.OpenAI(
             base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0, timeout=60
         )
@@ -218,6 +201,53 @@ def test_daemon_killed_mid_request_is_a_503_and_a_restart_recovers(tiny_model, t
         assert r.usage.completion_tokens == 8
         assert served_experts(d) > 0
         assert server.proc.poll() is None
+    finally:
+        if server is not None:
+            server.stop()
+        d.kill()
+
+
+def test_config_file_serves_two_models_and_warns_about_what_it_ignores(model_factory, tmp_path):
+    import json
+
+    a_model, b_model = model_factory(seed=1), model_factory(seed=2)
+    config = tmp_path / "serve.json"
+    config.write_text(
+        json.dumps(
+            {
+                "models": [
+                    {
+                        "model": str(a_model),
+                        "model_alias": "a",
+                        "n_ctx": 512,
+                        "verbose": False,
+                        "n_gpu_layers": 4,
+                        "use_mlock": True,
+                    },
+                    {"model": str(b_model), "model_alias": "b", "n_ctx": 512, "verbose": False},
+                ]
+            }
+        )
+    )
+    d = DaemonProcess("1MiB")
+    server = None
+    try:
+        server = ServeProcess(d.socket, None, log_dir=tmp_path, config=config)
+        ids = {m.id for m in server.client.models.list().data}
+        assert ids == {"a", "b"}
+        texts = {}
+        for name in ("a", "b", "a"):
+            r = server.client.completions.create(
+                model=name, prompt=PROMPT, max_tokens=6, temperature=0, logit_bias=BANNED
+            )
+            assert r.model == name
+            texts.setdefault(name, r.choices[0].text)
+            assert texts[name] == r.choices[0].text  # switching back reloads the same model
+        with d.client("test") as c:
+            paths = {m["path"] for m in c.stats()["models"]}
+        assert {str(a_model), str(b_model)} <= paths
+        log = server.log()
+        assert "n_gpu_layers is ignored" in log and "ignores use_mlock" in log
     finally:
         if server is not None:
             server.stop()
