@@ -14,8 +14,19 @@ import os
 import sys
 import time
 import warnings
+from typing import TYPE_CHECKING, cast
 
 from moed.cli import fail
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from llama_cpp.llama_types import (
+        ChatCompletionRequestMessage,
+        ChatCompletionStreamResponseDelta,
+        CreateChatCompletionStreamResponse,
+        CreateCompletionStreamResponse,
+    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -143,8 +154,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     s = _Session(args)
     try:
         n = 0
-        for chunk in s.llm.create_completion(args.prompt, max_tokens=args.n_predict, stream=True,
-                                             seed=args.seed, **_sampling(args)):
+        # stream=True: llama-cpp-python returns the chunk iterator (its annotation is the union of both).
+        chunks = cast("Iterator[CreateCompletionStreamResponse]",
+                      s.llm.create_completion(args.prompt, max_tokens=args.n_predict, stream=True,
+                                              seed=args.seed, **_sampling(args)))
+        for chunk in chunks:
             choice = chunk["choices"][0]
             sys.stdout.write(choice["text"])
             sys.stdout.flush()
@@ -158,7 +172,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     s = _Session(args)
-    messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages: list[ChatCompletionRequestMessage] = [{"role": "system", "content": args.system}] if args.system else []
     total = 0
     interactive = sys.stdin.isatty()
     try:
@@ -172,10 +186,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
             if not line.strip():
                 continue
             messages.append({"role": "user", "content": line.rstrip("\n")})
-            reply = []
-            for chunk in s.llm.create_chat_completion(messages, max_tokens=args.n_predict, stream=True,
-                                                      seed=args.seed, **_sampling(args)):
-                text = chunk["choices"][0]["delta"].get("content") or ""
+            reply: list[str] = []
+            chunks = cast("Iterator[CreateChatCompletionStreamResponse]",     # stream=True, as above
+                          s.llm.create_chat_completion(messages, max_tokens=args.n_predict, stream=True,
+                                                       seed=args.seed, **_sampling(args)))
+            for chunk in chunks:
+                # The empty delta (the closing chunk) is a delta whose keys, all optional, are absent.
+                delta = cast("ChatCompletionStreamResponseDelta", chunk["choices"][0]["delta"])
+                text = delta.get("content") or ""
                 if text:
                     sys.stdout.write(text)
                     sys.stdout.flush()

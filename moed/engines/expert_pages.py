@@ -27,6 +27,7 @@ Invariants:
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from moed.engines import vm
@@ -81,7 +82,7 @@ def gaps(lo: int, hi: int, holes: list[tuple[int, int]]) -> list[tuple[int, int]
 
 @dataclass
 class _ZeroCopyState:
-    key: tuple[int, int] | None = None   # (segment identity, offset) mapped here
+    key: tuple[Hashable, int] | None = None   # (segment identity, offset) mapped here
     visible: bool = False
 
 
@@ -160,7 +161,7 @@ class ExpertPages:
     def span(self, layer: int, part: str) -> PartSpan:
         return self._by_key[(layer, part)]
 
-    def show_mapped(self, span: PartSpan, expert: int, seg_key: int, fd: int, offset: int) -> None:
+    def show_mapped(self, span: PartSpan, expert: int, seg_key: Hashable, fd: int, offset: int) -> None:
         """Zero copy: the slot's pages at `offset` of segment `fd` appear at the expert's address."""
         state = self._zc.setdefault((span.layer, span.part, expert), _ZeroCopyState())
         addr, n = span.expert_addr(expert), span.bytes_per_expert

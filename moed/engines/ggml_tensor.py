@@ -128,7 +128,7 @@ def rows_f32(tensor_ptr: int) -> np.ndarray:
         return np.empty((0, n0), dtype=np.float32)
     span = (n_rows - 1) * nb1 + n0 * nb0
     raw = (ctypes.c_char * span).from_address(t.data)
-    view = np.ndarray((n_rows, n0), dtype=np.float32, buffer=raw, strides=(nb1, nb0))
+    view = np.ndarray((n_rows, n0), dtype=np.float32, buffer=raw, strides=(nb1, nb0))  # type: ignore[arg-type]  # numpy's stubs list buffer types before 3.12; a ctypes array is one
     view.flags.writeable = False
     return view
 
@@ -158,4 +158,4 @@ def _rows_view(t: GgmlTensor, n_rows: int, k: int) -> np.ndarray:
     nb0, nb1 = int(t.nb[0]), int(t.nb[1])
     span = (n_rows - 1) * nb1 + k * nb0
     raw = (ctypes.c_char * span).from_address(t.data)
-    return np.ndarray((n_rows, k), dtype=np.int32, buffer=raw, strides=(nb1, nb0))
+    return np.ndarray((n_rows, k), dtype=np.int32, buffer=raw, strides=(nb1, nb0))  # type: ignore[arg-type]  # numpy's stubs list buffer types before 3.12; a ctypes array is one

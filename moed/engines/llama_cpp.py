@@ -90,8 +90,7 @@ def _unpacked_internals(route: _RouteCallback | None = None) -> types.ModuleType
             params.cb_eval_user_data = None
         return real.LlamaContext(model=model, params=params, verbose=verbose)
 
-    proxy.LlamaModel = load_model
-    proxy.LlamaContext = new_context
+    proxy.__dict__.update(LlamaModel=load_model, LlamaContext=new_context)
     return proxy
 
 
@@ -154,8 +153,7 @@ def _hooked_internals(streamer: ExpertStreamer) -> types.ModuleType:
             if err is not None:
                 raise err
 
-    proxy.LlamaModel = load_model
-    proxy.LlamaContext = StreamedContext
+    proxy.__dict__.update(LlamaModel=load_model, LlamaContext=StreamedContext)
     return proxy
 
 
@@ -216,6 +214,8 @@ class StreamedLlama(Llama):
             with _constructing(_hooked_internals(self.streamer)):
                 super().__init__(model_path=model_path, **llama_kwargs)
             if not self._logits_all:         # Llama.eval asks for the last token's logits only
+                # The load above ran streamer.install, which builds the look-ahead.
+                assert self.streamer.lookahead is not None
                 self.streamer.lookahead.expect_output_rows(1)
             self._check_capacity()
         except BaseException:

@@ -130,6 +130,16 @@ class Lookahead:
         return LEADS[self.mode]
 
     @property
+    def _gate(self) -> GatePredictor:
+        """The predictor, on the paths that only `observe` opens (predictions, their prefetches).
+
+        `observing` is False without a predictor, so the streamer never calls
+        `observe` then, and nothing is predicted, named, pending or sent.
+        """
+        assert self.predictor is not None, "predictions exist only with a predictor"
+        return self.predictor
+
+    @property
     def observing(self) -> bool:
         """Whether the callback should stop at ffn_norm nodes now."""
         return self.predictor is not None and (self._issuing or self._shadow or self.record_width > 0)
@@ -167,7 +177,7 @@ class Lookahead:
             if hidden is not None:
                 hidden(layer, x)
         for target, lead in self._targets(layer):
-            ids = top(self.predictor.scores(x, layer, target), width)
+            ids = top(self._gate.scores(x, layer, target), width)
             if self.predict_hook is not None:
                 self.predict_hook(target, lead, ids)
             self._pred.setdefault(target, {})[lead] = ids
@@ -194,7 +204,7 @@ class Lookahead:
         return ids
 
     def _targets(self, layer: int):
-        layers = self.predictor.moe_layers
+        layers = self._gate.moe_layers
         i = layers.index(layer)
         for lead in self.leads:
             if i + lead < len(layers):
@@ -202,7 +212,7 @@ class Lookahead:
 
     def _prefetch_set(self, ids: np.ndarray) -> np.ndarray:
         """Experts to prefetch for a batch's predictions: the union, or the whole layer, best first."""
-        n = self.predictor.n_experts
+        n = self._gate.n_experts
         if ids.shape[0] == 1:
             return ids[0][ids[0] >= 0]           # one token: its row is distinct and best first already
         votes = np.bincount(ids[ids >= 0].ravel(), minlength=n)
@@ -227,7 +237,7 @@ class Lookahead:
             self._score(look, ids, preds)
         mask, named = self._pending.pop(layer, None), self._named.pop(layer, None)
         if mask is not None or named is not None:
-            used = np.zeros(self.predictor.n_experts, dtype=bool)
+            used = np.zeros(self._gate.n_experts, dtype=bool)
             used[ids[ids >= 0]] = True
             if named is not None:
                 self._step_named[0] += int((named & used).sum())
@@ -238,7 +248,7 @@ class Lookahead:
                 look.wasted += int(mask.sum()) - hit
         outbox, self._outbox = self._outbox, []
         for target, experts in outbox:
-            _name(self._named, target, experts, self.predictor.n_experts)
+            _name(self._named, target, experts, self._gate.n_experts)
             if not self._issuing:
                 continue                         # a shadow step: named for the governor, not sent
             gone = self.cache.missing(target, experts.tolist())
@@ -258,7 +268,7 @@ class Lookahead:
                 routed = {int(e) for e in ids[0] if e >= 0}
                 got, n_routed = len(routed.intersection(pred[0].tolist())), len(routed)
             else:
-                got, n_routed = _named_pairs(pred, ids, self.predictor.n_experts)
+                got, n_routed = _named_pairs(pred, ids, self._gate.n_experts)
             if lead == 1:
                 look.routed += n_routed
                 look.predicted += got
@@ -274,7 +284,7 @@ class Lookahead:
         if not len(experts):
             return
         self.source.prefetch(target, experts.tolist())
-        self.layers[target].issued += _name(self._pending, target, experts, self.predictor.n_experts)
+        self.layers[target].issued += _name(self._pending, target, experts, self._gate.n_experts)
 
     # ---- reporting -----------------------------------------------------------
 

@@ -154,7 +154,8 @@ def tensor_f32(addr: int, n_bytes: int, ggml_type: int, dims: tuple[int, ...]) -
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    raw = np.frombuffer((ctypes.c_char * n_bytes).from_address(addr), dtype=np.uint8)
+    c_bytes = (ctypes.c_char * n_bytes).from_address(addr)
+    raw = np.frombuffer(c_bytes, dtype=np.uint8)  # type: ignore[call-overload]  # numpy's stubs list buffer types before 3.12; a ctypes array is one
     shape = tuple(reversed(dims))
     qtype = GGMLQuantizationType(ggml_type)
     if qtype == GGMLQuantizationType.F32:

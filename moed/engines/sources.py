@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 
 @dataclass(frozen=True)
@@ -96,13 +96,14 @@ class MoedSource:
     def extents(self, layer: int) -> list[ExpertExtent]:
         return [ExpertExtent(p.part, p.shard, p.offset, p.bytes_per_expert) for p in self._layers[layer].parts]
 
-    def acquire(self, layer: int, experts: Sequence[int], release: MoedGrant | None = None) -> MoedGrant:
-        prior = [release.lease] if release is not None else []
+    def acquire(self, layer: int, experts: Sequence[int], release: Grant | None = None) -> MoedGrant:
+        # Every grant a source is handed back is one it issued: a MoedGrant.
+        prior = [cast(MoedGrant, release).lease] if release is not None else []
         lease = self.model.acquire(layer, list(experts), timeout_s=self.timeout_s, release=prior)
         return MoedGrant(lease, self.model.segment(lease.class_id), (self.model.model_id, lease.class_id))
 
-    def release(self, grant: MoedGrant) -> None:
-        grant.lease.release()
+    def release(self, grant: Grant) -> None:
+        cast(MoedGrant, grant).lease.release()     # a grant this source issued
 
     def capacity(self, layer: int) -> int | None:
         return self.model.segment(self._layers[layer].class_id).info.capacity

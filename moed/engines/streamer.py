@@ -162,6 +162,7 @@ class ExpertStreamer:
 
     def stop_recording(self, observer: AheadObserver) -> None:
         la = self.lookahead
+        assert la is not None, "stop_recording follows record_predictions, which needs the look-ahead"
         la.observers.remove(observer)
         if not la.observers:
             la.record_width = 0
@@ -189,6 +190,7 @@ class ExpertStreamer:
 
     def _lock_dense(self, bases: list[int]) -> None:
         """mlock what is left of the mapping: the dense weights must never be re-read per token."""
+        assert self.pages is not None, "install builds the pages before locking"
         vmas = []
         for base, path in zip(bases, self.mapped_files):
             vmas += vm.mapped_ranges(base, path)
@@ -220,6 +222,8 @@ class ExpertStreamer:
             if kind == ggml_tensor.TOPK:
                 self.on_layer(layer, self._route(layer, tensor))
             else:
+                # Only asked for ffn_norm when _observing, which requires the look-ahead.
+                assert self.lookahead is not None
                 self.lookahead.observe(layer, ggml_tensor.rows_f32(tensor))
             return True
         except BaseException as exc:  # noqa: BLE001 - must not unwind through C
@@ -265,6 +269,7 @@ class ExpertStreamer:
             self._show_placed(grant)
             return
         pages = self.pages
+        assert pages is not None, "install runs before the first decode"
         for span in self._parts[grant.layer]:
             for expert in grant.experts:
                 if span.zero_copy:
@@ -282,6 +287,8 @@ class ExpertStreamer:
         spans = self._parts[grant.layer]
         first = spans[0].part
         placed = self._placed
+        pages = self.pages
+        assert pages is not None, "install runs before the first decode"
         for expert in grant.experts:
             seg_key, fd, offset = grant.mapping(expert, first)
             where = (seg_key, offset)
@@ -289,15 +296,17 @@ class ExpertStreamer:
                 continue
             for span in spans:
                 key, fd, offset = grant.mapping(expert, span.part)
-                self.pages.show_mapped(span, expert, key, fd, offset)
+                pages.show_mapped(span, expert, key, fd, offset)
             placed[(grant.layer, expert)] = where
 
     def _hide(self, grant: Grant) -> None:
         if grant.layer in self._zero_copy_layers:
             return          # relaxed mode leaves zero-copy experts mapped to their last slot
+        pages = self.pages
+        assert pages is not None, "a grant is only held after install"
         for span in self._parts[grant.layer]:
             for expert in grant.experts:
-                self.pages.hide(span, expert)
+                pages.hide(span, expert)
 
     def _release_quietly(self, grant: Grant) -> None:
         try:

@@ -47,8 +47,8 @@ class TraceRecorder:
                   for lead in (1, 2)]
         self._rows = {}
         self._ahead = {1: {}, 2: {}}
-        aheads = [None if all(a.size == 0 for a in lead) else lead for lead in aheads]
-        self.writer.append_step(self.kind, per_layer, ahead1=aheads[0], ahead2=aheads[1])
+        kept = [None if all(a.size == 0 for a in lead) else lead for lead in aheads]
+        self.writer.append_step(self.kind, per_layer, ahead1=kept[0], ahead2=kept[1])
 
     @staticmethod
     def _join(rows: dict[int, list[np.ndarray]], i: int) -> np.ndarray:

@@ -12,6 +12,7 @@ import ctypes
 import ctypes.util
 import os
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -110,7 +111,7 @@ def mapping_bases(path: str) -> set[int]:
     return {v.start - v.offset for v in _of_file(path)}
 
 
-def file_mapping_base(path: str, exclude_bases: set[int] = frozenset()) -> int | None:
+def file_mapping_base(path: str, exclude_bases: Collection[int] = frozenset()) -> int | None:
     """The one base of `path` (see `mapping_bases`) not in `exclude_bases`, or None.
 
     Bases in `exclude_bases` (mappings that existed before we loaded) are skipped,

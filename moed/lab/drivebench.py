@@ -28,6 +28,7 @@ the daemon's catalog; nothing can compute with it.
 from __future__ import annotations
 
 import errno
+import functools
 import mmap
 import os
 import random
@@ -129,7 +130,7 @@ def raw_reads(path: str, size: int = 1 << 20, depth: int = 8, seconds: float = 1
             finally:
                 buf.close()
 
-        wall = _run_threads([lambda i=i: worker(i) for i in range(depth)], seconds, lambda: sum(done), tick)
+        wall = _run_threads([functools.partial(worker, i) for i in range(depth)], seconds, lambda: sum(done), tick)
     finally:
         os.close(fd)
     total = sum(done)
@@ -184,7 +185,7 @@ def _drive_daemon(probe, models, shares, seconds: float, tick: Tick | None) -> D
     def read_so_far() -> int:
         return probe.stats()["bytes_read"] - stats0["bytes_read"]
 
-    wall = _run_threads([lambda i=i: worker(i) for i in range(len(shares))], seconds,
+    wall = _run_threads([functools.partial(worker, i) for i in range(len(shares))], seconds,
                         read_so_far if tick is not None else (lambda: 0), tick)
     stats1 = probe.stats()
     total = stats1["bytes_read"] - stats0["bytes_read"]
@@ -242,6 +243,7 @@ def write_bench_model(path: str | os.PathLike, size_bytes: int, part_bytes: int 
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
+    assert w.fout is not None    # write_header_to_file opened the output file
     fout = w.fout[0]
     fout.write(b"\0" * (-fout.tell() % ALIGN))
     block = np.random.default_rng(seed).integers(0, 256, part_bytes, dtype=np.uint8).tobytes()

@@ -253,12 +253,14 @@ def _fill(spec: _Spec, rng: np.random.Generator, random_experts: bool = False) -
         return mat(*spec.shape).astype(np.float16)
     if spec.kind == "router":
         return 4.0 * mat(*spec.shape)        # a strong router spreads choices over all experts
+    qtype = spec.qtype
+    assert qtype is not None    # only the "experts" kind is left, and _plan gives every one a quant type
     out = np.empty(spec.byte_shape, np.uint8)
     for e in range(spec.shape[0]):
         if random_experts:
-            out[e] = random_blocks(spec.shape[1], spec.shape[2], spec.qtype, rng)
+            out[e] = random_blocks(spec.shape[1], spec.shape[2], qtype, rng)
         else:
-            out[e] = quantize(mat(*spec.shape[1:]), spec.qtype)
+            out[e] = quantize(mat(*spec.shape[1:]), qtype)
     return out
 
 

@@ -217,7 +217,7 @@ def make_plan(model_path, trace, *, target_tok_s: float | None = None, drive_gbp
               sizes=DEFAULT_SIZES, trace_path: str | None = None) -> Plan:
     cost = ModelCost.of(model_path)
     measured = drive_gbps is None
-    if measured:
+    if drive_gbps is None:                         # not given: measure it
         from moed.lab.drivebench import raw_reads
         drive_gbps = raw_reads(os.fspath(model_path), 1 << 20, 8, measure_s).gbps
     if ram_bytes is None:

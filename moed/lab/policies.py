@@ -493,6 +493,7 @@ def capacity(policy: str, acc: Accesses, size: float | None = None, slots: int |
     if size is not None:
         cap = round(size * acc.n_experts * (1 if per_layer else acc.moe_layers))
     else:
+        assert slots is not None    # exactly one of size and slots was given (checked above)
         cap = slots // acc.moe_layers if per_layer else slots
     return cap, cap * acc.moe_layers if per_layer else cap
 

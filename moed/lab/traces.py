@@ -92,10 +92,12 @@ class Geometry:
     def __post_init__(self) -> None:
         if self.moe_layers < 1 or self.n_experts < 1 or self.top_k < 1:
             raise BadTrace(f"bad geometry: {self}")
-        if self.layer_ids is None:  # dense numbering unless the model says otherwise
-            object.__setattr__(self, "layer_ids", tuple(range(self.moe_layers)))
-        if len(self.layer_ids) != self.moe_layers:
-            raise BadTrace(f"layer_ids has {len(self.layer_ids)} entries for {self.moe_layers} layers")
+        layer_ids = self.layer_ids
+        if layer_ids is None:  # dense numbering unless the model says otherwise
+            layer_ids = tuple(range(self.moe_layers))
+            object.__setattr__(self, "layer_ids", layer_ids)
+        if len(layer_ids) != self.moe_layers:
+            raise BadTrace(f"layer_ids has {len(layer_ids)} entries for {self.moe_layers} layers")
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -393,7 +395,7 @@ def _write_native(trace: Trace, f: Any) -> None:
     header = {"format": FORMAT_NAME, "version": FORMAT_VERSION,
               "geometry": trace.geometry.to_json(), "meta": trace.meta}
     disk = np.uint8 if trace.n_experts < 255 else np.uint16 if trace.n_experts < 65535 else np.uint32
-    arrays = {"header": np.frombuffer(json.dumps(header).encode(), dtype=np.uint8),
+    arrays: dict[str, np.ndarray] = {"header": np.frombuffer(json.dumps(header).encode(), dtype=np.uint8),
               "step_kind": trace.step_kinds, "step_tokens": np.diff(trace.step_offsets).astype(np.int32)}
     arrays["ids"] = (trace.ids + 1).astype(disk)  # 0 = no expert
     for name in ("ahead1", "ahead2"):
@@ -404,7 +406,7 @@ def _write_native(trace: Trace, f: Any) -> None:
             arrays[name] = (ahead[rows] + 1).astype(disk)
     # Uncompressed: ids are near-random bytes that zlib barely shrinks, and a
     # 30,000-token trace must load in well under a second.
-    np.savez(f, **arrays)
+    np.savez(f, allow_pickle=True, **arrays)   # savez's default, spelled out: mypy then matches **arrays only to arrays
 
 
 def _from_disk(stored: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -442,7 +444,8 @@ def _read_native(path: Path) -> Trace:
 def read_nvmoe_jsonl(path: str | os.PathLike[str], **geometry: Any) -> Trace:
     """Import an nvmoe trace: one decoded token per line, `[[layer, expert], ...]`."""
     decoder = msgspec.json.Decoder(list[tuple[int, int]])
-    token_of, pairs = [], []
+    token_of: list[np.ndarray] = []
+    pairs: list[np.ndarray] = []
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -503,7 +506,10 @@ def read_tsv(path: str | os.PathLike[str], **geometry: Any) -> Trace:
     within its step is its rank among the step's rows of the same layer.
     """
     meta: dict[str, Any] = {}
-    steps, layers, kinds, fields = [], [], [], ([], [], [])
+    steps: list[str] = []
+    layers: list[str] = []
+    kinds: list[str | None] = []
+    fields: tuple[list[str], list[str], list[str]] = ([], [], [])
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if line.startswith("#"):

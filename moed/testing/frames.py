@@ -87,7 +87,8 @@ class RawConnection:
         s.connect(self.path)
         from moed.protocol.framing import FrameReader, reply_decoder
 
-        self.sock, self.frames, self._got = s, FrameReader(reply_decoder), []
+        self._got: list = []      # what FrameReader.feed completed, not yet taken by _next
+        self.sock, self.frames = s, FrameReader(reply_decoder)
         s.sendall(self._encode(m.Hello(m.PROTOCOL_VERSION, "fuzzer")))
         assert isinstance(self._next(), m.HelloReply)
 
