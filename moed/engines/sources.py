@@ -17,18 +17,9 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol, cast
 
-
-@dataclass(frozen=True)
-class ExpertExtent:
-    """One part of one layer's routed experts in a model file (expert e at offset + e * bytes)."""
-
-    part: str
-    shard: int
-    offset: int
-    bytes_per_expert: int
+from moed.protocol.messages import PartExtent
 
 
 class Grant(Protocol):
@@ -48,7 +39,7 @@ class ExpertSource(Protocol):
     n_experts: int
     n_expert_used: int
 
-    def extents(self, layer: int) -> list[ExpertExtent]: ...
+    def extents(self, layer: int) -> list[PartExtent]: ...
 
     def acquire(self, layer: int, experts: Sequence[int], release: Grant | None = None) -> Grant: ...
 
@@ -93,8 +84,9 @@ class MoedSource:
         self.n_expert_used = self.model.n_expert_used
         self._layers = {l: self.model.layer(l) for l in self.moe_layers}
 
-    def extents(self, layer: int) -> list[ExpertExtent]:
-        return [ExpertExtent(p.part, p.shard, p.offset, p.bytes_per_expert) for p in self._layers[layer].parts]
+    def extents(self, layer: int) -> list[PartExtent]:
+        """Where each part of the layer's experts lives: the wire's extents, as the daemon sent them."""
+        return list(self._layers[layer].parts)
 
     def acquire(self, layer: int, experts: Sequence[int], release: Grant | None = None) -> MoedGrant:
         # Every grant a source is handed back is one it issued: a MoedGrant.
