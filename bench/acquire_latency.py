@@ -53,7 +53,7 @@ def echo_server(path: str, reply: bytes, ready) -> None:
                 (n,) = HEADER.unpack_from(buf)
                 if len(buf) < 4 + n:
                     break
-                buf = buf[4 + n:]
+                buf = buf[4 + n :]
                 conn.sendall(reply)
 
     while True:
@@ -78,9 +78,10 @@ def floor_client(path: str, request: bytes, n: int, out) -> None:
 def moed_client(sock: str, model: str, n: int, experts: list[int], local_hits: bool, out) -> None:
     os.environ["MOED_LOCAL_HITS"] = "1" if local_hits else "0"
     from moed.client import Client
+
     c = Client(sock, f"bench{os.getpid()}")
     h = c.open_model(model)
-    prev = h.acquire(0, experts)           # warm: experts are resident after this
+    prev = h.acquire(0, experts)  # warm: experts are resident after this
     times = []
     for _ in range(n):
         t0 = time.perf_counter_ns()
@@ -93,18 +94,28 @@ def moed_client(sock: str, model: str, n: int, experts: list[int], local_hits: b
 def count_syscalls(sock: str, model: str, experts: list[int]) -> dict:
     """strace -c -f of a process doing 1,000 local hits after its warm-up, minus one doing none."""
     import subprocess
-    code = ("import sys,os; from moed.client import Client; c=Client(sys.argv[1]); h=c.open_model(sys.argv[2]); "
-            "p=h.acquire(0, list(range(8))); p=h.acquire(0, list(range(8)), release=[p]); n=int(sys.argv[3]); "
-            "os.write(2, b'MARK');\nfor _ in range(n): p=h.acquire(0, list(range(8)), release=[p])\n"
-            "os.write(2, b'MARK')")
+
+    code = (
+        "import sys,os; from moed.client import Client; c=Client(sys.argv[1]); h=c.open_model(sys.argv[2]); "
+        "p=h.acquire(0, list(range(8))); p=h.acquire(0, list(range(8)), release=[p]); n=int(sys.argv[3]); "
+        "os.write(2, b'MARK');\nfor _ in range(n): p=h.acquire(0, list(range(8)), release=[p])\n"
+        "os.write(2, b'MARK')"
+    )
     counts = {}
     for n in (0, 1000):
-        out = subprocess.run(["strace", "-f", "-c", "-o", "/dev/stdout", sys.executable, "-c", code, sock, model,
-                              str(n)], capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            ["strace", "-f", "-c", "-o", "/dev/stdout", sys.executable, "-c", code, sock, model, str(n)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         total = [line for line in out.stdout.splitlines() if line.strip().endswith("total")]
         counts[n] = int(total[-1].split()[3]) if total else -1
-    return {"calls_with_0_hits": counts[0], "calls_with_1000_hits": counts[1000],
-            "per_hit": (counts[1000] - counts[0]) / 1000}
+    return {
+        "calls_with_0_hits": counts[0],
+        "calls_with_1000_hits": counts[1000],
+        "per_hit": (counts[1000] - counts[0]) / 1000,
+    }
 
 
 def run_clients(target, args_for, k: int) -> list[int]:
@@ -154,9 +165,15 @@ def main() -> int:
             floor = run_clients(floor_client, lambda i: (floor_path, request, args.n), k)
             moed = run_clients(moed_client, lambda i: (d.socket, model, args.n, experts, False), k)
             loc = run_clients(moed_client, lambda i: (d.socket, model, args.n, experts, True), k)
-            row = {"clients": k, "floor_p50_us": pct(floor, .5), "floor_p99_us": pct(floor, .99),
-                   "moed_p50_us": pct(moed, .5), "moed_p99_us": pct(moed, .99),
-                   "local_p50_us": pct(loc, .5), "local_p99_us": pct(loc, .99)}
+            row = {
+                "clients": k,
+                "floor_p50_us": pct(floor, 0.5),
+                "floor_p99_us": pct(floor, 0.99),
+                "moed_p50_us": pct(moed, 0.5),
+                "moed_p99_us": pct(moed, 0.99),
+                "local_p50_us": pct(loc, 0.5),
+                "local_p99_us": pct(loc, 0.99),
+            }
             row["ratio_p50"] = row["moed_p50_us"] / row["floor_p50_us"]
             row["local_ratio_p50"] = row["local_p50_us"] / row["floor_p50_us"]
             rows.append(row)
@@ -169,15 +186,19 @@ def main() -> int:
         print(json.dumps(rows))
         return 0
     print(f"acquire on a hit (8 experts, release piggybacked), {args.n} acquires per client")
-    print(f"{'clients':>7} {'floor p50':>10} {'floor p99':>10} {'socket p50':>10} {'socket p99':>10} "
-          f"{'local p50':>10} {'local p99':>10} {'sock/floor':>10} {'local/floor':>11}")
+    print(
+        f"{'clients':>7} {'floor p50':>10} {'floor p99':>10} {'socket p50':>10} {'socket p99':>10} "
+        f"{'local p50':>10} {'local p99':>10} {'sock/floor':>10} {'local/floor':>11}"
+    )
     for r in rows:
         if "clients" not in r:
             print(r)
             continue
-        print(f"{r['clients']:>7} {r['floor_p50_us']:>9.1f}µ {r['floor_p99_us']:>9.1f}µ "
-              f"{r['moed_p50_us']:>9.1f}µ {r['moed_p99_us']:>9.1f}µ {r['local_p50_us']:>9.1f}µ "
-              f"{r['local_p99_us']:>9.1f}µ {r['ratio_p50']:>10.2f} {r['local_ratio_p50']:>11.3f}")
+        print(
+            f"{r['clients']:>7} {r['floor_p50_us']:>9.1f}µ {r['floor_p99_us']:>9.1f}µ "
+            f"{r['moed_p50_us']:>9.1f}µ {r['moed_p99_us']:>9.1f}µ {r['local_p50_us']:>9.1f}µ "
+            f"{r['local_p99_us']:>9.1f}µ {r['ratio_p50']:>10.2f} {r['local_ratio_p50']:>11.3f}"
+        )
     return 0
 
 

@@ -49,9 +49,15 @@ def tensors():
 def write_sparse_model(path: str) -> None:
     w = GGUFWriter(path, "qwen3moe")
     a = "qwen3moe"
-    for key, val in [("block_count", LAYERS), ("expert_count", EXPERTS), ("expert_used_count", USED),
-                     ("embedding_length", EMBD), ("expert_feed_forward_length", FF),
-                     ("attention.head_count", HEADS), ("attention.head_count_kv", KV_HEADS)]:
+    for key, val in [
+        ("block_count", LAYERS),
+        ("expert_count", EXPERTS),
+        ("expert_used_count", USED),
+        ("embedding_length", EMBD),
+        ("expert_feed_forward_length", FF),
+        ("attention.head_count", HEADS),
+        ("attention.head_count_kv", KV_HEADS),
+    ]:
         w.add_uint32(f"{a}.{key}", val)
     w.add_string("tokenizer.ggml.model", "gpt2")
     w.add_array("tokenizer.ggml.tokens", [f"tok{i}" for i in range(VOCAB)])
@@ -87,12 +93,15 @@ def main() -> None:
             cat = Catalog.open(path)
             ours.append(time.perf_counter() - t)
         import gguf
+
         t = time.perf_counter()
         gguf.GGUFReader(path)
         theirs = time.perf_counter() - t
         ours_s = statistics.median(ours)
-        print(f"model: {os.path.getsize(path) / 1e9:.1f} GB apparent, {len(cat.moe_layers)} MoE layers x "
-              f"{cat.n_experts} experts, vocab {VOCAB}")
+        print(
+            f"model: {os.path.getsize(path) / 1e9:.1f} GB apparent, {len(cat.moe_layers)} MoE layers x "
+            f"{cat.n_experts} experts, vocab {VOCAB}"
+        )
         print(f"Catalog.open        median {ours_s * 1e3:8.1f} ms  (n={args.repeat})")
         print(f"gguf.GGUFReader            {theirs * 1e3:8.1f} ms  (n=1)")
         print(f"ratio GGUFReader / Catalog.open: {theirs / ours_s:.0f}x")

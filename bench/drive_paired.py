@@ -40,8 +40,11 @@ def main() -> int:
     if not os.path.exists(args.file) or os.path.getsize(args.file) < args.create * 0.9:
         os.makedirs(os.path.dirname(args.file), exist_ok=True)
         db.write_bench_model(args.file, args.create, part_bytes=args.size)
-    print(f"# {args.file}: {format_size(os.path.getsize(args.file))}, {format_size(args.size)} reads, "
-          f"{args.depth} in flight, {args.seconds:g} s per run", flush=True)
+    print(
+        f"# {args.file}: {format_size(os.path.getsize(args.file))}, {format_size(args.size)} reads, "
+        f"{args.depth} in flight, {args.seconds:g} s per run",
+        flush=True,
+    )
     print("| pair | raw GB/s | moed GB/s | raw again GB/s | ratio | raw p50/p99 ms | moed acquire p50/p99 ms |")
     print("|---|---|---|---|---|---|---|")
     results = []
@@ -49,8 +52,11 @@ def main() -> int:
         r = db.paired(args.file, args.size, args.depth, args.seconds)
         raw1, moed, raw2 = r["runs"]
         results.append(r)
-        print(f"| {i + 1} | {raw1['gbps']:.3f} | {moed['gbps']:.3f} | {raw2['gbps']:.3f} | {r['ratio']:.3f} | "
-              f"{raw1['p50_ms']:.1f}/{raw1['p99_ms']:.1f} | {moed['p50_ms']:.1f}/{moed['p99_ms']:.1f} |", flush=True)
+        print(
+            f"| {i + 1} | {raw1['gbps']:.3f} | {moed['gbps']:.3f} | {raw2['gbps']:.3f} | {r['ratio']:.3f} | "
+            f"{raw1['p50_ms']:.1f}/{raw1['p99_ms']:.1f} | {moed['p50_ms']:.1f}/{moed['p99_ms']:.1f} |",
+            flush=True,
+        )
     ratios = [r["ratio"] for r in results]
     print(f"median ratio moed/raw = {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})")
     if args.json:

@@ -40,11 +40,15 @@ def specs(g: mk.Geometry, vocab_size: int, seed: int):
     hd, q4 = g.head_dim, GGMLQuantizationType.Q4_0
 
     def mat(*shape: int):
-        return shape, np.float16, None, lambda r: (r.standard_normal(shape, dtype=np.float32)
-                                                    / math.sqrt(shape[-1])).astype(np.float16)
+        return (
+            shape,
+            np.float16,
+            None,
+            lambda r: (r.standard_normal(shape, dtype=np.float32) / math.sqrt(shape[-1])).astype(np.float16),
+        )
 
     def norm(n: int):
-        return (n,), np.float32, None, lambda r: (1.0 + 0.1 * r.standard_normal(n, dtype=np.float32))
+        return (n,), np.float32, None, lambda r: 1.0 + 0.1 * r.standard_normal(n, dtype=np.float32)
 
     def router(e: int, n: int):
         return (e, n), np.float32, None, lambda r: 4.0 * r.standard_normal((e, n), dtype=np.float32) / math.sqrt(n)
@@ -55,21 +59,38 @@ def specs(g: mk.Geometry, vocab_size: int, seed: int):
     out = [("token_embd.weight", mat(vocab_size, g.embd))]
     for i in range(g.layers):
         p = f"blk.{i}."
-        out += [(p + "attn_norm.weight", norm(g.embd)), (p + "attn_q.weight", mat(g.heads * hd, g.embd)),
-                (p + "attn_k.weight", mat(g.kv_heads * hd, g.embd)), (p + "attn_v.weight", mat(g.kv_heads * hd, g.embd)),
-                (p + "attn_output.weight", mat(g.embd, g.heads * hd)), (p + "attn_q_norm.weight", norm(hd)),
-                (p + "attn_k_norm.weight", norm(hd)), (p + "ffn_norm.weight", norm(g.embd)),
-                (p + "ffn_gate_inp.weight", router(g.experts, g.embd)),
-                (p + "ffn_gate_exps.weight", experts(g.ff, g.embd)),
-                (p + "ffn_up_exps.weight", experts(g.ff, g.embd)),
-                (p + "ffn_down_exps.weight", experts(g.embd, g.ff))]
+        out += [
+            (p + "attn_norm.weight", norm(g.embd)),
+            (p + "attn_q.weight", mat(g.heads * hd, g.embd)),
+            (p + "attn_k.weight", mat(g.kv_heads * hd, g.embd)),
+            (p + "attn_v.weight", mat(g.kv_heads * hd, g.embd)),
+            (p + "attn_output.weight", mat(g.embd, g.heads * hd)),
+            (p + "attn_q_norm.weight", norm(hd)),
+            (p + "attn_k_norm.weight", norm(hd)),
+            (p + "ffn_norm.weight", norm(g.embd)),
+            (p + "ffn_gate_inp.weight", router(g.experts, g.embd)),
+            (p + "ffn_gate_exps.weight", experts(g.ff, g.embd)),
+            (p + "ffn_up_exps.weight", experts(g.ff, g.embd)),
+            (p + "ffn_down_exps.weight", experts(g.embd, g.ff)),
+        ]
     out += [("output_norm.weight", norm(g.embd)), ("output.weight", mat(vocab_size, g.embd))]
     for k, (name, (shape, dtype, raw, make)) in enumerate(out):
         yield name, shape, dtype, raw, (lambda make=make, k=k: make(np.random.default_rng([seed, k])))
 
 
-def write(path: str | pathlib.Path, *, layers: int = 16, experts: int = 64, used: int = 8, embd: int = 2048,
-          ff: int = 1024, heads: int = 16, kv_heads: int = 4, ctx: int = 4096, seed: int = 0) -> pathlib.Path:
+def write(
+    path: str | pathlib.Path,
+    *,
+    layers: int = 16,
+    experts: int = 64,
+    used: int = 8,
+    embd: int = 2048,
+    ff: int = 1024,
+    heads: int = 16,
+    kv_heads: int = 4,
+    ctx: int = 4096,
+    seed: int = 0,
+) -> pathlib.Path:
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     g = mk.Geometry(layers, experts, used, embd, ff, heads, kv_heads, ctx)

@@ -77,11 +77,11 @@ class TraceRoutes:
         from moed.lab.traces import Trace
 
         trace = Trace.load(trace_path)
-        self.ids = np.asarray(trace.ids, dtype=np.int32)      # (tokens, layers, k), layers 0..L-1
+        self.ids = np.asarray(trace.ids, dtype=np.int32)  # (tokens, layers, k), layers 0..L-1
         self.n_experts = trace.n_experts
         self.recall = recall
         self.rng = np.random.default_rng(seed)
-        self.hook_s = 0.0           # time in the emulation, to tell the real predictor's cost apart
+        self.hook_s = 0.0  # time in the emulation, to tell the real predictor's cost apart
         self._orders = np.argsort(self.rng.random((4096, self.n_experts)), axis=1).astype(np.int32)
         self._order_i = 0
         self.start(0)
@@ -107,7 +107,7 @@ class TraceRoutes:
 
     def _emulate(self, target: int, lead: int, ids: np.ndarray) -> None:
         n, width = ids.shape
-        true = self.ids[self._tokens(target - lead, n), target]          # (n, k)
+        true = self.ids[self._tokens(target - lead, n), target]  # (n, k)
         if n == 1:
             self._emulate_row(true[0], ids[0])
             return
@@ -117,7 +117,7 @@ class TraceRoutes:
         np.put_along_axis(noise, true, 2.0, axis=1)
         wrong = np.argsort(noise, axis=1)[:, :width].astype(np.int32)
         keep = self.rng.random((n, k)) < self.recall
-        ids[:, :min(k, width)] = np.where(keep, true, wrong[:, :k])[:, :width]
+        ids[:, : min(k, width)] = np.where(keep, true, wrong[:, :k])[:, :width]
         if width > k:
             ids[:, k:] = wrong[:, k:width]
 
@@ -130,30 +130,56 @@ class TraceRoutes:
         is_true[true] = True
         wrong = order[~is_true[order]][:width]
         keep = self.rng.random(k) < self.recall
-        out[:min(k, width)] = np.where(keep, true, wrong[:k])[:width]
+        out[: min(k, width)] = np.where(keep, true, wrong[:k])[:width]
         if width > k:
             out[k:] = wrong[k:width]
 
 
-def run_engine(kind: str, model: str, trace: str, warmup: int, tokens: int, threads: int, socket: str | None,
-               prefetch: str = "off", recall: float = 1.0, adapt: bool = True, prefill: int = 0) -> dict:
+def run_engine(
+    kind: str,
+    model: str,
+    trace: str,
+    warmup: int,
+    tokens: int,
+    threads: int,
+    socket: str | None,
+    prefetch: str = "off",
+    recall: float = 1.0,
+    adapt: bool = True,
+    prefill: int = 0,
+) -> dict:
     from moed.engines.llama_cpp import StreamedLlama, UnpackedLlama
 
     routes = TraceRoutes(trace, recall)
     batch = 512 if prefill else 32
     # n_threads_batch too: llama-cpp-python defaults prompt batches to every core, which on
     # this 2-vCPU box makes prefill race the daemon and any other work for the CPU.
-    kw = dict(n_ctx=max(warmup + tokens, prefill) + 8, n_batch=batch, n_ubatch=batch, n_threads=threads,
-              n_threads_batch=threads, verbose=False)
+    kw = dict(
+        n_ctx=max(warmup + tokens, prefill) + 8,
+        n_batch=batch,
+        n_ubatch=batch,
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )
     t0 = time.perf_counter()
     if kind.startswith("moed"):
-        llm = StreamedLlama(model, socket_path=socket, route_hook=routes, skeleton_dir=SKELETON_DIR,
-                            prefetch=prefetch, prefetch_adapt=adapt, predict_hook=routes.predict, **kw)
+        llm = StreamedLlama(
+            model,
+            socket_path=socket,
+            route_hook=routes,
+            skeleton_dir=SKELETON_DIR,
+            prefetch=prefetch,
+            prefetch_adapt=adapt,
+            predict_hook=routes.predict,
+            **kw,
+        )
     elif kind == "stock":
         # stock llama_cpp.Llama, resident: its repacked x86 kernels (about 20% faster than the
         # same-kernel engine) and its own routes (it cannot take forced ones; the work a token
         # does is the same top-k either way)
         import llama_cpp
+
         llm = llama_cpp.Llama(model, use_mmap=False, **kw)
     else:
         llm = UnpackedLlama(model, use_mmap=(kind == "mmap"), route_hook=routes, **kw)
@@ -166,11 +192,15 @@ def run_engine(kind: str, model: str, trace: str, warmup: int, tokens: int, thre
     if kind.startswith("moed"):
         stats = llm.moed_client.stats() if llm.moed_client else {}
         stream = llm.stream_stats()
-        out.update(hit_rate=stats.get("hit_rate"), bytes_read=stats.get("bytes_read"),
-                   evictions=stats.get("evictions"), daemon_prefetches=stats.get("prefetches"),
-                   daemon_prefetch_hits=stats.get("prefetch_hits"),
-                   daemon_wasted_prefetches=stats.get("wasted_prefetches"),
-                   stream={k: v for k, v in stream.items() if k != "per_layer"})
+        out.update(
+            hit_rate=stats.get("hit_rate"),
+            bytes_read=stats.get("bytes_read"),
+            evictions=stats.get("evictions"),
+            daemon_prefetches=stats.get("prefetches"),
+            daemon_prefetch_hits=stats.get("prefetch_hits"),
+            daemon_wasted_prefetches=stats.get("wasted_prefetches"),
+            stream={k: v for k, v in stream.items() if k != "per_layer"},
+        )
         # The real predictor's numpy cost (its matmul, top-k, union) per step that predicted,
         # without the emulation's.
         steps = (stream.get("prefetch_steps_on", stream["decodes"]) + stream.get("prefetch_steps_shadow", 0)) or 1
@@ -197,14 +227,18 @@ def _decode(llm, routes: TraceRoutes, warmup: int, tokens: int) -> dict:
     by_arm = {a: [t for t, x in zip(timed, arms[warmup:]) if x is a] for a in (True, False)}
     # cpu_ms_per_token: this engine process only (the daemon's share is not in it);
     # on a box shared with other work it tells compute cost apart from waiting.
-    return {"tokens": tokens, "tok_s": round(len(timed) / sum(timed), 3),
-            "warmup_tok_s": round(warmup / max(sum(times[:warmup]), 1e-9), 3),
-            "cpu_ms_per_token": round(1e3 * cpu_s / tokens, 1),
-            "stall_ms_per_token": None if stall0 is None else round(1e3 * (_stall(llm) - stall0) / tokens, 2),
-            # timed steps by the arm the engine's governor ran them in (prefetch on / off)
-            "steps_on": len(by_arm[True]), "steps_off": len(by_arm[False]),
-            "step_ms_on": round(1e3 * float(np.mean(by_arm[True])), 2) if by_arm[True] else None,
-            "step_ms_off": round(1e3 * float(np.mean(by_arm[False])), 2) if by_arm[False] else None}
+    return {
+        "tokens": tokens,
+        "tok_s": round(len(timed) / sum(timed), 3),
+        "warmup_tok_s": round(warmup / max(sum(times[:warmup]), 1e-9), 3),
+        "cpu_ms_per_token": round(1e3 * cpu_s / tokens, 1),
+        "stall_ms_per_token": None if stall0 is None else round(1e3 * (_stall(llm) - stall0) / tokens, 2),
+        # timed steps by the arm the engine's governor ran them in (prefetch on / off)
+        "steps_on": len(by_arm[True]),
+        "steps_off": len(by_arm[False]),
+        "step_ms_on": round(1e3 * float(np.mean(by_arm[True])), 2) if by_arm[True] else None,
+        "step_ms_off": round(1e3 * float(np.mean(by_arm[False])), 2) if by_arm[False] else None,
+    }
 
 
 def _arm(llm) -> bool | None:
@@ -222,9 +256,13 @@ def _prefill(llm, routes: TraceRoutes, n: int) -> dict:
     t = time.perf_counter()
     llm.eval(prompt)
     dt = time.perf_counter() - t
-    return {"prefill_tokens": n, "tok_s": round(n / dt, 3), "prefill_s": round(dt, 3),
-            "cpu_ms_per_token": round(1e3 * (time.process_time() - cpu0) / n, 2),
-            "stall_s": None if stall0 is None else round(_stall(llm) - stall0, 3)}
+    return {
+        "prefill_tokens": n,
+        "tok_s": round(n / dt, 3),
+        "prefill_s": round(dt, 3),
+        "cpu_ms_per_token": round(1e3 * (time.process_time() - cpu0) / n, 2),
+        "stall_s": None if stall0 is None else round(_stall(llm) - stall0, 3),
+    }
 
 
 def _stall(llm) -> float | None:
@@ -260,8 +298,11 @@ class Cgroup:
 
         stat = dict(line.split() for line in (self.path / "memory.stat").read_text().splitlines())
         keep = ("rss", "cache", "shmem", "mapped_file", "unevictable")
-        return {"max_usage_bytes": read("memory.max_usage_in_bytes"), "failcnt": read("memory.failcnt"),
-                **{f"{k}_bytes": int(stat[k]) for k in keep if k in stat}}
+        return {
+            "max_usage_bytes": read("memory.max_usage_in_bytes"),
+            "failcnt": read("memory.failcnt"),
+            **{f"{k}_bytes": int(stat[k]) for k in keep if k in stat},
+        }
 
     def remove(self) -> None:
         try:
@@ -281,10 +322,31 @@ def drop_page_cache(path: str) -> None:
 def child(args, kind: str, group, socket: str | None, tokens: int, warmup: int, run: dict | None = None) -> dict:
     run = run or {}
     prefix = group.prefix() if group else []
-    cmd = [*prefix, sys.executable, __file__, "--child", kind, "--model", args.model, "--trace", args.trace,
-           "--tokens", str(tokens), "--warmup", str(warmup), "--threads", str(args.threads),
-           "--prefetch", run.get("prefetch", "off"), "--recall", str(run.get("recall", 1.0)),
-           "--prefetch-adapt", args.prefetch_adapt, "--prefill", str(args.prefill)]
+    cmd = [
+        *prefix,
+        sys.executable,
+        __file__,
+        "--child",
+        kind,
+        "--model",
+        args.model,
+        "--trace",
+        args.trace,
+        "--tokens",
+        str(tokens),
+        "--warmup",
+        str(warmup),
+        "--threads",
+        str(args.threads),
+        "--prefetch",
+        run.get("prefetch", "off"),
+        "--recall",
+        str(run.get("recall", 1.0)),
+        "--prefetch-adapt",
+        args.prefetch_adapt,
+        "--prefill",
+        str(args.prefill),
+    ]
     if socket:
         cmd += ["--socket", socket]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -296,7 +358,7 @@ def child(args, kind: str, group, socket: str | None, tokens: int, warmup: int, 
             break
         except subprocess.TimeoutExpired:
             if group is not None:
-                sample = group.stats()            # the last sample while the engine runs
+                sample = group.stats()  # the last sample while the engine runs
             if time.monotonic() > deadline:
                 proc.kill()
                 out, err = proc.communicate()
@@ -317,8 +379,11 @@ def with_daemon(args, budget: str, cgroup: Cgroup | None, fn, extra: tuple = ())
     sock = str(sock_dir / "s")
     prefix = cgroup.prefix() if cgroup else []
     log = open(sock_dir / "moed.log", "wb")
-    daemon = subprocess.Popen([*prefix, sys.executable, "-m", "moed.daemon.main", "--socket", sock,
-                               "--ram-budget", budget, *extra], stdout=log, stderr=subprocess.STDOUT)
+    daemon = subprocess.Popen(
+        [*prefix, sys.executable, "-m", "moed.daemon.main", "--socket", sock, "--ram-budget", budget, *extra],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         wait_for(lambda: os.path.exists(sock) or daemon.poll() is not None, 30, what="moed socket")
         if daemon.poll() is not None:
@@ -349,14 +414,22 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=64)
     ap.add_argument("--mmap-tokens", type=int, default=8, help="timed tokens for the (slow) mmap run")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="llama.cpp threads (1: ggml's spinning barriers collapse when the box is shared)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="llama.cpp threads (1: ggml's spinning barriers collapse when the box is shared)",
+    )
     ap.add_argument("--engines", default="mmap,moed,resident,moed-fit")
     ap.add_argument("--policy", default="lru", choices=["lru", "lfu"], help="the daemon's eviction policy")
     ap.add_argument("--prefetch", default="off", help="moed engines: comma-separated modes (off,gate,gate2)")
     ap.add_argument("--recall", default="0.86", help="emulated predictor recall(s), comma-separated")
-    ap.add_argument("--prefetch-adapt", default="on", choices=["on", "off"],
-                    help="on: the engine's governor decides per decode step; off: prefetch every step")
+    ap.add_argument(
+        "--prefetch-adapt",
+        default="on",
+        choices=["on", "off"],
+        help="on: the engine's governor decides per decode step; off: prefetch every step",
+    )
     ap.add_argument("--prefill", type=int, default=0, help="time a prompt of N tokens instead of decoding")
     ap.add_argument("--rounds", type=int, default=1, help="repeat every run, interleaved; medians are reported")
     ap.add_argument("--timeout-s", type=float, default=1200)
@@ -365,17 +438,33 @@ def main() -> int:
     args = ap.parse_args()
 
     if args.child:
-        print(json.dumps(run_engine(args.child, args.model, args.trace, args.warmup, args.tokens,
-                                    args.threads, args.socket, prefetch=args.prefetch,
-                                    recall=float(args.recall), adapt=args.prefetch_adapt == "on",
-                                    prefill=args.prefill)))
+        print(
+            json.dumps(
+                run_engine(
+                    args.child,
+                    args.model,
+                    args.trace,
+                    args.warmup,
+                    args.tokens,
+                    args.threads,
+                    args.socket,
+                    prefetch=args.prefetch,
+                    recall=float(args.recall),
+                    adapt=args.prefetch_adapt == "on",
+                    prefill=args.prefill,
+                )
+            )
+        )
         return 0
 
     ensure_model(args.model)
     cap = _cap_bytes(args.cap)
     size = os.path.getsize(args.model)
-    print(f"model {args.model}: {size / 2**30:.2f} GiB; cap {args.cap}; moed budget {args.budget}; "
-          f"trace {pathlib.Path(args.trace).name}", file=sys.stderr)
+    print(
+        f"model {args.model}: {size / 2**30:.2f} GiB; cap {args.cap}; moed budget {args.budget}; "
+        f"trace {pathlib.Path(args.trace).name}",
+        file=sys.stderr,
+    )
     results: dict[str, list[dict]] = {}
     for _ in range(args.rounds):
         for label, kind, run in plan(args):
@@ -423,8 +512,9 @@ def one_run(args, kind: str, run: dict, cap: int | None, size: int) -> dict:
             # partition at open (as the resident engine reads it all at load).
             extra = ("--pin-budget", f"{int(size * 1.1)}") if kind == "moed-fit" else ()
             extra += ("--policy", args.policy)
-            res = with_daemon(args, budget, group,
-                              lambda sock: child(args, kind, group, sock, tokens, warmup, run), extra)
+            res = with_daemon(
+                args, budget, group, lambda sock: child(args, kind, group, sock, tokens, warmup, run), extra
+            )
         else:
             res = child(args, kind, group, None, tokens, warmup)
         if group:
@@ -467,8 +557,9 @@ def ratios(results: dict[str, list[dict]]) -> dict[str, float]:
                 out[f"{label} vs {base}"] = round(rate / med[base], 3)
         off = results.get(f"{kind}/off")
         if off and label != f"{kind}/off":
-            per_round = [a["tok_s"] / b["tok_s"] for a, b in zip(results[label], off)
-                         if a.get("tok_s") and b.get("tok_s")]
+            per_round = [
+                a["tok_s"] / b["tok_s"] for a, b in zip(results[label], off) if a.get("tok_s") and b.get("tok_s")
+            ]
             if per_round:
                 out[f"{label} vs {kind}/off"] = round(float(np.median(per_round)), 3)
     return out

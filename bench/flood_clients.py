@@ -59,7 +59,7 @@ def flooder(sock_path: str, model: str, open_first: bool, stop: threading.Event,
         try:
             n += s.send(chunk)
         except BlockingIOError:
-            time.sleep(0.01)       # the daemon stopped reading us: keep the pressure, politely
+            time.sleep(0.01)  # the daemon stopped reading us: keep the pressure, politely
     sent.append((s, n))
 
 
@@ -75,11 +75,12 @@ def main() -> int:
     warm_stop, warm = threading.Event(), {}
     t = threading.Thread(target=good_client, args=(d.socket, model, warm_stop, warm, 0.002))
     t.start()
-    time.sleep(2.0)                       # warm-up: the good client's working set is resident
+    time.sleep(2.0)  # warm-up: the good client's working set is resident
     base = rss_bytes(d.proc.pid)
     stop, sent = threading.Event(), []
-    floods = [threading.Thread(target=flooder, args=(d.socket, model, i % 2 == 1, stop, sent))
-              for i in range(args.flooders)]
+    floods = [
+        threading.Thread(target=flooder, args=(d.socket, model, i % 2 == 1, stop, sent)) for i in range(args.flooders)
+    ]
     for f in floods:
         f.start()
     peak, deadline = base, time.monotonic() + args.seconds
@@ -104,18 +105,23 @@ def main() -> int:
     code = d.stop()
     mib = 1 << 20
     result = {
-        "flooders": args.flooders, "seconds": args.seconds,
+        "flooders": args.flooders,
+        "seconds": args.seconds,
         "bytes_sent_by_flooders": sum(n for _, n in sent),
-        "baseline_rss_mib": round(base / mib, 1), "peak_rss_mib": round(peak / mib, 1),
+        "baseline_rss_mib": round(base / mib, 1),
+        "peak_rss_mib": round(peak / mib, 1),
         "after_close_rss_mib": round(after / mib, 1),
-        "peak_growth_mib": round((peak - base) / mib, 1), "after_growth_mib": round((after - base) / mib, 1),
-        "peak_ratio": round(peak / base, 3), "after_ratio": round(after / base, 3),
+        "peak_growth_mib": round((peak - base) / mib, 1),
+        "after_growth_mib": round((after - base) / mib, 1),
+        "peak_ratio": round(peak / base, 3),
+        "after_ratio": round(after / base, 3),
         "max_queued_bytes_per_flooder": max((r["queued_bytes"] for r in held), default=0),
         "max_buffered_out_bytes_per_flooder": max((r["buffered_out_bytes"] for r in held), default=0),
-        "good_client": warm, "daemon_exit": code,
+        "good_client": warm,
+        "daemon_exit": code,
     }
     print(json.dumps(result, indent=1))
-    ok = (peak - base < 64 * mib and warm.get("worst_ping_s", 9) < 1.0 and "error" not in warm and code == 0)
+    ok = peak - base < 64 * mib and warm.get("worst_ping_s", 9) < 1.0 and "error" not in warm and code == 0
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 

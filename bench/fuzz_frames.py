@@ -55,8 +55,13 @@ def main() -> int:
     step = args.frames // 10
     t0 = time.perf_counter()
 
-    @settings(max_examples=args.frames // args.batch + 1, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=args.frames // args.batch + 1,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(batch=st.lists(frames, min_size=args.batch, max_size=args.batch))
     def fuzz(batch):
         if sent[0] >= args.frames:
@@ -78,14 +83,20 @@ def main() -> int:
         c.request(m.SetMemFloor(0))
         s = c.stats()
     d.stop()
-    print(f"{sent[0]} hostile frames in {elapsed:.1f} s ({sent[0] / elapsed:,.0f} frames/s), "
-          f"{conn.reconnects} reconnects after the daemon hung up, {s['bad_frames']} answered BAD_FRAME")
+    print(
+        f"{sent[0]} hostile frames in {elapsed:.1f} s ({sent[0] / elapsed:,.0f} frames/s), "
+        f"{conn.reconnects} reconnects after the daemon hung up, {s['bad_frames']} answered BAD_FRAME"
+    )
     print("daemon RSS (MiB) at frames: " + ", ".join(f"{n}: {r / 2**20:.1f}" for n, r in marks))
     base = next((r for n, r in marks if n >= step), marks[0][1])
-    print(f"RSS final {final / 2**20:.1f} MiB, baseline (after {step} frames) {base / 2**20:.1f} MiB, "
-          f"ratio {final / base:.3f}")
-    print(f"daemon alive: {alive}; well-behaved client: {good.get('acquires', 0)} acquires, "
-          f"error: {good.get('error', 'none')}")
+    print(
+        f"RSS final {final / 2**20:.1f} MiB, baseline (after {step} frames) {base / 2**20:.1f} MiB, "
+        f"ratio {final / base:.3f}"
+    )
+    print(
+        f"daemon alive: {alive}; well-behaved client: {good.get('acquires', 0)} acquires, "
+        f"error: {good.get('error', 'none')}"
+    )
     return 0 if alive and "error" not in good else 1
 
 

@@ -51,9 +51,9 @@ def spawn_holder(sock: str, model: str, layer: int) -> tuple[int, int, int]:
             c = Client(sock, "holder")
             lease = c.open_model(model).acquire(layer, [0, 1, 2, 3], timeout_s=10)
             os.write(held_w, b"h")
-            os.read(go_r, 1)              # wait to be told (or killed)
+            os.read(go_r, 1)  # wait to be told (or killed)
             lease.release()
-            os.read(go_r, 1)              # stay connected until the parent is done timing
+            os.read(go_r, 1)  # stay connected until the parent is done timing
             code = 0
         finally:
             os._exit(code)
@@ -102,13 +102,19 @@ def main() -> int:
     alive = d.proc.poll() is None
     d.stop()
     ms = lambda xs, q: 1e3 * sorted(xs)[max(0, -(-q * len(xs) // 100) - 1)]  # noqa: E731 - nearest rank
-    print(f"{len(kills)} SIGKILLed holders: reclaim p50 {ms(kills, 50):.2f} ms, p99 {ms(kills, 99):.2f} ms, "
-          f"max {1e3 * max(kills):.2f} ms; over 100 ms: {sum(k > 0.1 for k in kills)}")
-    print(f"{len(releases)} clean releases (baseline): p50 {ms(releases, 50):.2f} ms, "
-          f"p99 {ms(releases, 99):.2f} ms, max {1e3 * max(releases):.2f} ms")
+    print(
+        f"{len(kills)} SIGKILLed holders: reclaim p50 {ms(kills, 50):.2f} ms, p99 {ms(kills, 99):.2f} ms, "
+        f"max {1e3 * max(kills):.2f} ms; over 100 ms: {sum(k > 0.1 for k in kills)}"
+    )
+    print(
+        f"{len(releases)} clean releases (baseline): p50 {ms(releases, 50):.2f} ms, "
+        f"p99 {ms(releases, 99):.2f} ms, max {1e3 * max(releases):.2f} ms"
+    )
     print(f"ratio kill/release p50: {ms(kills, 50) / ms(releases, 50):.2f}")
-    print(f"daemon alive: {alive}; at the end {s['connections']} connection(s), "
-          f"{s['used_bytes'] // slot} slots used, all unreferenced: {s['evictable_bytes'] == s['used_bytes']}")
+    print(
+        f"daemon alive: {alive}; at the end {s['connections']} connection(s), "
+        f"{s['used_bytes'] // slot} slots used, all unreferenced: {s['evictable_bytes'] == s['used_bytes']}"
+    )
     return 0 if alive and max(kills) <= 0.1 else 1
 
 

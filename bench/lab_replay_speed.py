@@ -116,12 +116,16 @@ def main() -> int:
     if not paths:
         print(f"no traces under {args.traces}", file=sys.stderr)
         return 2
-    print(f"# {platform.node()}: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
-          f"Python {platform.python_version()}, numpy {np.__version__}; load average "
-          f"{os.getloadavg()[0]:.1f}")
+    print(
+        f"# {platform.node()}: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
+        f"Python {platform.python_version()}, numpy {np.__version__}; load average "
+        f"{os.getloadavg()[0]:.1f}"
+    )
     secs, size = load_time_of_big_trace()
-    print(f"load: 30,400-token trace (48 layers x top-8, 400 decode tokens with predictions), "
-          f"{size / 1e6:.1f} MB native: {secs * 1e3:.0f} ms")
+    print(
+        f"load: 30,400-token trace (48 layers x top-8, 400 decode tokens with predictions), "
+        f"{size / 1e6:.1f} MB native: {secs * 1e3:.0f} ms"
+    )
     print(synthetic_worst_case(args.repeat))
     speed_rows, hit_rows = [], []
     for path in paths:
@@ -135,9 +139,11 @@ def main() -> int:
         mrc.lru_curve(acc)
         mrc_s = time.process_time() - t0
         name = path.relative_to(args.traces)
-        print(f"\n{name}: {trace}; {acc.n} accesses ({acc.n_counted} counted, warm {warm}); "
-              f"load {load_s * 1e3:.0f} ms; baseline loop {base / 1e6:.2f} M/s; "
-              f"mrc (every size) {acc.n / mrc_s / 1e6:.2f} M/s")
+        print(
+            f"\n{name}: {trace}; {acc.n} accesses ({acc.n_counted} counted, warm {warm}); "
+            f"load {load_s * 1e3:.0f} ms; baseline loop {base / 1e6:.2f} M/s; "
+            f"mrc (every size) {acc.n / mrc_s / 1e6:.2f} M/s"
+        )
         for p in names:
             rates, rates_hit = [], []
             for s in SIZES:
@@ -146,8 +152,10 @@ def main() -> int:
                 rates_hit.append(r.hit_rate)
             slowest = min(rates)
             mark = "" if p not in ("g-lru", "g-opt") else ("  goal met" if slowest >= GOAL_PER_S else "  BELOW GOAL")
-            print(f"  {p:9s} hit {' '.join(f'{100 * h:5.1f}%' for h in rates_hit)}   "
-                  f"{' '.join(f'{x / 1e6:5.2f}' for x in rates)} M/s  ({slowest / base:.2f}x baseline){mark}")
+            print(
+                f"  {p:9s} hit {' '.join(f'{100 * h:5.1f}%' for h in rates_hit)}   "
+                f"{' '.join(f'{x / 1e6:5.2f}' for x in rates)} M/s  ({slowest / base:.2f}x baseline){mark}"
+            )
             speed_rows.append((str(name), p, rates, base))
             hit_rows.append((str(name), p, rates_hit))
     if args.markdown:

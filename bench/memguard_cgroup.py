@@ -69,7 +69,7 @@ class Cgroup:
         try:
             self._write("memory.memsw.limit_in_bytes", str(cap_bytes))
         except OSError:
-            pass   # no swap accounting: the box has no swap anyway
+            pass  # no swap accounting: the box has no swap anyway
 
     def _write(self, name: str, value: str) -> None:
         with open(os.path.join(self.path, name), "w") as f:
@@ -105,6 +105,7 @@ class Cgroup:
 
 def make_bench_model(root: str) -> str:
     from moed.lab.makemodel import make_model
+
     path = os.path.join(root, "memguard-model.gguf")
     if not os.path.exists(path):
         make_model(path, layers=8, experts=32, used=4, embd=1024, ff=1024, align=4096, random_experts=True)
@@ -133,8 +134,23 @@ def run(args, model: str, floor_bytes: int, label: str) -> dict:
         f.write(f"mem_sample_s = {args.sample_s}\n")
     cg = Cgroup(f"moed-bench-{os.getpid()}-{label}", args.cap)
     log = open(os.path.join(tmp, "moed.log"), "wb")
-    daemon = cg.spawn([sys.executable, "-m", "moed.daemon.main", "--socket", sock, "--ram-budget", str(args.budget),
-                       "--mem-floor", str(floor_bytes), "--config", conf], stdout=log, stderr=subprocess.STDOUT)
+    daemon = cg.spawn(
+        [
+            sys.executable,
+            "-m",
+            "moed.daemon.main",
+            "--socket",
+            sock,
+            "--ram-budget",
+            str(args.budget),
+            "--mem-floor",
+            str(floor_bytes),
+            "--config",
+            conf,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     hog = None
     samples: list[tuple[float, int]] = []
     stop = threading.Event()
@@ -143,7 +159,7 @@ def run(args, model: str, floor_bytes: int, label: str) -> dict:
         wait_socket(sock, daemon)
         with Client(sock, "filler") as c:
             h = c.open_model(model)
-            for layer in h.moe_layers:           # fill the store to its budget
+            for layer in h.moe_layers:  # fill the store to its budget
                 for e in range(0, h.n_experts, h.n_expert_used):
                     try:
                         with h.acquire(layer, list(range(e, e + h.n_expert_used)), timeout_s=5):
@@ -168,8 +184,9 @@ def run(args, model: str, floor_bytes: int, label: str) -> dict:
                     h = c.open_model(model)
                     while not stop.is_set():
                         try:
-                            with h.acquire(rng.choice(h.moe_layers), rng.sample(range(h.n_experts), h.n_expert_used),
-                                           timeout=0.1):
+                            with h.acquire(
+                                rng.choice(h.moe_layers), rng.sample(range(h.n_experts), h.n_expert_used), timeout=0.1
+                            ):
                                 refused[0] += 1
                         except errors.BudgetExhausted:
                             refused[1] += 1
@@ -179,8 +196,11 @@ def run(args, model: str, floor_bytes: int, label: str) -> dict:
         threads = [threading.Thread(target=sampler, daemon=True), threading.Thread(target=engine, daemon=True)]
         for t in threads:
             t.start()
-        hog = cg.spawn([sys.executable, "-c", HOG, str(args.hog_step), str(args.hog), str(args.hog_interval_s)],
-                       stdout=subprocess.PIPE, text=True)
+        hog = cg.spawn(
+            [sys.executable, "-c", HOG, str(args.hog_step), str(args.hog), str(args.hog_interval_s)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         peak = 0
         deadline = time.monotonic() + 60
         for line in hog.stdout:
@@ -188,7 +208,7 @@ def run(args, model: str, floor_bytes: int, label: str) -> dict:
                 peak = int(line.split()[1])
             if line.startswith("done") or time.monotonic() > deadline:
                 break
-        time.sleep(1.0)                          # steady state with the hog at its peak
+        time.sleep(1.0)  # steady state with the hog at its peak
         stop.set()
         for t in threads:
             t.join(5)
@@ -201,12 +221,18 @@ def run(args, model: str, floor_bytes: int, label: str) -> dict:
         t_end = samples[-1][0] if samples else 0
         last = [a for t, a in samples if t >= t_end - 1.0]
         return {
-            "run": label, "floor": floor_bytes, "filled": filled, "hog_peak": peak,
-            "hog_survived": hog_alive, "moed_survived": daemon_alive,
+            "run": label,
+            "floor": floor_bytes,
+            "filled": filled,
+            "hog_peak": peak,
+            "hog_survived": hog_alive,
+            "moed_survived": daemon_alive,
             "avail_min": min(a for _, a in samples) if samples else None,
             "avail_last_s_median": int(statistics.median(last)) if last else None,
-            "used_end": end.get("used_bytes"), "given_back": end.get("given_back_bytes", 0),
-            "acquires_ok": refused[0], "acquires_refused": refused[1],
+            "used_end": end.get("used_bytes"),
+            "given_back": end.get("given_back_bytes", 0),
+            "acquires_ok": refused[0],
+            "acquires_refused": refused[1],
             "oom_kills": _oom_kills(cg),
         }
     finally:
@@ -246,21 +272,24 @@ def main() -> int:
     results = [run(args, model, 0, "baseline"), run(args, model, args.floor, "guarded")]
     if args.json:
         print(json.dumps(results))
-    print(f"cap {format_size(args.cap)}, moed budget {format_size(args.budget)}, floor {format_size(args.floor)}, "
-          f"hog up to {format_size(args.hog)} in {format_size(args.hog_step)} steps every {args.hog_interval_s}s, "
-          f"guard samples every {args.sample_s}s")
+    print(
+        f"cap {format_size(args.cap)}, moed budget {format_size(args.budget)}, floor {format_size(args.floor)}, "
+        f"hog up to {format_size(args.hog)} in {format_size(args.hog_step)} steps every {args.hog_interval_s}s, "
+        f"guard samples every {args.sample_s}s"
+    )
     for r in results:
         fmt = lambda v: format_size(v) if isinstance(v, int) else str(v)  # noqa: E731
-        print(f"{r['run']:>9}: hog peak {fmt(r['hog_peak'])} (survived: {r['hog_survived']}), "
-              f"moed survived: {r['moed_survived']}, oom kills {r['oom_kills']}, "
-              f"available min {fmt(r['avail_min'])}, last 1 s median {fmt(r['avail_last_s_median'])}, "
-              f"store filled {fmt(r['filled'])} -> {fmt(r['used_end'])}, given back {fmt(r['given_back'])}, "
-              f"engine acquires ok/refused {r['acquires_ok']}/{r['acquires_refused']}")
+        print(
+            f"{r['run']:>9}: hog peak {fmt(r['hog_peak'])} (survived: {r['hog_survived']}), "
+            f"moed survived: {r['moed_survived']}, oom kills {r['oom_kills']}, "
+            f"available min {fmt(r['avail_min'])}, last 1 s median {fmt(r['avail_last_s_median'])}, "
+            f"store filled {fmt(r['filled'])} -> {fmt(r['used_end'])}, given back {fmt(r['given_back'])}, "
+            f"engine acquires ok/refused {r['acquires_ok']}/{r['acquires_refused']}"
+        )
     base, guard = results
     print(f"OOM kills baseline/guarded: {base['oom_kills']}/{guard['oom_kills']}")
     if guard["avail_last_s_median"]:
-        print(f"ratio available (last 1 s median) / floor, guarded: "
-              f"{guard['avail_last_s_median'] / args.floor:.3f}")
+        print(f"ratio available (last 1 s median) / floor, guarded: {guard['avail_last_s_median'] / args.floor:.3f}")
     return 0
 
 

@@ -36,6 +36,7 @@ CHUNK = 256 << 10
 
 def default_model() -> str:
     from moed.lab.makemodel import make_model
+
     path = "/tmp/moed-bench/big-q4_0-aligned.gguf"
     if not os.path.exists(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -90,6 +91,7 @@ def through_moed(model: str, cat, layers, clients: int, threads: int) -> float:
     """Steady state: the tier is full after the first layer, so every miss evicts."""
     from moed.lab import replay as rp
     from moed.testing import DaemonProcess
+
     warm, layers = layers[:1], layers[1:]
     one_layer = cat.n_experts * rp.slot_bytes(cat.layers[warm[0]])
     d = DaemonProcess(str(one_layer), "--reader-threads", str(threads))
@@ -134,6 +136,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=8)
     args = ap.parse_args()
     from moed.gguf.catalog import Catalog
+
     model = args.model or default_model()
     cat = Catalog.open(model)
     L = sorted(cat.moe_layers)
@@ -143,7 +146,9 @@ def main() -> int:
     r2 = raw(cat, L[3 * q :], args.threads)
     print(f"model {model}: {cat.n_experts} experts/layer, {cat.expert_bytes(L[0]) / 2**20:.1f} MiB/expert")
     print(f"raw O_DIRECT ({args.threads} threads, 256 KiB): {r1:.2f} GB/s, then {r2:.2f} GB/s")
-    print(f"moed misses, steady state ({args.clients} clients x top-{cat.n_expert_used}, {args.threads} readers): {mo:.2f} GB/s")
+    print(
+        f"moed misses, steady state ({args.clients} clients x top-{cat.n_expert_used}, {args.threads} readers): {mo:.2f} GB/s"
+    )
     print(f"ratio moed / mean(raw) = {mo / ((r1 + r2) / 2):.2f}")
     return 0
 

@@ -56,14 +56,16 @@ def main() -> int:
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     rows = []
-    print("| trace | budget | prefetch | tok/s | compute tok/s | ratio | stall ms/tok | hit % | g-lru replay hit % "
-          "| prefetch hit % | demand miss % | wasted % | MB/tok |")
+    print(
+        "| trace | budget | prefetch | tok/s | compute tok/s | ratio | stall ms/tok | hit % | g-lru replay hit % "
+        "| prefetch hit % | demand miss % | wasted % | MB/tok |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for path in sorted(glob.glob(args.traces)):
         name = os.path.basename(path).split(".")[0]
         trace = Trace.load(path)
         model = model_for(trace, name, args.workdir, args.embd, args.ff)
-        warm = min(args.warm, trace.n_decode_tokens // 4)      # a short trace keeps most tokens counted
+        warm = min(args.warm, trace.n_decode_tokens // 4)  # a short trace keeps most tokens counted
         all_bytes = rp.all_experts_bytes(model)
         for pct in (int(x) for x in args.budgets.split(",")):
             budget = int(pct / 100 * all_bytes)
@@ -72,11 +74,14 @@ def main() -> int:
                 opts = rp.ReplayOptions(args.compute_ms, 0.5, mode, warm, args.tokens)
                 r = rp.replay_private(model, trace, budget, opts)
                 rows.append({"trace": name, "budget_pct": pct, "g_lru_hit_rate": ref.hit_rate, **r.to_json()})
-                print(f"| {name} | {pct}% | {mode} | {r.tok_s:.1f} | {r.compute_tok_s:.1f} | "
-                      f"{r.tok_s / r.compute_tok_s:.2f} | {r.stall_ms_per_token:.2f} | {100 * r.hit_rate:.1f} | "
-                      f"{100 * ref.hit_rate:.1f} | {100 * r.prefetch_hit_rate:.1f} | "
-                      f"{100 * r.demand_miss_rate:.1f} | {100 * r.wasted_prefetch_rate:.1f} | "
-                      f"{r.mb_per_token:.2f} |", flush=True)
+                print(
+                    f"| {name} | {pct}% | {mode} | {r.tok_s:.1f} | {r.compute_tok_s:.1f} | "
+                    f"{r.tok_s / r.compute_tok_s:.2f} | {r.stall_ms_per_token:.2f} | {100 * r.hit_rate:.1f} | "
+                    f"{100 * ref.hit_rate:.1f} | {100 * r.prefetch_hit_rate:.1f} | "
+                    f"{100 * r.demand_miss_rate:.1f} | {100 * r.wasted_prefetch_rate:.1f} | "
+                    f"{r.mb_per_token:.2f} |",
+                    flush=True,
+                )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

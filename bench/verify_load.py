@@ -66,12 +66,15 @@ def run(model: str, budget: int, verify: bool, args) -> dict:
         f.write(f"verify = {'true' if verify else 'false'}\n")
     d = DaemonProcess(str(budget), "--config", conf)
     import psutil
+
     daemon_proc = psutil.Process(d.proc.pid)
     cpu0 = sum(daemon_proc.cpu_times()[:2])
     ctx = mp.get_context("fork")
     q = ctx.Queue()
-    procs = [ctx.Process(target=client, args=(d.socket, model, args.acquires, args.check_every, i, q))
-             for i in range(args.clients)]
+    procs = [
+        ctx.Process(target=client, args=(d.socket, model, args.acquires, args.check_every, i, q))
+        for i in range(args.clients)
+    ]
     t0 = time.perf_counter()
     for p in procs:
         p.start()
@@ -84,13 +87,24 @@ def run(model: str, budget: int, verify: bool, args) -> dict:
         s = c.stats()
     d.stop()
     total = args.clients * args.acquires
-    return {"verify": verify, "acquires": total, "wall_s": wall, "rate": total / wall,
-            "misses": s["misses"], "hits": s["hits"], "evictions": s["evictions"],
-            "verified_reads": s.get("verified_reads", 0), "verify_mismatches": s.get("verify_mismatches", 0),
-            "refused": sum(r[1] for r in results), "byte_failures": sum(r[0] for r in results),
-            "checked_parts": sum(r[2] for r in results), "exit_codes": [p.exitcode for p in procs],
-            "local_hits": s.get("local_hits", 0), "daemon_cpu_s": cpu_s,
-            "daemon_cpu_us_per_acquire": cpu_s / total * 1e6}
+    return {
+        "verify": verify,
+        "acquires": total,
+        "wall_s": wall,
+        "rate": total / wall,
+        "misses": s["misses"],
+        "hits": s["hits"],
+        "evictions": s["evictions"],
+        "verified_reads": s.get("verified_reads", 0),
+        "verify_mismatches": s.get("verify_mismatches", 0),
+        "refused": sum(r[1] for r in results),
+        "byte_failures": sum(r[0] for r in results),
+        "checked_parts": sum(r[2] for r in results),
+        "exit_codes": [p.exitcode for p in procs],
+        "local_hits": s.get("local_hits", 0),
+        "daemon_cpu_s": cpu_s,
+        "daemon_cpu_us_per_acquire": cpu_s / total * 1e6,
+    }
 
 
 def main() -> int:
@@ -110,13 +124,15 @@ def main() -> int:
     for _ in range(args.repeat):
         runs += [run(model, budget, True, args), run(model, budget, False, args)]
     for r in runs:
-        print(f"verify={r['verify']!s:5}: {r['acquires']} acquires by {args.clients} clients in {r['wall_s']:.1f} s "
-              f"({r['rate']:,.0f}/s); hits/misses {r['hits']}/{r['misses']}, {r['evictions']} evictions; "
-              f"re-reads verified {r['verified_reads']}, verify mismatches {r['verify_mismatches']}, "
-              f"acquires refused {r['refused']}; byte checks {r['checked_parts']} parts, "
-              f"failures {r['byte_failures']}; client exits {set(r['exit_codes'])}; "
-              f"local hits {r['local_hits']}; daemon CPU {r['daemon_cpu_s']:.1f} s "
-              f"({r['daemon_cpu_us_per_acquire']:.0f} µs an acquire)")
+        print(
+            f"verify={r['verify']!s:5}: {r['acquires']} acquires by {args.clients} clients in {r['wall_s']:.1f} s "
+            f"({r['rate']:,.0f}/s); hits/misses {r['hits']}/{r['misses']}, {r['evictions']} evictions; "
+            f"re-reads verified {r['verified_reads']}, verify mismatches {r['verify_mismatches']}, "
+            f"acquires refused {r['refused']}; byte checks {r['checked_parts']} parts, "
+            f"failures {r['byte_failures']}; client exits {set(r['exit_codes'])}; "
+            f"local hits {r['local_hits']}; daemon CPU {r['daemon_cpu_s']:.1f} s "
+            f"({r['daemon_cpu_us_per_acquire']:.0f} µs an acquire)"
+        )
     on = max((r for r in runs if r["verify"]), key=lambda r: r["rate"])
     off = max((r for r in runs if not r["verify"]), key=lambda r: r["rate"])
     print(f"ratio throughput verify/baseline (best of {args.repeat} each): {on['rate'] / off['rate']:.3f}")

@@ -19,8 +19,9 @@ from moed.protocol.paths import default_socket_path
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moectl", description="Operate and study moed.")
-    parser.add_argument("--socket", default=default_socket_path(),
-                        help="daemon socket (default: $MOED_SOCKET or %(default)s)")
+    parser.add_argument(
+        "--socket", default=default_socket_path(), help="daemon socket (default: $MOED_SOCKET or %(default)s)"
+    )
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     sub.required = True
     for info in sorted(pkgutil.iter_modules(moed.cli.__path__), key=lambda i: i.name):

@@ -36,31 +36,35 @@ class DaemonProcess:
     `env` adds environment variables. The log goes to DIR/moed.log.
     """
 
-    def __init__(self, budget: str | int = "64MiB", *extra: str, socket_dir: str | None = None,
-                 env: dict | None = None, config: dict[str, Any] | None = None,
-                 start_timeout_s: float = 20.0):
+    def __init__(
+        self,
+        budget: str | int = "64MiB",
+        *extra: str,
+        socket_dir: str | None = None,
+        env: dict | None = None,
+        config: dict[str, Any] | None = None,
+        start_timeout_s: float = 20.0,
+    ):
         self.dir = Path(socket_dir or tempfile.mkdtemp(prefix="moed-", dir="/tmp"))
         self.socket = str(self.dir / "s")
         self.log_path = self.dir / "moed.log"
-        cmd = [sys.executable, "-m", "moed.daemon.main", "--socket", self.socket,
-               "--ram-budget", str(budget), *extra]
+        cmd = [sys.executable, "-m", "moed.daemon.main", "--socket", self.socket, "--ram-budget", str(budget), *extra]
         if config:
             cfg = self.dir / "moed.toml"
             cfg.write_text("".join(f"{k} = {_toml(v)}\n" for k, v in config.items()))
             cmd += ["--config", str(cfg)]
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         deadline = time.monotonic() + start_timeout_s
         while not self._answers():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.kill()
-                raise DaemonUnavailable(f"moed did not start (exit {self.proc.returncode}):\n"
-                                        f"{self.log()[-2000:]}")
+                raise DaemonUnavailable(f"moed did not start (exit {self.proc.returncode}):\n{self.log()[-2000:]}")
             time.sleep(0.02)
 
     def _answers(self) -> bool:
         from moed.client import Client
+
         try:
             with Client(self.socket, timeout_s=2) as c:
                 c.ping()
@@ -70,6 +74,7 @@ class DaemonProcess:
 
     def client(self, name: str = "", **kw):
         from moed.client import Client
+
         return Client(self.socket, name, **kw)
 
     def log(self) -> str:

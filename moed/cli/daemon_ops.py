@@ -30,9 +30,11 @@ def cmd_ping(args) -> int:
             times.append((time.perf_counter() - t0) * 1e6)
         times.sort()
         h = c.hello
-        assert h is not None          # set by connect()
-        print(f"moed {h.daemon_version} pid {h.daemon_pid} on {c.socket_path}: "
-              f"round trip {times[len(times) // 2]:.0f} µs (median of {len(times)})")
+        assert h is not None  # set by connect()
+        print(
+            f"moed {h.daemon_version} pid {h.daemon_pid} on {c.socket_path}: "
+            f"round trip {times[len(times) // 2]:.0f} µs (median of {len(times)})"
+        )
     return 0
 
 
@@ -56,25 +58,52 @@ def print_stats(s: dict) -> None:
     t.add_column()
     pct = lambda a, b: f"{100 * a / b:.1f}%" if b else "-"  # noqa: E731
     rows = [
-        ("budget", f"{format_size(s['used_bytes'])} used of {format_size(s['budget_bytes'])} "
-                   f"({pct(s['used_bytes'], s['budget_bytes'])}), {s['resident_experts']} experts resident"),
-        ("pinned", f"{format_size(s['pinned_bytes'])} of {format_size(s['pin_budget_bytes'])}, "
-                   f"{s.get('pinned_experts', 0)} experts, {100 * s.get('pinned_hit_share', 0):.1f}% of hits"),
+        (
+            "budget",
+            f"{format_size(s['used_bytes'])} used of {format_size(s['budget_bytes'])} "
+            f"({pct(s['used_bytes'], s['budget_bytes'])}), {s['resident_experts']} experts resident",
+        ),
+        (
+            "pinned",
+            f"{format_size(s['pinned_bytes'])} of {format_size(s['pin_budget_bytes'])}, "
+            f"{s.get('pinned_experts', 0)} experts, {100 * s.get('pinned_hit_share', 0):.1f}% of hits",
+        ),
         ("locked", "yes" if s["locked"] else f"NO: {s['lock_error']}"),
-        ("hits / misses", f"{s['hits']} / {s['misses']} (hit rate {pct(s['hits'], s['hits'] + s['misses'])}), "
-                          f"{s['shared_hits']} hits on experts another tenant read in"),
+        (
+            "hits / misses",
+            f"{s['hits']} / {s['misses']} (hit rate {pct(s['hits'], s['hits'] + s['misses'])}), "
+            f"{s['shared_hits']} hits on experts another tenant read in",
+        ),
         ("prefetch", f"{s['prefetches']} issued, {s['prefetch_hits']} hit, {s['wasted_prefetches']} wasted"),
-        ("read", f"{format_size(s['bytes_read'])}, {s['read_errors']} errors, "
-                 f"{'O_DIRECT' if s['direct_io'] else 'buffered'}, {s['reads_in_flight']} in flight"),
+        (
+            "read",
+            f"{format_size(s['bytes_read'])}, {s['read_errors']} errors, "
+            f"{'O_DIRECT' if s['direct_io'] else 'buffered'}, {s['reads_in_flight']} in flight",
+        ),
         ("evictions", str(s["evictions"])),
-        ("memory", f"{format_size(s['mem_available_bytes'])} available, floor {format_size(s['mem_floor_bytes'])}"
-                   + (f"; GUARD ACTIVE: store limited to {format_size(s['effective_budget_bytes'])}"
-                      if s.get("mem_guard_active") else "")
-                   + f"; {format_size(s.get('given_back_bytes', 0))} given back"),
-        ("verify", (f"on: {s['verified_reads']} re-reads verified, {s['verify_mismatches']} MISMATCHES"
-                    if s.get("verify") else "off")),
-        ("local hits", f"{s.get('local_hits', 0)} served in engines with no round trip, "
-                       f"{s.get('adopted_slots', 0)} slots held there now"),
+        (
+            "memory",
+            f"{format_size(s['mem_available_bytes'])} available, floor {format_size(s['mem_floor_bytes'])}"
+            + (
+                f"; GUARD ACTIVE: store limited to {format_size(s['effective_budget_bytes'])}"
+                if s.get("mem_guard_active")
+                else ""
+            )
+            + f"; {format_size(s.get('given_back_bytes', 0))} given back",
+        ),
+        (
+            "verify",
+            (
+                f"on: {s['verified_reads']} re-reads verified, {s['verify_mismatches']} MISMATCHES"
+                if s.get("verify")
+                else "off"
+            ),
+        ),
+        (
+            "local hits",
+            f"{s.get('local_hits', 0)} served in engines with no round trip, "
+            f"{s.get('adopted_slots', 0)} slots held there now",
+        ),
         ("connections", _connections_line(s)),
     ]
     for k, v in rows:
@@ -85,11 +114,18 @@ def print_stats(s: dict) -> None:
     for col in ("uid", "names", "hits", "misses", "hit rate", "read", "resident", "leases", "floor/ceiling"):
         tt.add_column(col)
     for r in s["tenants"]:
-        tt.add_row(str(r["uid"]), ",".join(r["names"]), str(r["hits"]), str(r["misses"]),
-                   pct(r["hits"], r["hits"] + r["misses"]), format_size(r["bytes_read"]),
-                   format_size(r["resident_bytes"]), str(r["leases"]),
-                   f"{format_size(r.get('floor_bytes', 0))}/"
-                   + (format_size(r["ceiling_bytes"]) if r.get("ceiling_bytes") else "-"))
+        tt.add_row(
+            str(r["uid"]),
+            ",".join(r["names"]),
+            str(r["hits"]),
+            str(r["misses"]),
+            pct(r["hits"], r["hits"] + r["misses"]),
+            format_size(r["bytes_read"]),
+            format_size(r["resident_bytes"]),
+            str(r["leases"]),
+            f"{format_size(r.get('floor_bytes', 0))}/"
+            + (format_size(r["ceiling_bytes"]) if r.get("ceiling_bytes") else "-"),
+        )
     console.print(tt)
 
 
@@ -100,9 +136,11 @@ def _connections_line(s: dict) -> str:
     out = max((c["buffered_out_bytes"] for c in clients), default=0)
     line = f"{s['connections']} (max {lim.get('max_clients', '?')}, {lim.get('max_clients_per_tenant', '?')} a tenant)"
     if clients:
-        line += (f"; most buffered by one: {format_size(queued)} of requests "
-                 f"(bound {format_size(lim.get('max_queued_bytes', 0))}), {format_size(out)} of replies "
-                 f"(bound {format_size(lim.get('write_high_bytes', 0))})")
+        line += (
+            f"; most buffered by one: {format_size(queued)} of requests "
+            f"(bound {format_size(lim.get('max_queued_bytes', 0))}), {format_size(out)} of replies "
+            f"(bound {format_size(lim.get('write_high_bytes', 0))})"
+        )
     if s.get("timed_out_connections"):
         line += f"; {s['timed_out_connections']} closed for silence"
     return line
@@ -115,9 +153,16 @@ def _print_models(console, models: list[dict]) -> None:
     for col in ("id", "path", "layers", "experts", "top-k", "resident", "io", "users"):
         t.add_column(col)
     for r in models:
-        t.add_row(str(r["model_id"]), r["path"] + (" (stale)" if r["stale"] else ""), str(r["moe_layers"]),
-                  str(r["n_experts"]), str(r["n_expert_used"]), str(r["resident_experts"]),
-                  "direct" if r["direct_io"] else "buffered", ",".join(map(str, r["users"])))
+        t.add_row(
+            str(r["model_id"]),
+            r["path"] + (" (stale)" if r["stale"] else ""),
+            str(r["moe_layers"]),
+            str(r["n_experts"]),
+            str(r["n_expert_used"]),
+            str(r["resident_experts"]),
+            "direct" if r["direct_io"] else "buffered",
+            ",".join(map(str, r["users"])),
+        )
     console.print(t)
 
 
@@ -128,5 +173,6 @@ def cmd_models(args) -> int:
         print(json.dumps(models, sort_keys=True))
     else:
         from rich.console import Console
+
         _print_models(Console(), models)
     return 0

@@ -24,8 +24,7 @@ def register(sub) -> None:
     p.add_argument("--embd", type=int, default=64)
     p.add_argument("--ff", type=int, default=64, help="expert feed-forward length")
     p.add_argument("--quant", default="q8_0", choices=["q8_0", "q4_0", "q4_k"])
-    p.add_argument("--layer-quants", default=None, metavar="Q,Q,...",
-                   help="one quant per layer (mixed size classes)")
+    p.add_argument("--layer-quants", default=None, metavar="Q,Q,...", help="one quant per layer (mixed size classes)")
     p.add_argument("--align", type=int, default=32, help="general.alignment (4096: page-aligned experts)")
     p.add_argument("--split", type=int, default=1, help="number of shards")
     p.add_argument("--seed", type=int, default=0)
@@ -33,10 +32,17 @@ def register(sub) -> None:
     p.add_argument("--ctx", type=int, default=256, help="context length")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--random-experts", action="store_true",
-                   help="fill experts with random quant blocks (fast; for big benchmark models)")
-    p.add_argument("--like", default=None, metavar="TRACE",
-                   help="take layers, experts and top-k from a routing trace (overrides those flags)")
+    p.add_argument(
+        "--random-experts",
+        action="store_true",
+        help="fill experts with random quant blocks (fast; for big benchmark models)",
+    )
+    p.add_argument(
+        "--like",
+        default=None,
+        metavar="TRACE",
+        help="take layers, experts and top-k from a routing trace (overrides those flags)",
+    )
     p.set_defaults(func=_make_model)
 
     p = sub.add_parser("index", help="show where a GGUF's routed experts live")
@@ -55,19 +61,34 @@ def register(sub) -> None:
 
 def _make_model(args) -> int:
     from moed.lab.makemodel import make_model
+
     out_dir = os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(out_dir):           # as align: a typo in OUT makes no directories
+    if not os.path.isdir(out_dir):  # as align: a typo in OUT makes no directories
         return fail(f"make-model: output directory {out_dir} does not exist")
-    if args.like:                       # the trace's routing geometry wins
+    if args.like:  # the trace's routing geometry wins
         from moed.lab.replay import like_trace
         from moed.lab.traces import Trace
+
         vars(args).update(like_trace(Trace.load(args.like)))
     try:
-        paths = make_model(args.out, layers=args.layers, experts=args.experts, used=args.used,
-                           embd=args.embd, ff=args.ff, quant=args.quant,
-                           layer_quants=args.layer_quants, align=args.align, split=args.split,
-                           seed=args.seed, vocab=args.vocab, ctx=args.ctx, heads=args.heads,
-                           kv_heads=args.kv_heads, random_experts=args.random_experts)
+        paths = make_model(
+            args.out,
+            layers=args.layers,
+            experts=args.experts,
+            used=args.used,
+            embd=args.embd,
+            ff=args.ff,
+            quant=args.quant,
+            layer_quants=args.layer_quants,
+            align=args.align,
+            split=args.split,
+            seed=args.seed,
+            vocab=args.vocab,
+            ctx=args.ctx,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            random_experts=args.random_experts,
+        )
     except ValueError as exc:
         return fail(f"make-model: {exc}")
     except OSError as exc:
@@ -79,6 +100,7 @@ def _make_model(args) -> int:
 
 def _index(args) -> int:
     from moed.gguf.catalog import Catalog
+
     cat = Catalog.open(args.model)
     if args.json:
         print(json.dumps(cat.to_dict()))
@@ -92,22 +114,26 @@ def _print_index(cat) -> None:
     from rich.table import Table
 
     from moed.gguf.catalog import format_ranges
+
     console = Console()
-    aligned = ("yes" if cat.page_aligned else
-               "partly" if any(e.page_aligned for e in cat.layers.values()) else "no")
-    console.print(f"[bold]{cat.path}[/bold]  ({cat.arch}, {len(cat.files)} file(s), "
-                  f"alignment {cat.alignment})")
-    console.print(f"layers {cat.n_layers}, MoE layers {format_ranges(cat.moe_layers)}, experts "
-                  f"{cat.n_experts}, top-k {cat.n_expert_used}, parts {'+'.join(cat.parts)}")
-    console.print(f"routed expert bytes {format_size(cat.expert_bytes_total)}, "
-                  f"page-aligned expert extents: {aligned}")
-    table = Table("class", "layers", "type", *cat.parts, "expert", "aligned",
-                  title="bytes per expert, by size class")
+    aligned = "yes" if cat.page_aligned else "partly" if any(e.page_aligned for e in cat.layers.values()) else "no"
+    console.print(f"[bold]{cat.path}[/bold]  ({cat.arch}, {len(cat.files)} file(s), alignment {cat.alignment})")
+    console.print(
+        f"layers {cat.n_layers}, MoE layers {format_ranges(cat.moe_layers)}, experts "
+        f"{cat.n_experts}, top-k {cat.n_expert_used}, parts {'+'.join(cat.parts)}"
+    )
+    console.print(f"routed expert bytes {format_size(cat.expert_bytes_total)}, page-aligned expert extents: {aligned}")
+    table = Table("class", "layers", "type", *cat.parts, "expert", "aligned", title="bytes per expert, by size class")
     for i, (key, layers) in enumerate(cat.size_classes.items()):
         types = sorted({cat.layers[l].parts[p].type_name for l in layers for p, _ in key})
-        table.add_row(str(i), format_ranges(layers), ",".join(types), *(str(b) for _, b in key),
-                      str(sum(b for _, b in key)),
-                      "yes" if all(cat.layers[l].page_aligned for l in layers) else "no")
+        table.add_row(
+            str(i),
+            format_ranges(layers),
+            ",".join(types),
+            *(str(b) for _, b in key),
+            str(sum(b for _, b in key)),
+            "yes" if all(cat.layers[l].page_aligned for l in layers) else "no",
+        )
     console.print(table)
     for f in cat.files:
         console.print(f"  {f}")
@@ -116,9 +142,16 @@ def _print_index(cat) -> None:
 def _align(args) -> int:
     from moed.gguf.align import align_gguf
     from moed.gguf.catalog import Catalog
+
     try:
-        outs = align_gguf(args.src, args.dst, alignment=args.alignment, overwrite=args.force,
-                          verify=not args.no_verify, progress=sys.stderr.isatty())
+        outs = align_gguf(
+            args.src,
+            args.dst,
+            alignment=args.alignment,
+            overwrite=args.force,
+            verify=not args.no_verify,
+            progress=sys.stderr.isatty(),
+        )
     except MoedError:
         raise
     except (ValueError, FileExistsError, FileNotFoundError) as exc:
@@ -130,11 +163,12 @@ def _align(args) -> int:
     try:
         cat = Catalog.open(outs[0])
     except MoedError:
-        return 0                        # not a MoE model: nothing more to say
+        return 0  # not a MoE model: nothing more to say
     parts = [p for e in cat.layers.values() for p in e.parts.values()]
     aligned = sum(p.page_aligned for p in parts)
-    print(f"{aligned} of {len(parts)} expert tensors page-aligned"
-          + ("" if aligned == len(parts) else
-             " (the others' bytes per expert are not a multiple of 4096)"),
-          file=sys.stderr)
+    print(
+        f"{aligned} of {len(parts)} expert tensors page-aligned"
+        + ("" if aligned == len(parts) else " (the others' bytes per expert are not a multiple of 4096)"),
+        file=sys.stderr,
+    )
     return 0

@@ -22,23 +22,29 @@ def register(sub: Any) -> None:
     p = sub.add_parser("trace-info", help="summarise a routing trace (any format)")
     p.add_argument("trace")
     p.add_argument("--json", action="store_true", help="one JSON object")
-    p.add_argument("--predictors", action="store_true",
-                   help="also score prefetch predictors against the shared LRU's misses")
-    p.add_argument("--size", type=float, default=0.5,
-                   help="cache size for --predictors, as a fraction of each layer's experts")
+    p.add_argument(
+        "--predictors", action="store_true", help="also score prefetch predictors against the shared LRU's misses"
+    )
+    p.add_argument(
+        "--size", type=float, default=0.5, help="cache size for --predictors, as a fraction of each layer's experts"
+    )
     p.add_argument("--warm", type=int, default=0, help="decode tokens treated as warm-up")
     p.set_defaults(func=cmd_trace_info)
 
     p = sub.add_parser("policy", help="replay a trace through cache policies; decode hit rates")
     p.add_argument("trace")
-    p.add_argument("--policies", default="lru,lfu,slru,opt,g-lru,g-lfu,g-hot,g-arc,g-lru2,g-tlfu1,g-tlfu10,g-opt",
-                   help="comma-separated policies (default: all)")
+    p.add_argument(
+        "--policies",
+        default="lru,lfu,slru,opt,g-lru,g-lfu,g-hot,g-arc,g-lru2,g-tlfu1,g-tlfu10,g-opt",
+        help="comma-separated policies (default: all)",
+    )
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--sizes", default=None,
-                       help="fractions of each layer's experts (default 0.25,0.5,0.75)")
-    group.add_argument("--slots", action="append",
-                       help="total slots, comma-separated or repeated (a per-layer policy gets "
-                            "N // layers in each layer)")
+    group.add_argument("--sizes", default=None, help="fractions of each layer's experts (default 0.25,0.5,0.75)")
+    group.add_argument(
+        "--slots",
+        action="append",
+        help="total slots, comma-separated or repeated (a per-layer policy gets N // layers in each layer)",
+    )
     p.add_argument("--warm", type=int, default=0, help="first N decode tokens are warm-up, not counted")
     p.add_argument("--json", action="store_true", help="a JSON list of results")
     p.add_argument("--plot", metavar="OUT.png", help="draw hit rate against size per policy")
@@ -52,8 +58,12 @@ def register(sub: Any) -> None:
     p = sub.add_parser("mrc", help="shared-LRU miss-ratio curve at every size, with Belady points")
     p.add_argument("trace")
     p.add_argument("--warm", type=int, default=0)
-    p.add_argument("--points", type=int, default=DEFAULT_MRC_POINTS,
-                   help="sizes shown in the table and replayed with g-opt (evenly spaced)")
+    p.add_argument(
+        "--points",
+        type=int,
+        default=DEFAULT_MRC_POINTS,
+        help="sizes shown in the table and replayed with g-opt (evenly spaced)",
+    )
     p.add_argument("--no-opt", action="store_true", help="skip the g-opt replays")
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", metavar="OUT.png")
@@ -61,6 +71,7 @@ def register(sub: Any) -> None:
 
 
 # ---- trace-info -----------------------------------------------------------------
+
 
 def trace_info(trace: Any, warm: int = 0) -> dict[str, Any]:
     import numpy as np
@@ -72,17 +83,27 @@ def trace_info(trace: Any, warm: int = 0) -> dict[str, Any]:
     distinct = np.array([len(np.unique(acc.keys[layer == l])) for l in range(trace.moe_layers)])
     g = trace.geometry
     return {
-        "moe_layers": g.moe_layers, "n_experts": g.n_experts, "top_k": g.top_k,
-        "bytes_per_expert": g.bytes_per_expert, "layer_ids": list(g.layer_ids or ()),
+        "moe_layers": g.moe_layers,
+        "n_experts": g.n_experts,
+        "top_k": g.top_k,
+        "bytes_per_expert": g.bytes_per_expert,
+        "layer_ids": list(g.layer_ids or ()),
         "steps": trace.n_steps,
         "prompt_steps": int((trace.step_kinds == ord("P")).sum()),
         "decode_steps": int((trace.step_kinds == ord("D")).sum()),
-        "prompt_tokens": trace.n_prompt_tokens, "decode_tokens": trace.n_decode_tokens,
-        "accesses": acc.n, "counted_accesses": acc.n_counted, "counted_tokens": acc.n_counted_tokens,
+        "prompt_tokens": trace.n_prompt_tokens,
+        "decode_tokens": trace.n_decode_tokens,
+        "accesses": acc.n,
+        "counted_accesses": acc.n_counted,
+        "counted_tokens": acc.n_counted_tokens,
         "accesses_per_token": acc.n / trace.n_tokens,
-        "experts_used_per_layer": {"min": int(distinct.min()), "mean": float(distinct.mean()),
-                                   "max": int(distinct.max())},
-        "gate_ahead": trace.ahead1 is not None, "two_ahead": trace.ahead2 is not None,
+        "experts_used_per_layer": {
+            "min": int(distinct.min()),
+            "mean": float(distinct.mean()),
+            "max": int(distinct.max()),
+        },
+        "gate_ahead": trace.ahead1 is not None,
+        "two_ahead": trace.ahead2 is not None,
         "meta": trace.meta,
     }
 
@@ -117,13 +138,20 @@ def _print_info(path: str, info: dict[str, Any]) -> None:
     ids = info["layer_ids"]
     preds = [n for n, k in (("gate-ahead", "gate_ahead"), ("two-ahead", "two_ahead")) if info[k]]
     rows = [
-        ("geometry", f"{info['moe_layers']} MoE layers (blocks {ids[0]}-{ids[-1]}) x {info['n_experts']} experts, "
-                     f"top-{info['top_k']}" + (f", {format_size(bpe)} per expert" if bpe else "")),
+        (
+            "geometry",
+            f"{info['moe_layers']} MoE layers (blocks {ids[0]}-{ids[-1]}) x {info['n_experts']} experts, "
+            f"top-{info['top_k']}" + (f", {format_size(bpe)} per expert" if bpe else ""),
+        ),
         ("steps", f"{info['steps']} ({info['prompt_steps']} prompt, {info['decode_steps']} decode)"),
-        ("tokens", f"{info['prompt_tokens']} prompt + {info['decode_tokens']} decode "
-                   f"({info['counted_tokens']} counted)"),
-        ("accesses", f"{info['accesses']} ({info['accesses_per_token']:.1f} per token), "
-                     f"{info['counted_accesses']} counted"),
+        (
+            "tokens",
+            f"{info['prompt_tokens']} prompt + {info['decode_tokens']} decode ({info['counted_tokens']} counted)",
+        ),
+        (
+            "accesses",
+            f"{info['accesses']} ({info['accesses_per_token']:.1f} per token), {info['counted_accesses']} counted",
+        ),
         ("experts used", f"per layer min {used['min']}, mean {used['mean']:.1f}, max {used['max']}"),
         ("predictions", ", ".join(preds) or "none"),
     ]
@@ -137,12 +165,18 @@ def _print_info(path: str, info: dict[str, Any]) -> None:
         for col in ("predictor", "size", "misses", "covered", "useless reads/token"):
             p.add_column(col, justify="left" if col == "predictor" else "right")
         for c in info["predictors"]:
-            p.add_row(c["predictor"], f"{c['size']:.2f}", str(c["misses"]), f"{100 * c['coverage']:.1f}%",
-                      f"{c['useless_reads_per_token']:.1f}")
+            p.add_row(
+                c["predictor"],
+                f"{c['size']:.2f}",
+                str(c["misses"]),
+                f"{100 * c['coverage']:.1f}%",
+                f"{c['useless_reads_per_token']:.1f}",
+            )
         console.print(p)
 
 
 # ---- policy ---------------------------------------------------------------------
+
 
 def _check_fraction(x: float) -> float:
     if not (0 <= x <= 1) or math.isnan(x):
@@ -185,23 +219,30 @@ def cmd_policy(args: argparse.Namespace) -> int:
     trace = Trace.load(args.trace)
     acc = policies.accesses(trace, args.warm)
     points: list[tuple[float | None, int | None]] = (
-        [(s, None) for s in sizes] if sizes is not None else [(None, n) for n in slots])
+        [(s, None) for s in sizes] if sizes is not None else [(None, n) for n in slots]
+    )
     results = [policies.replay(acc, p, size, n) for size, n in points for p in names]
     rows = [r.to_json() for r in results]
     if args.drive_gbps is not None:
         bpe = _bytes_per_expert(trace, args.expert_mib)
         for row, r in zip(rows, results):
             c = ceilings.ceiling(r, acc.n_counted_tokens, bpe, args.drive_gbps, args.compute_ms)
-            row.update(reads_per_token=c.reads_per_token, io_ms=c.io_ms,
-                       serial_tok_s=c.serial_tok_s, overlapped_tok_s=c.overlapped_tok_s)
+            row.update(
+                reads_per_token=c.reads_per_token,
+                io_ms=c.io_ms,
+                serial_tok_s=c.serial_tok_s,
+                overlapped_tok_s=c.overlapped_tok_s,
+            )
     if args.mtp is not None:
         grouped, steps = ceilings.mtp_accesses(trace, args.mtp, args.accept, args.warm)
         for row, (size, n) in zip(rows, [pt for pt in points for _ in names]):
             r = policies.replay(grouped, row["policy"], size, n)
             tokens = grouped.n_counted_tokens or 1
-            row.update(mtp_reads_per_token=(r.accesses - r.hits) / tokens,
-                       mtp_reads_per_step=(r.accesses - r.hits) / max(steps, 1),
-                       plain_reads_per_token=(row["accesses"] - row["hits"]) / tokens)
+            row.update(
+                mtp_reads_per_token=(r.accesses - r.hits) / tokens,
+                mtp_reads_per_step=(r.accesses - r.hits) / max(steps, 1),
+                plain_reads_per_token=(row["accesses"] - row["hits"]) / tokens,
+            )
     if args.plot:
         plot_policies(rows, args.plot, args.trace)
     if args.json:
@@ -221,40 +262,57 @@ def _bytes_per_expert(trace: Any, expert_mib: float | None) -> float:
     return float(trace.bytes_per_expert)
 
 
-def _print_policy(args: argparse.Namespace, trace: Any, acc: Any, rows: list[dict[str, Any]],
-                  names: list[str], points: list[tuple[float | None, int | None]]) -> None:
+def _print_policy(
+    args: argparse.Namespace,
+    trace: Any,
+    acc: Any,
+    rows: list[dict[str, Any]],
+    names: list[str],
+    points: list[tuple[float | None, int | None]],
+) -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
-    title = (f"{args.trace}: decode hit rate, {acc.n_counted} counted accesses over "
-             f"{acc.n_counted_tokens} tokens ({trace.n_prompt_tokens} prompt"
-             + (f" + {args.warm} warm-up" if args.warm else "") + " tokens warm the cache)")
+    title = (
+        f"{args.trace}: decode hit rate, {acc.n_counted} counted accesses over "
+        f"{acc.n_counted_tokens} tokens ({trace.n_prompt_tokens} prompt"
+        + (f" + {args.warm} warm-up" if args.warm else "")
+        + " tokens warm the cache)"
+    )
     t = Table(title=title)
     t.add_column("size")
     t.add_column("slots", justify="right")
     for n in names:
         t.add_column(n, justify="right")
-    by_point = [rows[i * len(names):(i + 1) * len(names)] for i in range(len(points))]
+    by_point = [rows[i * len(names) : (i + 1) * len(names)] for i in range(len(points))]
     for chunk in by_point:
         size = chunk[0]["size"]
         shared = [r["slots"] for r in chunk if r["policy"] not in ("lru", "lfu", "slru", "opt")]
         label = f"{100 * size:.0f}%" if size is not None else "-"
-        t.add_row(label, str(shared[0] if shared else chunk[0]["slots"]),
-                  *(f"{100 * r['hit_rate']:.1f}%" for r in chunk))
+        t.add_row(
+            label, str(shared[0] if shared else chunk[0]["slots"]), *(f"{100 * r['hit_rate']:.1f}%" for r in chunk)
+        )
     console.print(t)
     if "serial_tok_s" in rows[0]:
-        _print_extra(console, "drive ceiling, tok/s serial / overlapped "
-                     f"({args.drive_gbps} GB/s, {args.compute_ms} ms compute)", names, by_point,
-                     lambda r: f"{r['serial_tok_s']:.1f} / {r['overlapped_tok_s']:.1f}")
+        _print_extra(
+            console,
+            f"drive ceiling, tok/s serial / overlapped ({args.drive_gbps} GB/s, {args.compute_ms} ms compute)",
+            names,
+            by_point,
+            lambda r: f"{r['serial_tok_s']:.1f} / {r['overlapped_tok_s']:.1f}",
+        )
     if "mtp_reads_per_token" in rows[0]:
-        _print_extra(console, f"expert reads per generated token, MTP n={args.mtp} accept={args.accept} "
-                     "(without MTP)", names, by_point,
-                     lambda r: f"{r['mtp_reads_per_token']:.1f} ({r['plain_reads_per_token']:.1f})")
+        _print_extra(
+            console,
+            f"expert reads per generated token, MTP n={args.mtp} accept={args.accept} (without MTP)",
+            names,
+            by_point,
+            lambda r: f"{r['mtp_reads_per_token']:.1f} ({r['plain_reads_per_token']:.1f})",
+        )
 
 
-def _print_extra(console: Any, title: str, names: list[str], by_point: list[list[dict[str, Any]]],
-                 cell: Any) -> None:
+def _print_extra(console: Any, title: str, names: list[str], by_point: list[list[dict[str, Any]]], cell: Any) -> None:
     from rich.table import Table
 
     t = Table(title=title)
@@ -297,6 +355,7 @@ def _pyplot() -> Any:
 
 # ---- mrc ------------------------------------------------------------------------
 
+
 def cmd_mrc(args: argparse.Namespace) -> int:
     from moed.lab import mrc, policies
     from moed.lab.traces import Trace
@@ -312,10 +371,18 @@ def cmd_mrc(args: argparse.Namespace) -> int:
     if args.plot:
         plot_mrc(curve, opt, args.plot, args.trace)
     if args.json:
-        print(json.dumps({"accesses": curve.accesses, "max_slots": total,
-                          "lru_hits": curve.hits.tolist(),
-                          "points": [{"slots": s, "size": s / total, "g-lru": curve.hit_rate(s),
-                                      "g-opt": opt.get(s)} for s in marks]}))
+        print(
+            json.dumps(
+                {
+                    "accesses": curve.accesses,
+                    "max_slots": total,
+                    "lru_hits": curve.hits.tolist(),
+                    "points": [
+                        {"slots": s, "size": s / total, "g-lru": curve.hit_rate(s), "g-opt": opt.get(s)} for s in marks
+                    ],
+                }
+            )
+        )
         return 0
     from rich.console import Console
     from rich.table import Table
@@ -325,8 +392,13 @@ def cmd_mrc(args: argparse.Namespace) -> int:
         t.add_column(col, justify="right")
     for s in marks:
         o = opt.get(s)
-        t.add_row(f"{100 * s / total:.1f}%", str(s), f"{100 * curve.hit_rate(s):.1f}%",
-                  f"{curve.miss_ratio(s):.3f}", "-" if o is None else f"{100 * o:.1f}%")
+        t.add_row(
+            f"{100 * s / total:.1f}%",
+            str(s),
+            f"{100 * curve.hit_rate(s):.1f}%",
+            f"{curve.miss_ratio(s):.3f}",
+            "-" if o is None else f"{100 * o:.1f}%",
+        )
     Console().print(t)
     return 0
 

@@ -89,9 +89,11 @@ def cmd_set(args) -> int:
         raise errors.BadRequest(str(exc)) from None
     with Client(args.socket, "moectl") as c:
         r = c.request(m.SetMemFloor(floor))
-    print(f"mem floor {format_size(r.floor_bytes)}: {format_size(r.mem_available_bytes)} available, "
-          f"store limited to {format_size(r.effective_budget_bytes)}, "
-          f"{format_size(r.given_back_bytes)} given back so far")
+    print(
+        f"mem floor {format_size(r.floor_bytes)}: {format_size(r.mem_available_bytes)} available, "
+        f"store limited to {format_size(r.effective_budget_bytes)}, "
+        f"{format_size(r.given_back_bytes)} given back so far"
+    )
     return 0
 
 
@@ -102,8 +104,10 @@ def cmd_pin(args) -> int:
         if args.trace:
             experts = trace_profile(args.trace, model.moe_layers)
         r = c.request(m.Pin(model.model_id, experts, all=args.all, from_stats=args.from_stats))
-    print(f"pinned {r.pinned} experts ({r.skipped} skipped: pin budget full); "
-          f"pinned partition {format_size(r.pinned_bytes)}")
+    print(
+        f"pinned {r.pinned} experts ({r.skipped} skipped: pin budget full); "
+        f"pinned partition {format_size(r.pinned_bytes)}"
+    )
     return 0
 
 

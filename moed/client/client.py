@@ -30,14 +30,17 @@ from moed.protocol.paths import default_socket_path  # also re-exported by moed.
 from . import local
 from .segments import Segment
 
-DEFAULT_SPIN_US = 100.0   # busy-poll for a reply this long before sleeping (0: never)
-
-
+DEFAULT_SPIN_US = 100.0  # busy-poll for a reply this long before sleeping (0: never)
 
 
 class Client:
-    def __init__(self, socket_path: str | None = None, client_name: str = "",
-                 timeout_s: float | None = 120.0, spin_us: float | None = None):
+    def __init__(
+        self,
+        socket_path: str | None = None,
+        client_name: str = "",
+        timeout_s: float | None = 120.0,
+        spin_us: float | None = None,
+    ):
         self.socket_path = socket_path or default_socket_path()
         self.client_name = client_name or f"pid{os.getpid()}"
         self.timeout_s = timeout_s
@@ -47,7 +50,7 @@ class Client:
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._frames = FrameReader(reply_decoder)
-        self._early: list = []          # replies that arrived in one recv with the one awaited
+        self._early: list = []  # replies that arrived in one recv with the one awaited
         self._segments: dict[int, Segment] = {}
         # Hits without a round trip (moed.client.local): this connection's hold
         # region and each class's slot states, mapped once the first model opens.
@@ -71,7 +74,9 @@ class Client:
             sock.connect(self.socket_path)
         except OSError as exc:
             sock.close()
-            raise errors.DaemonUnavailable(f"cannot connect to moed at {self.socket_path}: {exc.strerror or exc}") from None
+            raise errors.DaemonUnavailable(
+                f"cannot connect to moed at {self.socket_path}: {exc.strerror or exc}"
+            ) from None
         self._sock = sock
         self._frames, self._early = FrameReader(reply_decoder), []
         self.hello = self.request(m.Hello(m.PROTOCOL_VERSION, self.client_name))
@@ -91,7 +96,7 @@ class Client:
             seg.close()
         self._segments.clear()
         self._states.clear()
-        if self._region is not None:       # the daemon stopped counting its holds when the socket closed
+        if self._region is not None:  # the daemon stopped counting its holds when the socket closed
             self._region.close()
             self._region = None
 
@@ -153,7 +158,7 @@ class Client:
             sock.close()
         if reason is not None:
             raise errors.error_for(reason.code, reason.message)
-        if isinstance(exc, (TimeoutError, BlockingIOError)):   # SO_RCVTIMEO expired
+        if isinstance(exc, (TimeoutError, BlockingIOError)):  # SO_RCVTIMEO expired
             raise errors.DaemonUnavailable(f"moed did not answer within {self.timeout_s}s") from None
         raise errors.DaemonUnavailable(f"connection to moed lost: {exc or 'closed'}") from None
 
@@ -171,7 +176,7 @@ class Client:
                 raise EOFError("daemon closed the connection")
             self._early = self._frames.feed(data)
         reply = self._early.pop(0)
-        if isinstance(reply, errors.BadFrame):      # the stream cannot be trusted any more
+        if isinstance(reply, errors.BadFrame):  # the stream cannot be trusted any more
             raise EOFError(f"undecodable reply: {reply}")
         return reply, fds
 
@@ -220,7 +225,7 @@ class Client:
                 self._segments[seg_info.class_id] = Segment(seg_info, fd)
         table = None
         if info.residency:
-            for seg_info, fd in zip(info.segments, fds[n:2 * n]):
+            for seg_info, fd in zip(info.segments, fds[n : 2 * n]):
                 if seg_info.class_id in self._states:
                     os.close(fd)
                 else:
@@ -258,7 +263,7 @@ class ModelHandle:
     def __init__(self, client: Client, info: m.ModelInfo, table: local.ReadOnlyWords | None = None):
         self.client = client
         self.info = info
-        self._table = table           # None: every acquire is a round trip
+        self._table = table  # None: every acquire is a round trip
         self._rows = {layer: i * info.n_experts for i, layer in enumerate(sorted(info.moe_layers))}
         self.model_id = info.model_id
         self.path = info.path
@@ -278,16 +283,18 @@ class ModelHandle:
     def segment(self, class_id: int) -> Segment:
         return self.client.segment(class_id)
 
-    def acquire(self, layer: int, experts, timeout_s: float | None = None, release=(), *,
-                timeout: float | None = None) -> Lease:
+    def acquire(
+        self, layer: int, experts, timeout_s: float | None = None, release=(), *, timeout: float | None = None
+    ) -> Lease:
         """Hold `experts` of `layer`; blocks until they are resident. `release` piggybacks.
 
         `timeout_s`: how long the daemon may wait for room (None: its default).
         `timeout` is the old name, kept as a deprecated alias.
         """
         if timeout is not None:
-            warnings.warn("ModelHandle.acquire(timeout=) is deprecated; use timeout_s=",
-                          DeprecationWarning, stacklevel=2)
+            warnings.warn(
+                "ModelHandle.acquire(timeout=) is deprecated; use timeout_s=", DeprecationWarning, stacklevel=2
+            )
             timeout_s = timeout if timeout_s is None else timeout_s
         experts = list(map(int, experts))
         if self._table is not None:
@@ -308,10 +315,10 @@ class ModelHandle:
             return None
         uniq = list(dict.fromkeys(experts))
         if not uniq or min(uniq) < 0 or max(uniq) >= self.n_experts:
-            return None                   # the daemon answers with the right error
+            return None  # the daemon answers with the right error
         holds = region.take(len(uniq))
         if holds is None:
-            return None                   # every hold word in use: the daemon holds the rest
+            return None  # every hold word in use: the daemon holds the rest
         slots = region.hit(self._table, row, uniq, client._states[info.class_id], info.class_id, holds)
         if slots is None:
             region.give(holds)
@@ -336,8 +343,14 @@ class Lease:
 
     __slots__ = ("model", "layer", "experts", "lease_id", "class_id", "slots", "_segment", "_live", "_holds")
 
-    def __init__(self, model: ModelHandle, layer: int, experts: list[int], granted: m.Granted,
-                 holds: tuple[local.HoldRegion, list[int]] | None = None):
+    def __init__(
+        self,
+        model: ModelHandle,
+        layer: int,
+        experts: list[int],
+        granted: m.Granted,
+        holds: tuple[local.HoldRegion, list[int]] | None = None,
+    ):
         self.model = model
         self.layer = layer
         self.experts = experts
@@ -346,7 +359,7 @@ class Lease:
         self.slots = dict(zip(experts, granted.slots))
         self._segment = model.segment(granted.class_id)
         self._live = True
-        self._holds = holds           # a local lease (no round trip): its region and hold words
+        self._holds = holds  # a local lease (no round trip): its region and hold words
 
     @property
     def segment(self) -> Segment:
@@ -376,7 +389,7 @@ class Lease:
         self._live = False
         if self._holds is not None:
             region, words = self._holds
-            if region is self.model.client._region:     # a closed connection's region counts no more
+            if region is self.model.client._region:  # a closed connection's region counts no more
                 region.clear(words)
             return None
         return self.lease_id

@@ -30,7 +30,7 @@ from moed.protocol import residency as rz
 _holds: types.ModuleType | None
 try:
     from moed import _holds
-except ImportError:          # not built (a source checkout never installed): round trips only
+except ImportError:  # not built (a source checkout never installed): round trips only
     _holds = None
 
 
@@ -58,7 +58,7 @@ class HoldRegion:
         self._free = list(range(rz.HOLD_BASE + rz.HOLD_WORDS - 1, rz.HOLD_BASE - 1, -1))
         self._lock = threading.Lock()
         self._head = 0
-        self._counters: dict[int, int] = {}      # model id -> its counter word
+        self._counters: dict[int, int] = {}  # model id -> its counter word
 
     def take(self, n: int) -> list[int] | None:
         with self._lock:
@@ -72,8 +72,9 @@ class HoldRegion:
         with self._lock:
             self._free += indexes
 
-    def hit(self, table, row_base: int, experts: list[int], states, class_id: int,
-            holds: list[int]) -> list[int] | None:
+    def hit(
+        self, table, row_base: int, experts: list[int], states, class_id: int, holds: list[int]
+    ) -> list[int] | None:
         assert _holds is not None
         return _holds.hit(table.map, row_base, experts, states.map, self.map, holds, class_id)
 
@@ -90,7 +91,7 @@ class HoldRegion:
             for slot in slots:
                 w[rz.RING_BASE + self._head % rz.RING_WORDS] = rz.touch(class_id, slot)
                 self._head += 1
-            _holds.store(self.map, rz.W_RING_HEAD, self._head)   # after the entries: a release
+            _holds.store(self.map, rz.W_RING_HEAD, self._head)  # after the entries: a release
             word = self._counter(model_id)
             if word is not None:
                 w[word] += len(slots)
@@ -108,4 +109,4 @@ class HoldRegion:
         try:
             self.map.close()
         except BufferError:
-            pass      # a lease's view still holds it; the mapping goes with it
+            pass  # a lease's view still holds it; the mapping goes with it

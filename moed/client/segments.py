@@ -41,9 +41,9 @@ class Segment:
         return self._array[off : off + self.info.part_bytes[k]]
 
     def close(self) -> None:
-        self.__dict__.pop("_array", None)    # a view after close raises AttributeError, never reads freed memory
+        self.__dict__.pop("_array", None)  # a view after close raises AttributeError, never reads freed memory
         try:
             self._map.close()
         except BufferError:
-            pass   # a caller still holds a view; the mapping goes with it
+            pass  # a caller still holds a view; the mapping goes with it
         os.close(self.fd)

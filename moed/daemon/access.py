@@ -34,8 +34,8 @@ _ACL_USER_OBJ, _ACL_USER, _ACL_GROUP_OBJ, _ACL_GROUP, _ACL_MASK, _ACL_OTHER = 1,
 @dataclass(frozen=True)
 class Peer:
     pid: int
-    uid: int                 # filesystem uid (what the kernel checks on open)
-    gids: frozenset          # filesystem gid plus supplementary groups
+    uid: int  # filesystem uid (what the kernel checks on open)
+    gids: frozenset  # filesystem gid plus supplementary groups
 
 
 def peer_identity(pid: int, uid: int, gid: int) -> Peer:
@@ -63,7 +63,7 @@ def _acl(path_or_fd) -> list[tuple[int, int, int]] | None:
             return None
         raise
     if len(raw) < 4 or (len(raw) - 4) % 8:
-        return []            # malformed: judged by the mode bits alone
+        return []  # malformed: judged by the mode bits alone
     return [struct.unpack_from("<HHI", raw, off) for off in range(4, len(raw), 8)]
 
 

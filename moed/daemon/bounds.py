@@ -10,13 +10,13 @@ from __future__ import annotations
 from moed.protocol.framing import MAX_REQUEST_FRAME_BYTES
 from moed.protocol.residency import HOLD_WORDS
 
-MAX_QUEUED_FRAMES = 64         # whole requests waiting on one connection before it is no longer read
-MAX_QUEUED_BYTES = 256 << 10   # ... or their encoded bytes
-WRITE_HIGH_BYTES = 64 << 10    # replies buffered for a peer before the session stops answering it
-WRITE_LOW_BYTES = 16 << 10     # ... and resumes once the peer has read them down to this
-SEND_STALL_S = 30.0            # a peer that takes none of its open_model reply for this long is dropped
-LOCAL_HOLD_SHARE = 0.5         # of the budget one tenant may keep from eviction by local holds
-OPERATOR_RESERVE = 8           # connections beyond max_clients kept for operators (moectl on a full daemon)
+MAX_QUEUED_FRAMES = 64  # whole requests waiting on one connection before it is no longer read
+MAX_QUEUED_BYTES = 256 << 10  # ... or their encoded bytes
+WRITE_HIGH_BYTES = 64 << 10  # replies buffered for a peer before the session stops answering it
+WRITE_LOW_BYTES = 16 << 10  # ... and resumes once the peer has read them down to this
+SEND_STALL_S = 30.0  # a peer that takes none of its open_model reply for this long is dropped
+LOCAL_HOLD_SHARE = 0.5  # of the budget one tenant may keep from eviction by local holds
+OPERATOR_RESERVE = 8  # connections beyond max_clients kept for operators (moectl on a full daemon)
 
 
 def limits(config) -> dict:

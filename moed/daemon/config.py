@@ -23,7 +23,7 @@ from moed.protocol.sizes import parse_size
 from .policy import POLICIES
 
 MAX_READER_THREADS = 256
-MAX_SOCKET_PATH_BYTES = 107      # sun_path is 108 bytes with its terminating NUL
+MAX_SOCKET_PATH_BYTES = 107  # sun_path is 108 bytes with its terminating NUL
 
 
 class ConfigError(ValueError):
@@ -33,8 +33,8 @@ class ConfigError(ValueError):
 class TenantConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Budget share of one tenant (a uid, or a user name resolved at start)."""
 
-    floor_bytes: int = 0        # its experts are not evicted by others below this
-    ceiling_bytes: int = 0      # 0: no ceiling
+    floor_bytes: int = 0  # its experts are not evicted by others below this
+    ceiling_bytes: int = 0  # 0: no ceiling
 
 
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -42,7 +42,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ram_budget_bytes: int = 1 << 30
     mem_floor_bytes: int = 0
     pin_budget_bytes: int = 0
-    policy: str = "lru"                  # a name in policy.POLICIES
+    policy: str = "lru"  # a name in policy.POLICIES
     reader_threads: int = 8
     chunk_bytes: int = 256 << 10
     direct_io: Literal["auto", "on", "off"] = "auto"
@@ -55,25 +55,29 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model_roots: list[str] = []
     verify: bool = False
     max_clients: int = 256
-    max_clients_per_tenant: int = 64     # one uid cannot take every connection (operators have a reserve)
-    hello_timeout_s: float = 5.0         # a connection that sends no Hello within this is closed
-    idle_timeout_s: float = 0.0          # 0: off; else a connection that sends nothing for this long
-                                         # and holds no lease is closed
-    open_timeout_s: float = 30.0         # a model open (header parse) slower than this fails
-    max_models: int = 64                 # open models; beyond it the oldest unused one is closed
-    max_opens_per_tenant: int = 2        # model opens in flight per uid (a hung file ties up only these)
+    max_clients_per_tenant: int = 64  # one uid cannot take every connection (operators have a reserve)
+    hello_timeout_s: float = 5.0  # a connection that sends no Hello within this is closed
+    idle_timeout_s: float = 0.0  # 0: off; else a connection that sends nothing for this long
+    # and holds no lease is closed
+    open_timeout_s: float = 30.0  # a model open (header parse) slower than this fails
+    max_models: int = 64  # open models; beyond it the oldest unused one is closed
+    max_opens_per_tenant: int = 2  # model opens in flight per uid (a hung file ties up only these)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     tenants: dict[str, TenantConfig] = {}
-    metrics_listen: str = ""             # HOST:PORT of the Prometheus endpoint; "" (default): off
+    metrics_listen: str = ""  # HOST:PORT of the Prometheus endpoint; "" (default): off
 
     def __post_init__(self):
         checks = [
             (self.ram_budget_bytes > 0, "ram_budget_bytes must be positive"),
             (self.policy in POLICIES, f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}"),
-            (1 <= self.reader_threads <= MAX_READER_THREADS,
-             f"reader_threads must be 1..{MAX_READER_THREADS}, got {self.reader_threads}"),
-            (self.chunk_bytes >= 4096 and self.chunk_bytes % 4096 == 0,
-             "chunk_bytes must be a positive multiple of 4096"),
+            (
+                1 <= self.reader_threads <= MAX_READER_THREADS,
+                f"reader_threads must be 1..{MAX_READER_THREADS}, got {self.reader_threads}",
+            ),
+            (
+                self.chunk_bytes >= 4096 and self.chunk_bytes % 4096 == 0,
+                "chunk_bytes must be a positive multiple of 4096",
+            ),
             (self.acquire_timeout_s > 0, "acquire_timeout_s must be positive"),
             (self.shutdown_grace_s >= 0, "shutdown_grace_s must not be negative"),
             (self.mem_sample_s > 0, "mem_sample_s must be positive"),
@@ -87,9 +91,11 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             (self.max_models >= 1, "max_models must be at least 1"),
             (self.max_opens_per_tenant >= 1, "max_opens_per_tenant must be at least 1"),
             (self.socket_path != "", "socket_path must not be empty"),
-            (len(os.fsencode(self.socket_path)) <= MAX_SOCKET_PATH_BYTES,
-             f"socket_path is {len(os.fsencode(self.socket_path))} bytes; a Unix socket path "
-             f"holds at most {MAX_SOCKET_PATH_BYTES}"),
+            (
+                len(os.fsencode(self.socket_path)) <= MAX_SOCKET_PATH_BYTES,
+                f"socket_path is {len(os.fsencode(self.socket_path))} bytes; a Unix socket path "
+                f"holds at most {MAX_SOCKET_PATH_BYTES}",
+            ),
         ]
         for ok, why in checks:
             if not ok:
@@ -99,7 +105,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         self._check_tenants()
 
     def _check_tenants(self) -> None:
-        resolve_tenants(self.tenants)        # unknown user names fail the start
+        resolve_tenants(self.tenants)  # unknown user names fail the start
         for key, t in self.tenants.items():
             if t.floor_bytes < 0 or t.ceiling_bytes < 0:
                 raise ValueError(f"tenants.{key}: sizes must not be negative")
@@ -136,7 +142,6 @@ def resolve_tenants(tenants: dict[str, TenantConfig]) -> dict[int, TenantConfig]
             raise ValueError(f"tenants.{key}: uid {uid} is configured twice")
         out[uid] = cfg
     return out
-
 
 
 def _sizes(raw: dict[str, Any], where: str = "") -> dict[str, Any]:

@@ -20,7 +20,8 @@ def is_operator(session) -> bool:
 def require_operator(session) -> None:
     if not is_operator(session):
         raise errors.PermissionDenied(
-            f"uid {session.uid} may not change the daemon's settings (only root or uid {os.getuid()})")
+            f"uid {session.uid} may not change the daemon's settings (only root or uid {os.getuid()})"
+        )
 
 
 def on_set_mem_floor(session, msg: m.SetMemFloor):
@@ -29,15 +30,15 @@ def on_set_mem_floor(session, msg: m.SetMemFloor):
         raise errors.BadRequest(f"floor_bytes must not be negative, got {msg.floor_bytes}")
     guard = session.daemon.memguard
     guard.set_floor(msg.floor_bytes)
-    return m.MemFloorSet(guard.floor_bytes, session.daemon.store.effective_budget_bytes,
-                         guard.available_bytes(), guard.given_back_bytes)
+    return m.MemFloorSet(
+        guard.floor_bytes, session.daemon.store.effective_budget_bytes, guard.available_bytes(), guard.given_back_bytes
+    )
 
 
 async def on_pin(session, msg: m.Pin):
     require_operator(session)
     model = session.model(msg.model_id)
-    pinned, skipped = await session.daemon.pin(model, msg.experts, all_experts=msg.all,
-                                               from_stats=msg.from_stats)
+    pinned, skipped = await session.daemon.pin(model, msg.experts, all_experts=msg.all, from_stats=msg.from_stats)
     return m.Pinned(pinned, skipped, session.daemon.store.pinned_bytes)
 
 
@@ -75,6 +76,9 @@ def visible_stats(session, stats: dict) -> dict:
         except errors.MoedError:
             return False
 
-    return {**stats, "tenants": [t for t in stats["tenants"] if t["uid"] == session.uid],
-            "clients": [c for c in stats["clients"] if c["uid"] == session.uid],
-            "models": [r for r in stats["models"] if readable(r)]}
+    return {
+        **stats,
+        "tenants": [t for t in stats["tenants"] if t["uid"] == session.uid],
+        "clients": [c for c in stats["clients"] if c["uid"] == session.uid],
+        "models": [r for r in stats["models"] if readable(r)],
+    }

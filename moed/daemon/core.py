@@ -75,12 +75,13 @@ class PendingAcquire:
     exactly once.
     """
 
-    def __init__(self, daemon: Daemon, model: Model, layer: int, wants: list[Want], plan,
-                 tenant: Tenant, deadline: float):
+    def __init__(
+        self, daemon: Daemon, model: Model, layer: int, wants: list[Want], plan, tenant: Tenant, deadline: float
+    ):
         self.daemon, self.model, self.layer, self.wants = daemon, model, layer, wants
         self.plan, self.tenant, self.deadline = plan, tenant, deadline
         self.ended = False
-        self.started_s = time.perf_counter()     # Daemon.acquire sets its own start
+        self.started_s = time.perf_counter()  # Daemon.acquire sets its own start
 
     async def wait(self) -> Lease:
         try:
@@ -88,7 +89,7 @@ class PendingAcquire:
         except BaseException:
             self.cancel()
             raise
-        self.ended = True          # the references are the lease's now
+        self.ended = True  # the references are the lease's now
         self.daemon.counters.acquire_latency_s.observe(time.perf_counter() - self.started_s)
         return lease
 
@@ -125,8 +126,9 @@ class Daemon:
         self.ramtier = RamTier(config.ram_budget_bytes + config.pin_budget_bytes)
         self.reader = ReaderPool(config.reader_threads, config.chunk_bytes)
         self.opener = Opener(config.max_opens_per_tenant, config.open_timeout_s)
-        self.memguard = MemGuard(self.store, config.mem_floor_bytes, config.mem_sample_s,
-                                 settle=self.settle, room_changed=self.room_changed)
+        self.memguard = MemGuard(
+            self.store, config.mem_floor_bytes, config.mem_sample_s, settle=self.settle, room_changed=self.room_changed
+        )
         self.tenant_quotas = resolve_tenants(config.tenants)
         self.verifier = Verifier() if config.verify else None
         # decayed access counts per expert, for `moectl pin --from-stats` (only with a pin budget)
@@ -135,15 +137,15 @@ class Daemon:
         self.tenants: dict[int, Tenant] = {}
         self.models: dict[int, Model] = {}
         self._by_identity: dict[tuple, Model] = {}
-        self._classes: dict[tuple, int] = {}          # (domain, size class) -> class id
+        self._classes: dict[tuple, int] = {}  # (domain, size class) -> class id
         self._class_ids = itertools.count(1)
         self._loading: dict[Slot, Loading] = {}
         # source (a session) -> (model_id, layer) -> [(slot, generation)] of its prefetches
         self._prefetched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._room_waiters: list[asyncio.Future] = []
-        self._waiting: dict[Tenant, int] = {}      # tenant -> its acquires waiting for room now
+        self._waiting: dict[Tenant, int] = {}  # tenant -> its acquires waiting for room now
         self._model_ids = itertools.count(1)
-        self._retired: set[int] = set()     # ids of stale models already dropped
+        self._retired: set[int] = set()  # ids of stale models already dropped
         self._lease_ids = itertools.count(1)
         self.sessions: set = set()
 
@@ -177,7 +179,7 @@ class Daemon:
         catalog = await self.opener.run(tenant, path, open_catalog, real)
         if catalog.identity[0] != identity:
             raise errors.BadModelFile(f"{path}: the file changed while it was being opened; try again")
-        model = self._by_identity.get((real, identity))   # someone else opened it meanwhile
+        model = self._by_identity.get((real, identity))  # someone else opened it meanwhile
         if model is None or model.stale:
             model = self._add_model(real, identity, catalog)
         self._check_files(model, path, peer)
@@ -207,22 +209,30 @@ class Daemon:
         # whole segments (security: see access.py).
         domain = None if all(world_readable(f.path) for f in files) else catalog.identity
         for layer, entry in catalog.layers.items():
-            key = entry.size_class     # parts in catalog order, with sizes
+            key = entry.size_class  # parts in catalog order, with sizes
             class_id = self._class_for(key, domain)
             parts = [(files[entry.parts[p].shard], entry.parts[p].offset, size) for p, size in key]
             layers[layer] = LayerPlan(class_id, parts)
         model = Model(next(self._model_ids), path, catalog, identity, files, layers, domain=domain)
-        model.wants = {layer: [Want(ExpertKey(model.model_id, layer, e), plan.class_id)
-                               for e in range(catalog.n_experts)]
-                       for layer, plan in layers.items()}
+        model.wants = {
+            layer: [Want(ExpertKey(model.model_id, layer, e), plan.class_id) for e in range(catalog.n_experts)]
+            for layer, plan in layers.items()
+        }
         self.residency.add_model(model.model_id, list(layers), catalog.n_experts)
         model.info = model_info(model, self.ramtier.segments)
         self.models[model.model_id] = model
         self._by_identity[(path, identity)] = model
-        log.info("opened model %d: %s (%d MoE layers, %d experts, top-%d, direct_io=%s)",
-                 model.model_id, path, len(layers), catalog.n_experts, catalog.n_expert_used, model.direct_io)
+        log.info(
+            "opened model %d: %s (%d MoE layers, %d experts, top-%d, direct_io=%s)",
+            model.model_id,
+            path,
+            len(layers),
+            catalog.n_experts,
+            catalog.n_expert_used,
+            model.direct_io,
+        )
         if self.store.pin_budget_bytes and self._model_fits_pins(model):
-            self._pin_keys(model, self._all_experts(model))      # the whole model fits: mirror it
+            self._pin_keys(model, self._all_experts(model))  # the whole model fits: mirror it
         return model
 
     def _open_files(self, path: str, catalog) -> list[ModelFile]:
@@ -249,17 +259,22 @@ class Daemon:
         in_use = {mid for s in self.sessions for mid in s.models}
         idle = [mdl for mdl in live if mdl.model_id not in in_use]
         if not idle:
-            raise errors.TooBusy(f"{path}: {len(live)} models are open and in use (max_models is "
-                                 f"{self.config.max_models})")
+            raise errors.TooBusy(
+                f"{path}: {len(live)} models are open and in use (max_models is {self.config.max_models})"
+            )
         oldest = min(idle, key=lambda mdl: mdl.model_id)
-        log.info("model %d: %s closed to make room (max_models is %d; no connection uses it)",
-                 oldest.model_id, oldest.path, self.config.max_models)
+        log.info(
+            "model %d: %s closed to make room (max_models is %d; no connection uses it)",
+            oldest.model_id,
+            oldest.path,
+            self.config.max_models,
+        )
         self._retire(oldest)
 
     def _retire(self, model: Model) -> None:
         """The model takes no new acquires; its slots go once its last lease is released."""
         model.stale = True
-        self.residency.retire_model(model.model_id)     # no new local hits on it
+        self.residency.retire_model(model.model_id)  # no new local hits on it
         self._maybe_drop_stale(model)
 
     def went_stale(self, model: Model, why: str) -> errors.ModelStale:
@@ -352,8 +367,9 @@ class Daemon:
     def _wants(self, model: Model, layer: int, experts: list[int]) -> list[Want]:
         table = model.wants.get(layer)
         if table is None:
-            raise errors.UnknownLayer(f"model {model.model_id} has no routed experts in layer {layer} "
-                                      f"(MoE layers: {sorted(model.layers)})")
+            raise errors.UnknownLayer(
+                f"model {model.model_id} has no routed experts in layer {layer} (MoE layers: {sorted(model.layers)})"
+            )
         if not experts:
             raise errors.BadRequest("acquire needs at least one expert")
         try:
@@ -367,8 +383,9 @@ class Daemon:
             wants = list(dict.fromkeys(wants))
         return wants
 
-    def acquire(self, model: Model, layer: int, experts: list[int], tenant: Tenant,
-                timeout_s: float | None = None) -> Lease | PendingAcquire:
+    def acquire(
+        self, model: Model, layer: int, experts: list[int], tenant: Tenant, timeout_s: float | None = None
+    ) -> Lease | PendingAcquire:
         """A lease if everything is resident now; else a PendingAcquire that owns the wait."""
         started_s = time.perf_counter()
         wants = self._wants(model, layer, experts)
@@ -385,16 +402,16 @@ class Daemon:
 
     def _plan(self, wants, tenant):
         if self.residency.regions:
-            self.fold_local()        # local hits reach the LRU before it picks a victim
+            self.fold_local()  # local hits reach the LRU before it picks a victim
         try:
             plan = self.store.acquire(wants, owner=tenant)
             while plan is None and self._cancel_newest_prefetch():
-                plan = self.store.acquire(wants, owner=tenant)   # demand goes before read-ahead
+                plan = self.store.acquire(wants, owner=tenant)  # demand goes before read-ahead
         except ValueError as exc:
             raise errors.RequestTooLarge(str(exc)) from None
         if plan is not None:
             self._count(plan, tenant)
-            if plan.to_load:      # the store drops slots only to reserve new ones: a hit settles nothing
+            if plan.to_load:  # the store drops slots only to reserve new ones: a hit settles nothing
                 self.settle()
             for slot in plan.to_load:
                 self._start_read(slot, demand=True)
@@ -416,8 +433,9 @@ class Daemon:
         use.misses += misses
         if plan.hits:
             # One copy serving several tenants is the point of the daemon: count it.
-            shared = sum(1 for s in plan.slots
-                         if s.owner is not tenant and s.owner is not None and s.state is SlotState.READY)
+            shared = sum(
+                1 for s in plan.slots if s.owner is not tenant and s.owner is not None and s.state is SlotState.READY
+            )
             c.shared_hits += shared
             tenant.shared_hits += shared
         if self.store.pinned_bytes:
@@ -451,14 +469,16 @@ class Daemon:
             failures = [r for r in results if isinstance(r, BaseException)]
             if failures:
                 raise failures[0] if isinstance(failures[0], errors.MoedError) else errors.ReadError(str(failures[0]))
-        self.check_current(p.model)    # the file may have changed while this acquire waited
+        self.check_current(p.model)  # the file may have changed while this acquire waited
         return self._grant(p.model, p.layer, plan, p.tenant)
 
     def _no_room_message(self, n: int, layer: int) -> str:
         st = self.store
-        why = (f"the budget is held by leases ({format_size(st.used_bytes)} of "
-               f"{format_size(st.budget_bytes)} used)"
-               if st.effective_budget_bytes >= st.budget_bytes else self.memguard.why_held())
+        why = (
+            f"the budget is held by leases ({format_size(st.used_bytes)} of {format_size(st.budget_bytes)} used)"
+            if st.effective_budget_bytes >= st.budget_bytes
+            else self.memguard.why_held()
+        )
         return f"no room for {n} experts of layer {layer} before the timeout: {why}"
 
     def _grant(self, model: Model, layer: int, plan, tenant: Tenant) -> Lease:
@@ -487,13 +507,20 @@ class Daemon:
 
     def _start_read(self, slot: Slot, demand: bool) -> None:
         key = slot.key
-        assert key is not None            # a reserved (LOADING) slot always has its key
+        assert key is not None  # a reserved (LOADING) slot always has its key
         plan = self.models[key.model_id].layers[key.layer]
         seg = self.ramtier.segments[slot.class_id]
-        pieces = [(f, off + key.expert * size, size, seg.part_addr(slot.index, k))
-                  for k, (f, off, size) in enumerate(plan.parts)]
-        job = ReadJob(pieces, self._read_done_thread, demand=demand, tag=slot,
-                      what=f"model {key.model_id} layer {key.layer} expert {key.expert}")
+        pieces = [
+            (f, off + key.expert * size, size, seg.part_addr(slot.index, k))
+            for k, (f, off, size) in enumerate(plan.parts)
+        ]
+        job = ReadJob(
+            pieces,
+            self._read_done_thread,
+            demand=demand,
+            tag=slot,
+            what=f"model {key.model_id} layer {key.layer} expert {key.expert}",
+        )
         self._loading[slot] = Loading(job, self.loop.create_future())
         if not demand and not slot.pinned:
             self.counters.prefetches += 1
@@ -510,7 +537,7 @@ class Daemon:
         if err is None:
             self.ramtier.lock_slot(self.ramtier.segments[slot.class_id], slot.index)
             if self.verifier is not None:
-                job.digest = digest(job.pieces)      # hashed here, off the event loop
+                job.digest = digest(job.pieces)  # hashed here, off the event loop
         self.loop.call_soon_threadsafe(self._read_done, slot, job, err)
 
     def _read_done(self, slot: Slot, job: ReadJob, err: BaseException | None) -> None:
@@ -521,7 +548,7 @@ class Daemon:
         self.counters.read_latency_s.observe(time.perf_counter() - loading.started_s)
         self.counters.bytes_read += job.bytes_total
         key, owner = slot.key, cast("Tenant | None", slot.owner)
-        assert key is not None            # still LOADING: nothing vacated it (cancel removes _loading first)
+        assert key is not None  # still LOADING: nothing vacated it (cancel removes _loading first)
         if owner is not None:
             owner.bytes_read += job.bytes_total
             owner.use(key.model_id).bytes_read += job.bytes_total
@@ -539,9 +566,10 @@ class Daemon:
             self.settle()
             if isinstance(err, errors.ModelStale) and model is not None:
                 self.went_stale(model, str(err))
-            loading.done.set_exception(err if isinstance(err, errors.MoedError) else
-                                       errors.ReadError(f"reading {job.what} failed: {err}"))
-            loading.done.exception()   # mark retrieved: a prefetch has no awaiter
+            loading.done.set_exception(
+                err if isinstance(err, errors.MoedError) else errors.ReadError(f"reading {job.what} failed: {err}")
+            )
+            loading.done.exception()  # mark retrieved: a prefetch has no awaiter
         self.room_changed()
 
     def settle(self) -> None:
@@ -566,8 +594,7 @@ class Daemon:
         if self._room_waiters:
             self.room_changed()
 
-    def prefetch(self, model: Model, layer: int, experts: list[int], tenant: Tenant,
-                 source: object = None) -> int:
+    def prefetch(self, model: Model, layer: int, experts: list[int], tenant: Tenant, source: object = None) -> int:
         """Queue reads of the experts not resident; returns how many were queued.
 
         `source` (the session) supersedes its own earlier prefetches of this layer.
@@ -593,7 +620,7 @@ class Daemon:
         alive = []
         for slot, gen in by_layer.get(where, ()):
             if slot.generation != gen or slot.state != SlotState.LOADING:
-                continue                      # its read finished or failed: nothing to drop
+                continue  # its read finished or failed: nothing to drop
             if slot.key in keep or not self._cancel_prefetch(slot):
                 alive.append((slot, gen))
         by_layer[where] = alive
@@ -627,8 +654,7 @@ class Daemon:
 
     # ---- the pinned partition (host mirror) -------------------------------------
 
-    async def pin(self, model: Model, experts, all_experts: bool = False,
-                  from_stats: bool = False) -> tuple[int, int]:
+    async def pin(self, model: Model, experts, all_experts: bool = False, from_stats: bool = False) -> tuple[int, int]:
         """Pin experts hottest first until the pin budget is full; wait for their reads.
 
         Returns (newly pinned, skipped for want of pin budget).
@@ -650,13 +676,19 @@ class Daemon:
             failed = [r for r in results if isinstance(r, BaseException)]
             if failed:
                 raise errors.ReadError(f"{len(failed)} pinned experts could not be read: {failed[0]}")
-        log.info("pinned %d experts of model %d (%d skipped); pinned partition %d of %d bytes",
-                 pinned, model.model_id, skipped, self.store.pinned_bytes, self.store.pin_budget_bytes)
+        log.info(
+            "pinned %d experts of model %d (%d skipped); pinned partition %d of %d bytes",
+            pinned,
+            model.model_id,
+            skipped,
+            self.store.pinned_bytes,
+            self.store.pin_budget_bytes,
+        )
         return pinned, skipped
 
     def _pin_keys(self, model: Model, order) -> tuple[int, int, list[Slot]]:
         pinned, skipped, slots = 0, 0, []
-        growing_refused = self.memguard.active    # reading new experts in is growth
+        growing_refused = self.memguard.active  # reading new experts in is growth
         for layer, expert in order:
             (want,) = self._wants(model, layer, [expert])
             if growing_refused and want.key not in self.store.table:
@@ -671,7 +703,7 @@ class Daemon:
             slots.append(slot)
             if must_read:
                 self._start_read(slot, demand=False)
-        self.room_changed()          # pinning resident keys freed room in the shared budget
+        self.room_changed()  # pinning resident keys freed room in the shared budget
         return pinned, skipped, slots
 
     def unpin(self, model: Model, experts, all_experts: bool = False) -> int:
@@ -696,6 +728,7 @@ class Daemon:
 
     def stats(self) -> dict:
         from .stats import snapshot
+
         self.fold_local(counters=True)
         return snapshot(self)
 
@@ -788,8 +821,13 @@ class Daemon:
                 holders.setdefault(session.tenant, set()).add(session)
         for tenant, held in by_tenant.items():
             if held > cap and any(t is not tenant for t in self._waiting):
-                log.warning("uid %d holds %s locally, over its share %s of the budget: closing %d connection(s)",
-                            tenant.uid, format_size(held), format_size(cap), len(holders[tenant]))
+                log.warning(
+                    "uid %d holds %s locally, over its share %s of the budget: closing %d connection(s)",
+                    tenant.uid,
+                    format_size(held),
+                    format_size(cap),
+                    len(holders[tenant]),
+                )
                 for session in holders[tenant]:
                     session.transport.abort()
 

@@ -20,7 +20,9 @@ MAP_FAILED = ctypes.c_void_p(-1).value
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 for _name in ("munmap", "mlock", "munlock", "mprotect"):
-    getattr(_libc, _name).argtypes = [ctypes.c_void_p, ctypes.c_size_t] + ([ctypes.c_int] if _name == "mprotect" else [])
+    getattr(_libc, _name).argtypes = [ctypes.c_void_p, ctypes.c_size_t] + (
+        [ctypes.c_int] if _name == "mprotect" else []
+    )
     getattr(_libc, _name).restype = ctypes.c_int
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int

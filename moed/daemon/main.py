@@ -45,13 +45,17 @@ def _size(text: str) -> int:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="moed", description="The MoE expert streaming daemon (foreground).")
-    p.add_argument("--socket", dest="socket_path", help="Unix socket path (default: $MOED_SOCKET or /run/moed/moed.sock)")
+    p.add_argument(
+        "--socket", dest="socket_path", help="Unix socket path (default: $MOED_SOCKET or /run/moed/moed.sock)"
+    )
     p.add_argument("--ram-budget", dest="ram_budget_bytes", type=_size, help="RAM tier budget, e.g. 8GiB")
     p.add_argument("--mem-floor", dest="mem_floor_bytes", type=_size, help="keep MemAvailable above this")
     p.add_argument("--pin-budget", dest="pin_budget_bytes", type=_size, help="pinned partition (host mirror)")
     p.add_argument("--config", help="TOML configuration file")
     p.add_argument("--direct-io", choices=["auto", "on", "off"], help="O_DIRECT reads (auto: probe, fall back)")
-    p.add_argument("--require-mlock", action="store_true", default=None, help="refuse to start if memory cannot be locked")
+    p.add_argument(
+        "--require-mlock", action="store_true", default=None, help="refuse to start if memory cannot be locked"
+    )
     p.add_argument("--reader-threads", type=int)
     p.add_argument("--policy", choices=list(POLICIES))
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
@@ -72,7 +76,7 @@ def bind_socket(config: Config) -> socket.socket:
     """
     path = config.socket_path
     gid = -1
-    if config.socket_group:       # resolved before anything is made, so a typo leaves nothing behind
+    if config.socket_group:  # resolved before anything is made, so a typo leaves nothing behind
         try:
             gid = grp.getgrnam(config.socket_group).gr_gid
         except KeyError:
@@ -95,7 +99,7 @@ def bind_socket(config: Config) -> socket.socket:
         os.chmod(path, config.socket_mode)
     except OSError as exc:
         sock.close()
-        os.unlink(path)      # ours, just made: leave nothing behind
+        os.unlink(path)  # ours, just made: leave nothing behind
         raise StartupError(f"cannot set the owner group or mode of {path}: {exc}") from None
     sock.listen(128)
     sock.setblocking(False)
@@ -116,7 +120,7 @@ def _clear_stale_socket(path: str) -> None:
     try:
         probe.connect(path)
     except OSError:
-        os.unlink(path)   # a stale socket of a daemon that died
+        os.unlink(path)  # a stale socket of a daemon that died
     else:
         raise StartupError(f"another daemon is serving on {path}")
     finally:
@@ -126,11 +130,14 @@ def _clear_stale_socket(path: str) -> None:
 def warn_about_sizes(config: Config) -> None:
     """Sizes the box cannot honour are legal (the guard copes) but almost surely a mistake."""
     total = psutil.virtual_memory().total
-    for name, value in (("ram budget", config.ram_budget_bytes + config.pin_budget_bytes),
-                        ("memory floor", config.mem_floor_bytes)):
+    for name, value in (
+        ("ram budget", config.ram_budget_bytes + config.pin_budget_bytes),
+        ("memory floor", config.mem_floor_bytes),
+    ):
         if value > total:
-            log.warning("the %s (%s) is larger than this machine's RAM (%s)", name, format_size(value),
-                        format_size(total))
+            log.warning(
+                "the %s (%s) is larger than this machine's RAM (%s)", name, format_size(value), format_size(total)
+            )
 
 
 def sd_notify(state: str) -> None:
@@ -165,9 +172,15 @@ async def serve(config: Config) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("moed %s ready on %s: budget %s, mem floor %s, locked=%s, policy=%s",
-             daemon.version, config.socket_path, format_size(config.ram_budget_bytes),
-             format_size(config.mem_floor_bytes), daemon.ramtier.locked, config.policy)
+    log.info(
+        "moed %s ready on %s: budget %s, mem floor %s, locked=%s, policy=%s",
+        daemon.version,
+        config.socket_path,
+        format_size(config.ram_budget_bytes),
+        format_size(config.mem_floor_bytes),
+        daemon.ramtier.locked,
+        config.policy,
+    )
     sd_notify("READY=1")
     daemon.memguard.start()
     daemon.start()
@@ -182,7 +195,7 @@ async def serve(config: Config) -> None:
     await _drain(daemon, config.shutdown_grace_s)
     for session in list(daemon.sessions):
         session.transport.abort()
-    await asyncio.sleep(0)   # let connection_lost run and release leases
+    await asyncio.sleep(0)  # let connection_lost run and release leases
     try:
         os.unlink(config.socket_path)
     except FileNotFoundError:
@@ -201,7 +214,7 @@ def start_metrics(daemon: Daemon, loop: asyncio.AbstractEventLoop, config: Confi
         return MetricsServer(daemon, loop, config.metrics_listen)
     except (ImportError, OSError) as exc:
         listener.close()
-        os.unlink(config.socket_path)    # ours, just bound: leave nothing behind
+        os.unlink(config.socket_path)  # ours, just bound: leave nothing behind
         daemon.close()
         raise StartupError(f"cannot serve metrics on {config.metrics_listen}: {exc}") from None
 
@@ -221,8 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"moed: bad configuration: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=config.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     try:
         uvloop.run(serve(config))
     except StartupError as exc:

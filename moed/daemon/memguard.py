@@ -54,8 +54,7 @@ def hysteresis_for(floor_bytes: int, budget_bytes: int | None = None) -> int:
     return band
 
 
-def decide_limit(avail_bytes: int, floor_bytes: int, used_bytes: int, limit_bytes: int,
-                 budget_bytes: int) -> int:
+def decide_limit(avail_bytes: int, floor_bytes: int, used_bytes: int, limit_bytes: int, budget_bytes: int) -> int:
     """The store's new growth limit for one sample (pure; the policy in one place)."""
     if floor_bytes <= 0:
         return budget_bytes
@@ -114,8 +113,13 @@ def find_cgroups(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cg
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if "memory" in controllers.split(","):
-            found += _walk(os.path.join(root, "memory"), path, "memory.limit_in_bytes",
-                           "memory.usage_in_bytes", "total_inactive_file")
+            found += _walk(
+                os.path.join(root, "memory"),
+                path,
+                "memory.limit_in_bytes",
+                "memory.usage_in_bytes",
+                "total_inactive_file",
+            )
         elif controllers == "":
             for base in (root, os.path.join(root, "unified")):
                 if os.path.exists(os.path.join(base, "cgroup.controllers")):
@@ -129,8 +133,7 @@ def _walk(base: str, path: str, limit: str, usage: str, inactive_key: str) -> li
     parts = [p for p in path.split("/") if p]
     for depth in range(len(parts), -1, -1):
         d = os.path.join(base, *parts[:depth])
-        cg = CgroupMemory(os.path.join(d, limit), os.path.join(d, usage),
-                          os.path.join(d, "memory.stat"), inactive_key)
+        cg = CgroupMemory(os.path.join(d, limit), os.path.join(d, usage), os.path.join(d, "memory.stat"), inactive_key)
         if os.path.exists(cg.limit_path) and cg.headroom_bytes() is not None:
             out.append(cg)
     return out
@@ -155,8 +158,15 @@ class MemoryReader:
 
 
 class MemGuard:
-    def __init__(self, store, floor_bytes: int, sample_s: float, reader: MemoryReader | None = None,
-                 settle=lambda: None, room_changed=lambda: None):
+    def __init__(
+        self,
+        store,
+        floor_bytes: int,
+        sample_s: float,
+        reader: MemoryReader | None = None,
+        settle=lambda: None,
+        room_changed=lambda: None,
+    ):
         """`settle` gives dropped slots' pages back; `room_changed` wakes acquires waiting for room."""
         self.store = store
         self.settle = settle
@@ -178,14 +188,18 @@ class MemGuard:
         """The truth about why the store may not grow to its budget now (for errors)."""
         store = self.store
         avail = self.last_available_bytes
-        held = (f"the memory guard holds the store at {format_size(store.effective_budget_bytes)} "
-                f"of its {format_size(store.budget_bytes)} budget")
+        held = (
+            f"the memory guard holds the store at {format_size(store.effective_budget_bytes)} "
+            f"of its {format_size(store.budget_bytes)} budget"
+        )
         if avail < self.floor_bytes:
             return f"{held}: MemAvailable {format_size(avail)} is below the floor {format_size(self.floor_bytes)}"
         band = hysteresis_for(self.floor_bytes, store.budget_bytes)
-        return (f"{held}: MemAvailable {format_size(avail)} recovered above the floor "
-                f"{format_size(self.floor_bytes)}, and the store grows back once it is more than "
-                f"{format_size(band)} above it")
+        return (
+            f"{held}: MemAvailable {format_size(avail)} recovered above the floor "
+            f"{format_size(self.floor_bytes)}, and the store grows back once it is more than "
+            f"{format_size(band)} above it"
+        )
 
     def available_bytes(self) -> int:
         self.last_available_bytes = self.reader.available_bytes()
@@ -216,17 +230,25 @@ class MemGuard:
         elif limit > old:
             self.room_changed()
             if limit == store.budget_bytes:
-                log.info("memory guard: %s available again; the store may grow to its full budget %s",
-                         format_size(avail), format_size(limit))
+                log.info(
+                    "memory guard: %s available again; the store may grow to its full budget %s",
+                    format_size(avail),
+                    format_size(limit),
+                )
         return freed
 
     def _gave_back(self, avail: int, freed: int, store) -> None:
         self.given_back_bytes += freed
         self.actions += 1
-        log.warning("memory guard: %s available, below the floor %s: gave back %s, store limited to %s "
-                    "(%s used, %s pinned)", format_size(avail), format_size(self.floor_bytes),
-                    format_size(freed), format_size(store.effective_budget_bytes),
-                    format_size(store.used_bytes), format_size(store.pinned_bytes))
+        log.warning(
+            "memory guard: %s available, below the floor %s: gave back %s, store limited to %s (%s used, %s pinned)",
+            format_size(avail),
+            format_size(self.floor_bytes),
+            format_size(freed),
+            format_size(store.effective_budget_bytes),
+            format_size(store.used_bytes),
+            format_size(store.pinned_bytes),
+        )
 
     # ---- the sampling task ------------------------------------------------
 

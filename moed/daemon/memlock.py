@@ -28,8 +28,13 @@ def mlock_status(need_bytes: int, required: bool) -> tuple[bool, str]:
     if ok and not has_cap_ipc_lock():
         soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
         if soft != resource.RLIM_INFINITY and soft < need_bytes:
-            ok, why = False, (f"RLIMIT_MEMLOCK is {format_size(soft)} but the budget needs "
-                              f"{format_size(need_bytes)} (no CAP_IPC_LOCK)")
+            ok, why = (
+                False,
+                (
+                    f"RLIMIT_MEMLOCK is {format_size(soft)} but the budget needs "
+                    f"{format_size(need_bytes)} (no CAP_IPC_LOCK)"
+                ),
+            )
             if required:
                 raise MlockUnavailable(why)
     return ok, why

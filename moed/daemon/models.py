@@ -49,10 +49,10 @@ class Model:
     files: list[ModelFile]
     layers: dict[int, LayerPlan]
     info: ModelInfo | None = None
-    wants: dict = field(default_factory=dict)   # layer -> [Want per expert], built once: the hit path indexes it
+    wants: dict = field(default_factory=dict)  # layer -> [Want per expert], built once: the hit path indexes it
     stale: bool = False
-    domain: object = None      # None: shares segments by geometry; else its files' identity (private)
-    leases: int = 0            # leases held on it now, by every connection (kept by core)
+    domain: object = None  # None: shares segments by geometry; else its files' identity (private)
+    leases: int = 0  # leases held on it now, by every connection (kept by core)
 
     @property
     def direct_io(self) -> bool:
@@ -86,13 +86,27 @@ def model_info(model: Model, class_segments: Mapping[int, Segment]) -> ModelInfo
     for layer in sorted(model.layers):
         entry = cat.layers[layer]
         key = entry.size_class
-        parts = [PartExtent(p, entry.parts[p].shard, entry.parts[p].offset, size,
-                            entry.parts[p].ggml_type, list(entry.parts[p].shape)) for p, size in key]
+        parts = [
+            PartExtent(
+                p,
+                entry.parts[p].shard,
+                entry.parts[p].offset,
+                size,
+                entry.parts[p].ggml_type,
+                list(entry.parts[p].shape),
+            )
+            for p, size in key
+        ]
         layers.append(LayerInfo(layer, model.layers[layer].class_id, parts))
     used = sorted({plan.class_id for plan in model.layers.values()})
     return ModelInfo(
-        model_id=model.model_id, path=model.path, files=[str(f) for f in cat.files],
-        moe_layers=sorted(model.layers), n_experts=cat.n_experts, n_expert_used=cat.n_expert_used,
+        model_id=model.model_id,
+        path=model.path,
+        files=[str(f) for f in cat.files],
+        moe_layers=sorted(model.layers),
+        n_experts=cat.n_experts,
+        n_expert_used=cat.n_expert_used,
         parts=list(dict.fromkeys(p for L in layers for p in (x.part for x in L.parts))),
-        layers=layers, segments=[class_segments[c].info() for c in used],
+        layers=layers,
+        segments=[class_segments[c].info() for c in used],
     )

@@ -32,19 +32,21 @@ class Opener:
 
     async def run(self, tenant, what: str, fn: Callable[..., T], *args) -> T:
         if tenant is not None and tenant.opens_in_flight >= self.max_per_tenant:
-            raise errors.TooBusy(f"uid {tenant.uid} already has {tenant.opens_in_flight} model opens in flight "
-                                 f"(max_opens_per_tenant is {self.max_per_tenant}); retry when they finish")
+            raise errors.TooBusy(
+                f"uid {tenant.uid} already has {tenant.opens_in_flight} model opens in flight "
+                f"(max_opens_per_tenant is {self.max_per_tenant}); retry when they finish"
+            )
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         self._count(tenant, +1)
-        thread = threading.Thread(target=self._work, args=(loop, fut, tenant, fn, args),
-                                  name="moed-open", daemon=True)
+        thread = threading.Thread(target=self._work, args=(loop, fut, tenant, fn, args), name="moed-open", daemon=True)
         thread.start()
         try:
             return await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
         except TimeoutError:
-            raise errors.BadModelFile(f"{what}: opening took longer than {self.timeout_s}s "
-                                      f"(a hung file or filesystem?)") from None
+            raise errors.BadModelFile(
+                f"{what}: opening took longer than {self.timeout_s}s (a hung file or filesystem?)"
+            ) from None
 
     def _count(self, tenant, delta: int) -> None:
         self.in_flight += delta
@@ -59,11 +61,11 @@ class Opener:
         try:
             loop.call_soon_threadsafe(self._settle, fut, tenant, result, err)
         except RuntimeError:
-            pass      # the loop is closed: the daemon is gone, nobody waits
+            pass  # the loop is closed: the daemon is gone, nobody waits
 
     def _settle(self, fut, tenant, result, err) -> None:
         self._count(tenant, -1)
-        if fut.done():          # the caller timed out or went away
+        if fut.done():  # the caller timed out or went away
             return
         if err is not None:
             fut.set_exception(err)

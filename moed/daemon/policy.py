@@ -16,12 +16,12 @@ from typing import Protocol
 
 class EvictionPolicy(Protocol):
     name: str
-    wants_touch: bool       # False: the store may skip touch() (LRU orders by release)
+    wants_touch: bool  # False: the store may skip touch() (LRU orders by release)
 
     def add(self, slot) -> None: ...
     def remove(self, slot) -> None: ...
     def victim(self): ...
-    def candidates(self): ...          # every member, best victim first (quotas walk it)
+    def candidates(self): ...  # every member, best victim first (quotas walk it)
     def touch(self, slot) -> None: ...
     def __len__(self) -> int: ...
 
@@ -74,7 +74,7 @@ class DecayingLFU:
     def __init__(self, half_life: int = 64 * 8):
         self._half_life = half_life
         self._clock = 0
-        self._score: dict = {}    # key -> log-domain score
+        self._score: dict = {}  # key -> log-domain score
         self._heap: list = []
         self._members: set = set()
         self._seq = 0
@@ -119,7 +119,7 @@ class DecayingLFU:
             s = entry[2]
             if s in members and entry[0] == score.get(s.key, 0.0) and (s not in best or entry[1] < best[s][1]):
                 best[s] = entry
-        for s in [s for s in members if s not in best]:     # touched since pushed
+        for s in [s for s in members if s not in best]:  # touched since pushed
             self._seq += 1
             best[s] = (score.get(s.key, 0.0), self._seq, s)
         self._heap = list(best.values())
@@ -135,7 +135,7 @@ class DecayingLFU:
             if slot in self._members and score == self._score.get(slot.key, 0.0):
                 return slot
             heapq.heappop(heap)
-            if slot in self._members:      # touched since it was pushed
+            if slot in self._members:  # touched since it was pushed
                 self._seq += 1
                 heapq.heappush(heap, (self._score.get(slot.key, 0.0), self._seq, slot))
         return None

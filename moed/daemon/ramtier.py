@@ -46,16 +46,22 @@ class Segment:
         self.slot_bytes = sum(self.part_stride)
         self.fd = os.memfd_create(f"moed-class-{class_id}", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, max(self.size_bytes, PAGE))
-        self.addr = libc.mmap(max(self.size_bytes, PAGE), libc.PROT_READ | libc.PROT_WRITE,
-                              libc.MAP_SHARED, self.fd)
+        self.addr = libc.mmap(max(self.size_bytes, PAGE), libc.PROT_READ | libc.PROT_WRITE, libc.MAP_SHARED, self.fd)
         # A memfd is created mode 0777, and /proc/<pid>/fd/N reopens by inode
         # permission: without this, a client of another uid could reopen its
         # read-only descriptor read-write and write every engine's experts.
         os.fchmod(self.fd, 0o400)
 
     def info(self) -> SegmentInfo:
-        return SegmentInfo(self.class_id, self.capacity, self.part_names, self.part_bytes,
-                           self.part_off, self.part_stride, self.size_bytes)
+        return SegmentInfo(
+            self.class_id,
+            self.capacity,
+            self.part_names,
+            self.part_bytes,
+            self.part_off,
+            self.part_stride,
+            self.size_bytes,
+        )
 
     def part_addr(self, index: int, k: int) -> int:
         return self.addr + self.part_off[k] + index * self.part_stride[k]
@@ -81,7 +87,7 @@ class RamTier:
         self.locked = True
         self.lock_error = ""
         self.locked_bytes = 0
-        self._locked: set[tuple[int, int]] = set()    # (class id, slot index) now locked: counted once
+        self._locked: set[tuple[int, int]] = set()  # (class id, slot index) now locked: counted once
         self._mutex = threading.Lock()
 
     def add_segment(self, class_id: int, part_names: list[str], part_bytes: list[int]) -> Segment:
@@ -101,7 +107,7 @@ class RamTier:
             self._lock_failed(str(exc))
             return
         with self._mutex:
-            if (seg.class_id, index) not in self._locked:    # a slot re-read in place is locked already
+            if (seg.class_id, index) not in self._locked:  # a slot re-read in place is locked already
                 self._locked.add((seg.class_id, index))
                 self.locked_bytes += seg.slot_bytes
 
@@ -110,8 +116,11 @@ class RamTier:
             if self.locked:
                 self.locked = False
                 self.lock_error = why
-                log.warning("mlock failed (%s): expert memory is NOT locked and may be swapped or "
-                            "reclaimed; raise LimitMEMLOCK or grant CAP_IPC_LOCK", why)
+                log.warning(
+                    "mlock failed (%s): expert memory is NOT locked and may be swapped or "
+                    "reclaimed; raise LimitMEMLOCK or grant CAP_IPC_LOCK",
+                    why,
+                )
 
     def release_slot(self, seg: Segment, index: int) -> None:
         """Unlock a slot and hand its pages back to the kernel."""

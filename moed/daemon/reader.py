@@ -96,8 +96,8 @@ class ReadJob:
     on_done: Callable[[ReadJob, BaseException | None], None]
     demand: bool = True
     tag: object = None
-    what: str = "expert"          # names the expert in errors and logs
-    digest: int = 0               # verify mode: xxh3 of the bytes read (set by the completion callback)
+    what: str = "expert"  # names the expert in errors and logs
+    digest: int = 0  # verify mode: xxh3 of the bytes read (set by the completion callback)
     bytes_total: int = 0
     _left: int = 0
     _error: BaseException | None = None
@@ -114,8 +114,9 @@ class ReaderPool:
         self._prefetch: collections.deque = collections.deque()
         self._cv = threading.Condition()
         self._stop = False
-        self._threads = [threading.Thread(target=self._run, name=f"moed-reader-{i}", daemon=True)
-                         for i in range(threads)]
+        self._threads = [
+            threading.Thread(target=self._run, name=f"moed-reader-{i}", daemon=True) for i in range(threads)
+        ]
         for t in self._threads:
             t.start()
 

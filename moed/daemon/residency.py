@@ -33,7 +33,7 @@ from moed.protocol import residency as rz
 
 log = logging.getLogger("moed.residency")
 
-MAX_COUNTER_STEP = 1 << 32        # a local-hit counter cannot claim more than this per fold
+MAX_COUNTER_STEP = 1 << 32  # a local-hit counter cannot claim more than this per fold
 
 
 class Words:
@@ -44,7 +44,7 @@ class Words:
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
         os.ftruncate(self.fd, self.n_words * 8)
         self.map = mmap.mmap(self.fd, self.n_words * 8)
-        os.fchmod(self.fd, 0o400)          # clients reopen it read-only, and cannot reopen it writable
+        os.fchmod(self.fd, 0o400)  # clients reopen it read-only, and cannot reopen it writable
 
     def readonly_fd(self) -> int:
         return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
@@ -64,7 +64,7 @@ class Region:
     fd: int
     map: mmap.mmap
     ring_seen: int = 0
-    counters_seen: dict = field(default_factory=dict)    # model_id -> local hits already folded
+    counters_seen: dict = field(default_factory=dict)  # model_id -> local hits already folded
 
     def close(self) -> None:
         try:
@@ -76,12 +76,12 @@ class Region:
 
 class Residency:
     def __init__(self):
-        self.states: dict[int, Words] = {}          # class id -> slot states
-        self.tables: dict[int, Words] = {}          # model id -> residency table
-        self.layer_index: dict[int, dict[int, int]] = {}   # model id -> layer -> row
+        self.states: dict[int, Words] = {}  # class id -> slot states
+        self.tables: dict[int, Words] = {}  # model id -> residency table
+        self.layer_index: dict[int, dict[int, int]] = {}  # model id -> layer -> row
         self.n_experts: dict[int, int] = {}
-        self.regions: dict[Any, Region] = {}        # session -> its region
-        self._published: dict = {}                  # slot -> (model id, table word, generation)
+        self.regions: dict[Any, Region] = {}  # session -> its region
+        self._published: dict = {}  # slot -> (model id, table word, generation)
         self.claims_refused = 0
 
     # ---- tables ----------------------------------------------------------
@@ -141,7 +141,7 @@ class Residency:
         states = self.states[slot.class_id].map
         ready, evicting = rz.state(g, rz.READY), rz.state(g, rz.EVICTING)
         if not _holds.cas(states, slot.index, ready, evicting) and _holds.load(states, slot.index) != evicting:
-            return True                      # not READY(g): nothing a client could hold
+            return True  # not READY(g): nothing a client could hold
         if self.held(slot.class_id, slot.index, g):
             _holds.store(states, slot.index, ready)
             self.claims_refused += 1
@@ -200,7 +200,7 @@ class Residency:
         if head <= region.ring_seen:
             region.ring_seen = min(region.ring_seen, head)
             return []
-        start = max(region.ring_seen, head - rz.RING_WORDS)        # older ones were overwritten
+        start = max(region.ring_seen, head - rz.RING_WORDS)  # older ones were overwritten
         region.ring_seen = head
         out = []
         for i in range(start, head):

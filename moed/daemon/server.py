@@ -85,7 +85,7 @@ class Session(asyncio.Protocol):
     def __init__(self, daemon: Daemon):
         self.daemon = daemon
         self.frames = FrameReader(decoder=None, max_frame_bytes=MAX_REQUEST_FRAME_BYTES)
-        self.queue: deque = deque()       # encoded payloads (bytes) or BadFrame errors, in order
+        self.queue: deque = deque()  # encoded payloads (bytes) or BadFrame errors, in order
         self.queued_bytes = 0
         self.busy = False
         self.closed = False
@@ -94,17 +94,23 @@ class Session(asyncio.Protocol):
         self.models: set[int] = set()
         self.pid = self.uid = self.gid = -1
         self.task: asyncio.Future | None = None
-        self.pending: PendingAcquire | None = None   # the acquire waiting for room or reads
-        self.pending_coro: Coroutine | None = None    # the handler coroutine of the running task, until it starts
+        self.pending: PendingAcquire | None = None  # the acquire waiting for room or reads
+        self.pending_coro: Coroutine | None = None  # the handler coroutine of the running task, until it starts
         self.reading = True
         self.write_paused = False
-        self._drained: asyncio.Future | None = None    # set when the transport's output is empty
+        self._drained: asyncio.Future | None = None  # set when the transport's output is empty
         self._deadline: asyncio.TimerHandle | None = None
         self.last_request_at = 0.0
         self._handlers = {
-            m.Hello: self.on_hello, m.Ping: self.on_ping, m.OpenModel: self.on_open_model,
-            m.Acquire: self.on_acquire, m.Release: self.on_release, m.Prefetch: self.on_prefetch,
-            m.GetStats: self.on_stats, m.ListModels: self.on_models, m.MapHolds: self.on_map_holds,
+            m.Hello: self.on_hello,
+            m.Ping: self.on_ping,
+            m.OpenModel: self.on_open_model,
+            m.Acquire: self.on_acquire,
+            m.Release: self.on_release,
+            m.Prefetch: self.on_prefetch,
+            m.GetStats: self.on_stats,
+            m.ListModels: self.on_models,
+            m.MapHolds: self.on_map_holds,
             **control.handlers(self),
         }
 
@@ -135,8 +141,10 @@ class Session(asyncio.Protocol):
         """Why this connection may not be served (before it counts), or None."""
         cfg, d = self.daemon.config, self.daemon
         if self.tenant.connections >= cfg.max_clients_per_tenant:
-            return (f"uid {self.uid} already has {self.tenant.connections} connections "
-                    f"(max_clients_per_tenant is {cfg.max_clients_per_tenant})")
+            return (
+                f"uid {self.uid} already has {self.tenant.connections} connections "
+                f"(max_clients_per_tenant is {cfg.max_clients_per_tenant})"
+            )
         limit = cfg.max_clients + (OPERATOR_RESERVE if control.is_operator(self) else 0)
         if len(d.sessions) >= limit:
             return f"moed serves at most {cfg.max_clients} clients"
@@ -159,7 +167,7 @@ class Session(asyncio.Protocol):
         idle_s = self.daemon.config.idle_timeout_s
         quiet_s = self.loop.time() - self.last_request_at
         if self.busy or self.leases or quiet_s < idle_s:
-            self._arm(max(idle_s - quiet_s, idle_s / 4))   # busy or holding: not idle; look again later
+            self._arm(max(idle_s - quiet_s, idle_s / 4))  # busy or holding: not idle; look again later
             return
         self._time_out(f"idle for {quiet_s:.0f}s (idle_timeout_s is {idle_s})")
 
@@ -178,17 +186,17 @@ class Session(asyncio.Protocol):
             self._drained.cancel()
         if self.task is not None and not self.task.done():
             self.task.cancel()
-        if self.pending is not None:      # its task may never have run: end it here (idempotent)
+        if self.pending is not None:  # its task may never have run: end it here (idempotent)
             self.pending.cancel()
             self.pending = None
-        if self.pending_coro is not None:   # its task was cancelled before it ran
+        if self.pending_coro is not None:  # its task was cancelled before it ran
             self.pending_coro.close()
             self.pending_coro = None
         self.daemon.sessions.discard(self)
         leases, self.leases = list(self.leases.values()), {}
         for lease in leases:
             self.daemon.release(lease)
-        self.daemon.forget_prefetches(self)       # its queued read-ahead is no longer wanted
+        self.daemon.forget_prefetches(self)  # its queued read-ahead is no longer wanted
         if self in self.daemon.residency.regions:  # its local holds stop counting now
             self.daemon.close_local(self)
         self.tenant.pids.discard(self.pid)
@@ -217,24 +225,28 @@ class Session(asyncio.Protocol):
         if self._drained is not None and not self._drained.done():
             self._drained.set_result(None)
         if not self.busy:
-            self._pump()      # requests left queued while the peer was not reading
+            self._pump()  # requests left queued while the peer was not reading
         self._flow()
 
     def _flow(self) -> None:
-        want = (not self.write_paused and len(self.queue) < MAX_QUEUED_FRAMES
-                and self.queued_bytes < MAX_QUEUED_BYTES)
+        want = not self.write_paused and len(self.queue) < MAX_QUEUED_FRAMES and self.queued_bytes < MAX_QUEUED_BYTES
         if want != self.reading and not self.closed and not self.transport.is_closing():
             self.reading = want
             (self.transport.resume_reading if want else self.transport.pause_reading)()
 
     def buffers(self) -> dict:
         """What this connection makes the daemon hold now (stats)."""
-        return {"pid": self.pid, "uid": self.uid, "leases": len(self.leases), "busy": self.busy,
-                "queued_requests": len(self.queue),
-                "queued_bytes": self.queued_bytes + self.frames.buffered_bytes,
-                "buffered_out_bytes": self.transport.get_write_buffer_size() if self.transport else 0,
-                "local_holds": self.daemon.residency.holds_of(self),
-                "reading": self.reading}
+        return {
+            "pid": self.pid,
+            "uid": self.uid,
+            "leases": len(self.leases),
+            "busy": self.busy,
+            "queued_requests": len(self.queue),
+            "queued_bytes": self.queued_bytes + self.frames.buffered_bytes,
+            "buffered_out_bytes": self.transport.get_write_buffer_size() if self.transport else 0,
+            "local_holds": self.daemon.residency.holds_of(self),
+            "reading": self.reading,
+        }
 
     # ---- dispatch ------------------------------------------------------------
 
@@ -312,9 +324,9 @@ class Session(asyncio.Protocol):
         if msg.version != PROTOCOL_VERSION:
             raise errors.VersionMismatch(f"client speaks protocol {msg.version}, daemon {PROTOCOL_VERSION}")
         self.hello = True
-        self._arm(self.daemon.config.idle_timeout_s)     # 0: no idle limit, the Hello deadline is cancelled
+        self._arm(self.daemon.config.idle_timeout_s)  # 0: no idle limit, the Hello deadline is cancelled
         if msg.client_name:
-            if len(self.tenant.names) < MAX_NAMES_PER_TENANT:   # names are for display; never unbounded
+            if len(self.tenant.names) < MAX_NAMES_PER_TENANT:  # names are for display; never unbounded
                 self.tenant.names.add(msg.client_name[:64])
         d = self.daemon
         return m.HelloReply(PROTOCOL_VERSION, d.version, d.pid, self.uid, self.pid)
@@ -323,17 +335,15 @@ class Session(asyncio.Protocol):
         return m.Pong(int(self.loop.time() * 1e9))
 
     async def on_open_model(self, msg: m.OpenModel):
-        model = await self.daemon.open_model(msg.path, peer_identity(self.pid, self.uid, self.gid),
-                                             self.tenant)
+        model = await self.daemon.open_model(msg.path, peer_identity(self.pid, self.uid, self.gid), self.tenant)
         self.models.add(model.model_id)
         info = model.info
-        assert info is not None         # set when the model was added
+        assert info is not None  # set when the model was added
         classes = [s.class_id for s in info.segments]
         d = self.daemon
 
         def fds() -> list[int]:
-            return ([d.ramtier.segments[c].readonly_fd() for c in classes]
-                    + d.residency.fds_for(model.model_id, classes))
+            return [d.ramtier.segments[c].readonly_fd() for c in classes] + d.residency.fds_for(model.model_id, classes)
 
         await self._send_with_fds(encode(msgspec.structs.replace(info, residency=True)), fds)
         return None
@@ -429,7 +439,7 @@ class Session(asyncio.Protocol):
             lease = await pending.wait()
         finally:
             self.pending = None
-        if self.closed:    # the peer went away while we read: nobody holds this lease
+        if self.closed:  # the peer went away while we read: nobody holds this lease
             self.daemon.release(lease)
             return None
         return self._granted(lease)
@@ -452,8 +462,10 @@ class Session(asyncio.Protocol):
             self.daemon.release(lease)
             done += 1
         if unknown and strict:
-            raise errors.UnknownLease(f"this connection holds no lease {unknown[0]}"
-                                      + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""))
+            raise errors.UnknownLease(
+                f"this connection holds no lease {unknown[0]}"
+                + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else "")
+            )
         return done
 
     def on_prefetch(self, msg: m.Prefetch):

@@ -15,8 +15,27 @@ from .bounds import limits
 
 # Upper bounds of the latency histograms' buckets, in seconds (a hit is tens of µs,
 # a miss one NVMe read of an expert or a few, a wait for room up to the timeout).
-LATENCY_BOUNDS_S = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-                    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+LATENCY_BOUNDS_S = (
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
 
 
 @dataclass
@@ -32,14 +51,18 @@ class LatencyHistogram:
         self.sum_s += seconds
 
     def row(self) -> dict:
-        return {"bounds_s": list(LATENCY_BOUNDS_S), "counts": list(self.counts), "sum_s": self.sum_s,
-                "count": sum(self.counts)}
+        return {
+            "bounds_s": list(LATENCY_BOUNDS_S),
+            "counts": list(self.counts),
+            "sum_s": self.sum_s,
+            "count": sum(self.counts),
+        }
 
 
 @dataclass
 class Counters:
     hits: int = 0
-    shared_hits: int = 0      # hits on experts another tenant's acquire read in
+    shared_hits: int = 0  # hits on experts another tenant's acquire read in
     misses: int = 0
     joined_reads: int = 0
     prefetches: int = 0
@@ -50,9 +73,9 @@ class Counters:
     errors_sent: int = 0
     connections: int = 0
     pinned_hits: int = 0
-    local_hits: int = 0       # hits engines served themselves (folded from hold regions)
-    timed_out: int = 0        # connections closed for sending no Hello, or nothing, in time
-    stale_detected: int = 0   # models found changed on disk (fstat) while open
+    local_hits: int = 0  # hits engines served themselves (folded from hold regions)
+    timed_out: int = 0  # connections closed for sending no Hello, or nothing, in time
+    stale_detected: int = 0  # models found changed on disk (fstat) while open
     # Daemon acquires, from the request on the loop to its grant (hits granted at
     # once included; failed and local acquires not); reads, from submission to
     # completion on the loop (queueing behind other reads included).
@@ -67,7 +90,7 @@ class ModelUse:
     hits: int = 0
     misses: int = 0
     bytes_read: int = 0
-    leases: int = 0           # held now (kept by core at grant and release)
+    leases: int = 0  # held now (kept by core at grant and release)
 
 
 @dataclass(eq=False)
@@ -77,10 +100,10 @@ class Tenant:
     uid: int
     names: set = field(default_factory=set)
     pids: set = field(default_factory=set)
-    connections: int = 0      # open connections of this uid (max_clients_per_tenant)
+    connections: int = 0  # open connections of this uid (max_clients_per_tenant)
     opens_in_flight: int = 0  # model opens running for this uid (max_opens_per_tenant)
     hits: int = 0
-    shared_hits: int = 0      # hits on experts another tenant's acquire read in
+    shared_hits: int = 0  # hits on experts another tenant's acquire read in
     misses: int = 0
     bytes_read: int = 0
     floor_bytes: int = 0
@@ -129,8 +152,13 @@ def _model_row(daemon, model) -> dict:
 def _tenant_row(daemon, tenant: Tenant) -> dict:
     per_model: dict[int, dict] = {}
     for mid, u in tenant.per_model.items():
-        per_model[mid] = {"hits": u.hits, "misses": u.misses, "bytes_read": u.bytes_read,
-                          "resident_bytes": 0, "leases": u.leases}
+        per_model[mid] = {
+            "hits": u.hits,
+            "misses": u.misses,
+            "bytes_read": u.bytes_read,
+            "resident_bytes": 0,
+            "leases": u.leases,
+        }
     for key, slot in daemon.store.table.items():
         if slot.owner is tenant and key.model_id in per_model:
             per_model[key.model_id]["resident_bytes"] += slot.slot_bytes

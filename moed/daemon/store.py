@@ -73,11 +73,11 @@ class Slot:
     key: ExpertKey | None = None
     refs: int = 0
     pinned: bool = False
-    unpin_pending: bool = False   # unpinned while held or loading: leaves the partition when free
-    adopted: bool = False         # held locally when eviction was tried: one reference is the store's
+    unpin_pending: bool = False  # unpinned while held or loading: leaves the partition when free
+    adopted: bool = False  # held locally when eviction was tried: one reference is the store's
     generation: int = 0
-    prefetched: bool = False   # loaded by a prefetch, not yet used by a lease
-    owner: object = None       # tenant charged for the residency (quotas, stats)
+    prefetched: bool = False  # loaded by a prefetch, not yet used by a lease
+    owner: object = None  # tenant charged for the residency (quotas, stats)
 
 
 @dataclass(eq=False)
@@ -88,7 +88,7 @@ class SlotClass:
     # Slots are made on first use: a class's capacity is what the whole budget
     # could hold of it (millions for tiny experts), not what it ever holds.
     slots: dict[int, Slot] = field(default_factory=dict)
-    free: list[int] = field(default_factory=list)    # indexes of made slots that are EMPTY
+    free: list[int] = field(default_factory=list)  # indexes of made slots that are EMPTY
 
     def take_free(self) -> Slot | None:
         """An EMPTY slot (index 0 first), or None when every index is in use."""
@@ -101,8 +101,8 @@ class SlotClass:
 
 
 class Quota(NamedTuple):
-    floor_bytes: int = 0      # not evicted for other owners below this
-    ceiling_bytes: int = 0    # never holds more than this; 0: no ceiling
+    floor_bytes: int = 0  # not evicted for other owners below this
+    ceiling_bytes: int = 0  # never holds more than this; 0: no ceiling
 
 
 class Want(NamedTuple):
@@ -116,15 +116,14 @@ class Plan:
 
     slots: list[Slot]
     generations: list[int]
-    to_load: list[Slot]      # this acquire must start their reads
-    loading: list[Slot]      # someone else's read is in flight; wait for it
+    to_load: list[Slot]  # this acquire must start their reads
+    loading: list[Slot]  # someone else's read is in flight; wait for it
     hits: int
     misses: int
 
 
 class Store:
-    def __init__(self, budget_bytes: int, policy: EvictionPolicy | None = None,
-                 pin_budget_bytes: int = 0):
+    def __init__(self, budget_bytes: int, policy: EvictionPolicy | None = None, pin_budget_bytes: int = 0):
         self.budget_bytes = budget_bytes
         self.pin_budget_bytes = pin_budget_bytes
         self.used_bytes = 0
@@ -137,15 +136,15 @@ class Store:
         self.table: dict[ExpertKey, Slot] = {}
         self.evictable_bytes = 0
         self.evictions = 0
-        self.wasted_prefetches = 0   # prefetched slots gone before any use
-        self._dropped: list[Slot] = []   # slots whose pages the RAM tier should give back
-        self.owned_bytes: dict[object, int] = {}     # owner -> bytes of its resident slots
-        self.quotas: dict[object, Quota] = {}        # owner -> floor/ceiling, when configured
+        self.wasted_prefetches = 0  # prefetched slots gone before any use
+        self._dropped: list[Slot] = []  # slots whose pages the RAM tier should give back
+        self.owned_bytes: dict[object, int] = {}  # owner -> bytes of its resident slots
+        self.quotas: dict[object, Quota] = {}  # owner -> floor/ceiling, when configured
         # Local holds (see the module docstring): the defaults are a store with none.
         self.claim: Callable[[Slot], bool] = lambda slot: True
         self.unclaim: Callable[[Slot], None] = lambda slot: None
         self.adopted: set[Slot] = set()
-        self._claims: list[Slot] = []      # claimed by _claim_room during one operation
+        self._claims: list[Slot] = []  # claimed by _claim_room during one operation
 
     # ---- classes --------------------------------------------------------
 
@@ -213,7 +212,7 @@ class Store:
                     s = slots[i] = self._reserve(wants[i], owner)
                     to_load.append(s)
         self._settle_claims()
-        granted = cast(list[Slot], slots)     # every None was reserved above
+        granted = cast(list[Slot], slots)  # every None was reserved above
         return Plan(granted, [s.generation for s in granted], to_load, loading, hits, len(to_load))
 
     def prefetch(self, want: Want, owner: object = None) -> Slot | None:
@@ -394,7 +393,7 @@ class Store:
             if victim is None:
                 raise RuntimeError("store accounting broken: room promised but nothing evictable")
             if victim.class_id == cls.class_id:
-                slot = victim          # same size: reuse its pages as they are
+                slot = victim  # same size: reuse its pages as they are
                 break
             self._drop(victim)
         if slot is None:
@@ -434,19 +433,19 @@ class Store:
         self._vacate(victim)
         self._disown(victim)
         self.evictions += 1
-        if victim.prefetched:          # read ahead, never used
+        if victim.prefetched:  # read ahead, never used
             victim.prefetched = False
             self.wasted_prefetches += 1
 
     def _vacate(self, slot: Slot) -> None:
         """Take a slot's key out of the table: it is EMPTY (its index and bytes stay until `_drop`)."""
-        del self.table[cast(ExpertKey, slot.key)]    # only occupied slots are vacated
+        del self.table[cast(ExpertKey, slot.key)]  # only occupied slots are vacated
         slot.key = None
         slot.state = SlotState.EMPTY
 
     def _disown(self, slot: Slot) -> None:
         owner = slot.owner
-        if owner in self.owned_bytes and not slot.pinned:   # a pinned slot is charged to nobody
+        if owner in self.owned_bytes and not slot.pinned:  # a pinned slot is charged to nobody
             left = self.owned_bytes[owner] - slot.slot_bytes
             if left > 0 or owner in self.quotas:
                 self.owned_bytes[owner] = left
@@ -575,7 +574,7 @@ class Store:
         elif self.claim(slot):
             self._vacate(slot)
             self._drop(slot)
-        else:                           # held locally: it leaves once let go
+        else:  # held locally: it leaves once let go
             slot.unpin_pending = True
             self._adopt(slot)
 
@@ -612,7 +611,7 @@ class Store:
             if not self._is_evictable(slot):
                 continue
             if not self.claim(slot):
-                self._adopt(slot)          # dropped when its local holder lets go
+                self._adopt(slot)  # dropped when its local holder lets go
                 continue
             self.policy.remove(slot)
             self.evictable_bytes -= slot.slot_bytes

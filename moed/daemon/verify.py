@@ -39,8 +39,8 @@ def digest(pieces) -> int:
 
 class Verifier:
     def __init__(self):
-        self.first: dict = {}           # ExpertKey -> digest of its first read
-        self.verified = 0               # later reads that matched
+        self.first: dict = {}  # ExpertKey -> digest of its first read
+        self.verified = 0  # later reads that matched
         self.mismatches = 0
 
     def check(self, key, value: int, where: str) -> errors.MoedError | None:
@@ -53,15 +53,20 @@ class Verifier:
             self.verified += 1
             return None
         self.mismatches += 1
-        log.error("VERIFY MISMATCH: %s read %016x, first read was %016x; the read is refused",
-                  where, value, first)
-        return errors.VerifyMismatch(f"{where}: bytes read now (xxh3 {value:016x}) differ from the "
-                                     f"first read ({first:016x}); the file changed or the drive returned bad data")
+        log.error("VERIFY MISMATCH: %s read %016x, first read was %016x; the read is refused", where, value, first)
+        return errors.VerifyMismatch(
+            f"{where}: bytes read now (xxh3 {value:016x}) differ from the "
+            f"first read ({first:016x}); the file changed or the drive returned bad data"
+        )
 
     def forget(self, model_id: int) -> None:
         """A retired model's hashes go with it (ids are never reused)."""
         self.first = {k: v for k, v in self.first.items() if k.model_id != model_id}
 
     def stats(self) -> dict:
-        return {"verify": True, "verified_reads": self.verified, "verify_mismatches": self.mismatches,
-                "verify_hashed_experts": len(self.first)}
+        return {
+            "verify": True,
+            "verified_reads": self.verified,
+            "verify_mismatches": self.mismatches,
+            "verify_hashed_experts": len(self.first),
+        }

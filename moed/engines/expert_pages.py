@@ -40,7 +40,7 @@ class PartSpan:
 
     layer: int
     part: str
-    addr: int                # address of expert 0
+    addr: int  # address of expert 0
     bytes_per_expert: int
     n_experts: int
 
@@ -82,14 +82,14 @@ def gaps(lo: int, hi: int, holes: list[tuple[int, int]]) -> list[tuple[int, int]
 
 @dataclass
 class _ZeroCopyState:
-    key: tuple[Hashable, int] | None = None   # (segment identity, offset) mapped here
+    key: tuple[Hashable, int] | None = None  # (segment identity, offset) mapped here
     visible: bool = False
 
 
 @dataclass
 class PageStats:
-    maps: int = 0          # MAP_FIXED of a slot (the slot behind an address changed)
-    reprotects: int = 0    # same slot shown again: one mprotect
+    maps: int = 0  # MAP_FIXED of a slot (the slot behind an address changed)
+    reprotects: int = 0  # same slot shown again: one mprotect
     copies: int = 0
     copy_bytes: int = 0
     hides: int = 0

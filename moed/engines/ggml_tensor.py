@@ -104,7 +104,7 @@ def node(tensor_ptr: int) -> tuple[int, int] | None:
     head = ctypes.string_at(tensor_ptr + NAME_OFFSET, len(TOPK_PREFIX))
     if head == TOPK_PREFIX:
         kind, pattern = TOPK, _TOPK_NAME
-    elif head[:len(NORM_PREFIX)] == NORM_PREFIX:
+    elif head[: len(NORM_PREFIX)] == NORM_PREFIX:
         kind, pattern = NORM, _NORM_NAME
     else:
         return None

@@ -68,13 +68,13 @@ class PrefetchGovernor:
     skip: int = 8
     memory: int = 4
     precision_floor: float = 0.8
-    precision_alpha: float = 0.1    # weight of the newest step in the running precision
+    precision_alpha: float = 0.1  # weight of the newest step in the running precision
     mode: str = ON
     precision: float | None = None
     steps: dict = field(default_factory=lambda: {ON: 0, OFF: 0, SHADOW: 0})
     probes: int = 0
     last_median_s: dict = field(default_factory=lambda: {ON: None, OFF: None})
-    verdicts: list = field(default_factory=list)   # log(median on / median off) per timed probe
+    verdicts: list = field(default_factory=list)  # log(median on / median off) per timed probe
     _step: int = 0
     _phase_left: int = 0
     _probing: bool = False
@@ -96,7 +96,7 @@ class PrefetchGovernor:
                 self._next_phase()
             if self._probing:
                 first = SHADOW if self._below_floor() else ON
-                self.mode = first if self._phase_left % 2 == 0 else OFF    # alternate (probe is even)
+                self.mode = first if self._phase_left % 2 == 0 else OFF  # alternate (probe is even)
             self._phase_left -= 1
         self.steps[self.mode] += 1
         return self.mode
@@ -125,11 +125,11 @@ class PrefetchGovernor:
     def _hold_winner(self) -> None:
         self.probes += 1
         if self._below_floor() or not self._times[ON]:
-            winner = OFF                              # a shadow probe, or the precision fell: not timed
+            winner = OFF  # a shadow probe, or the precision fell: not timed
         else:
             on, off = (statistics.median(self._times[a]) for a in (ON, OFF))
             self.last_median_s = {ON: on, OFF: off}
-            self.verdicts = (self.verdicts + [math.log(on / off) if on > 0 and off > 0 else 0.0])[-self.memory:]
+            self.verdicts = (self.verdicts + [math.log(on / off) if on > 0 and off > 0 else 0.0])[-self.memory :]
             winner = ON if sum(self.verdicts) <= 0 else OFF
         same = self.probes > 1 and winner == self._held
         self._hold_now = min(self.hold_max, 2 * self._hold_now) if same else self.hold
@@ -138,8 +138,13 @@ class PrefetchGovernor:
 
     def state(self) -> dict:
         mean = sum(self.verdicts) / len(self.verdicts) if self.verdicts else None
-        return {"prefetch_steps_on": self.steps[ON], "prefetch_steps_off": self.steps[OFF],
-                "prefetch_steps_shadow": self.steps[SHADOW], "prefetch_probes": self.probes,
-                "step_s_on": self.last_median_s[ON], "step_s_off": self.last_median_s[OFF],
-                "prefetch_on_vs_off": None if mean is None else math.exp(mean),
-                "prefetch_precision": self.precision}
+        return {
+            "prefetch_steps_on": self.steps[ON],
+            "prefetch_steps_off": self.steps[OFF],
+            "prefetch_steps_shadow": self.steps[SHADOW],
+            "prefetch_probes": self.probes,
+            "step_s_on": self.last_median_s[ON],
+            "step_s_off": self.last_median_s[OFF],
+            "prefetch_on_vs_off": None if mean is None else math.exp(mean),
+            "prefetch_precision": self.precision,
+        }

@@ -180,20 +180,35 @@ class StreamedLlama(Llama):
     changes the logits. `predict_hook`: benchmark only, may overwrite predictions.
     """
 
-    def __init__(self, model_path: str, *, client=None, socket_path: str | None = None,
-                 acquire_timeout_s: float | None = None, route_hook: RouteHook | None = None,
-                 source: ExpertSource | None = None, skeleton_dir: str | os.PathLike | None = None,
-                 strict: bool = False, prefetch: str = "gate", prefetch_width: int | None = None,
-                 prefetch_adapt: bool = True, predict_hook: PredictHook | None = None, **llama_kwargs):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        client=None,
+        socket_path: str | None = None,
+        acquire_timeout_s: float | None = None,
+        route_hook: RouteHook | None = None,
+        source: ExpertSource | None = None,
+        skeleton_dir: str | os.PathLike | None = None,
+        strict: bool = False,
+        prefetch: str = "gate",
+        prefetch_width: int | None = None,
+        prefetch_adapt: bool = True,
+        predict_hook: PredictHook | None = None,
+        **llama_kwargs,
+    ):
         self._check_kwargs(llama_kwargs)
         if prefetch not in PREFETCH_MODES:
             raise ValueError(f"prefetch must be one of {', '.join(PREFETCH_MODES)}, not {prefetch!r}")
         if prefetch_width is not None and prefetch_width < 1:
             raise ValueError(f"prefetch_width must be >= 1, not {prefetch_width}")
         if llama_cpp.__version__ != LLAMA_CPP_PYTHON_VERSION:
-            warnings.warn(f"moed is tested with llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}, found "
-                          f"{llama_cpp.__version__}; the ggml tensor layout is checked, the rest is not",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"moed is tested with llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}, found "
+                f"{llama_cpp.__version__}; the ggml tensor layout is checked, the rest is not",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         self._own_client = None
         if source is None:
             if client is None:
@@ -202,9 +217,15 @@ class StreamedLlama(Llama):
                 client = self._own_client = Client(socket_path, client_name=f"StreamedLlama[{os.getpid()}]")
             source = MoedSource(client, model_path, timeout_s=acquire_timeout_s)
         self.moed_client = client
-        self.streamer = ExpertStreamer(source, route_hook=route_hook, strict=strict, prefetch=prefetch,
-                                       prefetch_width=prefetch_width, prefetch_adapt=prefetch_adapt,
-                                       predict_hook=predict_hook)
+        self.streamer = ExpertStreamer(
+            source,
+            route_hook=route_hook,
+            strict=strict,
+            prefetch=prefetch,
+            prefetch_width=prefetch_width,
+            prefetch_adapt=prefetch_adapt,
+            predict_hook=predict_hook,
+        )
         try:
             if skeleton_dir is not None:
                 from moed.engines.skeleton import skeleton_for
@@ -213,7 +234,7 @@ class StreamedLlama(Llama):
                 model_path = self.streamer.mapped_files[0]
             with _constructing(_hooked_internals(self.streamer)):
                 super().__init__(model_path=model_path, **llama_kwargs)
-            if not self._logits_all:         # Llama.eval asks for the last token's logits only
+            if not self._logits_all:  # Llama.eval asks for the last token's logits only
                 # The load above ran streamer.install, which builds the look-ahead.
                 assert self.streamer.lookahead is not None
                 self.streamer.lookahead.expect_output_rows(1)
@@ -227,11 +248,16 @@ class StreamedLlama(Llama):
         if kwargs.get("use_mmap") is False:
             raise ValueError("StreamedLlama needs use_mmap=True: the experts are mapped into llama.cpp's mapping")
         if kwargs.pop("use_mlock", False):
-            warnings.warn("StreamedLlama ignores use_mlock: it locks the dense weights itself "
-                          "(locking the experts would read the whole model)", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                "StreamedLlama ignores use_mlock: it locks the dense weights itself "
+                "(locking the experts would read the whole model)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         if kwargs.get("n_gpu_layers", 0):
-            warnings.warn("StreamedLlama runs the experts on the CPU; n_gpu_layers is ignored",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                "StreamedLlama runs the experts on the CPU; n_gpu_layers is ignored", RuntimeWarning, stacklevel=3
+            )
             kwargs["n_gpu_layers"] = 0
 
     def _check_capacity(self) -> None:
@@ -240,8 +266,10 @@ class StreamedLlama(Llama):
         for layer in src.moe_layers:
             cap = src.capacity(layer)
             if cap is not None and cap < src.n_expert_used:
-                raise RequestTooLarge(f"layer {layer}: the daemon holds at most {cap} experts of this size, "
-                                      f"one token needs {src.n_expert_used}")
+                raise RequestTooLarge(
+                    f"layer {layer}: the daemon holds at most {cap} experts of this size, "
+                    f"one token needs {src.n_expert_used}"
+                )
 
     # ---- evaluation with batch lowering ----------------------------------
 
@@ -250,14 +278,18 @@ class StreamedLlama(Llama):
         start = self.n_tokens
         while True:
             try:
-                return super().eval(tokens[self.n_tokens - start:])
+                return super().eval(tokens[self.n_tokens - start :])
             except (RequestTooLarge, BudgetExhausted) as exc:
                 if self.n_batch <= 1:
                     raise
                 lowered = max(1, self.n_batch // 2)
-                warnings.warn(f"moed: a batch of {self.n_batch} tokens routes to more experts than the "
-                              f"daemon can hold at once ({type(exc).__name__}: {exc}); "
-                              f"lowering n_batch to {lowered}", RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"moed: a batch of {self.n_batch} tokens routes to more experts than the "
+                    f"daemon can hold at once ({type(exc).__name__}: {exc}); "
+                    f"lowering n_batch to {lowered}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
                 self.n_batch = lowered
 
     # ---- lifecycle -------------------------------------------------------
@@ -288,7 +320,7 @@ class StreamedLlama(Llama):
             client.close()
 
     def close(self) -> None:
-        if hasattr(self, "_stack"):      # absent when __init__ failed before llama.cpp loaded
+        if hasattr(self, "_stack"):  # absent when __init__ failed before llama.cpp loaded
             super().close()
         self._close_client()
 

@@ -61,7 +61,7 @@ from moed.engines.predictor import GatePredictor, top
 MODES = ("off", "gate", "gate2")
 LEADS = {"off": (), "gate": (1,), "gate2": (1, 2)}
 WHOLE_LAYER_SHARE = 0.75
-DECODE_ROWS = 4          # graphs of at most this many tokens are decode steps for the governor
+DECODE_ROWS = 4  # graphs of at most this many tokens are decode steps for the governor
 
 # A benchmark hook: (target layer, lead, ids) where ids is the writable (n_tokens,
 # width) prediction, best first; it may overwrite it before anything uses it.
@@ -72,35 +72,48 @@ PredictHook = Callable[[int, int, np.ndarray], None]
 class LayerLook:
     """One layer's look-ahead counters (the layer predicted and prefetched, not the observer)."""
 
-    routed: int = 0            # routed (token, expert) pairs in graphs that predicted this layer
-    predicted: int = 0         # ... of which the one-ahead prediction named
-    routed2: int = 0           # the same for the two-ahead prediction (gate2, traces)
+    routed: int = 0  # routed (token, expert) pairs in graphs that predicted this layer
+    predicted: int = 0  # ... of which the one-ahead prediction named
+    routed2: int = 0  # the same for the two-ahead prediction (gate2, traces)
     predicted2: int = 0
     issued: int = 0
     hits: int = 0
     wasted: int = 0
-    stall_s: float = 0.0       # time in this layer's acquires
+    stall_s: float = 0.0  # time in this layer's acquires
 
     def as_dict(self, tokens: int) -> dict:
-        return {"recall": self.predicted / self.routed if self.routed else None,
-                "recall2": self.predicted2 / self.routed2 if self.routed2 else None,
-                "issued": self.issued, "hits": self.hits, "wasted": self.wasted,
-                "pending": self.issued - self.hits - self.wasted, "stall_s": self.stall_s,
-                "stall_s_per_token": self.stall_s / tokens if tokens else 0.0}
+        return {
+            "recall": self.predicted / self.routed if self.routed else None,
+            "recall2": self.predicted2 / self.routed2 if self.routed2 else None,
+            "issued": self.issued,
+            "hits": self.hits,
+            "wasted": self.wasted,
+            "pending": self.issued - self.hits - self.wasted,
+            "stall_s": self.stall_s,
+            "stall_s_per_token": self.stall_s / tokens if tokens else 0.0,
+        }
 
 
 class Lookahead:
     """Predictions and prefetches of one engine; the streamer calls it from the eval callback."""
 
-    def __init__(self, predictor: GatePredictor | None, source, mode: str, width: int,
-                 record_width: int = 0, adapt: bool = True, predict_hook: PredictHook | None = None):
+    def __init__(
+        self,
+        predictor: GatePredictor | None,
+        source,
+        mode: str,
+        width: int,
+        record_width: int = 0,
+        adapt: bool = True,
+        predict_hook: PredictHook | None = None,
+    ):
         if mode not in MODES:
             raise ValueError(f"prefetch must be one of {', '.join(MODES)}, not {mode!r}")
         self.predictor = predictor
         self.source = source
         self.mode = mode
         self.width = width
-        self.record_width = record_width       # > 0: predictions for observers (traces), both leads
+        self.record_width = record_width  # > 0: predictions for observers (traces), both leads
         self.governor = PrefetchGovernor() if adapt and mode != "off" else None
         self.predict_hook = predict_hook
         self.observers: list = []
@@ -109,22 +122,22 @@ class Lookahead:
             predictor.prepare(self.leads)
         self.layers: dict[int, LayerLook] = {layer: LayerLook() for layer in source.moe_layers}
         self.cache = CacheEstimate(source.capacity, getattr(source, "size_class", source.capacity))
-        self.skipped_resident = 0    # predicted experts not sent: the estimate says the daemon has them
-        self.predict_s = 0.0         # in observe: the predictor's matmul, top-k, prefetch set
-        self.account_s = 0.0         # in routed: scoring, counting, sending the prefetches
+        self.skipped_resident = 0  # predicted experts not sent: the estimate says the daemon has them
+        self.predict_s = 0.0  # in observe: the predictor's matmul, top-k, prefetch set
+        self.account_s = 0.0  # in routed: scoring, counting, sending the prefetches
         self.decode_steps = 0
         self.tokens = 0
         self._issuing = mode != "off"
-        self._shadow = False                 # this step predicts and scores but sends nothing
-        self._step_named = [0, 0]            # this step's (named and routed, named), sent or shadow
-        self._named: dict[int, np.ndarray] = {}             # target -> experts predicted for prefetch
+        self._shadow = False  # this step predicts and scores but sends nothing
+        self._step_named = [0, 0]  # this step's (named and routed, named), sent or shadow
+        self._named: dict[int, np.ndarray] = {}  # target -> experts predicted for prefetch
         self._t0 = 0.0
-        self._pred: dict[int, dict[int, np.ndarray]] = {}   # target -> lead -> (rows, width) ids
-        self._outbox: list[tuple[int, np.ndarray]] = []     # (target, experts) to send after this acquire
-        self._pending: dict[int, np.ndarray] = {}           # target -> bool mask of experts issued
+        self._pred: dict[int, dict[int, np.ndarray]] = {}  # target -> lead -> (rows, width) ids
+        self._outbox: list[tuple[int, np.ndarray]] = []  # (target, experts) to send after this acquire
+        self._pending: dict[int, np.ndarray] = {}  # target -> bool mask of experts issued
         self._last_layer = source.moe_layers[-1]
-        self._rows_now = 0                   # rows of the last ffn_norm seen (the graph's tokens)
-        self._out_rows: int | None = None    # rows the last layer kept, when fewer than the graph's
+        self._rows_now = 0  # rows of the last ffn_norm seen (the graph's tokens)
+        self._out_rows: int | None = None  # rows the last layer kept, when fewer than the graph's
 
     def mode_leads(self) -> tuple[int, ...]:
         return LEADS[self.mode]
@@ -184,7 +197,7 @@ class Lookahead:
             for observer in self.observers:
                 observer.ahead(target, lead, ids)
             if (self._issuing or self._shadow) and lead in LEADS[self.mode]:
-                self._outbox.append((target, self._prefetch_set(self._output_rows(target, ids)[:, :self.width])))
+                self._outbox.append((target, self._prefetch_set(self._output_rows(target, ids)[:, : self.width])))
         self._rows_now = x.shape[0]
         self.predict_s += time.perf_counter() - t0
 
@@ -200,7 +213,7 @@ class Lookahead:
         prefetch is predicted from that many last rows instead of the whole batch.
         """
         if target == self._last_layer and self._out_rows and ids.shape[0] > self._out_rows:
-            return ids[-self._out_rows:]
+            return ids[-self._out_rows :]
         return ids
 
     def _targets(self, layer: int):
@@ -214,7 +227,7 @@ class Lookahead:
         """Experts to prefetch for a batch's predictions: the union, or the whole layer, best first."""
         n = self._gate.n_experts
         if ids.shape[0] == 1:
-            return ids[0][ids[0] >= 0]           # one token: its row is distinct and best first already
+            return ids[0][ids[0] >= 0]  # one token: its row is distinct and best first already
         votes = np.bincount(ids[ids >= 0].ravel(), minlength=n)
         chosen = np.flatnonzero(votes)
         if len(chosen) >= WHOLE_LAYER_SHARE * n and ids.shape[0] > 1:
@@ -230,7 +243,7 @@ class Lookahead:
         look.stall_s += stall_s
         if self.mode != "off":
             self.cache.touch(layer, np.unique(ids[ids >= 0]))
-        if layer == self._last_layer and self._rows_now > 1:      # a batch: what did it keep?
+        if layer == self._last_layer and self._rows_now > 1:  # a batch: what did it keep?
             self._out_rows = ids.shape[0] if ids.shape[0] < self._rows_now else None
         preds = self._pred.pop(layer, None)
         if preds:
@@ -250,7 +263,7 @@ class Lookahead:
         for target, experts in outbox:
             _name(self._named, target, experts, self._gate.n_experts)
             if not self._issuing:
-                continue                         # a shadow step: named for the governor, not sent
+                continue  # a shadow step: named for the governor, not sent
             gone = self.cache.missing(target, experts.tolist())
             self.skipped_resident += len(experts) - len(gone)
             experts = self._within_capacity(target, np.asarray(gone, dtype=np.int64), held)
@@ -262,9 +275,9 @@ class Lookahead:
     def _score(self, look: LayerLook, ids: np.ndarray, preds: dict[int, np.ndarray]) -> None:
         for lead, pred in preds.items():
             if pred.shape[0] != ids.shape[0]:
-                continue         # the last layer keeps only the output rows: no row-by-row match
-            pred = pred[:, :self.width]
-            if ids.shape[0] == 1:                # a decode step: sets are cheaper than masks
+                continue  # the last layer keeps only the output rows: no row-by-row match
+            pred = pred[:, : self.width]
+            if ids.shape[0] == 1:  # a decode step: sets are cheaper than masks
                 routed = {int(e) for e in ids[0] if e >= 0}
                 got, n_routed = len(routed.intersection(pred[0].tolist())), len(routed)
             else:
@@ -278,7 +291,7 @@ class Lookahead:
 
     def _within_capacity(self, target: int, experts: np.ndarray, held: int) -> np.ndarray:
         cap = self.source.capacity(target)
-        return experts if cap is None else experts[:max(0, cap - held)]
+        return experts if cap is None else experts[: max(0, cap - held)]
 
     def _send(self, target: int, experts: np.ndarray) -> None:
         if not len(experts):
@@ -297,13 +310,20 @@ class Lookahead:
         routed, predicted = sum(l.routed for l in ls), sum(l.predicted for l in ls)
         routed2, predicted2 = sum(l.routed2 for l in ls), sum(l.predicted2 for l in ls)
         issued, hits, wasted = sum(l.issued for l in ls), sum(l.hits for l in ls), sum(l.wasted for l in ls)
-        out = {"prefetch": self.mode, "prefetch_width": self.width,
-               "prediction_recall": predicted / routed if routed else None,
-               "prediction_recall2": predicted2 / routed2 if routed2 else None,
-               "prefetch_issued": issued, "prefetch_hits": hits, "prefetch_wasted": wasted,
-               "prefetch_pending": issued - hits - wasted, "predict_s": self.predict_s,
-               "lookahead_account_s": self.account_s, "prefetch_skipped_resident": self.skipped_resident,
-               "per_layer": {layer: l.as_dict(self.tokens) for layer, l in self.layers.items()}}
+        out = {
+            "prefetch": self.mode,
+            "prefetch_width": self.width,
+            "prediction_recall": predicted / routed if routed else None,
+            "prediction_recall2": predicted2 / routed2 if routed2 else None,
+            "prefetch_issued": issued,
+            "prefetch_hits": hits,
+            "prefetch_wasted": wasted,
+            "prefetch_pending": issued - hits - wasted,
+            "predict_s": self.predict_s,
+            "lookahead_account_s": self.account_s,
+            "prefetch_skipped_resident": self.skipped_resident,
+            "per_layer": {layer: l.as_dict(self.tokens) for layer, l in self.layers.items()},
+        }
         if self.governor is not None:
             out.update(self.governor.state())
         return out

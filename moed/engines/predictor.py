@@ -109,7 +109,7 @@ def top(scores: np.ndarray, width: int) -> np.ndarray:
     """The `width` best experts of every row, best first, int32 (n_rows, width)."""
     n = scores.shape[1]
     width = min(width, n)
-    if n > 256 and width * 4 < n:   # partition first: sorting every expert is the cost on wide models
+    if n > 256 and width * 4 < n:  # partition first: sorting every expert is the cost on wide models
         part = np.argpartition(-scores, width - 1, axis=1)[:, :width]
         order = np.argsort(-np.take_along_axis(scores, part, axis=1), axis=1, kind="stable")
         return np.take_along_axis(part, order, axis=1).astype(np.int32)
@@ -143,8 +143,10 @@ def load_routers(headers, bases: list[int], moe_layers: list[int]) -> tuple[dict
         w = read(f"blk.{layer}.ffn_gate_inp.weight")
         norm = read(f"blk.{layer}.ffn_norm.weight")
         if w is None or norm is None:
-            raise ValueError(f"layer {layer} has no ffn_gate_inp/ffn_norm weight: gate-ahead prediction "
-                             "needs both (this architecture is not supported for prefetch)")
+            raise ValueError(
+                f"layer {layer} has no ffn_gate_inp/ffn_norm weight: gate-ahead prediction "
+                "needs both (this architecture is not supported for prefetch)"
+            )
         routers[layer] = Router(w, norm.reshape(-1), read(f"blk.{layer}.exp_probs_b.bias"))
     return routers, gating
 

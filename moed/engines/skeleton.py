@@ -68,7 +68,7 @@ def _write(real: str, dst: str, holes: list[tuple[int, int]]) -> None:
     src_fd = os.open(real, os.O_RDONLY)
     dst_fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        os.ftruncate(dst_fd, size)           # everything a hole first
+        os.ftruncate(dst_fd, size)  # everything a hole first
         for lo, hi in dense_ranges(size, holes):
             _copy(src_fd, dst_fd, lo, hi - lo)
         os.fsync(dst_fd)

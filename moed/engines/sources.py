@@ -95,7 +95,7 @@ class MoedSource:
         return MoedGrant(lease, self.model.segment(lease.class_id), (self.model.model_id, lease.class_id))
 
     def release(self, grant: Grant) -> None:
-        cast(MoedGrant, grant).lease.release()     # a grant this source issued
+        cast(MoedGrant, grant).lease.release()  # a grant this source issued
 
     def capacity(self, layer: int) -> int | None:
         return self.model.segment(self._layers[layer].class_id).info.capacity

@@ -67,12 +67,12 @@ class AheadObserver(RouteObserver, Protocol):
 
 @dataclass
 class StreamStats:
-    layers: int = 0              # acquires
-    experts: int = 0             # experts acquired, summed over acquires
-    acquire_s: float = 0.0       # time inside acquire (round trip + daemon reads)
-    show_s: float = 0.0          # time mapping / copying pages
+    layers: int = 0  # acquires
+    experts: int = 0  # experts acquired, summed over acquires
+    acquire_s: float = 0.0  # time inside acquire (round trip + daemon reads)
+    show_s: float = 0.0  # time mapping / copying pages
     decodes: int = 0
-    tokens: int = 0              # tokens in all decodes (prompt and generated)
+    tokens: int = 0  # tokens in all decodes (prompt and generated)
     dense_locked_bytes: int = 0
     dense_lock_error: str = ""
     dropped_expert_cache_bytes: int = 0
@@ -86,12 +86,20 @@ def snapshot_bases(files: list[str]) -> set[int]:
 class ExpertStreamer:
     """Owns the expert pages of one loaded llama.cpp model and the eval callback that fills them."""
 
-    def __init__(self, source: ExpertSource, route_hook: RouteHook | None = None, strict: bool = False,
-                 prefetch: str = "off", prefetch_width: int | None = None, prefetch_adapt: bool = True,
-                 predict_hook: PredictHook | None = None):
+    def __init__(
+        self,
+        source: ExpertSource,
+        route_hook: RouteHook | None = None,
+        strict: bool = False,
+        prefetch: str = "off",
+        prefetch_width: int | None = None,
+        prefetch_adapt: bool = True,
+        predict_hook: PredictHook | None = None,
+    ):
         if not ggml_tensor.layout_matches():
-            raise RuntimeError("struct ggml_tensor layout does not match this llama.cpp; "
-                               "moed supports llama-cpp-python==0.3.36")
+            raise RuntimeError(
+                "struct ggml_tensor layout does not match this llama.cpp; moed supports llama-cpp-python==0.3.36"
+            )
         self.source = source
         self.route_hook = route_hook
         self.strict = strict
@@ -105,7 +113,7 @@ class ExpertStreamer:
         self.prefetch_width = prefetch_width or source.n_expert_used
         self.prefetch_adapt = prefetch_adapt
         self.predict_hook = predict_hook
-        self.lookahead: Lookahead | None = None     # built at install (it reads the mapped routers)
+        self.lookahead: Lookahead | None = None  # built at install (it reads the mapped routers)
         self.error: BaseException | None = None
         self._parts: dict[int, list[PartSpan]] = {}
         # Relaxed mode on an all-zero-copy layer: which slot each expert's address
@@ -122,8 +130,11 @@ class ExpertStreamer:
         spans = []
         for layer in self.source.moe_layers:
             for ext in self.source.extents(layer):
-                spans.append(PartSpan(layer, ext.part, bases[ext.shard] + ext.offset,
-                                      ext.bytes_per_expert, self.source.n_experts))
+                spans.append(
+                    PartSpan(
+                        layer, ext.part, bases[ext.shard] + ext.offset, ext.bytes_per_expert, self.source.n_experts
+                    )
+                )
         self.pages = ExpertPages(spans, strict=self.strict)
         self.pages.install()
         for span in spans:
@@ -147,8 +158,14 @@ class ExpertStreamer:
                 raise
             log.info("no gate-ahead predictor for this model: %s", exc)
             predictor = None
-        self.lookahead = Lookahead(predictor, self.source, self.prefetch, self.prefetch_width,
-                                   adapt=self.prefetch_adapt, predict_hook=self.predict_hook)
+        self.lookahead = Lookahead(
+            predictor,
+            self.source,
+            self.prefetch,
+            self.prefetch_width,
+            adapt=self.prefetch_adapt,
+            predict_hook=self.predict_hook,
+        )
 
     def record_predictions(self, observer: AheadObserver, width: int) -> None:
         """Also predict one and two layers ahead, `width` per token, for `observer` (traces)."""
@@ -201,9 +218,12 @@ class ExpertStreamer:
             except OSError as exc:
                 if not self.stats.dense_lock_error:
                     self.stats.dense_lock_error = str(exc)
-                    warnings.warn(f"moed: could not lock the dense weights ({exc}); under memory "
-                                  "pressure they will be re-read from disk (raise RLIMIT_MEMLOCK)",
-                                  RuntimeWarning, stacklevel=2)
+                    warnings.warn(
+                        f"moed: could not lock the dense weights ({exc}); under memory "
+                        "pressure they will be re-read from disk (raise RLIMIT_MEMLOCK)",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
 
     # ---- the eval callback -----------------------------------------------
 
@@ -301,7 +321,7 @@ class ExpertStreamer:
 
     def _hide(self, grant: Grant) -> None:
         if grant.layer in self._zero_copy_layers:
-            return          # relaxed mode leaves zero-copy experts mapped to their last slot
+            return  # relaxed mode leaves zero-copy experts mapped to their last slot
         pages = self.pages
         assert pages is not None, "a grant is only held after install"
         for span in self._parts[grant.layer]:
@@ -341,4 +361,3 @@ def ggml_tensor_callback_type():
     import llama_cpp
 
     return llama_cpp.ggml_backend_sched_eval_callback
-

@@ -37,14 +37,13 @@ class TraceRecorder:
 
     def ahead(self, layer: int, lead: int, ids: np.ndarray) -> None:
         if lead in self._ahead:
-            self._ahead[lead].setdefault(self.index[layer], []).append(ids[:, :self.writer.ahead_width].copy())
+            self._ahead[lead].setdefault(self.index[layer], []).append(ids[:, : self.writer.ahead_width].copy())
 
     def decoded(self) -> None:
         if not self._rows:
             return
         per_layer = [self._join(self._rows, i) for i in range(len(self.index))]
-        aheads = [[self._prediction(lead, i, len(per_layer[i])) for i in range(len(self.index))]
-                  for lead in (1, 2)]
+        aheads = [[self._prediction(lead, i, len(per_layer[i])) for i in range(len(self.index))] for lead in (1, 2)]
         self._rows = {}
         self._ahead = {1: {}, 2: {}}
         kept = [None if all(a.size == 0 for a in lead) else lead for lead in aheads]
@@ -68,23 +67,36 @@ def chat_prompt(llm, text: str) -> str:
     if not template:
         raise ValueError("the model has no chat template (tokenizer.chat_template); drop --chat")
     vocab = llm._model
-    fmt = Jinja2ChatFormatter(template, eos_token=vocab.token_get_text(vocab.token_eos()),
-                              bos_token=vocab.token_get_text(vocab.token_bos()))
+    fmt = Jinja2ChatFormatter(
+        template, eos_token=vocab.token_get_text(vocab.token_eos()), bos_token=vocab.token_get_text(vocab.token_bos())
+    )
     return fmt(messages=[{"role": "user", "content": text}]).prompt
 
 
-def record_trace(llm, prompts: list[str], output: str, *, n_predict: int, chat: bool = False,
-                 model_name: str = "") -> int:
+def record_trace(
+    llm, prompts: list[str], output: str, *, n_predict: int, chat: bool = False, model_name: str = ""
+) -> int:
     """Run each prompt then `n_predict` greedy tokens; save the trace; return its step count."""
     if not llm._logits_all:
         raise ValueError("record_trace needs an engine created with logits_all=True")
     src = llm.streamer.source
     bytes_per_expert = sum(e.bytes_per_expert for e in src.extents(src.moe_layers[0]))
-    writer = TraceWriter(len(src.moe_layers), src.n_experts, src.n_expert_used,
-                         bytes_per_expert=bytes_per_expert, layer_ids=src.moe_layers,
-                         meta={"model": model_name, "engine": "moed StreamedLlama", "prompts": len(prompts),
-                               "n_predict": n_predict, "chat": chat, "sampling": "greedy",
-                               "predictions": "gate-ahead at ffn_norm (moed.engines.predictor)"})
+    writer = TraceWriter(
+        len(src.moe_layers),
+        src.n_experts,
+        src.n_expert_used,
+        bytes_per_expert=bytes_per_expert,
+        layer_ids=src.moe_layers,
+        meta={
+            "model": model_name,
+            "engine": "moed StreamedLlama",
+            "prompts": len(prompts),
+            "n_predict": n_predict,
+            "chat": chat,
+            "sampling": "greedy",
+            "predictions": "gate-ahead at ffn_norm (moed.engines.predictor)",
+        },
+    )
     recorder = TraceRecorder(writer, src.moe_layers)
     llm.streamer.observers.append(recorder)
     llm.streamer.record_predictions(recorder, writer.ahead_width)

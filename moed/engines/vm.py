@@ -90,8 +90,17 @@ def read_maps(pid: int | str = "self") -> list[Vma]:
         for line in f:
             m = _MAPS_LINE.match(line.rstrip("\n"))
             if m:
-                out.append(Vma(int(m[1], 16), int(m[2], 16), m[3], int(m[4], 16),
-                               (int(m[5], 16), int(m[6], 16)), int(m[7]), m[8]))
+                out.append(
+                    Vma(
+                        int(m[1], 16),
+                        int(m[2], 16),
+                        m[3],
+                        int(m[4], 16),
+                        (int(m[5], 16), int(m[6], 16)),
+                        int(m[7]),
+                        m[8],
+                    )
+                )
     return out
 
 

@@ -27,8 +27,15 @@ from moed.protocol.layout import round_up
 CHUNK_BYTES = 8 << 20
 
 
-def align_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, alignment: int = 4096,
-               overwrite: bool = False, verify: bool = True, progress: bool = False) -> list[str]:
+def align_gguf(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    alignment: int = 4096,
+    overwrite: bool = False,
+    verify: bool = True,
+    progress: bool = False,
+) -> list[str]:
     """Write `src` realigned to `dst`; returns the output shard paths (first to load)."""
     if alignment < 8 or alignment & (alignment - 1) or alignment > 1 << 30:
         raise ValueError(f"alignment must be a power of two between 8 and 1 GiB, got {alignment}")
@@ -41,8 +48,7 @@ def align_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, alignment: int
             for h, part in zip(headers, partials):
                 _write_shard(h, part, alignment, bar.copied)
             if verify:
-                verify_aligned(headers, partials[0], alignment, on_bytes=bar.verified,
-                               names=partials)
+                verify_aligned(headers, partials[0], alignment, on_bytes=bar.verified, names=partials)
         for part, out in zip(partials, outs):
             os.replace(part, out)
     finally:
@@ -66,6 +72,7 @@ def _output_names(headers: list[Header], dst: str, overwrite: bool) -> list[str]
 
 
 # ---------------------------------------------------------------------- writing
+
 
 def _alignment_kv(alignment: int) -> bytes:
     key = b"general.alignment"
@@ -94,8 +101,13 @@ def _layout(h: Header, alignment: int) -> tuple[bytes, list[int]]:
     for t in h.tensors:
         rel.append(pos)
         name = t.name.encode()
-        infos.append(struct.pack("<Q", len(name)) + name + struct.pack("<I", len(t.dims))
-                     + struct.pack(f"<{len(t.dims)}Q", *t.dims) + struct.pack("<IQ", t.ggml_type, pos))
+        infos.append(
+            struct.pack("<Q", len(name))
+            + name
+            + struct.pack("<I", len(t.dims))
+            + struct.pack(f"<{len(t.dims)}Q", *t.dims)
+            + struct.pack("<IQ", t.ggml_type, pos)
+        )
         pos = round_up(pos + t.n_bytes, alignment)
     head = b"GGUF" + struct.pack("<IQQ", h.version, len(h.tensors), n_kv) + kv + b"".join(infos)
     head += bytes(round_up(len(head), alignment) - len(head))
@@ -110,7 +122,7 @@ def _write_shard(h: Header, out: str, alignment: int, on_bytes) -> None:
         dst = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.pwrite(dst, head, 0)
-            os.ftruncate(dst, end)          # padding reads back as zeros
+            os.ftruncate(dst, end)  # padding reads back as zeros
             for t, off in zip(h.tensors, offsets):
                 _copy_range(src, t.offset, dst, off, t.n_bytes, on_bytes)
             os.fsync(dst)
@@ -126,7 +138,7 @@ def _copy_range(src: int, src_off: int, dst: int, dst_off: int, n: int, on_bytes
         try:
             done = os.copy_file_range(src, dst, step, src_off, dst_off)
         except OSError:
-            done = 0                        # not supported here (e.g. across filesystems)
+            done = 0  # not supported here (e.g. across filesystems)
         if done <= 0:
             data = os.pread(src, step, src_off)
             if len(data) != step:
@@ -138,12 +150,20 @@ def _copy_range(src: int, src_off: int, dst: int, dst_off: int, n: int, on_bytes
 
 # ---------------------------------------------------------------------- verification
 
-def verify_aligned(src_headers: list[Header], dst_first: str, alignment: int, *,
-                   on_bytes=lambda n: None, names: list[str] | None = None) -> None:
+
+def verify_aligned(
+    src_headers: list[Header],
+    dst_first: str,
+    alignment: int,
+    *,
+    on_bytes=lambda n: None,
+    names: list[str] | None = None,
+) -> None:
     """Raise ValueError unless the output has the input's metadata and tensor bytes."""
     if names is not None:
         # Partial names do not follow the shard naming; read each one directly.
         from moed.gguf.header import check_split, read_header
+
         out = [read_header(n) for n in names]
         check_split(out)
     else:
@@ -186,6 +206,7 @@ def _compare_bytes(pa: str, oa: int, pb: str, ob: int, n: int, name: str, on_byt
 
 # ---------------------------------------------------------------------- progress
 
+
 class _Progress:
     """A rich progress bar on stderr, or nothing."""
 
@@ -204,9 +225,15 @@ class _Progress:
                 TimeRemainingColumn,
                 TransferSpeedColumn,
             )
-            self._bar = Progress(TextColumn("{task.description:>7}"), BarColumn(), DownloadColumn(),
-                                 TransferSpeedColumn(), TimeRemainingColumn(),
-                                 console=Console(stderr=True))
+
+            self._bar = Progress(
+                TextColumn("{task.description:>7}"),
+                BarColumn(),
+                DownloadColumn(),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+            )
             self._bar.__enter__()
             self._copy = self._bar.add_task("copy", total=self.total)
             if self.verify:

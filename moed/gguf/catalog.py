@@ -45,21 +45,21 @@ from moed.gguf.header import FileIdentity, Header, check_split, read_header, spl
 from moed.protocol.errors import BadModelFile, BadRequest, UnknownExpert, UnknownLayer
 from moed.protocol.layout import PAGE
 
-PART_ORDER = ("gate", "up", "gate_up", "down")   # slot layout order
+PART_ORDER = ("gate", "up", "gate_up", "down")  # slot layout order
 EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.weight$")
 
-SizeClass = tuple[tuple[str, int], ...]           # ((part, bytes_per_expert), ...) in part order
+SizeClass = tuple[tuple[str, int], ...]  # ((part, bytes_per_expert), ...) in part order
 
 
 @dataclass(frozen=True)
 class PartExtent:
-    shard: int                   # index into Catalog.files
+    shard: int  # index into Catalog.files
     path: str
-    offset: int                  # absolute offset of expert 0 in the shard
+    offset: int  # absolute offset of expert 0 in the shard
     bytes_per_expert: int
     ggml_type: int
     type_name: str
-    shape: tuple[int, ...]       # ggml order (ne0, ne1, n_expert)
+    shape: tuple[int, ...]  # ggml order (ne0, ne1, n_expert)
 
     @property
     def page_aligned(self) -> bool:
@@ -89,17 +89,17 @@ class LayerEntry:
 
 @dataclass(frozen=True)
 class Catalog:
-    path: str                              # the first shard, absolute
+    path: str  # the first shard, absolute
     files: tuple[str, ...]
     identity: tuple[FileIdentity, ...]
     arch: str
-    n_layers: int                          # block_count (dense layers included)
+    n_layers: int  # block_count (dense layers included)
     moe_layers: tuple[int, ...]
     n_experts: int
     n_expert_used: int
     parts: tuple[str, ...]
     layers: dict[int, LayerEntry]
-    alignment: int                         # general.alignment of the first shard
+    alignment: int  # general.alignment of the first shard
 
     # ------------------------------------------------------------------ open
 
@@ -118,8 +118,7 @@ class Catalog:
     def layer(self, layer: int) -> LayerEntry:
         entry = self.layers.get(layer)
         if entry is None:
-            raise UnknownLayer(f"layer {layer} has no routed experts (MoE layers: "
-                               f"{format_ranges(self.moe_layers)})")
+            raise UnknownLayer(f"layer {layer} has no routed experts (MoE layers: {format_ranges(self.moe_layers)})")
         return entry
 
     def extent(self, layer: int, expert: int, part: str) -> tuple[str, int, int]:
@@ -166,21 +165,34 @@ class Catalog:
             "page_aligned": self.page_aligned,
             "expert_bytes_total": self.expert_bytes_total,
             "size_classes": [
-                {"parts": {p: b for p, b in key}, "expert_bytes": sum(b for _, b in key),
-                 "layers": list(layers),
-                 "page_aligned": all(self.layers[l].page_aligned for l in layers),
-                 "types": sorted({self.layers[l].parts[p].type_name for l in layers for p, _ in key})}
-                for key, layers in self.size_classes.items()],
-            "layers": {str(l): {p: {"shard": x.shard, "offset": x.offset,
-                                    "bytes_per_expert": x.bytes_per_expert,
-                                    "type": x.type_name, "shape": list(x.shape),
-                                    "page_aligned": x.page_aligned}
-                                for p, x in e.parts.items()}
-                       for l, e in self.layers.items()},
+                {
+                    "parts": {p: b for p, b in key},
+                    "expert_bytes": sum(b for _, b in key),
+                    "layers": list(layers),
+                    "page_aligned": all(self.layers[l].page_aligned for l in layers),
+                    "types": sorted({self.layers[l].parts[p].type_name for l in layers for p, _ in key}),
+                }
+                for key, layers in self.size_classes.items()
+            ],
+            "layers": {
+                str(l): {
+                    p: {
+                        "shard": x.shard,
+                        "offset": x.offset,
+                        "bytes_per_expert": x.bytes_per_expert,
+                        "type": x.type_name,
+                        "shape": list(x.shape),
+                        "page_aligned": x.page_aligned,
+                    }
+                    for p, x in e.parts.items()
+                }
+                for l, e in self.layers.items()
+            },
         }
 
 
 # ---------------------------------------------------------------------- helpers
+
 
 def _build(path: str, files, identity, headers: list[Header]) -> Catalog:
     first = headers[0]
@@ -194,38 +206,53 @@ def _build(path: str, files, identity, headers: list[Header]) -> Catalog:
             if m:
                 found.setdefault(int(m.group(1)), {})[m.group(2)] = _extent(shard, h, t)
     if not found:
-        raise BadModelFile(f"{path}: no routed expert tensors (blk.N.ffn_*_exps.weight); "
-                           f"not a mixture-of-experts model")
+        raise BadModelFile(
+            f"{path}: no routed expert tensors (blk.N.ffn_*_exps.weight); not a mixture-of-experts model"
+        )
     n_experts = _expert_count(path, arch, first, found)
     n_used = first.get(f"{arch}.expert_used_count")
     if not isinstance(n_used, int) or not 1 <= n_used <= n_experts:
-        raise BadModelFile(f"{path}: {arch}.expert_used_count is {n_used!r}; "
-                           f"expected 1..{n_experts}")
-    layers = {l: LayerEntry(l, {p: parts[p] for p in PART_ORDER if p in parts})
-              for l, parts in sorted(found.items())}
+        raise BadModelFile(f"{path}: {arch}.expert_used_count is {n_used!r}; expected 1..{n_experts}")
+    layers = {l: LayerEntry(l, {p: parts[p] for p in PART_ORDER if p in parts}) for l, parts in sorted(found.items())}
     part_sets = {tuple(e.parts) for e in layers.values()}
     if len(part_sets) != 1:
         detail = "; ".join(f"layer {l}: {'+'.join(e.parts)}" for l, e in layers.items())
         raise BadModelFile(f"{path}: MoE layers have different expert parts ({detail})")
     n_layers = first.get(f"{arch}.block_count", max(layers) + 1)
-    return Catalog(path, tuple(files), tuple(identity), arch, int(n_layers), tuple(layers),
-                   n_experts, n_used, part_sets.pop(), layers, first.alignment)
+    return Catalog(
+        path,
+        tuple(files),
+        tuple(identity),
+        arch,
+        int(n_layers),
+        tuple(layers),
+        n_experts,
+        n_used,
+        part_sets.pop(),
+        layers,
+        first.alignment,
+    )
 
 
 def _extent(shard: int, h: Header, t) -> PartExtent:
     if len(t.dims) != 3 or t.dims[2] == 0:
-        raise BadModelFile(f"{h.path}: expert tensor {t.name!r} has shape {list(t.dims)}, "
-                           f"expected [ne0, ne1, n_expert]")
-    return PartExtent(shard, h.path, t.offset, t.n_bytes // t.dims[2], t.ggml_type,
-                      type_name(t.ggml_type), tuple(t.dims))
+        raise BadModelFile(
+            f"{h.path}: expert tensor {t.name!r} has shape {list(t.dims)}, expected [ne0, ne1, n_expert]"
+        )
+    return PartExtent(
+        shard, h.path, t.offset, t.n_bytes // t.dims[2], t.ggml_type, type_name(t.ggml_type), tuple(t.dims)
+    )
 
 
 def _expert_count(path: str, arch: str, first: Header, found) -> int:
     counts = {p.shape[2] for parts in found.values() for p in parts.values()}
     declared = first.get(f"{arch}.expert_count")
     if len(counts) != 1:
-        detail = "; ".join(f"{p.path} layer {l} {name}: {p.shape[2]}"
-                           for l, parts in sorted(found.items()) for name, p in parts.items())
+        detail = "; ".join(
+            f"{p.path} layer {l} {name}: {p.shape[2]}"
+            for l, parts in sorted(found.items())
+            for name, p in parts.items()
+        )
         raise BadModelFile(f"{path}: expert tensors disagree on the number of experts ({detail})")
     n = counts.pop()
     if declared is not None and declared != n:

@@ -41,8 +41,7 @@ DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4
 
 # GGUF value types -> (struct format, size) for scalars.
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?",
-            10: "Q", 11: "q", 12: "d"}
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 T_STRING, T_ARRAY = 8, 9
 _U64 = struct.Struct("<Q")
 
@@ -50,9 +49,9 @@ _U64 = struct.Struct("<Q")
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
-    dims: tuple[int, ...]        # ggml order: ne0 (contiguous) first
+    dims: tuple[int, ...]  # ggml order: ne0 (contiguous) first
     ggml_type: int
-    offset: int                  # absolute file offset of the tensor's first byte
+    offset: int  # absolute file offset of the tensor's first byte
     n_bytes: int
 
     @property
@@ -64,7 +63,7 @@ class TensorInfo:
 class KV:
     key: str
     vtype: int
-    raw: bytes = field(repr=False)   # the whole entry as stored: key, type, value
+    raw: bytes = field(repr=False)  # the whole entry as stored: key, type, value
     value_at: int = field(repr=False)  # where the value starts inside `raw`
 
     @functools.cached_property
@@ -72,7 +71,7 @@ class KV:
         return _Cursor(self.raw, "<kv>", len(self.raw), self.value_at).value(self.vtype)
 
 
-FileIdentity = tuple[int, int, int, int, int]   # st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns
+FileIdentity = tuple[int, int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns
 
 
 def identity_of(st: os.stat_result) -> FileIdentity:
@@ -98,7 +97,7 @@ def open_regular(path: str, extra_flags: int = 0) -> tuple[int, os.stat_result]:
     except OSError as exc:
         if exc.errno == errno.ELOOP and extra_flags & os.O_NOFOLLOW:
             raise BadModelFile(f"{path}: became a symbolic link while being opened") from None
-        try:            # a socket refuses open (ENXIO): say what it is, not the errno
+        try:  # a socket refuses open (ENXIO): say what it is, not the errno
             mode = os.stat(path).st_mode
         except OSError:
             mode = stat.S_IFREG
@@ -116,9 +115,13 @@ def open_regular(path: str, extra_flags: int = 0) -> tuple[int, os.stat_result]:
 
 
 def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "is a directory"), (stat.S_ISFIFO, "is a FIFO"),
-                       (stat.S_ISSOCK, "is a socket"), (stat.S_ISCHR, "is a character device"),
-                       (stat.S_ISBLK, "is a block device")):
+    for test, name in (
+        (stat.S_ISDIR, "is a directory"),
+        (stat.S_ISFIFO, "is a FIFO"),
+        (stat.S_ISSOCK, "is a socket"),
+        (stat.S_ISCHR, "is a character device"),
+        (stat.S_ISBLK, "is a block device"),
+    ):
         if test(mode):
             return name
     return "is a special file"
@@ -156,8 +159,9 @@ def tensor_nbytes(path: str, name: str, dims: tuple[int, ...], ggml_type: int) -
     for d in dims:
         n *= d
     if dims and dims[0] % block:
-        raise BadModelFile(f"{path}: tensor {name!r} rows of {dims[0]} are not whole "
-                           f"{type_name(ggml_type)} blocks of {block}")
+        raise BadModelFile(
+            f"{path}: tensor {name!r} rows of {dims[0]} are not whole {type_name(ggml_type)} blocks of {block}"
+        )
     return n // block * size
 
 
@@ -169,8 +173,9 @@ class _Cursor:
 
     def need(self, n: int) -> None:
         if n < 0 or self.pos + n > self.size:
-            raise BadModelFile(f"{self.path}: truncated or corrupt GGUF header "
-                               f"(needs byte {self.pos + n}, file has {self.size})")
+            raise BadModelFile(
+                f"{self.path}: truncated or corrupt GGUF header (needs byte {self.pos + n}, file has {self.size})"
+            )
 
     def scalar(self, fmt: str):
         n = struct.calcsize("<" + fmt)
@@ -182,7 +187,7 @@ class _Cursor:
     def string(self) -> str:
         n = self.scalar("Q")
         self.need(n)
-        s = bytes(self.buf[self.pos:self.pos + n])
+        s = bytes(self.buf[self.pos : self.pos + n])
         self.pos += n
         return s.decode("utf-8", errors="replace")
 
@@ -271,7 +276,7 @@ def _parse(buf, path: str, size: int) -> Header:
         c.skip_value(vtype)
         if key in kvs:
             raise BadModelFile(f"{path}: duplicate GGUF key {key!r}")
-        kvs[key] = KV(key, vtype, bytes(buf[start:c.pos]), value_at)
+        kvs[key] = KV(key, vtype, bytes(buf[start : c.pos]), value_at)
     alignment = DEFAULT_ALIGNMENT
     if "general.alignment" in kvs:
         kv = kvs["general.alignment"]
@@ -295,19 +300,22 @@ def _tensor_info(c: _Cursor) -> tuple[str, tuple[int, ...], int, int]:
     return name, dims, c.scalar("I"), c.scalar("Q")
 
 
-def _place(path: str, size: int, alignment: int, data_offset: int,
-           name: str, dims: tuple[int, ...], ggml_type: int, rel: int) -> TensorInfo:
+def _place(
+    path: str, size: int, alignment: int, data_offset: int, name: str, dims: tuple[int, ...], ggml_type: int, rel: int
+) -> TensorInfo:
     n_bytes = tensor_nbytes(path, name, dims, ggml_type)
     if rel % alignment:
         raise BadModelFile(f"{path}: tensor {name!r} offset {rel} is not aligned to {alignment}")
     offset = data_offset + rel
     if offset + n_bytes > size:
-        raise BadModelFile(f"{path}: truncated: tensor {name!r} ends at byte {offset + n_bytes} "
-                           f"but the file has {size} bytes")
+        raise BadModelFile(
+            f"{path}: truncated: tensor {name!r} ends at byte {offset + n_bytes} but the file has {size} bytes"
+        )
     return TensorInfo(name, dims, ggml_type, offset, n_bytes)
 
 
 # ---------------------------------------------------------------------- split files
+
 
 def shard_names(first: str | os.PathLike, count: int) -> list[str]:
     """llama.cpp's names for `count` shards; `first` is `X.gguf` or `X-00001-of-0000N.gguf`."""
@@ -329,8 +337,10 @@ def split_files(path: str, first: Header) -> list[str]:
         raise BadModelFile(f"{path}: this is shard {number + 1} of {count}; open the first shard")
     m = SHARD_RE.match(path)
     if not m or int(m.group(2)) != 1 or int(m.group(3)) != count:
-        raise BadModelFile(f"{path}: split into {count} shards, but the name does not follow "
-                           f"llama.cpp's PREFIX-00001-of-{count:05d}.gguf naming")
+        raise BadModelFile(
+            f"{path}: split into {count} shards, but the name does not follow "
+            f"llama.cpp's PREFIX-00001-of-{count:05d}.gguf naming"
+        )
     files = shard_names(path, count)
     missing = [f for f in files if not os.path.exists(f)]
     if missing:
@@ -345,13 +355,16 @@ def check_split(headers: list[Header]) -> None:
         return
     for i, h in enumerate(headers):
         if h.get("split.no") != i or h.get("split.count") != count:
-            raise BadModelFile(f"{h.path}: split keys say shard {h.get('split.no')} of "
-                               f"{h.get('split.count')}, expected shard {i} of {count}")
+            raise BadModelFile(
+                f"{h.path}: split keys say shard {h.get('split.no')} of "
+                f"{h.get('split.count')}, expected shard {i} of {count}"
+            )
     expected = headers[0].get("split.tensors.count")
     found = sum(len(h.tensors) for h in headers)
     if expected is not None and expected != found:
-        raise BadModelFile(f"{headers[0].path}: split.tensors.count is {expected} but the "
-                           f"{count} shards hold {found} tensors")
+        raise BadModelFile(
+            f"{headers[0].path}: split.tensors.count is {expected} but the {count} shards hold {found} tensors"
+        )
 
 
 def read_split(path: str | os.PathLike) -> list[Header]:

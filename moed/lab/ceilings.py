@@ -50,8 +50,9 @@ class Ceiling:
         return asdict(self)
 
 
-def ceiling(result: ReplayResult, counted_tokens: int, bytes_per_expert: float,
-            drive_gbps: float, compute_ms: float) -> Ceiling:
+def ceiling(
+    result: ReplayResult, counted_tokens: int, bytes_per_expert: float, drive_gbps: float, compute_ms: float
+) -> Ceiling:
     if drive_gbps <= 0 or compute_ms < 0 or bytes_per_expert <= 0:
         raise BadRequest("drive rate and bytes per expert must be > 0, compute time >= 0")
     reads = (result.accesses - result.hits) / counted_tokens if counted_tokens else 0.0
@@ -59,8 +60,7 @@ def ceiling(result: ReplayResult, counted_tokens: int, bytes_per_expert: float,
     io_ms = per_token / (drive_gbps * 1e9) * 1e3
     serial = 1000.0 / (compute_ms + io_ms) if compute_ms + io_ms > 0 else float("inf")
     overlapped = 1000.0 / max(compute_ms, io_ms) if max(compute_ms, io_ms) > 0 else float("inf")
-    return Ceiling(result.policy, result.size, result.slots, reads, per_token, io_ms,
-                   compute_ms, serial, overlapped)
+    return Ceiling(result.policy, result.size, result.slots, reads, per_token, io_ms, compute_ms, serial, overlapped)
 
 
 def mtp_accesses(trace: Trace, n_draft: int, accept: float, warm: int = 0) -> tuple[Accesses, int]:
@@ -93,8 +93,14 @@ def mtp_accesses(trace: Trace, n_draft: int, accept: float, warm: int = 0) -> tu
             parts_cnt.append(np.ones(len(keys), bool))
             steps += 1
             pos += accept
-    grouped = Accesses(np.concatenate(parts_keys), np.concatenate(parts_tok), np.concatenate(parts_cnt),
-                       acc.moe_layers, acc.n_experts, acc.n_counted_tokens)
+    grouped = Accesses(
+        np.concatenate(parts_keys),
+        np.concatenate(parts_tok),
+        np.concatenate(parts_cnt),
+        acc.moe_layers,
+        acc.n_experts,
+        acc.n_counted_tokens,
+    )
     return grouped, steps
 
 
@@ -123,7 +129,7 @@ class MtpReads:
     n_draft: int
     accept: float
     steps: int
-    reads_per_token: float      # with MTP, per generated (counted decode) token
+    reads_per_token: float  # with MTP, per generated (counted decode) token
     reads_per_token_plain: float  # the same policy and size without MTP
     reads_per_step: float
 
@@ -131,9 +137,16 @@ class MtpReads:
         return asdict(self)
 
 
-def mtp_reads(trace: Trace, policy: str, n_draft: int, accept: float, size: float | None = None,
-              slots: int | None = None, warm: int = 0,
-              grouped: tuple[Accesses, int] | None = None) -> MtpReads:
+def mtp_reads(
+    trace: Trace,
+    policy: str,
+    n_draft: int,
+    accept: float,
+    size: float | None = None,
+    slots: int | None = None,
+    warm: int = 0,
+    grouped: tuple[Accesses, int] | None = None,
+) -> MtpReads:
     """Reads per generated token with and without MTP grouping, for one policy and
     size. `grouped` reuses a `mtp_accesses` result across policies and sizes."""
     stream, steps = grouped or mtp_accesses(trace, n_draft, accept, warm)
@@ -141,5 +154,14 @@ def mtp_reads(trace: Trace, policy: str, n_draft: int, accept: float, size: floa
     with_mtp = policies.replay(stream, policy, size, slots)
     tokens = stream.n_counted_tokens or 1
     misses = with_mtp.accesses - with_mtp.hits
-    return MtpReads(policy, size, with_mtp.slots, n_draft, accept, steps, misses / tokens,
-                    (plain.accesses - plain.hits) / tokens, misses / steps if steps else 0.0)
+    return MtpReads(
+        policy,
+        size,
+        with_mtp.slots,
+        n_draft,
+        accept,
+        steps,
+        misses / tokens,
+        (plain.accesses - plain.hits) / tokens,
+        misses / steps if steps else 0.0,
+    )

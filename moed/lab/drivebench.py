@@ -43,7 +43,7 @@ import numpy as np
 from moed.protocol.errors import BadRequest
 
 ALIGN = 4096
-Tick = Callable[[float, int], None]       # (elapsed_s, bytes so far)
+Tick = Callable[[float, int], None]  # (elapsed_s, bytes so far)
 
 
 @dataclass
@@ -87,8 +87,9 @@ def _open(path: str) -> tuple[int, bool]:
     return os.open(path, os.O_RDONLY | os.O_CLOEXEC), False
 
 
-def _run_threads(workers: list[Callable[[], None]], seconds: float, progress_bytes: Callable[[], int],
-                 tick: Tick | None) -> float:
+def _run_threads(
+    workers: list[Callable[[], None]], seconds: float, progress_bytes: Callable[[], int], tick: Tick | None
+) -> float:
     """Start the workers, tick progress until `seconds` pass, join; returns the wall time."""
     threads = [threading.Thread(target=w, daemon=True) for w in workers]
     t0 = time.perf_counter()
@@ -104,8 +105,9 @@ def _run_threads(workers: list[Callable[[], None]], seconds: float, progress_byt
     return wall
 
 
-def raw_reads(path: str, size: int = 1 << 20, depth: int = 8, seconds: float = 10.0,
-              tick: Tick | None = None, seed: int = 0) -> DriveRun:
+def raw_reads(
+    path: str, size: int = 1 << 20, depth: int = 8, seconds: float = 10.0, tick: Tick | None = None, seed: int = 0
+) -> DriveRun:
     _check(size, depth, seconds)
     fd, direct = _open(path)
     try:
@@ -138,8 +140,9 @@ def raw_reads(path: str, size: int = 1 << 20, depth: int = 8, seconds: float = 1
     return DriveRun("raw", total / wall / 1e9, total, len(flat), wall, direct=direct, **_percentiles(flat))
 
 
-def moed_reads(model_path: str, size: int = 1 << 20, depth: int = 8, seconds: float = 10.0,
-               tick: Tick | None = None, seed: int = 0) -> DriveRun:
+def moed_reads(
+    model_path: str, size: int = 1 << 20, depth: int = 8, seconds: float = 10.0, tick: Tick | None = None, seed: int = 0
+) -> DriveRun:
     from moed.client import Client
     from moed.gguf.catalog import Catalog
     from moed.lab.replay import slot_bytes_by_layer
@@ -149,10 +152,12 @@ def moed_reads(model_path: str, size: int = 1 << 20, depth: int = 8, seconds: fl
     cat = Catalog.open(model_path)
     slot = max(slot_bytes_by_layer(model_path).values())
     keys = [(l, e) for l in cat.moe_layers for e in range(cat.n_experts)]
-    budget = 2 * depth * slot             # every thread's lease, and as much again
-    if len(keys) < 2 * (budget // slot):   # an expert comes back only after the LRU dropped it
-        raise BadRequest(f"{model_path} is too small for a drive benchmark: it holds {len(keys)} experts, "
-                         f"and {depth} readers need at least {2 * (budget // slot)} to keep missing")
+    budget = 2 * depth * slot  # every thread's lease, and as much again
+    if len(keys) < 2 * (budget // slot):  # an expert comes back only after the LRU dropped it
+        raise BadRequest(
+            f"{model_path} is too small for a drive benchmark: it holds {len(keys)} experts, "
+            f"and {depth} readers need at least {2 * (budget // slot)} to keep missing"
+        )
     random.Random(seed).shuffle(keys)
     shares = [keys[i::depth] for i in range(depth)]
     config = {"chunk_bytes": size, "reader_threads": depth}
@@ -185,8 +190,12 @@ def _drive_daemon(probe, models, shares, seconds: float, tick: Tick | None) -> D
     def read_so_far() -> int:
         return probe.stats()["bytes_read"] - stats0["bytes_read"]
 
-    wall = _run_threads([functools.partial(worker, i) for i in range(len(shares))], seconds,
-                        read_so_far if tick is not None else (lambda: 0), tick)
+    wall = _run_threads(
+        [functools.partial(worker, i) for i in range(len(shares))],
+        seconds,
+        read_so_far if tick is not None else (lambda: 0),
+        tick,
+    )
     stats1 = probe.stats()
     total = stats1["bytes_read"] - stats0["bytes_read"]
     flat = [x for per in lat for x in per]
@@ -194,29 +203,42 @@ def _drive_daemon(probe, models, shares, seconds: float, tick: Tick | None) -> D
     return DriveRun("moed", total / wall / 1e9, total, len(flat), wall, direct=direct, **_percentiles(flat))
 
 
-def paired(path: str, size: int = 1 << 20, depth: int = 8, seconds: float = 10.0,
-           tick_for: Callable[[str], Tick | None] = lambda label: None) -> dict[str, Any]:
+def paired(
+    path: str,
+    size: int = 1 << 20,
+    depth: int = 8,
+    seconds: float = 10.0,
+    tick_for: Callable[[str], Tick | None] = lambda label: None,
+) -> dict[str, Any]:
     """raw, moed, raw again; `ratio` is moed over the mean of the two raw runs."""
     raw1 = raw_reads(path, size, depth, seconds, tick_for("raw"), seed=1)
     moed = moed_reads(path, size, depth, seconds, tick_for("moed"), seed=2)
     raw2 = raw_reads(path, size, depth, seconds, tick_for("raw again"), seed=3)
     raw = (raw1.gbps + raw2.gbps) / 2
-    return {"raw_gbps": raw, "moed_gbps": moed.gbps, "ratio": moed.gbps / raw if raw else 0.0,
-            "size_bytes": size, "depth": depth, "seconds": seconds,
-            "runs": [raw1.to_json(), moed.to_json(), raw2.to_json()]}
+    return {
+        "raw_gbps": raw,
+        "moed_gbps": moed.gbps,
+        "ratio": moed.gbps / raw if raw else 0.0,
+        "size_bytes": size,
+        "depth": depth,
+        "seconds": seconds,
+        "runs": [raw1.to_json(), moed.to_json(), raw2.to_json()],
+    }
 
 
-def single(path: str, size: int = 1 << 20, depth: int = 8, seconds: float = 10.0,
-           tick: Tick | None = None) -> dict[str, Any]:
+def single(
+    path: str, size: int = 1 << 20, depth: int = 8, seconds: float = 10.0, tick: Tick | None = None
+) -> dict[str, Any]:
     run = raw_reads(path, size, depth, seconds, tick)
-    return {"raw_gbps": run.gbps, "size_bytes": size, "depth": depth, "seconds": seconds,
-            "runs": [run.to_json()]}
+    return {"raw_gbps": run.gbps, "size_bytes": size, "depth": depth, "seconds": seconds, "runs": [run.to_json()]}
 
 
 # ---- a file to benchmark with --------------------------------------------------
 
-def write_bench_model(path: str | os.PathLike, size_bytes: int, part_bytes: int = 1 << 20,
-                      experts: int = 64, seed: int = 0) -> str:
+
+def write_bench_model(
+    path: str | os.PathLike, size_bytes: int, part_bytes: int = 1 << 20, experts: int = 64, seed: int = 0
+) -> str:
     """A MoE GGUF of about `size_bytes` with only routed-expert tensors (F16, random bytes)."""
     from gguf import GGUFWriter
 
@@ -243,7 +265,7 @@ def write_bench_model(path: str | os.PathLike, size_bytes: int, part_bytes: int 
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
-    assert w.fout is not None    # write_header_to_file opened the output file
+    assert w.fout is not None  # write_header_to_file opened the output file
     fout = w.fout[0]
     fout.write(b"\0" * (-fout.tell() % ALIGN))
     block = np.random.default_rng(seed).integers(0, 256, part_bytes, dtype=np.uint8).tobytes()
@@ -254,7 +276,7 @@ def write_bench_model(path: str | os.PathLike, size_bytes: int, part_bytes: int 
     w.close()
     os.replace(tmp, path)
     fd = os.open(path, os.O_RDONLY)
-    try:                                  # drop it from the page cache: this is for the drive
+    try:  # drop it from the page cache: this is for the drive
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)

@@ -50,14 +50,15 @@ class ModelCost:
 
     layers: int
     n_experts: int
-    read_bytes: np.ndarray    # bytes read from the drive per expert, per layer
-    slot_bytes: np.ndarray    # bytes of RAM tier per expert, per layer (parts page-rounded)
-    dense_bytes: int          # file bytes that are not routed experts
+    read_bytes: np.ndarray  # bytes read from the drive per expert, per layer
+    slot_bytes: np.ndarray  # bytes of RAM tier per expert, per layer (parts page-rounded)
+    dense_bytes: int  # file bytes that are not routed experts
 
     @classmethod
     def of(cls, model_path: str | os.PathLike) -> ModelCost:
         from moed.gguf.catalog import Catalog
         from moed.lab.replay import slot_bytes
+
         cat = Catalog.open(model_path)
         entries = [cat.layers[l] for l in cat.moe_layers]
         read = np.array([e.expert_bytes for e in entries], dtype=np.float64)
@@ -104,7 +105,7 @@ class Plan:
     ram_bytes: int
     dense_bytes: int
     reserve_bytes: int
-    usable_bytes: int             # what the RAM and pin budgets together may take
+    usable_bytes: int  # what the RAM and pin budgets together may take
     all_experts_bytes: int
     target_tok_s: float | None
     curve: list[Point]
@@ -121,23 +122,32 @@ class Plan:
 class Planner:
     """One trace, one model, one drive rate: hit rates and predicted rates at any slot count."""
 
-    def __init__(self, cost: ModelCost, trace, policy: str = "g-lru", warm: int = 0,
-                 drive_gbps: float = 3.0, compute_ms: float = 0.0):
+    def __init__(
+        self,
+        cost: ModelCost,
+        trace,
+        policy: str = "g-lru",
+        warm: int = 0,
+        drive_gbps: float = 3.0,
+        compute_ms: float = 0.0,
+    ):
         if policy not in policies.SHARED:
             raise BadRequest(f"plan needs a shared-budget policy ({', '.join(policies.SHARED)}), not {policy!r}")
         if trace.moe_layers != cost.layers or trace.n_experts > cost.n_experts:
-            raise BadRequest(f"trace geometry ({trace.moe_layers} MoE layers, {trace.n_experts} experts) does "
-                             f"not match the model ({cost.layers} MoE layers, {cost.n_experts} experts)")
+            raise BadRequest(
+                f"trace geometry ({trace.moe_layers} MoE layers, {trace.n_experts} experts) does "
+                f"not match the model ({cost.layers} MoE layers, {cost.n_experts} experts)"
+            )
         if drive_gbps <= 0 or compute_ms < 0:
             raise BadRequest("--drive-gbps must be > 0 and --compute-ms >= 0")
         self.cost, self.policy = cost, policy
         self.drive_gbps, self.compute_ms = drive_gbps, compute_ms
-        if trace.n_experts != cost.n_experts:       # an importer only saw the ids that were used
+        if trace.n_experts != cost.n_experts:  # an importer only saw the ids that were used
             trace = trace.with_geometry(n_experts=cost.n_experts)
         self.acc = policies.accesses(trace, warm)
         if self.acc.n_counted_tokens == 0:
             raise BadRequest("the trace has no counted decode tokens (after --warm)")
-        self._bytes = cost.read_bytes[self.acc.layer]          # bytes per access if missed
+        self._bytes = cost.read_bytes[self.acc.layer]  # bytes per access if missed
         self._cache: dict[tuple[int, int], np.ndarray] = {}
 
     def _hits(self, slots: int, pins: int = 0) -> np.ndarray:
@@ -150,8 +160,14 @@ class Planner:
             else:
                 pinned = np.isin(acc.keys, self.hottest(pins))
                 rest = ~pinned
-                sub = Accesses(acc.keys[rest], acc.token[rest], acc.counted[rest], acc.moe_layers,
-                               acc.n_experts, acc.n_counted_tokens)
+                sub = Accesses(
+                    acc.keys[rest],
+                    acc.token[rest],
+                    acc.counted[rest],
+                    acc.moe_layers,
+                    acc.n_experts,
+                    acc.n_counted_tokens,
+                )
                 hit = pinned.copy()
                 hit[rest] = policies.hit_mask(self.policy, sub, max(0, slots - pins))
             self._cache[key] = hit
@@ -172,11 +188,17 @@ class Planner:
         bytes_per_token = float(self._bytes[miss].sum()) / n_tok
         io_ms = bytes_per_token / (self.drive_gbps * 1e9) * 1e3
         total = self.compute_ms + io_ms
-        return Point(size if size is not None else slots / self.cost.all_slots, slots,
-                     self.budget_bytes(slots), float((hit & counted).sum()) / max(1, self.acc.n_counted),
-                     float(miss.sum()) / n_tok, bytes_per_token / 1e6, io_ms,
-                     1e3 / total if total > 0 else float("inf"),
-                     1e3 / io_ms if io_ms > 0 else float("inf"))
+        return Point(
+            size if size is not None else slots / self.cost.all_slots,
+            slots,
+            self.budget_bytes(slots),
+            float((hit & counted).sum()) / max(1, self.acc.n_counted),
+            float(miss.sum()) / n_tok,
+            bytes_per_token / 1e6,
+            io_ms,
+            1e3 / total if total > 0 else float("inf"),
+            1e3 / io_ms if io_ms > 0 else float("inf"),
+        )
 
     def budget_bytes(self, slots: int) -> int:
         return int(round(slots * self.cost.mean_slot_bytes))
@@ -191,7 +213,7 @@ class Planner:
         """Fewest slots (<= max_slots) whose predicted rate reaches the target, or None."""
         if self.point(max_slots).tok_s < target_tok_s:
             return None
-        lo, hi = 0, max_slots                       # invariant: hi reaches the target
+        lo, hi = 0, max_slots  # invariant: hi reaches the target
         while lo < hi:
             mid = (lo + hi) // 2
             if self.point(mid).tok_s >= target_tok_s:
@@ -211,19 +233,32 @@ class Planner:
         return best
 
 
-def make_plan(model_path, trace, *, target_tok_s: float | None = None, drive_gbps: float | None = None,
-              ram_bytes: int | None = None, reserve_bytes: int | None = None, compute_ms: float = 0.0,
-              policy: str = "g-lru", warm: int = 0, measure_s: float = 3.0,
-              sizes=DEFAULT_SIZES, trace_path: str | None = None) -> Plan:
+def make_plan(
+    model_path,
+    trace,
+    *,
+    target_tok_s: float | None = None,
+    drive_gbps: float | None = None,
+    ram_bytes: int | None = None,
+    reserve_bytes: int | None = None,
+    compute_ms: float = 0.0,
+    policy: str = "g-lru",
+    warm: int = 0,
+    measure_s: float = 3.0,
+    sizes=DEFAULT_SIZES,
+    trace_path: str | None = None,
+) -> Plan:
     cost = ModelCost.of(model_path)
     measured = drive_gbps is None
-    if drive_gbps is None:                         # not given: measure it
+    if drive_gbps is None:  # not given: measure it
         from moed.lab.drivebench import raw_reads
+
         drive_gbps = raw_reads(os.fspath(model_path), 1 << 20, 8, measure_s).gbps
     if ram_bytes is None:
         import psutil
+
         ram_bytes = psutil.virtual_memory().total
-    if reserve_bytes is None:                      # the OS, the engine's own buffers, the page cache
+    if reserve_bytes is None:  # the OS, the engine's own buffers, the page cache
         reserve_bytes = max(1 << 30, ram_bytes // 10)
     usable = max(0, ram_bytes - cost.dense_bytes - reserve_bytes)
     planner = Planner(cost, trace, policy, warm, drive_gbps, compute_ms)
@@ -235,25 +270,30 @@ def make_plan(model_path, trace, *, target_tok_s: float | None = None, drive_gbp
         if slots is None:
             slots = max_slots
             full = planner.point(cost.all_slots)
-            notes.append(f"{target_tok_s:g} tok/s is out of reach with {format_size(usable)} for experts "
-                         f"(best {planner.point(max_slots).tok_s:.1f} tok/s; every expert in RAM: "
-                         f"{full.tok_s:.1f} tok/s with {format_size(planner.budget_bytes(cost.all_slots))})")
+            notes.append(
+                f"{target_tok_s:g} tok/s is out of reach with {format_size(usable)} for experts "
+                f"(best {planner.point(max_slots).tok_s:.1f} tok/s; every expert in RAM: "
+                f"{full.tok_s:.1f} tok/s with {format_size(planner.budget_bytes(cost.all_slots))})"
+            )
     else:
         slots = max_slots
     pins = planner.best_pins(slots) if slots else 0
     final = planner.point(slots, pins)
     rec = {
-        "slots": slots, "pin_slots": pins,
+        "slots": slots,
+        "pin_slots": pins,
         "ram_budget_bytes": planner.budget_bytes(slots - pins),
         "pin_budget_bytes": planner.budget_bytes(pins),
         "total_bytes": planner.budget_bytes(slots),
         "share_of_experts": slots / cost.all_slots,
-        "hit_rate": final.hit_rate, "mb_per_token": final.mb_per_token, "tok_s": final.tok_s,
+        "hit_rate": final.hit_rate,
+        "mb_per_token": final.mb_per_token,
+        "tok_s": final.tok_s,
         "unpinned_hit_rate": planner.point(slots).hit_rate,
         "meets_target": target_tok_s is None or final.tok_s >= target_tok_s,
         "fits_ram": planner.budget_bytes(slots) <= usable,
         "command": f"moed --ram-budget {planner.budget_bytes(slots - pins)}"
-                   + (f" --pin-budget {planner.budget_bytes(pins)}" if pins else ""),
+        + (f" --pin-budget {planner.budget_bytes(pins)}" if pins else ""),
         # the operator's pin verb ranks a trace's experts by routing count, as `hottest` does
         "pin_command": (f"moectl pin {os.fspath(model_path)} --trace {trace_path or 'TRACE'}" if pins else ""),
     }
@@ -261,31 +301,50 @@ def make_plan(model_path, trace, *, target_tok_s: float | None = None, drive_gbp
         notes.append(f"drive rate measured on the model file: {drive_gbps:.2f} GB/s (1 MiB random reads, 8 deep)")
     if pins:
         notes.append("pins are the trace's most used experts, scored on the same trace: an upper estimate")
-    return Plan(policy, drive_gbps, measured, compute_ms, ram_bytes, cost.dense_bytes, reserve_bytes, usable,
-                planner.budget_bytes(cost.all_slots), target_tok_s, curve, rec, notes)
+    return Plan(
+        policy,
+        drive_gbps,
+        measured,
+        compute_ms,
+        ram_bytes,
+        cost.dense_bytes,
+        reserve_bytes,
+        usable,
+        planner.budget_bytes(cost.all_slots),
+        target_tok_s,
+        curve,
+        rec,
+        notes,
+    )
 
 
 def describe(plan: Plan, bars: bool = False) -> list[str]:
     """Human lines: the curve as a table (with bars when asked), then the recommendation."""
     width = 40
     top = max((p.tok_s for p in plan.curve if np.isfinite(p.tok_s)), default=1.0) or 1.0
-    lines = [f"drive {plan.drive_gbps:.2f} GB/s{' (measured)' if plan.drive_measured else ''}, compute "
-             f"{plan.compute_ms:g} ms/token, RAM {format_size(plan.ram_bytes)} (dense "
-             f"{format_size(plan.dense_bytes)}, reserve {format_size(plan.reserve_bytes)}, usable "
-             f"{format_size(plan.usable_bytes)}), policy {plan.policy}",
-             f"{'budget':>11} {'share':>6} {'hit %':>6} {'MB/tok':>8} {'tok/s':>8}"]
+    lines = [
+        f"drive {plan.drive_gbps:.2f} GB/s{' (measured)' if plan.drive_measured else ''}, compute "
+        f"{plan.compute_ms:g} ms/token, RAM {format_size(plan.ram_bytes)} (dense "
+        f"{format_size(plan.dense_bytes)}, reserve {format_size(plan.reserve_bytes)}, usable "
+        f"{format_size(plan.usable_bytes)}), policy {plan.policy}",
+        f"{'budget':>11} {'share':>6} {'hit %':>6} {'MB/tok':>8} {'tok/s':>8}",
+    ]
     for p in plan.curve:
         bar = ("  " + "#" * int(round(width * min(p.tok_s, top) / top))) if bars else ""
         mark = " *" if p.budget_bytes > plan.usable_bytes else ""
-        lines.append(f"{format_size(p.budget_bytes):>11} {100 * p.size:5.0f}% {100 * p.hit_rate:6.1f} "
-                     f"{p.mb_per_token:8.2f} {p.tok_s:8.1f}{bar}{mark}")
+        lines.append(
+            f"{format_size(p.budget_bytes):>11} {100 * p.size:5.0f}% {100 * p.hit_rate:6.1f} "
+            f"{p.mb_per_token:8.2f} {p.tok_s:8.1f}{bar}{mark}"
+        )
     if any(p.budget_bytes > plan.usable_bytes for p in plan.curve):
         lines.append("  * does not fit in this machine's usable RAM")
     r = plan.recommended
     target = f" for {plan.target_tok_s:g} tok/s" if plan.target_tok_s is not None else ""
-    lines.append(f"recommended{target}: RAM budget {format_size(r['ram_budget_bytes'])} + pin budget "
-                 f"{format_size(r['pin_budget_bytes'])} ({100 * r['share_of_experts']:.0f}% of experts): "
-                 f"{r['tok_s']:.1f} tok/s predicted, hit {100 * r['hit_rate']:.1f}%")
+    lines.append(
+        f"recommended{target}: RAM budget {format_size(r['ram_budget_bytes'])} + pin budget "
+        f"{format_size(r['pin_budget_bytes'])} ({100 * r['share_of_experts']:.0f}% of experts): "
+        f"{r['tok_s']:.1f} tok/s predicted, hit {100 * r['hit_rate']:.1f}%"
+    )
     lines.append(f"  {r['command']}")
     if r["pin_command"]:
         lines.append(f"  {r['pin_command']}")
@@ -295,6 +354,7 @@ def describe(plan: Plan, bars: bool = False) -> list[str]:
 def plot(plan: Plan, path: str) -> None:
     """The predicted rate across budgets, as a PNG."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -129,7 +129,7 @@ def accesses(trace: Trace, warm: int = 0) -> Accesses:
     n_tok, n_layers, k = ids.shape
     keep = ids >= 0
     for j in range(1, k):  # drop an id already listed earlier in the same row
-        keep[:, :, j] &= ~(ids[:, :, :j] == ids[:, :, j:j + 1]).any(axis=2)
+        keep[:, :, j] &= ~(ids[:, :, :j] == ids[:, :, j : j + 1]).any(axis=2)
     keys = (ids + (np.arange(n_layers, dtype=np.int64) * trace.n_experts)[None, :, None])[keep]
     token = np.broadcast_to(np.arange(n_tok, dtype=np.int64)[:, None, None], ids.shape)[keep]
     counted_tok = counted_tokens(trace, warm)
@@ -137,6 +137,7 @@ def accesses(trace: Trace, warm: int = 0) -> Accesses:
 
 
 # ---- next use (Belady) ----------------------------------------------------------
+
 
 def next_counted_use(keys: np.ndarray, counted: np.ndarray) -> np.ndarray:
     """For access i: the position of the next access to the same key when that
@@ -161,6 +162,7 @@ def _stable_order(keys: np.ndarray) -> np.ndarray:
 
 
 # ---- the policies: each returns a bytearray hit mask over its access list -----
+
 
 def _lru(keys: list[int], cap: int, **_: Any) -> bytearray:
     hit = bytearray(len(keys))
@@ -450,8 +452,15 @@ def _g_tlfu(keys: list[int], cap: int, window: float, **_: Any) -> bytearray:
 
 
 _IMPL: dict[str, Callable[..., bytearray]] = {
-    "lru": _lru, "lfu": _lfu, "slru": _slru, "opt": _opt,
-    "g-lru": _lru, "g-lfu": _g_lfu, "g-hot": _g_hot, "g-arc": _g_arc, "g-lru2": _g_lru2,
+    "lru": _lru,
+    "lfu": _lfu,
+    "slru": _slru,
+    "opt": _opt,
+    "g-lru": _lru,
+    "g-lfu": _g_lfu,
+    "g-hot": _g_hot,
+    "g-arc": _g_arc,
+    "g-lru2": _g_lru2,
     "g-tlfu1": lambda keys, cap, **kw: _g_tlfu(keys, cap, 0.01),
     "g-tlfu10": lambda keys, cap, **kw: _g_tlfu(keys, cap, 0.10),
     "g-opt": _opt,
@@ -459,6 +468,7 @@ _IMPL: dict[str, Callable[..., bytearray]] = {
 
 
 # ---- replay -------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class ReplayResult:
@@ -493,7 +503,7 @@ def capacity(policy: str, acc: Accesses, size: float | None = None, slots: int |
     if size is not None:
         cap = round(size * acc.n_experts * (1 if per_layer else acc.moe_layers))
     else:
-        assert slots is not None    # exactly one of size and slots was given (checked above)
+        assert slots is not None  # exactly one of size and slots was given (checked above)
         cap = slots // acc.moe_layers if per_layer else slots
     return cap, cap * acc.moe_layers if per_layer else cap
 
@@ -510,7 +520,7 @@ def hit_mask(policy: str, acc: Accesses, cap: int, nxt: np.ndarray | None = None
     order = np.argsort(layer, kind="stable")
     bounds = np.searchsorted(layer[order], np.arange(acc.moe_layers + 1))
     for l in range(acc.moe_layers):
-        idx = order[bounds[l]:bounds[l + 1]]
+        idx = order[bounds[l] : bounds[l + 1]]
         sub_nxt = None
         if nxt is not None:  # next uses renumbered into this layer's stream (same key, same layer)
             n, pos = len(idx), np.empty(acc.n, dtype=np.int64)
@@ -521,8 +531,9 @@ def hit_mask(policy: str, acc: Accesses, cap: int, nxt: np.ndarray | None = None
     return out
 
 
-def _run(impl: Callable[..., bytearray], policy: str, keys: np.ndarray, token: np.ndarray,
-         nxt: np.ndarray | None) -> Callable[[int], np.ndarray]:
+def _run(
+    impl: Callable[..., bytearray], policy: str, keys: np.ndarray, token: np.ndarray, nxt: np.ndarray | None
+) -> Callable[[int], np.ndarray]:
     kwargs: dict[str, Any] = {}
     if policy in ("g-lfu", "g-hot"):
         kwargs["token"] = token.tolist()
@@ -532,8 +543,9 @@ def _run(impl: Callable[..., bytearray], policy: str, keys: np.ndarray, token: n
     return lambda cap: np.frombuffer(impl(key_list, cap, **kwargs), dtype=np.uint8).astype(bool)
 
 
-def replay(source: Trace | Accesses, policy: str, size: float | None = None,
-           slots: int | None = None, warm: int = 0) -> ReplayResult:
+def replay(
+    source: Trace | Accesses, policy: str, size: float | None = None, slots: int | None = None, warm: int = 0
+) -> ReplayResult:
     acc = source if isinstance(source, Accesses) else accesses(source, warm)
     cap, total = capacity(policy, acc, size, slots)
     hits = int(np.count_nonzero(hit_mask(policy, acc, cap) & acc.counted))
@@ -541,17 +553,28 @@ def replay(source: Trace | Accesses, policy: str, size: float | None = None,
     return ReplayResult(policy, size, total, n, hits, hits / n if n else 0.0)
 
 
-def replay_many(trace: Trace, policies: Sequence[str], sizes: Sequence[float] | None = None,
-                slots: Sequence[int] | None = None, warm: int = 0) -> list[ReplayResult]:
+def replay_many(
+    trace: Trace,
+    policies: Sequence[str],
+    sizes: Sequence[float] | None = None,
+    slots: Sequence[int] | None = None,
+    warm: int = 0,
+) -> list[ReplayResult]:
     """Every policy at every size (or slot count), sharing one access stream."""
     acc = accesses(trace, warm)
     points: list[tuple[float | None, int | None]] = (
-        [(s, None) for s in sizes] if sizes is not None else [(None, n) for n in slots or ()])
+        [(s, None) for s in sizes] if sizes is not None else [(None, n) for n in slots or ()]
+    )
     return [replay(acc, p, size, n) for size, n in points for p in check_policies(policies)]
 
 
-def simulate(policy: str, keys: Sequence[int], cap: int, counted: Sequence[bool] | None = None,
-             token: Sequence[int] | None = None) -> list[bool]:
+def simulate(
+    policy: str,
+    keys: Sequence[int],
+    cap: int,
+    counted: Sequence[bool] | None = None,
+    token: Sequence[int] | None = None,
+) -> list[bool]:
     """Hit (True) or miss per access of ONE cache of `cap` slots over raw keys.
 
     For hand-worked cases and tests: a per-layer policy here is just its single

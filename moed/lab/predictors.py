@@ -95,8 +95,10 @@ def coverage(trace: Trace, size: float = 0.5, warm: int = 0) -> list[Coverage]:
                 prev = _distinct(ids[t, layer - 1])
                 co[layer - 1][np.ix_(prev, cur)] += 1
     n_tok = int(counted.sum()) or 1
-    return [Coverage(n, size, slots, misses, covered[n], covered[n] / misses if misses else 0.0,
-                     useless[n] / n_tok) for n in names]
+    return [
+        Coverage(n, size, slots, misses, covered[n], covered[n] / misses if misses else 0.0, useless[n] / n_tok)
+        for n in names
+    ]
 
 
 def _distinct(row: np.ndarray) -> list[int]:
@@ -125,7 +127,7 @@ def _cooccurring(co: np.ndarray, t: int, layer: int, trace: Trace) -> set[int]:
     prev = _distinct(trace.ids[t, layer - 1])
     if not prev:
         return set()
-    rows = co[layer - 1][prev]                       # (len(prev), n_experts)
+    rows = co[layer - 1][prev]  # (len(prev), n_experts)
     best = np.argsort(-rows, axis=1, kind="stable")[:, :COOCCURRENCE_PER_EXPERT]
     counts = np.take_along_axis(rows, best, axis=1)
     return set(best[counts > 0].tolist())

@@ -58,8 +58,7 @@ from moed.protocol.sizes import format_size, parse_size
 from moed.spawn import DaemonProcess
 
 PREFETCH_MODES = ("none", "gate", "gate2", "oracle")
-COUNTERS = ("hits", "misses", "joined_reads", "prefetches", "prefetch_hits",
-            "wasted_prefetches", "bytes_read")
+COUNTERS = ("hits", "misses", "joined_reads", "prefetches", "prefetch_hits", "wasted_prefetches", "bytes_read")
 
 
 @dataclass(frozen=True)
@@ -70,7 +69,7 @@ class ReplayOptions:
     warm: int = 64
     tokens: int | None = None
     acquire_timeout_s: float = 60.0
-    prefetch_width: int | None = None      # gate/gate2: first N predictions per token (None: top-k)
+    prefetch_width: int | None = None  # gate/gate2: first N predictions per token (None: top-k)
 
     def __post_init__(self) -> None:
         if self.prefetch not in PREFETCH_MODES:
@@ -108,16 +107,16 @@ class ReplayResult:
     prefetch_mode: str = "none"
     budget_bytes: int = 0
     budget_slots: int = 0
-    token_slots: float = 0.0        # distinct experts a counted token needs, mean
+    token_slots: float = 0.0  # distinct experts a counted token needs, mean
     warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON: an unbounded rate (no compute time) becomes null, not Infinity."""
-        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                for k, v in asdict(self).items()}
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
 
 
 # ---- the model and the budget ------------------------------------------------
+
 
 def slot_bytes(entry) -> int:
     """Bytes one expert of a catalog `LayerEntry` takes in the RAM tier (parts page-rounded)."""
@@ -127,12 +126,14 @@ def slot_bytes(entry) -> int:
 def slot_bytes_by_layer(model_path: str | os.PathLike) -> dict[int, int]:
     """`slot_bytes` per MoE layer of the model."""
     from moed.gguf.catalog import Catalog
+
     return {l: slot_bytes(e) for l, e in Catalog.open(model_path).layers.items()}
 
 
 def all_experts_bytes(model_path: str | os.PathLike) -> int:
     """The RAM tier bytes that would hold every routed expert of the model."""
     from moed.gguf.catalog import Catalog
+
     cat = Catalog.open(model_path)
     return cat.n_experts * sum(slot_bytes(e) for e in cat.layers.values())
 
@@ -156,6 +157,7 @@ def parse_budget(spec: str, model_path: str | os.PathLike) -> int:
 
 # ---- the token schedule --------------------------------------------------------
 
+
 def schedule(trace, warm: int, tokens: int | None) -> list[tuple[int, bool]]:
     """(token index, counted) in replay order: warm-up, then decode tokens counted."""
     kinds = trace.token_kinds
@@ -163,10 +165,10 @@ def schedule(trace, warm: int, tokens: int | None) -> list[tuple[int, bool]]:
     if not len(decode):
         raise BadRequest("the trace has no decode tokens to replay")
     d0 = int(decode[0])
-    if d0 > 0:                                     # warm with the prompt's last tokens
+    if d0 > 0:  # warm with the prompt's last tokens
         warm_ids = list(range(max(0, d0 - warm), d0))
         counted = decode
-    else:                                          # no prompt: the first decode tokens warm
+    else:  # no prompt: the first decode tokens warm
         warm_ids = [int(t) for t in decode[:warm]]
         counted = decode[warm:]
     if tokens is not None:
@@ -177,8 +179,7 @@ def schedule(trace, warm: int, tokens: int | None) -> list[tuple[int, bool]]:
     last = int(counted[-1])
     counted_set = set(int(t) for t in counted)
     start = int(counted[0])
-    out += [(t, t in counted_set) for t in range(start, last + 1)
-            if t in counted_set or kinds[t] == ord("P")]
+    out += [(t, t in counted_set) for t in range(start, last + 1) if t in counted_set or kinds[t] == ord("P")]
     return out
 
 
@@ -203,6 +204,7 @@ def _wait_until(deadline: float) -> None:
 
 # ---- the replay ----------------------------------------------------------------
 
+
 class Replayer:
     """Drives one trace through one open model on one client connection."""
 
@@ -216,15 +218,19 @@ class Replayer:
         self.layer_ids = sorted(self.model.moe_layers)
         need = {"gate": "ahead1", "gate2": "ahead2"}.get(opts.prefetch)
         if need and getattr(trace, need) is None:
-            raise BadRequest(f"--prefetch {opts.prefetch} needs the trace's {need} predictions, "
-                             f"and this trace has none (use oracle or none)")
+            raise BadRequest(
+                f"--prefetch {opts.prefetch} needs the trace's {need} predictions, "
+                f"and this trace has none (use oracle or none)"
+            )
 
     def _check_geometry(self) -> None:
         t, m = self.trace, self.model
         if t.moe_layers != len(m.moe_layers) or t.n_experts > m.n_experts:
-            raise BadRequest(f"trace geometry ({t.moe_layers} MoE layers, {t.n_experts} experts) does not "
-                             f"fit the model ({len(m.moe_layers)} MoE layers, {m.n_experts} experts); "
-                             f"make one with `moectl make-model --like TRACE`")
+            raise BadRequest(
+                f"trace geometry ({t.moe_layers} MoE layers, {t.n_experts} experts) does not "
+                f"fit the model ({len(m.moe_layers)} MoE layers, {m.n_experts} experts); "
+                f"make one with `moectl make-model --like TRACE`"
+            )
 
     def run(self, progress: Callable[[int, int], None] | None = None) -> ReplayResult:
         plan = schedule(self.trace, self.opts.warm, self.opts.tokens)
@@ -233,7 +239,7 @@ class Replayer:
         accesses = stall_s = wall_s = 0.0
         before, counting, done = None, False, 0
         for t, counted in plan:
-            if counted != counting:                # segment boundary: fold the daemon's counters
+            if counted != counting:  # segment boundary: fold the daemon's counters
                 snap = self._counters(settle=counting)
                 if counting:
                     _add_delta(totals, before, snap)
@@ -249,8 +255,7 @@ class Replayer:
             else:
                 self._warm_token(t)
         _add_delta(totals, before, self._counters(settle=True))
-        return self._result(totals, int(accesses), n_counted, stall_s, wall_s,
-                            sum(1 for _, c in plan if not c))
+        return self._result(totals, int(accesses), n_counted, stall_s, wall_s, sum(1 for _, c in plan if not c))
 
     def _counters(self, settle: bool) -> dict[str, int]:
         """The daemon's counters; with `settle`, after every read in flight has landed."""
@@ -312,38 +317,60 @@ class Replayer:
         try:
             return self.model.acquire(layer, experts, timeout_s=self.opts.acquire_timeout_s)
         except RequestTooLarge as exc:
-            raise RequestTooLarge(f"the budget cannot hold one layer's experts ({len(experts)} of layer "
-                                  f"{layer}): {exc}") from None
+            raise RequestTooLarge(
+                f"the budget cannot hold one layer's experts ({len(experts)} of layer {layer}): {exc}"
+            ) from None
 
-    def _result(self, d: dict, accesses: int, tokens: int, stall_s: float, wall_s: float,
-                warm_tokens: int) -> ReplayResult:
+    def _result(
+        self, d: dict, accesses: int, tokens: int, stall_s: float, wall_s: float, warm_tokens: int
+    ) -> ReplayResult:
         o = self.opts
+
         def rate(n):
-            return (n / accesses if accesses else 0.0)
+            return n / accesses if accesses else 0.0
+
         demand = d["misses"] - d["joined_reads"]
         slot = self._mean_slot_bytes()
         budget_slots = int(self.budget_bytes // slot) if slot else 0
         token_slots = accesses / tokens if tokens else 0.0
         warnings = []
         if budget_slots < token_slots:
-            warnings.append(f"zero headroom: the budget holds {budget_slots} experts, a token needs "
-                            f"{token_slots:.0f}; every token re-reads experts it used a token ago")
+            warnings.append(
+                f"zero headroom: the budget holds {budget_slots} experts, a token needs "
+                f"{token_slots:.0f}; every token re-reads experts it used a token ago"
+            )
         if d["hits"] + d["misses"] != accesses:
-            warnings.append(f"daemon counted {d['hits'] + d['misses']} accesses, the replay made "
-                            f"{accesses}: another client is using this daemon")
+            warnings.append(
+                f"daemon counted {d['hits'] + d['misses']} accesses, the replay made "
+                f"{accesses}: another client is using this daemon"
+            )
         return ReplayResult(
             tok_s=tokens / wall_s if wall_s else 0.0,
             compute_tok_s=1e3 / o.compute_ms if o.compute_ms else float("inf"),
             stall_ms_per_token=stall_s * 1e3 / tokens,
-            hit_rate=rate(d["hits"]), prefetch_hit_rate=rate(d["prefetch_hits"]),
-            demand_miss_rate=rate(demand), prefetches=d["prefetches"],
+            hit_rate=rate(d["hits"]),
+            prefetch_hit_rate=rate(d["prefetch_hits"]),
+            demand_miss_rate=rate(demand),
+            prefetches=d["prefetches"],
             wasted_prefetch_rate=d["wasted_prefetches"] / d["prefetches"] if d["prefetches"] else 0.0,
-            gb_read=d["bytes_read"] / 1e9, mb_per_token=d["bytes_read"] / 1e6 / tokens,
-            tokens=tokens, warm_tokens=warm_tokens, accesses=accesses, hits=d["hits"],
-            misses=d["misses"], demand_misses=demand, prefetch_hits=d["prefetch_hits"],
-            wasted_prefetches=d["wasted_prefetches"], bytes_read=d["bytes_read"], wall_s=wall_s,
-            prefetch_mode=o.prefetch, budget_bytes=self.budget_bytes, budget_slots=budget_slots,
-            token_slots=token_slots, warnings=warnings)
+            gb_read=d["bytes_read"] / 1e9,
+            mb_per_token=d["bytes_read"] / 1e6 / tokens,
+            tokens=tokens,
+            warm_tokens=warm_tokens,
+            accesses=accesses,
+            hits=d["hits"],
+            misses=d["misses"],
+            demand_misses=demand,
+            prefetch_hits=d["prefetch_hits"],
+            wasted_prefetches=d["wasted_prefetches"],
+            bytes_read=d["bytes_read"],
+            wall_s=wall_s,
+            prefetch_mode=o.prefetch,
+            budget_bytes=self.budget_bytes,
+            budget_slots=budget_slots,
+            token_slots=token_slots,
+            warnings=warnings,
+        )
 
     def _mean_slot_bytes(self) -> float:
         sizes = []
@@ -358,16 +385,24 @@ def _add_delta(totals: dict, before: dict | None, after: dict) -> None:
         totals[k] += after[k] - (before or {}).get(k, 0)
 
 
-def replay(client, model_path, trace, opts: ReplayOptions | None = None,
-           progress: Callable[[int, int], None] | None = None) -> ReplayResult:
+def replay(
+    client, model_path, trace, opts: ReplayOptions | None = None, progress: Callable[[int, int], None] | None = None
+) -> ReplayResult:
     """Replay `trace` (a `moed.lab.traces.Trace`) through `client`'s daemon."""
     return Replayer(client, model_path, trace, opts or ReplayOptions()).run(progress)
 
 
-def replay_private(model_path, trace, budget_bytes: int, opts: ReplayOptions | None = None,
-                   progress: Callable[[int, int], None] | None = None, daemon_args: tuple = ()) -> ReplayResult:
+def replay_private(
+    model_path,
+    trace,
+    budget_bytes: int,
+    opts: ReplayOptions | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    daemon_args: tuple = (),
+) -> ReplayResult:
     """Start a private daemon with `budget_bytes`, replay through it, stop it."""
     from moed.client import Client
+
     with DaemonProcess(budget_bytes, *daemon_args) as d:
         with Client(d.socket, "moectl-replay") as c:
             return replay(c, model_path, trace, opts, progress)
@@ -387,6 +422,5 @@ def describe(r: ReplayResult) -> list[str]:
         f"demand misses {100 * r.demand_miss_rate:.1f}% of {r.accesses} accesses",
         f"prefetches {r.prefetches} ({100 * r.wasted_prefetch_rate:.1f}% wasted), read "
         f"{r.gb_read:.3f} GB, {r.mb_per_token:.2f} MB/token",
-        f"budget {format_size(r.budget_bytes)} = {r.budget_slots} experts; a token needs "
-        f"{r.token_slots:.0f}",
+        f"budget {format_size(r.budget_bytes)} = {r.budget_slots} experts; a token needs {r.token_slots:.0f}",
     ] + [f"warning: {w}" for w in r.warnings]

@@ -107,9 +107,13 @@ class Geometry:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Geometry:
         ids = d.get("layer_ids")
-        return cls(int(d["moe_layers"]), int(d["n_experts"]), int(d["top_k"]),
-                   None if d.get("bytes_per_expert") is None else int(d["bytes_per_expert"]),
-                   None if ids is None else tuple(int(x) for x in ids))
+        return cls(
+            int(d["moe_layers"]),
+            int(d["n_experts"]),
+            int(d["top_k"]),
+            None if d.get("bytes_per_expert") is None else int(d["bytes_per_expert"]),
+            None if ids is None else tuple(int(x) for x in ids),
+        )
 
 
 @dataclass(frozen=True)
@@ -141,9 +145,16 @@ def _id_dtype(n_experts: int) -> np.dtype:
 class Trace:
     """An immutable routing trace; see the module docstring for the layout."""
 
-    def __init__(self, geometry: Geometry, ids: np.ndarray, step_kinds: np.ndarray,
-                 step_tokens: np.ndarray, ahead1: np.ndarray | None = None,
-                 ahead2: np.ndarray | None = None, meta: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        geometry: Geometry,
+        ids: np.ndarray,
+        step_kinds: np.ndarray,
+        step_tokens: np.ndarray,
+        ahead1: np.ndarray | None = None,
+        ahead2: np.ndarray | None = None,
+        meta: dict[str, Any] | None = None,
+    ):
         self.geometry = geometry
         self.meta: dict[str, Any] = dict(meta or {})
         self.ids = np.ascontiguousarray(ids)
@@ -227,8 +238,10 @@ class Trace:
 
     def _step(self, i: int) -> Step:
         a, b = int(self.step_offsets[i]), int(self.step_offsets[i + 1])
+
         def view(arr):
-            return (None if arr is None else arr[a:b].transpose(1, 0, 2))
+            return None if arr is None else arr[a:b].transpose(1, 0, 2)
+
         return Step(chr(self.step_kinds[i]), view(self.ids), view(self.ahead1), view(self.ahead2))
 
     def __iter__(self) -> Iterator[Step]:
@@ -239,27 +252,40 @@ class Trace:
 
     def __repr__(self) -> str:
         g = self.geometry
-        return (f"Trace({self.n_steps} steps, {self.n_prompt_tokens} prompt + {self.n_decode_tokens} "
-                f"decode tokens, {g.moe_layers} layers x {g.n_experts} experts, top-{g.top_k})")
+        return (
+            f"Trace({self.n_steps} steps, {self.n_prompt_tokens} prompt + {self.n_decode_tokens} "
+            f"decode tokens, {g.moe_layers} layers x {g.n_experts} experts, top-{g.top_k})"
+        )
 
     def with_meta(self, **meta: Any) -> Trace:
         """A copy sharing the arrays, with `meta` merged in."""
-        return Trace(self.geometry, self.ids, self.step_kinds, np.diff(self.step_offsets),
-                     self.ahead1, self.ahead2, {**self.meta, **meta})
+        return Trace(
+            self.geometry,
+            self.ids,
+            self.step_kinds,
+            np.diff(self.step_offsets),
+            self.ahead1,
+            self.ahead2,
+            {**self.meta, **meta},
+        )
 
     def with_geometry(self, **changes: Any) -> Trace:
         """A copy with geometry fields replaced (e.g. bytes_per_expert once known)."""
         geometry = dataclasses.replace(self.geometry, **changes)
-        return Trace(geometry, self.ids, self.step_kinds, np.diff(self.step_offsets),
-                     self.ahead1, self.ahead2, self.meta)
+        return Trace(
+            geometry, self.ids, self.step_kinds, np.diff(self.step_offsets), self.ahead1, self.ahead2, self.meta
+        )
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Trace):
             return NotImplemented
-        same = (self.geometry == other.geometry and self.meta == other.meta
-                and np.array_equal(self.step_kinds, other.step_kinds)
-                and np.array_equal(self.step_offsets, other.step_offsets)
-                and np.array_equal(self.ids, other.ids))
+        same = (
+            self.geometry == other.geometry
+            and self.meta == other.meta
+            and np.array_equal(self.step_kinds, other.step_kinds)
+            and np.array_equal(self.step_offsets, other.step_offsets)
+            and np.array_equal(self.ids, other.ids)
+        )
         return same and _same_optional(self.ahead1, other.ahead1) and _same_optional(self.ahead2, other.ahead2)
 
     __hash__ = None  # type: ignore[assignment]
@@ -298,8 +324,9 @@ class Trace:
         if head.startswith(_ZIP_MAGIC):
             trace = _read_native(path)
             return trace.with_geometry(**geometry) if geometry else trace
-        first = next((ln for ln in head.decode("utf-8", "replace").splitlines()
-                      if ln.strip() and not ln.startswith("#")), "")
+        first = next(
+            (ln for ln in head.decode("utf-8", "replace").splitlines() if ln.strip() and not ln.startswith("#")), ""
+        )
         if first.lstrip().startswith("["):
             return read_nvmoe_jsonl(path, **geometry)
         if "\t" in first:
@@ -313,6 +340,7 @@ def _same_optional(a: np.ndarray | None, b: np.ndarray | None) -> bool:
 
 # ---- building step by step --------------------------------------------------
 
+
 class TraceWriter:
     """Builds a trace one step at a time (engines tracing, replays recording).
 
@@ -325,11 +353,23 @@ class TraceWriter:
     Predictions (ahead1/ahead2) are optional per step; a step without them gets -1.
     """
 
-    def __init__(self, moe_layers: int, n_experts: int, top_k: int,
-                 bytes_per_expert: int | None = None, layer_ids: Sequence[int] | None = None,
-                 meta: dict[str, Any] | None = None, ahead_width: int | None = None):
-        self.geometry = Geometry(moe_layers, n_experts, top_k, bytes_per_expert,
-                                 None if layer_ids is None else tuple(int(x) for x in layer_ids))
+    def __init__(
+        self,
+        moe_layers: int,
+        n_experts: int,
+        top_k: int,
+        bytes_per_expert: int | None = None,
+        layer_ids: Sequence[int] | None = None,
+        meta: dict[str, Any] | None = None,
+        ahead_width: int | None = None,
+    ):
+        self.geometry = Geometry(
+            moe_layers,
+            n_experts,
+            top_k,
+            bytes_per_expert,
+            None if layer_ids is None else tuple(int(x) for x in layer_ids),
+        )
         self.meta: dict[str, Any] = dict(meta or {})
         self.ahead_width = ahead_width or 2 * top_k
         self._dtype = _id_dtype(n_experts)
@@ -361,8 +401,7 @@ class TraceWriter:
         layers = self.geometry.moe_layers
         if len(per_layer) != layers:
             raise BadTrace(f"{name}: {len(per_layer)} layers given, the trace has {layers}")
-        rows = [np.atleast_2d(np.asarray(r, dtype=np.int64)) if np.size(r) else np.full((1, 0), -1)
-                for r in per_layer]
+        rows = [np.atleast_2d(np.asarray(r, dtype=np.int64)) if np.size(r) else np.full((1, 0), -1) for r in per_layer]
         n = max(r.shape[0] for r in rows)
         out = np.full((n, layers, width), -1, dtype=self._dtype)
         for layer, r in enumerate(rows):
@@ -385,18 +424,27 @@ class TraceWriter:
         if all(p is None for p in parts):
             return None
         shape = (self.geometry.moe_layers, self.ahead_width)
-        return np.concatenate([p if p is not None else np.full((n, *shape), -1, self._dtype)
-                               for p, n in zip(parts, self._tokens)])
+        return np.concatenate(
+            [p if p is not None else np.full((n, *shape), -1, self._dtype) for p, n in zip(parts, self._tokens)]
+        )
 
 
 # ---- native format ------------------------------------------------------------
 
+
 def _write_native(trace: Trace, f: Any) -> None:
-    header = {"format": FORMAT_NAME, "version": FORMAT_VERSION,
-              "geometry": trace.geometry.to_json(), "meta": trace.meta}
+    header = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "geometry": trace.geometry.to_json(),
+        "meta": trace.meta,
+    }
     disk = np.uint8 if trace.n_experts < 255 else np.uint16 if trace.n_experts < 65535 else np.uint32
-    arrays: dict[str, np.ndarray] = {"header": np.frombuffer(json.dumps(header).encode(), dtype=np.uint8),
-              "step_kind": trace.step_kinds, "step_tokens": np.diff(trace.step_offsets).astype(np.int32)}
+    arrays: dict[str, np.ndarray] = {
+        "header": np.frombuffer(json.dumps(header).encode(), dtype=np.uint8),
+        "step_kind": trace.step_kinds,
+        "step_tokens": np.diff(trace.step_offsets).astype(np.int32),
+    }
     arrays["ids"] = (trace.ids + 1).astype(disk)  # 0 = no expert
     for name in ("ahead1", "ahead2"):
         ahead = getattr(trace, name)
@@ -406,7 +454,7 @@ def _write_native(trace: Trace, f: Any) -> None:
             arrays[name] = (ahead[rows] + 1).astype(disk)
     # Uncompressed: ids are near-random bytes that zlib barely shrinks, and a
     # 30,000-token trace must load in well under a second.
-    np.savez(f, allow_pickle=True, **arrays)   # savez's default, spelled out: mypy then matches **arrays only to arrays
+    np.savez(f, allow_pickle=True, **arrays)  # savez's default, spelled out: mypy then matches **arrays only to arrays
 
 
 def _from_disk(stored: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -422,8 +470,10 @@ def _read_native(path: Path) -> Trace:
             if header.get("format") != FORMAT_NAME:
                 raise BadTrace(f"{path}: not a moed trace (format {header.get('format')!r})")
             if header.get("version") != FORMAT_VERSION:
-                raise BadTrace(f"{path}: trace format version {header.get('version')} is not supported "
-                               f"(this moed reads version {FORMAT_VERSION})")
+                raise BadTrace(
+                    f"{path}: trace format version {header.get('version')} is not supported "
+                    f"(this moed reads version {FORMAT_VERSION})"
+                )
             geometry = Geometry.from_json(header["geometry"])
             dtype = _id_dtype(geometry.n_experts)
             ids = _from_disk(z["ids"], dtype)
@@ -433,13 +483,13 @@ def _read_native(path: Path) -> Trace:
                     full = np.full((ids.shape[0], *z[name].shape[1:]), -1, dtype)
                     full[z[name + "_tokens"]] = _from_disk(z[name], dtype)
                     aheads[name] = full
-            return Trace(geometry, ids, z["step_kind"], z["step_tokens"],
-                         meta=header.get("meta") or {}, **aheads)
+            return Trace(geometry, ids, z["step_kind"], z["step_tokens"], meta=header.get("meta") or {}, **aheads)
     except (KeyError, ValueError, zipfile.BadZipFile, json.JSONDecodeError) as exc:
         raise BadTrace(f"{path}: damaged trace file ({exc})") from exc
 
 
 # ---- nvmoe JSONL --------------------------------------------------------------
+
 
 def read_nvmoe_jsonl(path: str | os.PathLike[str], **geometry: Any) -> Trace:
     """Import an nvmoe trace: one decoded token per line, `[[layer, expert], ...]`."""
@@ -464,8 +514,14 @@ def read_nvmoe_jsonl(path: str | os.PathLike[str], **geometry: Any) -> Trace:
     return trace.with_meta(source=str(path), source_format="nvmoe-jsonl", **trace.meta)
 
 
-def _from_triples(tok: np.ndarray, layer: np.ndarray, expert: np.ndarray, n_tokens: int,
-                  layer_ids: np.ndarray, geometry: dict[str, Any]) -> Trace:
+def _from_triples(
+    tok: np.ndarray,
+    layer: np.ndarray,
+    expert: np.ndarray,
+    n_tokens: int,
+    layer_ids: np.ndarray,
+    geometry: dict[str, Any],
+) -> Trace:
     """Decode-only trace from (token, dense layer, expert) triples in row order."""
     if expert.min() < 0:
         raise BadTrace("negative expert id")
@@ -479,14 +535,14 @@ def _from_triples(tok: np.ndarray, layer: np.ndarray, expert: np.ndarray, n_toke
     n_experts = int(geometry.pop("n_experts", None) or expert.max() + 1)
     if col.max() >= top_k or expert.max() >= n_experts:
         raise BadTrace(f"trace has rows wider than top_k={top_k} or ids >= n_experts={n_experts}")
-    g = Geometry(n_layers, n_experts, top_k, geometry.pop("bytes_per_expert", None),
-                 tuple(int(x) for x in layer_ids))
+    g = Geometry(n_layers, n_experts, top_k, geometry.pop("bytes_per_expert", None), tuple(int(x) for x in layer_ids))
     if geometry:
         raise BadTrace(f"unknown geometry override(s): {sorted(geometry)}")
     ids = np.full((n_tokens * n_layers, top_k), -1, dtype=_id_dtype(n_experts))
     ids[row_sorted, col] = expert[order]
-    return Trace(g, ids.reshape(n_tokens, n_layers, top_k), np.full(n_tokens, ord(DECODE), np.uint8),
-                 np.ones(n_tokens, np.int64))
+    return Trace(
+        g, ids.reshape(n_tokens, n_layers, top_k), np.full(n_tokens, ord(DECODE), np.uint8), np.ones(n_tokens, np.int64)
+    )
 
 
 def write_jsonl(trace: Trace, f: Any) -> None:
@@ -498,6 +554,7 @@ def write_jsonl(trace: Trace, f: Any) -> None:
 
 
 # ---- moe_trace TSV ------------------------------------------------------------
+
 
 def read_tsv(path: str | os.PathLike[str], **geometry: Any) -> Trace:
     """Import a tools/moe_trace.cpp TSV trace (6-, 4- or the old 3-column form).
@@ -534,22 +591,25 @@ def read_tsv(path: str | os.PathLike[str], **geometry: Any) -> Trace:
     if not steps:
         raise BadTrace(f"{path}: no trace rows")
     try:
-        return _tsv_trace(steps, layers, kinds, fields, geometry, meta).with_meta(
-            source=str(path), source_format="tsv")
+        return _tsv_trace(steps, layers, kinds, fields, geometry, meta).with_meta(source=str(path), source_format="tsv")
     except ValueError as exc:
         raise BadTrace(f"{path}: bad trace row ({exc})") from exc
 
 
-def _tsv_trace(steps: list[str], layers: list[str], kinds: list[str | None],
-               fields: tuple[list[str], list[str], list[str]], geometry: dict[str, Any],
-               meta: dict[str, Any]) -> Trace:
+def _tsv_trace(
+    steps: list[str],
+    layers: list[str],
+    kinds: list[str | None],
+    fields: tuple[list[str], list[str], list[str]],
+    geometry: dict[str, Any],
+    meta: dict[str, Any],
+) -> Trace:
     n_rows = len(steps)
     new_step = np.ones(n_rows, dtype=bool)
     new_step[1:] = [a != b for a, b in zip(steps[1:], steps[:-1])]
     step_of = np.cumsum(new_step) - 1
     firsts = np.flatnonzero(new_step)
-    step_kind = np.array([ord(kinds[i] or (PROMPT if int(steps[i]) == 0 else DECODE)) for i in firsts],
-                         dtype=np.uint8)
+    step_kind = np.array([ord(kinds[i] or (PROMPT if int(steps[i]) == 0 else DECODE)) for i in firsts], dtype=np.uint8)
     layer_ids, layer = np.unique(np.array([int(x) for x in layers], dtype=np.int64), return_inverse=True)
     n_layers = len(layer_ids)
     # a row's token within its step: its rank among the step's rows of its layer
@@ -568,8 +628,7 @@ def _tsv_trace(steps: list[str], layers: list[str], kinds: list[str | None],
         raise ValueError("negative expert id")
     top_k = int(geometry.pop("top_k", None) or widest[0])
     n_experts = int(geometry.pop("n_experts", None) or max_id + 1)
-    g = Geometry(n_layers, n_experts, top_k, geometry.pop("bytes_per_expert", None),
-                 tuple(int(x) for x in layer_ids))
+    g = Geometry(n_layers, n_experts, top_k, geometry.pop("bytes_per_expert", None), tuple(int(x) for x in layer_ids))
     if geometry:
         raise BadTrace(f"unknown geometry override(s): {sorted(geometry)}")
     if widest[0] > top_k or max_id >= n_experts:

@@ -12,26 +12,26 @@ import enum
 
 class ErrorCode(enum.IntEnum):
     INTERNAL = 1
-    BAD_FRAME = 2           # undecodable bytes, unknown tag, oversize frame
-    BAD_REQUEST = 3         # well-formed frame, invalid contents
+    BAD_FRAME = 2  # undecodable bytes, unknown tag, oversize frame
+    BAD_REQUEST = 3  # well-formed frame, invalid contents
     VERSION_MISMATCH = 4
-    NOT_HELLO = 5           # first frame was not Hello
+    NOT_HELLO = 5  # first frame was not Hello
     UNKNOWN_MODEL = 6
-    BAD_MODEL_FILE = 7      # not GGUF, truncated, no routed experts, shards disagree
+    BAD_MODEL_FILE = 7  # not GGUF, truncated, no routed experts, shards disagree
     UNKNOWN_LAYER = 8
     UNKNOWN_EXPERT = 9
     UNKNOWN_LEASE = 10
-    BUDGET_EXHAUSTED = 11   # waited up to the timeout, nothing could be evicted
+    BUDGET_EXHAUSTED = 11  # waited up to the timeout, nothing could be evicted
     REQUEST_TOO_LARGE = 12  # can never fit in the budget
-    READ_ERROR = 13         # the drive or file failed a read
+    READ_ERROR = 13  # the drive or file failed a read
     PERMISSION_DENIED = 14
     SHUTTING_DOWN = 15
-    VERIFY_MISMATCH = 16    # verify mode: bytes read differ from the first read
+    VERIFY_MISMATCH = 16  # verify mode: bytes read differ from the first read
     DAEMON_UNAVAILABLE = 17  # client side only: no daemon, or it went away
-    MODEL_STALE = 18        # the file changed under an open model
-    TOO_MANY_CLIENTS = 19   # max_clients connections are open already
-    TOO_BUSY = 20           # this tenant already has the most requests of a kind in flight
-    TIMED_OUT = 21          # the connection sent no Hello (or nothing) for too long; it is closed
+    MODEL_STALE = 18  # the file changed under an open model
+    TOO_MANY_CLIENTS = 19  # max_clients connections are open already
+    TOO_BUSY = 20  # this tenant already has the most requests of a kind in flight
+    TIMED_OUT = 21  # the connection sent no Hello (or nothing) for too long; it is closed
 
 
 class MoedError(Exception):
@@ -170,9 +170,7 @@ class TimedOut(MoedError):
     code = ErrorCode.TIMED_OUT
 
 
-_BY_CODE: dict[int, type[MoedError]] = {
-    cls.code: cls for cls in MoedError.__subclasses__()
-}
+_BY_CODE: dict[int, type[MoedError]] = {cls.code: cls for cls in MoedError.__subclasses__()}
 
 
 def error_for(code: int, message: str) -> MoedError:

@@ -20,8 +20,8 @@ from .errors import BadFrame
 from .messages import Reply, Request
 
 HEADER = struct.Struct("<I")
-MAX_FRAME_BYTES = 16 << 20            # replies
-MAX_REQUEST_FRAME_BYTES = 1 << 20     # requests: what one connection can make the daemon buffer
+MAX_FRAME_BYTES = 16 << 20  # replies
+MAX_REQUEST_FRAME_BYTES = 1 << 20  # requests: what one connection can make the daemon buffer
 
 _encoder = msgspec.msgpack.Encoder()
 request_decoder = msgspec.msgpack.Decoder(Request)
@@ -41,8 +41,9 @@ class FrameReader:
 
     __slots__ = ("_buf", "_decoder", "_max", "broken")
 
-    def __init__(self, decoder: msgspec.msgpack.Decoder | None = request_decoder,
-                 max_frame_bytes: int = MAX_FRAME_BYTES):
+    def __init__(
+        self, decoder: msgspec.msgpack.Decoder | None = request_decoder, max_frame_bytes: int = MAX_FRAME_BYTES
+    ):
         self._buf = bytearray()
         self._decoder = decoder
         self._max = max_frame_bytes

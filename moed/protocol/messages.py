@@ -110,11 +110,11 @@ class PartExtent(msgspec.Struct, array_like=True):
     """Where one part (gate/up/down/gate_up) of one layer's experts lives in the file."""
 
     part: str
-    shard: int               # index into ModelInfo.files
-    offset: int              # absolute file offset of expert 0
+    shard: int  # index into ModelInfo.files
+    offset: int  # absolute file offset of expert 0
     bytes_per_expert: int
     ggml_type: int
-    shape: list[int]         # the tensor's GGUF shape (ne0, ne1, n_expert)
+    shape: list[int]  # the tensor's GGUF shape (ne0, ne1, n_expert)
 
 
 class LayerInfo(msgspec.Struct, array_like=True):
@@ -169,7 +169,7 @@ class Released(Message, tag="released"):
 
 
 class HoldsMapped(Message, tag="holds_mapped"):
-    region_words: int          # the region's size in uint64 words (layout: moed.protocol.residency)
+    region_words: int  # the region's size in uint64 words (layout: moed.protocol.residency)
 
 
 class Prefetched(Message, tag="prefetched"):
@@ -217,9 +217,9 @@ class Pin(Message, tag="pin"):
 
 
 class Pinned(Message, tag="pinned"):
-    pinned: int               # experts newly pinned by this request
-    skipped: int              # asked for but not pinned (no pin budget left)
-    pinned_bytes: int         # the whole pinned partition now
+    pinned: int  # experts newly pinned by this request
+    skipped: int  # asked for but not pinned (no pin budget left)
+    pinned_bytes: int  # the whole pinned partition now
 
 
 class Unpin(Message, tag="unpin"):
@@ -235,10 +235,35 @@ class Unpinned(Message, tag="unpinned"):
     pinned_bytes: int
 
 
-Request = (Hello | Ping | OpenModel | Acquire | Release | Prefetch | GetStats | ListModels
-           | SetMemFloor | Pin | Unpin | MapHolds)
-Reply = (Error | HelloReply | Pong | ModelInfo | Granted | Released | Prefetched | StatsReply | ModelsReply
-         | MemFloorSet | Pinned | Unpinned | HoldsMapped)
+Request = (
+    Hello
+    | Ping
+    | OpenModel
+    | Acquire
+    | Release
+    | Prefetch
+    | GetStats
+    | ListModels
+    | SetMemFloor
+    | Pin
+    | Unpin
+    | MapHolds
+)
+Reply = (
+    Error
+    | HelloReply
+    | Pong
+    | ModelInfo
+    | Granted
+    | Released
+    | Prefetched
+    | StatsReply
+    | ModelsReply
+    | MemFloorSet
+    | Pinned
+    | Unpinned
+    | HoldsMapped
+)
 
 REPLY_TYPE: dict[type, type] = {
     Hello: HelloReply,
@@ -265,6 +290,15 @@ def wants_reply(request: Message) -> bool:
 
 
 __all__ = [
-    "PROTOCOL_VERSION", "Message", "Request", "Reply", "REPLY_TYPE", "REQUEST_TYPES",
-    "REPLY_TYPES", "wants_reply", "PartExtent", "LayerInfo", "SegmentInfo",
+    "PROTOCOL_VERSION",
+    "Message",
+    "Request",
+    "Reply",
+    "REPLY_TYPE",
+    "REQUEST_TYPES",
+    "REPLY_TYPES",
+    "wants_reply",
+    "PartExtent",
+    "LayerInfo",
+    "SegmentInfo",
 ] + [t.__name__ for t in REQUEST_TYPES + REPLY_TYPES]

@@ -57,13 +57,13 @@ EVICTING = 2
 GEN_MASK = (1 << 40) - 1
 
 # The hold region, in words.
-MAGIC = 0x6D6F65642D686F6C          # "moed-hol"
+MAGIC = 0x6D6F65642D686F6C  # "moed-hol"
 W_MAGIC = 0
-W_RING_HEAD = 1                     # touches ever written (the ring index is head % RING_WORDS)
-COUNTER_BASE = 8                    # pairs (model_id, local hits) from here
+W_RING_HEAD = 1  # touches ever written (the ring index is head % RING_WORDS)
+COUNTER_BASE = 8  # pairs (model_id, local hits) from here
 MAX_MODEL_COUNTERS = 24
 HOLD_BASE = 64
-HOLD_WORDS = 1024                   # a connection holds at most this many slots locally
+HOLD_WORDS = 1024  # a connection holds at most this many slots locally
 RING_BASE = HOLD_BASE + HOLD_WORDS
 RING_WORDS = 4096
 REGION_WORDS = RING_BASE + RING_WORDS

@@ -30,14 +30,14 @@ class ModelRow(_Row):
     resident_bytes: int
     pinned_experts: int
     pinned_bytes: int
-    pinned: list[tuple[int, int]]      # (layer, expert) of every pinned expert
+    pinned: list[tuple[int, int]]  # (layer, expert) of every pinned expert
     hits: int
     misses: int
     bytes_read: int
     leases: int
     direct_io: bool
     stale: bool
-    users: list[int]                   # uids with the model open
+    users: list[int]  # uids with the model open
 
 
 class TenantModelRow(_Row):
@@ -75,7 +75,7 @@ class ClientRow(_Row):
     queued_bytes: int
     buffered_out_bytes: int
     reading: bool
-    local_holds: int = 0               # slots it holds in its hold region (no round trip)
+    local_holds: int = 0  # slots it holds in its hold region (no round trip)
 
 
 class Limits(_Row):
@@ -151,11 +151,11 @@ class Stats(_Row):
     clients: list[ClientRow]
     models: list[ModelRow]
     tenants: list[TenantRow]
-    local_hits: int = 0                # hits served in engines with no round trip (folded from regions)
-    local_claims_refused: int = 0      # evictions put off because an engine held the slot locally
-    adopted_slots: int = 0             # slots the store holds for engines' local holds now
-    verified_reads: int = 0            # verify mode only
+    local_hits: int = 0  # hits served in engines with no round trip (folded from regions)
+    local_claims_refused: int = 0  # evictions put off because an engine held the slot locally
+    adopted_slots: int = 0  # slots the store holds for engines' local holds now
+    verified_reads: int = 0  # verify mode only
     verify_mismatches: int = 0
     verify_hashed_experts: int = 0
-    acquire_latency_s: HistogramRow = msgspec.field(default_factory=HistogramRow)   # request to grant
-    read_latency_s: HistogramRow = msgspec.field(default_factory=HistogramRow)      # submit to done
+    acquire_latency_s: HistogramRow = msgspec.field(default_factory=HistogramRow)  # request to grant
+    read_latency_s: HistogramRow = msgspec.field(default_factory=HistogramRow)  # submit to done

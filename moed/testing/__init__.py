@@ -72,7 +72,7 @@ def good_client(socket_path: str, model: str, stop, result: dict, pace_s: float 
                             result["error"] = f"wrong bytes for layer {layer} expert {e}"
                             return
                 n += 1
-                time.sleep(pace_s)        # pace it: the hostile side needs the CPU more
+                time.sleep(pace_s)  # pace it: the hostile side needs the CPU more
     except Exception as exc:  # noqa: BLE001 - reported to the bench
         result["error"] = f"{type(exc).__name__}: {exc}"
     finally:

@@ -32,7 +32,7 @@ def as_peer(uid: int, gid: int, fn, *args, groups: tuple = (), timeout_s: float 
         pytest.skip("running as another uid needs root")
     r, w = os.pipe()
     pid = os.fork()
-    if pid == 0:                                   # child: never returns
+    if pid == 0:  # child: never returns
         os.close(r)
         try:
             os.setgroups(list(groups))

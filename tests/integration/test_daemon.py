@@ -32,8 +32,12 @@ def check_lease(cat: Catalog, lease, layer, experts) -> None:
 
 
 def worker(*args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tests.integration.worker", *map(str, args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.integration.worker", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def test_two_processes_heavy_eviction_every_byte_matches(start_daemon, model_factory):
@@ -113,11 +117,12 @@ def test_bad_requests_get_typed_errors(daemon, tiny_model, tmp_path):
             c.open_model(tmp_path / "missing.gguf")
         with pytest.raises(errors.UnknownLease):
             from moed.protocol import messages as msg
+
             c.request(msg.Release([12345]))
         with pytest.raises(errors.UnknownModel):
             c.request(__import__("moed.protocol.messages", fromlist=["Acquire"]).Acquire(77, 0, [0]))
         with m.acquire(0, [1]):
-            pass   # still serving this connection
+            pass  # still serving this connection
 
 
 def _raw(sock_path: str) -> socket.socket:
@@ -142,23 +147,24 @@ def _read_reply(s: socket.socket, frames: FrameReader | None = None):
 def test_malformed_frames_get_errors_and_daemon_keeps_serving(daemon, tiny_model):
     from moed.protocol import messages as msg
     from moed.protocol.framing import encode
+
     s = _raw(daemon.socket)
-    s.sendall(HEADER.pack(5) + b"\xc1\xc1\xc1\xc1\xc1")          # undecodable payload
+    s.sendall(HEADER.pack(5) + b"\xc1\xc1\xc1\xc1\xc1")  # undecodable payload
     r = _read_reply(s)
     assert isinstance(r, msg.Error) and r.code == errors.ErrorCode.BAD_FRAME
-    s.sendall(encode(msg.Ping()))                               # before hello: refused and closed
+    s.sendall(encode(msg.Ping()))  # before hello: refused and closed
     r = _read_reply(s)
     assert isinstance(r, msg.Error) and r.code == errors.ErrorCode.NOT_HELLO
     assert _read_reply(s) is None
     s2 = _raw(daemon.socket)
-    s2.sendall(HEADER.pack(0xFFFFFFFF) + b"x")                  # oversize: error, then closed
+    s2.sendall(HEADER.pack(0xFFFFFFFF) + b"x")  # oversize: error, then closed
     r = _read_reply(s2)
     assert isinstance(r, msg.Error) and r.code == errors.ErrorCode.BAD_FRAME
     assert _read_reply(s2) is None
     s3 = _raw(daemon.socket)
     s3.sendall(encode(msg.Hello(999)))
     assert _read_reply(s3).code == errors.ErrorCode.VERSION_MISMATCH
-    with daemon.client() as c:                                  # everyone else is served
+    with daemon.client() as c:  # everyone else is served
         m = c.open_model(tiny_model)
         with m.acquire(0, [0]):
             pass
@@ -186,7 +192,7 @@ def no_direct_dir():
         yield shm
         shutil.rmtree(shm)
         return
-    shutil.rmtree(shm)   # tmpfs supports O_DIRECT since Linux 6.6; ramfs never does
+    shutil.rmtree(shm)  # tmpfs supports O_DIRECT since Linux 6.6; ramfs never does
     mnt = tempfile.mkdtemp(prefix="moed-ramfs-", dir="/tmp")
     if subprocess.run(["mount", "-t", "ramfs", "ramfs", mnt], capture_output=True).returncode != 0:
         os.rmdir(mnt)
@@ -255,11 +261,11 @@ def test_truncated_file_is_stale_and_daemon_serves(daemon, tiny_model, tmp_path,
             pass
         cat = Catalog.open(path)
         _, off, _ = cat.extent(3, 7, "down")
-        os.truncate(path, off)                      # the last experts are gone now
+        os.truncate(path, off)  # the last experts are gone now
         with pytest.raises(errors.ModelStale):
             m.acquire(3, [7])
         with pytest.raises(errors.ModelStale):
-            m.acquire(0, [0])                       # cached before the change: not served either
+            m.acquire(0, [0])  # cached before the change: not served either
         with pytest.raises(errors.BadModelFile, match="truncated|past|end"):
             c.open_model(path)
         assert c.stats()["stale_detected"] >= 1
@@ -273,7 +279,7 @@ def test_sigterm_exits_zero_and_leaves_nothing(start_daemon, tiny_model):
     before = {n for n in os.listdir("/dev/shm")}
     c = d.client()
     m = c.open_model(tiny_model)
-    m.acquire(0, [0, 1])                 # still held at shutdown
+    m.acquire(0, [0, 1])  # still held at shutdown
     assert d.stop() == 0
     assert not os.path.exists(d.socket)
     assert {n for n in os.listdir("/dev/shm")} <= before
@@ -293,8 +299,8 @@ def test_daemon_killed_clients_get_typed_error_and_restart_is_clean(start_daemon
     with pytest.raises(errors.DaemonUnavailable):
         m.acquire(0, [1])
     assert time.monotonic() - t0 < 1.0
-    m.prefetch(0, [2])             # a hint: dropped without an error, as documented
-    d2 = start_daemon("8MiB", socket_dir=str(d.dir))   # same socket path: the stale one is replaced
+    m.prefetch(0, [2])  # a hint: dropped without an error, as documented
+    d2 = start_daemon("8MiB", socket_dir=str(d.dir))  # same socket path: the stale one is replaced
     c.reconnect()
     m = c.open_model(tiny_model)
     with m.acquire(0, [1]):
@@ -305,6 +311,7 @@ def test_daemon_killed_clients_get_typed_error_and_restart_is_clean(start_daemon
 
 def test_concurrent_acquires_of_one_missing_expert_share_one_read(daemon, model_factory):
     from concurrent.futures import ThreadPoolExecutor
+
     model = model_factory(layers=2, experts=4, used=2, embd=256, ff=512)
     clients = [daemon.client(f"c{i}") for i in range(4)]
     handles = [c.open_model(model) for c in clients]

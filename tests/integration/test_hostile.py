@@ -92,7 +92,7 @@ def test_a_client_that_floods_and_never_reads_freezes_nobody(hostile_daemon, tin
     d = hostile_daemon()
     s = raw(d)
     if after_open:
-        s.sendall(encode(m.OpenModel(str(tiny_model))))      # its reply (with fds) is never read
+        s.sendall(encode(m.OpenModel(str(tiny_model))))  # its reply (with fds) is never read
     sent = flood(s, encode(m.GetStats()), 8 << 20)
     assert sent > 40 << 10, "the flood should exceed what froze the old daemon"
     well_behaved(d, tiny_model)
@@ -100,7 +100,7 @@ def test_a_client_that_floods_and_never_reads_freezes_nobody(hostile_daemon, tin
         rows = [r for r in c.stats()["clients"] if r["queued_bytes"] or r["buffered_out_bytes"]]
         lim = c.stats()["limits"]
     assert rows, "the flooding connection shows in stats"
-    for r in rows:          # what it makes the daemon hold is bounded
+    for r in rows:  # what it makes the daemon hold is bounded
         assert r["queued_bytes"] <= lim["max_queued_bytes"] + lim["max_request_frame_bytes"]
         assert r["buffered_out_bytes"] <= lim["write_high_bytes"] + (64 << 10)
     stops_in_grace(d)
@@ -157,6 +157,7 @@ def test_requests_over_the_list_bounds_are_bad_frames(hostile_daemon, tiny_model
 
 def test_eight_flooders_leave_the_daemon_small(hostile_daemon, tiny_model):
     from moed.testing import proc_status_bytes
+
     d = hostile_daemon()
     well_behaved(d, tiny_model)
     base = proc_status_bytes(d.proc.pid, "VmRSS")
@@ -178,7 +179,7 @@ def test_eight_flooders_leave_the_daemon_small(hostile_daemon, tiny_model):
 
 def test_silent_connections_are_closed_at_the_hello_deadline(hostile_daemon, tiny_model):
     d = hostile_daemon(max_clients=4, hello_timeout_s=0.5)
-    silent = [raw(d, hello=False) for _ in range(4 + 8)]     # max_clients, and root's reserve too
+    silent = [raw(d, hello=False) for _ in range(4 + 8)]  # max_clients, and root's reserve too
     for s in silent:
         s.settimeout(10)
     # each is told why and closed: the server sends TIMED_OUT, then EOF
@@ -201,7 +202,7 @@ def test_idle_limit_closes_quiet_connections_that_hold_nothing(hostile_daemon, t
         wait_for(lambda: c.stats()["timed_out_connections"] >= 1, 10, what="the quiet one closed")
     with pytest.raises(errors.MoedError):
         quiet.ping()
-    holder.ping()                    # held a lease: not idle
+    holder.ping()  # held a lease: not idle
     lease.release()
     well_behaved(d, tiny_model)
     stops_in_grace(d)
@@ -231,8 +232,7 @@ def odd_files(tmp_path):
     listener.bind(sock_path)
     directory = tmp_path / "dir.gguf"
     directory.mkdir()
-    yield {"FIFO": str(fifo), "socket": sock_path, "character device": "/dev/zero",
-           "directory": str(directory)}
+    yield {"FIFO": str(fifo), "socket": sock_path, "character device": "/dev/zero", "directory": str(directory)}
     listener.close()
     os.unlink(sock_path)
 
@@ -240,7 +240,7 @@ def odd_files(tmp_path):
 def test_odd_files_as_model_paths_are_refused_at_once(hostile_daemon, tiny_model, odd_files):
     d = hostile_daemon()
     with d.client(timeout_s=10) as c:
-        for _ in range(3):               # more than max_opens_per_tenant: nothing stays tied up
+        for _ in range(3):  # more than max_opens_per_tenant: nothing stays tied up
             for kind, path in odd_files.items():
                 t0 = time.monotonic()
                 with pytest.raises(errors.BadModelFile, match=kind.split()[-1]):
@@ -251,8 +251,9 @@ def test_odd_files_as_model_paths_are_refused_at_once(hostile_daemon, tiny_model
 
 
 def test_moectl_index_of_a_fifo_fails_at_once(odd_files):
-    out = subprocess.run([sys.executable, "-m", "moed.ctl", "index", odd_files["FIFO"]],
-                         capture_output=True, text=True, timeout=20)
+    out = subprocess.run(
+        [sys.executable, "-m", "moed.ctl", "index", odd_files["FIFO"]], capture_output=True, text=True, timeout=20
+    )
     assert out.returncode != 0 and "FIFO" in out.stderr
 
 
@@ -262,12 +263,13 @@ def test_moectl_index_of_a_fifo_fails_at_once(odd_files):
 def test_overwrite_in_place_while_acquiring_never_mixes(hostile_daemon, model_factory, tmp_path):
     """Two versions of a model of one geometry: whatever the reader sees is entirely one of them."""
     import shutil
+
     v1 = model_factory(seed=1)
     v2 = model_factory(seed=2)
     path = tmp_path / "m.gguf"
     shutil.copy(v1, path)
     cat = Catalog.open(v1)
-    d = hostile_daemon("64KiB")       # a few slots: reads keep happening
+    d = hostile_daemon("64KiB")  # a few slots: reads keep happening
     stop = threading.Event()
     outcomes: list = []
 
@@ -278,7 +280,7 @@ def test_overwrite_in_place_while_acquiring_never_mixes(hostile_daemon, model_fa
                 for layer in cat.moe_layers:
                     try:
                         with h.acquire(layer, [0, 3], timeout_s=5) as lease:
-                            check_lease(cat, lease, layer, [0, 3])    # v1's bytes, exactly
+                            check_lease(cat, lease, layer, [0, 3])  # v1's bytes, exactly
                             outcomes.append("v1")
                     except errors.ModelStale:
                         outcomes.append("stale")
@@ -287,12 +289,12 @@ def test_overwrite_in_place_while_acquiring_never_mixes(hostile_daemon, model_fa
     t = threading.Thread(target=reader)
     t.start()
     wait_for(lambda: len(outcomes) >= 8, 10, what="reads of v1")
-    with open(path, "r+b") as f:            # same inode, new content
+    with open(path, "r+b") as f:  # same inode, new content
         f.write(v2.read_bytes())
     t.join(20)
     stop.set()
     assert not t.is_alive() and outcomes[-1] == "stale" and set(outcomes) == {"v1", "stale"}
-    with d.client() as c:                    # reopened: v2's bytes
+    with d.client() as c:  # reopened: v2's bytes
         h = c.open_model(path)
         with h.acquire(1, [2]) as lease:
             check_lease(Catalog.open(v2), lease, 1, [2])
@@ -302,10 +304,11 @@ def test_overwrite_in_place_while_acquiring_never_mixes(hostile_daemon, model_fa
 
 def test_rename_over_a_private_model_gets_new_segments(hostile_daemon, model_factory, tmp_path):
     import shutil
+
     a, b = model_factory(seed=3), model_factory(seed=4)
     path = tmp_path / "private.gguf"
     shutil.copy(a, path)
-    os.chmod(path, 0o600)                      # not world-readable: segments of its own
+    os.chmod(path, 0o600)  # not world-readable: segments of its own
     d = hostile_daemon()
     with d.client() as c:
         h1 = c.open_model(path)
@@ -314,7 +317,7 @@ def test_rename_over_a_private_model_gets_new_segments(hostile_daemon, model_fac
         tmp = tmp_path / "new.gguf"
         shutil.copy(b, tmp)
         os.chmod(tmp, 0o640)
-        os.rename(tmp, path)                    # same path, another file
+        os.rename(tmp, path)  # same path, another file
         h2 = c.open_model(path)
         assert h2.model_id != h1.model_id
         assert {s.class_id for s in h1.info.segments}.isdisjoint({s.class_id for s in h2.info.segments})
@@ -329,8 +332,12 @@ def test_rename_over_a_private_model_gets_new_segments(hostile_daemon, model_fac
 
 
 def _moed(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moed.daemon.main", "--ram-budget", "8MiB", *args],
-                          capture_output=True, text=True, timeout=30)
+    return subprocess.run(
+        [sys.executable, "-m", "moed.daemon.main", "--ram-budget", "8MiB", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
 
 
 def test_socket_at_a_regular_file_is_refused_and_the_file_kept(tmp_path):
@@ -354,10 +361,13 @@ def test_socket_path_too_long_is_one_line(tmp_path):
     assert len(out.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("config, words", [
-    ('socket_group = "no-such-group-here"\n', "no group"),
-    ("reader_threads = 100000\n", "reader_threads"),
-])
+@pytest.mark.parametrize(
+    "config, words",
+    [
+        ('socket_group = "no-such-group-here"\n', "no group"),
+        ("reader_threads = 100000\n", "reader_threads"),
+    ],
+)
 def test_bad_start_up_settings_are_one_line_and_leave_nothing(tmp_path, config, words):
     conf = tmp_path / "moed.toml"
     conf.write_text(config)
@@ -372,13 +382,14 @@ def test_a_stale_socket_of_a_dead_daemon_is_replaced(tmp_path, tiny_model):
     d = DaemonProcess("8MiB")
     d.proc.kill()
     d.proc.wait()
-    assert os.path.exists(d.socket)           # left behind by kill -9
+    assert os.path.exists(d.socket)  # left behind by kill -9
     with DaemonProcess("8MiB", socket_dir=str(d.dir)) as again:
         well_behaved(again, tiny_model)
 
 
 def test_sizes_larger_than_ram_are_warned_about(tmp_path):
     import psutil
+
     ram = psutil.virtual_memory().total
     with DaemonProcess(str(ram * 2), "--mem-floor", str(ram + 1)) as d:
         wait_for(lambda: "larger than this machine's RAM" in d.log(), 10, what="the warning")

@@ -24,8 +24,9 @@ def short_dir(mode: int = 0o700) -> str:
 def test_unknown_config_key_fails_naming_it(tmp_path):
     cfg = tmp_path / "moed.toml"
     cfg.write_text('ram_budget_bytes = "1GiB"\nram_budgte_bytes = 5\n')
-    r = subprocess.run(MOED + ["--config", str(cfg), "--socket", f"{short_dir()}/s"],
-                       capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        MOED + ["--config", str(cfg), "--socket", f"{short_dir()}/s"], capture_output=True, text=True, timeout=30
+    )
     assert r.returncode == 2
     assert "ram_budgte_bytes" in r.stderr
 
@@ -37,6 +38,7 @@ def test_bad_size_flag_is_refused():
 
 def test_shipped_example_config_is_valid():
     from moed.daemon.config import load_config
+
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cfg = load_config(os.path.join(root, "systemd", "moed.toml"))
     assert cfg.ram_budget_bytes == 64 << 30
@@ -58,8 +60,9 @@ def test_ready_is_notified_to_systemd_after_bind():
 
 
 def test_second_daemon_on_a_live_socket_is_refused(daemon):
-    r = subprocess.run(MOED + ["--socket", daemon.socket, "--ram-budget", "8MiB"],
-                       capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        MOED + ["--socket", daemon.socket, "--ram-budget", "8MiB"], capture_output=True, text=True, timeout=30
+    )
     assert r.returncode != 0 and "another daemon" in r.stderr
     with daemon.client() as c:
         c.ping()
@@ -75,8 +78,12 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the
 @needs_root
 def test_require_mlock_refuses_without_lock_permission():
     d = short_dir(0o777)
-    r = subprocess.run(_as_nobody(MOED + ["--socket", f"{d}/s", "--ram-budget", "1GiB", "--require-mlock"]),
-                       capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        _as_nobody(MOED + ["--socket", f"{d}/s", "--ram-budget", "1GiB", "--require-mlock"]),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert r.returncode == 1
     assert "RLIMIT_MEMLOCK" in r.stderr
 
@@ -84,8 +91,9 @@ def test_require_mlock_refuses_without_lock_permission():
 @needs_root
 def test_unlockable_budget_starts_with_warning_and_says_so_in_stats(tiny_model):
     d = short_dir(0o777)
-    proc = subprocess.Popen(_as_nobody(MOED + ["--socket", f"{d}/s", "--ram-budget", "1GiB"]),
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        _as_nobody(MOED + ["--socket", f"{d}/s", "--ram-budget", "1GiB"]), stderr=subprocess.PIPE, text=True
+    )
     try:
         from moed.client import Client
         from moed.protocol.errors import DaemonUnavailable

@@ -25,23 +25,23 @@ def test_a_resident_acquire_is_local_and_counted(daemon, tiny_model):
     with daemon.client() as c:
         h = c.open_model(tiny_model)
         with h.acquire(1, [2, 5]) as first:
-            assert not first.local                      # read in: the daemon granted it
+            assert not first.local  # read in: the daemon granted it
         before = c.stats()
-        with h.acquire(1, [5, 2, 5]) as lease:          # duplicates are one hold each expert
+        with h.acquire(1, [5, 2, 5]) as lease:  # duplicates are one hold each expert
             assert lease.local and lease.lease_id == 0
             check_lease(cat, lease, 1, [2, 5])
             assert [r["local_holds"] for r in c.stats()["clients"]] == [2]
         s = c.stats()
         assert s["local_hits"] - before["local_hits"] == 2
         assert s["hits"] - before["hits"] == 2 and s["misses"] == before["misses"]
-        assert [r["local_holds"] for r in s["clients"]] == [0]      # released with no round trip
+        assert [r["local_holds"] for r in s["clients"]] == [0]  # released with no round trip
 
 
 def test_a_locally_held_slot_is_never_evicted_and_its_killed_holder_frees_it(start_daemon, model_factory):
     model = model_factory(layers=2, experts=8, used=2)
     cat = Catalog.open(model)
     slot = expert_bytes(model, 0)
-    d = start_daemon(str(5 * slot))                     # room for five: two held stay under the tenant's share
+    d = start_daemon(str(5 * slot))  # room for five: two held stay under the tenant's share
     holder = worker("hold-local", d.socket, model, 0, "0,1")
     try:
         line = holder.stdout.readline()
@@ -70,7 +70,7 @@ def test_a_locally_held_slot_is_never_evicted_and_its_killed_holder_frees_it(sta
 def test_two_processes_churn_with_local_hits_every_byte_matches(start_daemon, model_factory):
     model = model_factory(layers=4, experts=8, used=2)
     slot = expert_bytes(model, 0)
-    d = start_daemon(str(10 * slot))                    # 10 of 32 experts: hits and evictions both
+    d = start_daemon(str(10 * slot))  # 10 of 32 experts: hits and evictions both
     procs = [worker("random", d.socket, model, 400, seed) for seed in (3, 4)]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
@@ -97,10 +97,10 @@ def test_a_hostile_region_hurts_nobody(daemon, tiny_model):
                 with gh.acquire(layer, experts, timeout_s=5) as lease:
                     check_lease(cat, lease, layer, experts)
             good.ping()
-            s = good.stats()                            # folds the hostile counters: clamped
+            s = good.stats()  # folds the hostile counters: clamped
             assert s["hits"] < 10**12
         with pytest.raises(errors.MoedError):
-            bh.acquire(0, [cat.n_experts])              # bad input still gets a typed error
+            bh.acquire(0, [cat.n_experts])  # bad input still gets a typed error
     assert daemon.proc.poll() is None
 
 
@@ -117,6 +117,7 @@ def test_local_hits_off_by_environment(start_daemon, tiny_model, monkeypatch):
 
 def _acquire_as_other_tenant(sock: str, model: str) -> bool:
     from moed.client import Client
+
     with Client(sock, "other") as c:
         o = c.open_model(model)
         with o.acquire(1, [0, 1, 2, 3], timeout_s=10) as lease:
@@ -140,11 +141,11 @@ def test_a_tenant_holding_over_its_share_locally_is_cut_off(start_shared, shared
     d = start_shared(str(8 * slot))
     greedy = d.client("greedy")
     g = greedy.open_model(model)
-    mine = list(range(6))                                  # 6 of 8 slots > LOCAL_HOLD_SHARE
+    mine = list(range(6))  # 6 of 8 slots > LOCAL_HOLD_SHARE
     assert 6 / 8 > LOCAL_HOLD_SHARE
     with g.acquire(0, mine):
         pass
-    kept = g.acquire(0, mine)                              # held locally, never released
+    kept = g.acquire(0, mine)  # held locally, never released
     assert kept.local
     assert as_peer(NOBODY, NOBODY, _acquire_as_other_tenant, d.socket, model) == Outcome(result=True)
     wait_for(lambda: "over its share" in d.log(), 5, what="the warning")

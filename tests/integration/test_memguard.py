@@ -25,31 +25,31 @@ def test_floor_raised_live_gives_back_all_but_leased_then_grows_back(start_daemo
     d = start_daemon(str(40 * slot), "--mem-floor", "0")
     with d.client() as c:
         h = c.open_model(model)
-        for layer in h.moe_layers:                      # fill: 32 experts resident
+        for layer in h.moe_layers:  # fill: 32 experts resident
             for e in range(0, 8, 2):
                 with h.acquire(layer, [e, e + 1]):
                     pass
-        held = h.acquire(0, [0, 1])                     # a lease the guard must not break
+        held = h.acquire(0, [0, 1])  # a lease the guard must not break
         s = c.stats()
         assert s["used_bytes"] == 32 * slot and not s["mem_guard_active"]
         shmem_before = proc_status_bytes(d.proc.pid, "RssShmem")
         assert shmem_before >= 30 * slot
 
-        floor = psutil.virtual_memory().available + (4 << 30)   # unreachable: give everything back
+        floor = psutil.virtual_memory().available + (4 << 30)  # unreachable: give everything back
         r = c.request(m.SetMemFloor(floor))
         assert r.floor_bytes == floor
         s = c.stats()
         assert s["mem_guard_active"] and s["mem_floor_bytes"] == floor
-        assert s["used_bytes"] == 2 * slot                # only the leased experts remain
+        assert s["used_bytes"] == 2 * slot  # only the leased experts remain
         assert s["effective_budget_bytes"] == 2 * slot
         assert s["given_back_bytes"] >= 30 * slot
-        assert proc_status_bytes(d.proc.pid, "RssShmem") <= shmem_before - 29 * slot   # pages really went back
+        assert proc_status_bytes(d.proc.pid, "RssShmem") <= shmem_before - 29 * slot  # pages really went back
 
-        check_lease(cat, held, 0, [0, 1])               # the lease still reads the right bytes
-        with h.acquire(0, [0]):                         # hits still work
+        check_lease(cat, held, 0, [0, 1])  # the lease still reads the right bytes
+        with h.acquire(0, [0]):  # hits still work
             pass
         with pytest.raises(errors.BudgetExhausted, match="memory guard"):
-            h.acquire(1, [5], timeout_s=0.3)              # growing is refused
+            h.acquire(1, [5], timeout_s=0.3)  # growing is refused
         held.release()
         wait_for(lambda: c.stats()["used_bytes"] == 0, 5, what="released experts given back")
 
@@ -78,6 +78,7 @@ def test_guard_started_with_floor_above_available_holds_store_empty(start_daemon
 
 def _set_floor(sock: str, floor: int) -> str:
     from moed.client import Client
+
     with Client(sock) as c:
         try:
             c.request(m.SetMemFloor(floor))
@@ -96,12 +97,20 @@ def test_only_an_operator_may_set_the_floor(daemon):
 
 
 def test_moectl_set_mem_floor(daemon):
-    out = subprocess.run([sys.executable, "-m", "moed.ctl", "--socket", daemon.socket, "set", "mem-floor", "1MiB"],
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-m", "moed.ctl", "--socket", daemon.socket, "set", "mem-floor", "1MiB"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 0, out.stderr
     assert "mem floor 1.00 MiB" in out.stdout
     with daemon.client() as c:
         assert c.stats()["mem_floor_bytes"] == 1 << 20
-    bad = subprocess.run([sys.executable, "-m", "moed.ctl", "--socket", daemon.socket, "set", "mem-floor", "lots"],
-                         capture_output=True, text=True, timeout=30)
+    bad = subprocess.run(
+        [sys.executable, "-m", "moed.ctl", "--socket", daemon.socket, "set", "mem-floor", "lots"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert bad.returncode == 2 and "BadRequest" in bad.stderr

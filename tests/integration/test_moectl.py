@@ -6,13 +6,26 @@ import json
 import subprocess
 import sys
 
-CONTRACT_KEYS = {"budget_bytes", "used_bytes", "pinned_bytes", "hits", "misses", "prefetch_hits",
-                 "bytes_read", "direct_io", "mem_available_bytes", "mem_floor_bytes", "models", "tenants"}
+CONTRACT_KEYS = {
+    "budget_bytes",
+    "used_bytes",
+    "pinned_bytes",
+    "hits",
+    "misses",
+    "prefetch_hits",
+    "bytes_read",
+    "direct_io",
+    "mem_available_bytes",
+    "mem_floor_bytes",
+    "models",
+    "tenants",
+}
 
 
 def moectl(sock: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moed.ctl", "--socket", sock, *args],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "moed.ctl", "--socket", sock, *args], capture_output=True, text=True, timeout=60
+    )
 
 
 def test_stats_json_has_the_contract_keys_and_counts_what_happened(daemon, tiny_model):

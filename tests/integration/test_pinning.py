@@ -16,8 +16,9 @@ from tests.integration.test_daemon import check_lease, expert_bytes
 
 
 def moectl(sock: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moed.ctl", "--socket", sock, *args],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "moed.ctl", "--socket", sock, *args], capture_output=True, text=True, timeout=60
+    )
 
 
 def stream(h, layers, n_experts: int) -> None:
@@ -39,9 +40,9 @@ def test_pinned_experts_are_never_evicted_and_unpin_is_live(start_daemon, model_
         h = c.open_model(model)
         s = c.stats()
         assert (s["pinned_bytes"], s["pinned_experts"], s["used_bytes"]) == (3 * slot, 3, 0)
-        stream(h, (1, 2, 3), 16)                      # 48 misses through a 4-slot budget
+        stream(h, (1, 2, 3), 16)  # 48 misses through a 4-slot budget
         before = c.stats()
-        with h.acquire(0, [0, 1, 2]) as lease:        # the pinned three are still there
+        with h.acquire(0, [0, 1, 2]) as lease:  # the pinned three are still there
             check_lease(cat, lease, 0, [0, 1, 2])
         s = c.stats()
         assert s["hits"] - before["hits"] == 3 and s["misses"] == before["misses"]
@@ -53,14 +54,14 @@ def test_pinned_experts_are_never_evicted_and_unpin_is_live(start_daemon, model_
         out = moectl(d.socket, "unpin", model, "--all")
         assert out.returncode == 0 and "unpinned 3 experts" in out.stdout, out.stderr
         s = c.stats()
-        assert s["pinned_bytes"] == slot              # expert 1 is held: it leaves when released
+        assert s["pinned_bytes"] == slot  # expert 1 is held: it leaves when released
         held.release()
         wait_for(lambda: c.stats()["pinned_bytes"] == 0, 5, what="unpinned expert to leave")
         stream(h, (1, 2), 16)
         before = c.stats()
         with h.acquire(0, [0, 1, 2]):
             pass
-        assert c.stats()["misses"] - before["misses"] == 3    # evicted like anything else now
+        assert c.stats()["misses"] - before["misses"] == 3  # evicted like anything else now
 
 
 def test_whole_model_that_fits_is_pinned_at_open(start_daemon, tiny_model):
@@ -68,8 +69,11 @@ def test_whole_model_that_fits_is_pinned_at_open(start_daemon, tiny_model):
     d = start_daemon(str(4 * slot), "--pin-budget", str(40 * slot))
     with d.client() as c:
         h = c.open_model(tiny_model)
-        wait_for(lambda: c.stats()["pinned_experts"] == 32 and c.stats()["reads_in_flight"] == 0, 10,
-                 what="the whole model pinned")
+        wait_for(
+            lambda: c.stats()["pinned_experts"] == 32 and c.stats()["reads_in_flight"] == 0,
+            10,
+            what="the whole model pinned",
+        )
         before = c.stats()
         stream(h, h.moe_layers, 8)
         s = c.stats()
@@ -103,7 +107,7 @@ def test_pin_from_stats_and_from_trace(start_daemon, model_factory, tmp_path):
         w.finish().save(trace)
         out = moectl(d.socket, "pin", model, "--trace", str(trace))
         assert out.returncode == 0, out.stderr
-        assert _pinned(c) == {(h.moe_layers[2], 5), (h.moe_layers[2], 11)}   # routed 10x; others <= 2x
+        assert _pinned(c) == {(h.moe_layers[2], 5), (h.moe_layers[2], 11)}  # routed 10x; others <= 2x
 
 
 def _pinned(c) -> set[tuple[int, int]]:
@@ -121,14 +125,15 @@ def test_pin_needs_a_pin_budget_and_an_operator(daemon, tiny_model):
 
 def test_pinning_does_not_grow_memory_while_the_guard_holds_the_floor(start_daemon, tiny_model):
     import psutil
+
     slot = expert_bytes(tiny_model, 0)
     d = start_daemon(str(8 * slot), "--pin-budget", str(4 * slot))
     with d.client() as c:
         h = c.open_model(tiny_model)
-        held = h.acquire(0, [3])                      # resident and leased: the guard keeps it
+        held = h.acquire(0, [3])  # resident and leased: the guard keeps it
         c.request(m.SetMemFloor(psutil.virtual_memory().available + (4 << 30)))
         r = c.request(m.Pin(h.model_id, [(0, 3), (0, 1), (0, 2)]))
-        assert (r.pinned, r.skipped, r.pinned_bytes) == (1, 2, slot)   # moving in is no growth
+        assert (r.pinned, r.skipped, r.pinned_bytes) == (1, 2, slot)  # moving in is no growth
         s = c.stats()
         assert s["mem_guard_active"] and s["used_bytes"] == 0
         held.release()

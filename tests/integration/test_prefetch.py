@@ -25,8 +25,10 @@ def slot_bytes(model) -> int:
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     from moed.lab.makemodel import make_model
-    return make_model(tmp_path_factory.mktemp("pf") / "m.gguf", layers=2, experts=16, used=2,
-                      embd=256, ff=256, align=4096)[0]
+
+    return make_model(
+        tmp_path_factory.mktemp("pf") / "m.gguf", layers=2, experts=16, used=2, embd=256, ff=256, align=4096
+    )[0]
 
 
 def settled(c) -> dict:
@@ -60,7 +62,7 @@ def test_demand_read_takes_over_a_queued_prefetch(start_daemon, model):
     with d.client() as c:
         h = c.open_model(model)
         h.prefetch(0, list(range(16)))
-        with h.acquire(0, [15]) as lease:          # last in the prefetch queue: promoted
+        with h.acquire(0, [15]) as lease:  # last in the prefetch queue: promoted
             check(cat, lease, 0, [15])
         s = settled(c)
     assert s["prefetch_hits"] == 1 and s["hits"] + s["misses"] == 1
@@ -73,13 +75,13 @@ def test_newer_prefetch_of_a_layer_drops_the_older_queued_ones(start_daemon, mod
         h = c.open_model(model)
         h.prefetch(0, list(range(16)))
         queued = c.request(m.Prefetch(h.model_id, 0, [15], ack=True)).queued
-        assert queued == 0                          # still queued or resident: not read twice
+        assert queued == 0  # still queued or resident: not read twice
         s = settled(c)
         # every expert of the first batch either landed or was dropped unread
         assert s["resident_experts"] + s["wasted_prefetches"] == 16
         assert s["wasted_prefetches"] >= 1
         assert s["used_bytes"] == s["resident_experts"] * slot_bytes(model)
-        h.prefetch(1, [0])                          # another layer supersedes nothing
+        h.prefetch(1, [0])  # another layer supersedes nothing
         s2 = settled(c)
     assert s2["wasted_prefetches"] == s["wasted_prefetches"]
     assert s2["resident_experts"] == s["resident_experts"] + 1
@@ -113,7 +115,7 @@ def test_demand_acquire_is_not_blocked_by_prefetches_filling_the_budget(start_da
     cat = Catalog.open(model)
     with d.client() as c:
         h = c.open_model(model)
-        h.prefetch(0, [0, 1, 2, 3])                 # the whole budget, reads queued
+        h.prefetch(0, [0, 1, 2, 3])  # the whole budget, reads queued
         with h.acquire(1, [8, 9], timeout_s=10) as lease:
             check(cat, lease, 1, [8, 9])
         s = settled(c)

@@ -25,7 +25,7 @@ def make_trace(path, decode_tokens: int = 24, prompt_tokens: int = 12, seed: int
     rng = np.random.default_rng(seed)
     w = TraceWriter(LAYERS, EXPERTS, TOP_K)
 
-    def route(n):                      # (layers, n, k): a hot half of the experts most of the time
+    def route(n):  # (layers, n, k): a hot half of the experts most of the time
         out = np.empty((LAYERS, n, TOP_K), np.int64)
         for l in range(LAYERS):
             for t in range(n):
@@ -49,9 +49,26 @@ def setup(tmp_path_factory):
     d = tmp_path_factory.mktemp("replay")
     trace = make_trace(d / "t.npz")
     model = d / "m.gguf"
-    out = subprocess.run([sys.executable, "-m", "moed.ctl", "make-model", str(model), "--like", str(d / "t.npz"),
-                          "--embd", "256", "--ff", "256", "--align", "4096"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moed.ctl",
+            "make-model",
+            str(model),
+            "--like",
+            str(d / "t.npz"),
+            "--embd",
+            "256",
+            "--ff",
+            "256",
+            "--align",
+            "4096",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     return model, trace, d / "t.npz"
 
@@ -96,13 +113,13 @@ def test_oracle_with_room_for_a_token_has_no_demand_misses(setup):
     r = rp.replay_private(model, trace, 2 * LAYERS * TOP_K * slot(model), opts)
     assert r.budget_slots == 2 * LAYERS * TOP_K
     assert r.demand_misses == 0 and r.demand_miss_rate == 0.0
-    assert r.hits + r.misses == r.accesses and r.misses > 0    # the drive still had work to do
+    assert r.hits + r.misses == r.accesses and r.misses > 0  # the drive still had work to do
 
 
 def test_zero_headroom_is_reported_not_hung(setup):
     model, trace, _ = setup
     opts = rp.ReplayOptions(compute_ms=0.0, prefetch="oracle", warm=2, tokens=6)
-    r = rp.replay_private(model, trace, TOP_K * slot(model), opts)   # one layer's experts, no more
+    r = rp.replay_private(model, trace, TOP_K * slot(model), opts)  # one layer's experts, no more
     assert r.budget_slots == TOP_K and r.tokens == 6
     assert r.hits + r.misses == r.accesses
     assert any("zero headroom" in w for w in r.warnings)
@@ -110,21 +127,67 @@ def test_zero_headroom_is_reported_not_hung(setup):
 
 def test_budget_below_one_layer_fails_at_once(setup):
     model, _, trace_path = setup
-    out = subprocess.run([sys.executable, "-m", "moed.ctl", "replay", str(model), str(trace_path),
-                          "--budget", str(slot(model)), "--compute-ms", "0", "--json"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moed.ctl",
+            "replay",
+            str(model),
+            str(trace_path),
+            "--budget",
+            str(slot(model)),
+            "--compute-ms",
+            "0",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "budget" in out.stderr and out.stdout == ""
 
 
 def test_cli_json_keys(setup):
     model, _, trace_path = setup
-    out = subprocess.run([sys.executable, "-m", "moed.ctl", "replay", str(model), str(trace_path),
-                          "--budget", "50%", "--compute-ms", "1", "--prefetch", "gate", "--warm", "4",
-                          "--tokens", "10", "--json"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moed.ctl",
+            "replay",
+            str(model),
+            str(trace_path),
+            "--budget",
+            "50%",
+            "--compute-ms",
+            "1",
+            "--prefetch",
+            "gate",
+            "--warm",
+            "4",
+            "--tokens",
+            "10",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)
-    for k in ("tok_s", "compute_tok_s", "stall_ms_per_token", "hit_rate", "prefetch_hit_rate",
-              "demand_miss_rate", "prefetches", "wasted_prefetch_rate", "gb_read", "mb_per_token"):
+    for k in (
+        "tok_s",
+        "compute_tok_s",
+        "stall_ms_per_token",
+        "hit_rate",
+        "prefetch_hit_rate",
+        "demand_miss_rate",
+        "prefetches",
+        "wasted_prefetch_rate",
+        "gb_read",
+        "mb_per_token",
+    ):
         assert k in r, k
     assert r["tokens"] == 10 and r["compute_tok_s"] == pytest.approx(1000.0)
 
@@ -132,9 +195,13 @@ def test_cli_json_keys(setup):
 def test_gate_prefetch_needs_predictions(setup, tmp_path):
     model, trace, _ = setup
     bare = tmp_path / "bare.jsonl"
-    trace.save(bare)                    # nvmoe JSONL keeps routes only
-    out = subprocess.run([sys.executable, "-m", "moed.ctl", "replay", str(model), str(bare),
-                          "--budget", "50%", "--prefetch", "gate"], capture_output=True, text=True, timeout=60)
+    trace.save(bare)  # nvmoe JSONL keeps routes only
+    out = subprocess.run(
+        [sys.executable, "-m", "moed.ctl", "replay", str(model), str(bare), "--budget", "50%", "--prefetch", "gate"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "ahead1" in out.stderr
 
 
@@ -148,18 +215,56 @@ def test_replay_through_a_running_daemon(setup, start_daemon):
 
 def test_plan_cli_matches_the_policy_replay(setup, tmp_path):
     from moed.lab import policies
+
     model, trace, trace_path = setup
     png = tmp_path / "plan.png"
-    out = subprocess.run([sys.executable, "-m", "moed.ctl", "plan", str(model), "--trace", str(trace_path),
-                          "--drive-gbps", "1", "--ram", "1GiB", "--target-tok-s", "100", "--compute-ms", "5",
-                          "--plot", str(png), "--json"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moed.ctl",
+            "plan",
+            str(model),
+            "--trace",
+            str(trace_path),
+            "--drive-gbps",
+            "1",
+            "--ram",
+            "1GiB",
+            "--target-tok-s",
+            "100",
+            "--compute-ms",
+            "5",
+            "--plot",
+            str(png),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     p = json.loads(out.stdout)
     assert png.stat().st_size > 0 and not p["drive_measured"]
-    pol = subprocess.run([sys.executable, "-m", "moed.ctl", "policy", str(trace_path), "--policies", "g-lru",
-                          "--sizes", "0.25,0.5,0.75", "--json"], capture_output=True, text=True, timeout=60)
+    pol = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moed.ctl",
+            "policy",
+            str(trace_path),
+            "--policies",
+            "g-lru",
+            "--sizes",
+            "0.25,0.5,0.75",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert pol.returncode == 0, pol.stderr
-    for ref in json.loads(pol.stdout):                 # `moectl plan` agrees with `moectl policy`
+    for ref in json.loads(pol.stdout):  # `moectl plan` agrees with `moectl policy`
         pt = next(pt for pt in p["curve"] if pt["size"] == ref["size"])
         assert (pt["slots"], pt["hit_rate"]) == (ref["slots"], pytest.approx(ref["hit_rate"]))
     assert pt["hit_rate"] == pytest.approx(policies.replay(trace, "g-lru", size=0.75).hit_rate)
@@ -169,8 +274,24 @@ def test_plan_cli_matches_the_policy_replay(setup, tmp_path):
 
 def test_plan_measures_the_drive_when_not_told(setup):
     model, _, trace_path = setup
-    out = subprocess.run([sys.executable, "-m", "moed.ctl", "plan", str(model), "--trace", str(trace_path),
-                          "--measure-seconds", "0.3", "--ram", "1GiB", "--plot"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moed.ctl",
+            "plan",
+            str(model),
+            "--trace",
+            str(trace_path),
+            "--measure-seconds",
+            "0.3",
+            "--ram",
+            "1GiB",
+            "--plot",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert "measured" in out.stdout and "#" in out.stdout and "moed --ram-budget" in out.stdout

@@ -20,8 +20,9 @@ def bench_file(tmp_path_factory):
 
 
 def moectl(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "moed.ctl", *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "moed.ctl", *map(str, args)], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_bench_model_is_a_catalogued_moe_file(bench_file):
@@ -40,8 +41,7 @@ def test_raw_reads_of_any_file(tmp_path):
 
 
 def test_paired_json(bench_file):
-    out = moectl("bench-drive", bench_file, "--size", "64KiB", "--depth", "2", "--seconds", "0.4",
-                 "--paired", "--json")
+    out = moectl("bench-drive", bench_file, "--size", "64KiB", "--depth", "2", "--seconds", "0.4", "--paired", "--json")
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)
     assert r["raw_gbps"] > 0 and r["moed_gbps"] > 0

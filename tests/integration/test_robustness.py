@@ -38,9 +38,12 @@ def fuzz_conn(fuzz_daemon):
     c.close()
 
 
-@settings(max_examples=150, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                 HealthCheck.data_too_large])
+@settings(
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(batch=st.lists(frames, min_size=1, max_size=8))
 def test_fuzzed_frames_never_hurt_the_daemon(fuzz_daemon, fuzz_conn, batch):
     replies = fuzz_conn.exchange(batch)
@@ -50,7 +53,7 @@ def test_fuzzed_frames_never_hurt_the_daemon(fuzz_daemon, fuzz_conn, batch):
 
 def test_after_fuzzing_the_daemon_serves_and_logged_no_crash(fuzz_daemon, fuzz_conn, tiny_model):
     with fuzz_daemon.client() as c:
-        c.request(m.SetMemFloor(0))               # a fuzzed frame may have been a valid control request
+        c.request(m.SetMemFloor(0))  # a fuzzed frame may have been a valid control request
         h = c.open_model(tiny_model)
         with h.acquire(0, [1, 2], timeout_s=5) as lease:
             check_lease(Catalog.open(tiny_model), lease, 0, [1, 2])
@@ -68,15 +71,15 @@ def test_peer_that_never_reads_its_replies_is_paused_not_buffered(daemon):
     s.settimeout(0.5)
     sent = 0
     try:
-        for _ in range(200):                      # 400,000 stats requests, none of the replies read
+        for _ in range(200):  # 400,000 stats requests, none of the replies read
             s.sendall(burst)
             sent += 2000
     except (TimeoutError, BlockingIOError):
-        pass                                      # the daemon stopped reading us: flow control
+        pass  # the daemon stopped reading us: flow control
     grown = proc_status_bytes(pid, "VmRSS") - base
     assert sent < 400_000 or grown < 64 << 20
     assert grown < 64 << 20, f"daemon grew {grown >> 20} MiB buffering replies"
-    with daemon.client() as c:                    # others are served meanwhile
+    with daemon.client() as c:  # others are served meanwhile
         c.ping()
     s.close()
 
@@ -119,8 +122,11 @@ def _can_connect(d) -> bool:
 
 def _leak_free(c, budget_slots: int, slot: int) -> bool:
     s = c.stats()
-    return s["evictable_bytes"] == s["used_bytes"] and s["reads_in_flight"] == 0 and \
-        all(t["leases"] == 0 for t in s["tenants"] if "checker" not in t["names"])
+    return (
+        s["evictable_bytes"] == s["used_bytes"]
+        and s["reads_in_flight"] == 0
+        and all(t["leases"] == 0 for t in s["tenants"] if "checker" not in t["names"])
+    )
 
 
 def test_disconnect_mid_read_and_mid_wait_leaks_nothing(start_daemon, model_factory):
@@ -128,26 +134,32 @@ def test_disconnect_mid_read_and_mid_wait_leaks_nothing(start_daemon, model_fact
     model = model_factory(layers=4, experts=16, used=4, embd=1024, ff=1024, random_experts=True)
     slot = expert_bytes(model, 0)
     d = start_daemon(str(8 * slot), "--reader-threads", "1")
-    for round_ in range(30):                      # mid-read: acquire misses, hang up at once
+    for round_ in range(30):  # mid-read: acquire misses, hang up at once
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.connect(d.socket)
-        s.sendall(encode(m.Hello(m.PROTOCOL_VERSION)) + encode(m.OpenModel(str(model))) +
-                  encode(m.Acquire(1, 1 + round_ % 3, [(round_ + i) % 16 for i in range(4)])))
-        time.sleep(0.001 * (round_ % 4))          # vary where in the read the hang-up lands
+        s.sendall(
+            encode(m.Hello(m.PROTOCOL_VERSION))
+            + encode(m.OpenModel(str(model)))
+            + encode(m.Acquire(1, 1 + round_ % 3, [(round_ + i) % 16 for i in range(4)]))
+        )
+        time.sleep(0.001 * (round_ % 4))  # vary where in the read the hang-up lands
         s.close()
     with d.client("checker") as c:
         h_model = c.open_model(model)
         wait_for(lambda: _leak_free(c, 8, slot), 5, what="every reference given back")
-        holder = h_model.acquire(0, list(range(8)))           # the whole budget, held
-        for _ in range(10):                                   # mid-wait: no room, hang up
+        holder = h_model.acquire(0, list(range(8)))  # the whole budget, held
+        for _ in range(10):  # mid-wait: no room, hang up
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.connect(d.socket)
-            s.sendall(encode(m.Hello(m.PROTOCOL_VERSION)) + encode(m.OpenModel(str(model))) +
-                      encode(m.Acquire(h_model.model_id, 2, [1, 2], 30.0)))
+            s.sendall(
+                encode(m.Hello(m.PROTOCOL_VERSION))
+                + encode(m.OpenModel(str(model)))
+                + encode(m.Acquire(h_model.model_id, 2, [1, 2], 30.0))
+            )
             time.sleep(0.01)
             s.close()
         holder.release()
-        with h_model.acquire(3, list(range(8, 16)), timeout_s=5) as lease:   # all 8 slots free again
+        with h_model.acquire(3, list(range(8, 16)), timeout_s=5) as lease:  # all 8 slots free again
             check_lease(Catalog.open(model), lease, 3, list(range(8, 16)))
         wait_for(lambda: _leak_free(c, 8, slot), 5, what="every reference given back")
     assert d.stop() == 0
@@ -176,9 +188,9 @@ def test_truncation_under_concurrent_readers_and_replacement_makes_a_new_model(d
     shutil.copy(tiny_model, path)
     cat = Catalog.open(path)
     clients = [daemon.client(f"r{i}") for i in range(3)]
-    handles = [c.open_model(path) for c in clients]          # opened before the truncation
+    handles = [c.open_model(path) for c in clients]  # opened before the truncation
     _, cut, _ = cat.extent(2, 0, "gate")
-    os.truncate(path, cut)                                    # layers 2 and 3 are gone
+    os.truncate(path, cut)  # layers 2 and 3 are gone
     outcomes: list = []
 
     def reader(i: int) -> None:
@@ -186,7 +198,7 @@ def test_truncation_under_concurrent_readers_and_replacement_makes_a_new_model(d
             for e in range(i, 8, 3):
                 try:
                     with handles[i].acquire(layer, [e], timeout_s=5) as lease:
-                        check_lease(cat, lease, layer, [e])   # never wrong bytes
+                        check_lease(cat, lease, layer, [e])  # never wrong bytes
                         outcomes.append(("ok", layer))
                 except errors.ModelStale:
                     outcomes.append(("ModelStale", layer))
@@ -201,7 +213,7 @@ def test_truncation_under_concurrent_readers_and_replacement_makes_a_new_model(d
     assert {o for o, _ in outcomes} == {"ModelStale"} and len(outcomes) == 4 * 8
     c = clients[0]
     assert c.stats()["stale_detected"] >= 1
-    shutil.copy(tiny_model, path)                             # a whole file again: a new identity
+    shutil.copy(tiny_model, path)  # a whole file again: a new identity
     h2 = c.open_model(path)
     assert h2.model_id != handles[0].model_id
     with h2.acquire(3, [7]) as lease:

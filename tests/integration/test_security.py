@@ -21,15 +21,11 @@ from tests.integration.peer import NOBODY, Outcome, as_peer
 SIGSEGV = 11
 
 
-
-
 def copy_model(model, directory: str, mode: int, name: str = "model.gguf") -> str:
     os.makedirs(directory, exist_ok=True)
     path = shutil.copy(model, os.path.join(directory, name))
     os.chmod(path, mode)
     return path
-
-
 
 
 def _open(sock: str, path: str) -> str:
@@ -61,7 +57,7 @@ def test_socket_mode_and_group(start_daemon, tmp_path):
     os.chmod(d.dir, 0o755)
     st = os.stat(d.socket)
     assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == 65534
-    assert as_peer(NOBODY, NOBODY, _ping, d.socket) == Outcome(result="served")        # in the group
+    assert as_peer(NOBODY, NOBODY, _ping, d.socket) == Outcome(result="served")  # in the group
     assert as_peer(NOBODY - 1, NOBODY - 1, _ping, d.socket) == Outcome(result="refused")  # not in it
     assert as_peer(NOBODY - 1, NOBODY - 1, _ping, d.socket, groups=(65534,)) == Outcome(result="served")
 
@@ -77,19 +73,19 @@ def test_peer_without_read_permission_is_refused(start_shared, tiny_model, share
     d = start_shared()
     secret = copy_model(tiny_model, shared_dir, 0o600, "secret.gguf")
     public = copy_model(tiny_model, shared_dir, 0o644, "public.gguf")
-    with d.client() as c:                          # root has it open already: still refused
+    with d.client() as c:  # root has it open already: still refused
         c.open_model(secret)
     assert as_peer(NOBODY, NOBODY, _open, d.socket, secret) == Outcome(result="PermissionDenied")
     assert as_peer(NOBODY, NOBODY, _open, d.socket, public) == Outcome(result="opened")
     os.chown(secret, -1, 65534)
-    os.chmod(secret, 0o640)                        # readable by its group
+    os.chmod(secret, 0o640)  # readable by its group
     assert as_peer(NOBODY, NOBODY, _open, d.socket, secret) == Outcome(result="opened")
     assert as_peer(NOBODY - 1, NOBODY - 1, _open, d.socket, secret) == Outcome(result="PermissionDenied")
     hidden = os.path.join(shared_dir, "hidden")
     inner = copy_model(tiny_model, hidden, 0o644)
-    os.chmod(hidden, 0o700)                        # readable file in an unsearchable directory
+    os.chmod(hidden, 0o700)  # readable file in an unsearchable directory
     assert as_peer(NOBODY, NOBODY, _open, d.socket, inner) == Outcome(result="PermissionDenied")
-    link = os.path.join(shared_dir, "link.gguf")   # a symlink is judged by its target
+    link = os.path.join(shared_dir, "link.gguf")  # a symlink is judged by its target
     os.symlink(inner, link)
     assert as_peer(NOBODY, NOBODY, _open, d.socket, link) == Outcome(result="PermissionDenied")
     missing = os.path.join(hidden, "nothing.gguf")  # and says nothing about what is in there
@@ -116,6 +112,7 @@ def test_posix_acl_grant_is_honoured(start_shared, tiny_model, shared_dir):
             return "readable"
         except PermissionError:
             return "denied"
+
     assert as_peer(NOBODY, NOBODY, kernel_says, path).result == "readable"
     assert as_peer(NOBODY, NOBODY, _open, d.socket, path) == Outcome(result="opened")
     assert as_peer(NOBODY - 1, NOBODY - 1, kernel_says, path).result == "denied"
@@ -152,9 +149,10 @@ def _lease_address(sock: str, path: str):
 
 def _write_through_mapping(sock: str, path: str) -> str:
     import faulthandler
-    faulthandler.disable()                          # the fault is expected: no traceback dump
+
+    faulthandler.disable()  # the fault is expected: no traceback dump
     _, _, addr, _ = _lease_address(sock, path)
-    ctypes.memmove(addr, b"\xff" * 16, 16)          # must fault: the mapping is PROT_READ
+    ctypes.memmove(addr, b"\xff" * 16, 16)  # must fault: the mapping is PROT_READ
     return "wrote"
 
 
@@ -181,6 +179,7 @@ def _make_writable(sock: str, path: str) -> list[str]:
 
 def errors_name(exc: OSError) -> str:
     import errno
+
     return errno.errorcode.get(exc.errno, str(exc.errno))
 
 
@@ -191,9 +190,10 @@ def test_a_write_through_a_client_mapping_faults(start_shared, tiny_model, share
     assert as_peer(0, 0, _write_through_mapping, d.socket, path) == Outcome(signal=SIGSEGV)
     got = as_peer(NOBODY, NOBODY, _make_writable, d.socket, path)
     assert got.result == ["mprotect EACCES", "mmap EACCES", "reopen EACCES"], got
-    with d.client() as c:                           # and the daemon's bytes are intact
+    with d.client() as c:  # and the daemon's bytes are intact
         from moed.gguf.catalog import Catalog
         from tests.integration.test_daemon import check_lease
+
         h = c.open_model(path)
         with h.acquire(0, [1]) as lease:
             check_lease(Catalog.open(path), lease, 0, [1])
@@ -210,7 +210,7 @@ def _steal(sock: str, path: str, lease_id: int) -> tuple:
             released = "released"
         except errors.UnknownLease:
             released = "UnknownLease"
-        c.request(m.Acquire(h.model_id, 0, [5], None, [lease_id]))   # piggybacked: ignored
+        c.request(m.Acquire(h.model_id, 0, [5], None, [lease_id]))  # piggybacked: ignored
         mine = [t for t in c.stats()["tenants"] if t["uid"] == os.getuid()][0]
         return released, mine["leases"]
 
@@ -227,8 +227,8 @@ def test_one_tenant_cannot_release_another_tenants_lease(start_shared, tiny_mode
             with pytest.raises(errors.UnknownLease):
                 c2.request(m.Release([lease.lease_id]))
         owner_row = [t for t in c.stats()["tenants"] if t["uid"] == 0][0]
-        assert owner_row["leases"] == 1               # still held
-        c.request(m.Release([lease.lease_id]))        # and its owner can release it
+        assert owner_row["leases"] == 1  # still held
+        c.request(m.Release([lease.lease_id]))  # and its owner can release it
 
 
 def _class_ids(sock: str, path: str) -> list[int]:
@@ -244,12 +244,12 @@ def test_private_models_never_share_a_segment_with_other_models(start_shared, ti
     private = copy_model(tiny_model, shared_dir, 0o600, "private.gguf")
     with d.client() as c:
         h = c.open_model(private)
-        with h.acquire(0, [1]):                   # private experts resident in its segment
+        with h.acquire(0, [1]):  # private experts resident in its segment
             pass
         private_ids = {s.class_id for s in h.info.segments}
     seen = as_peer(NOBODY, NOBODY, _class_ids, d.socket, public_a).result
     assert seen and not set(seen) & private_ids
-    assert as_peer(NOBODY, NOBODY, _class_ids, d.socket, public_b).result == seen   # public ones share
+    assert as_peer(NOBODY, NOBODY, _class_ids, d.socket, public_b).result == seen  # public ones share
 
 
 def test_relative_and_nul_paths_are_refused_by_the_daemon(daemon, tiny_model, tmp_path, monkeypatch):
@@ -257,7 +257,7 @@ def test_relative_and_nul_paths_are_refused_by_the_daemon(daemon, tiny_model, tm
         for bad in ("model.gguf", "../x.gguf", "/tmp/a\0b"):
             with pytest.raises(errors.BadRequest):
                 c.request(m.OpenModel(bad), fds=True)
-        monkeypatch.chdir(os.path.dirname(tiny_model))   # the client makes a relative path absolute
+        monkeypatch.chdir(os.path.dirname(tiny_model))  # the client makes a relative path absolute
         h = c.open_model(os.path.basename(tiny_model))
         assert h.path == os.path.realpath(tiny_model)
 
@@ -265,7 +265,7 @@ def test_relative_and_nul_paths_are_refused_by_the_daemon(daemon, tiny_model, tm
 def _my_view(sock: str) -> tuple:
     with Client(sock, "viewer") as c:
         s = c.stats()
-        if os.getuid() != 0:      # a tenant sees only its own connections; the operator all
+        if os.getuid() != 0:  # a tenant sees only its own connections; the operator all
             assert s["clients"] and all(r["uid"] == os.getuid() for r in s["clients"])
         return sorted(t["uid"] for t in s["tenants"]), sorted(os.path.basename(r["path"]) for r in s["models"])
 
@@ -278,5 +278,5 @@ def test_a_tenant_sees_only_its_own_row_and_models_it_could_open(start_shared, t
         c.open_model(private)
         c.open_model(public)
         assert as_peer(NOBODY, NOBODY, _my_view, d.socket) == Outcome(result=([NOBODY], ["public.gguf"]))
-        tenants, models = _my_view(d.socket)      # the operator sees everything
+        tenants, models = _my_view(d.socket)  # the operator sees everything
         assert tenants == [0, NOBODY] and models == ["private.gguf", "public.gguf"]

@@ -18,8 +18,6 @@ def public_copy(model, shared_dir: str) -> str:
     return path
 
 
-
-
 def _use(sock: str, model: str, layer: int, experts: list[int]) -> tuple[int, int]:
     """Acquire each expert once as this process's uid; returns (hits, misses) of the tenant."""
     with Client(sock, "nobody-engine") as c:
@@ -35,13 +33,14 @@ def test_floor_holds_under_the_other_tenants_pressure_and_ceiling_caps(start_sha
     src = model_factory(layers=4, experts=16, used=2)
     slot = expert_bytes(src, 0)
     model = public_copy(src, shared_dir)
-    d = start_shared(str(8 * slot),
-                     f"[tenants.nobody]\nfloor_bytes = {3 * slot}\n[tenants.0]\nceiling_bytes = {6 * slot}\n")
+    d = start_shared(
+        str(8 * slot), f"[tenants.nobody]\nfloor_bytes = {3 * slot}\n[tenants.0]\nceiling_bytes = {6 * slot}\n"
+    )
     # nobody loads 5 experts of layer 0 and leaves
     assert as_peer(NOBODY, NOBODY, _use, d.socket, model, 0, [0, 1, 2, 3, 4]) == Outcome(result=(0, 5))
     with d.client("root-engine") as c:
         m = c.open_model(model)
-        for layer in (1, 2, 3):                    # root streams 48 experts through 8 slots
+        for layer in (1, 2, 3):  # root streams 48 experts through 8 slots
             for e in range(16):
                 with m.acquire(layer, [e], timeout_s=5):
                     pass
@@ -86,6 +85,7 @@ def test_without_tenant_config_everyone_shares_one_lru(start_shared, model_facto
 def test_unknown_tenant_user_fails_the_start(tmp_path):
     from moed.protocol.errors import DaemonUnavailable
     from moed.testing import DaemonProcess
+
     conf = tmp_path / "moed.toml"
     conf.write_text("[tenants.no-such-user-here]\nfloor_bytes = 1\n")
     with pytest.raises(DaemonUnavailable, match="no such user"):
@@ -99,7 +99,7 @@ def test_hits_on_another_tenants_reads_are_counted_as_shared(start_shared, model
     assert not out.error and out.result == (0, 3), out
     with d.client() as c:
         m = c.open_model(model)
-        with m.acquire(2, [0, 1, 2, 3], timeout_s=5):   # three were read in by nobody, one is new
+        with m.acquire(2, [0, 1, 2, 3], timeout_s=5):  # three were read in by nobody, one is new
             pass
         s = c.stats()
     rows = {t["uid"]: t for t in s["tenants"]}

@@ -44,10 +44,10 @@ def test_bytes_changed_under_the_daemon(start_daemon, tiny_model, tmp_path, veri
     d = start_daemon(str(4 * slot), "--config", str(conf))
     with d.client() as c:
         h = c.open_model(path)
-        with h.acquire(0, [1, 2]) as lease:            # first reads: hashes recorded
+        with h.acquire(0, [1, 2]) as lease:  # first reads: hashes recorded
             check_lease(cat, lease, 0, [1, 2])
-        churn(h, 1, 8)                                 # evict them
-        with h.acquire(0, [1, 2]) as lease:            # read again, unchanged: verified
+        churn(h, 1, 8)  # evict them
+        with h.acquire(0, [1, 2]) as lease:  # read again, unchanged: verified
             check_lease(cat, lease, 0, [1, 2])
         if verify:
             s = c.stats()
@@ -56,11 +56,11 @@ def test_bytes_changed_under_the_daemon(start_daemon, tiny_model, tmp_path, veri
         # Engines' local hits check no file: the daemon finds the change within a
         # maintenance period (20 ms) and stops them, with no acquire needed.
         wait_for(lambda: c.stats()["stale_detected"] == 1, 5, what="the change detected")
-        for e in (1, 2):                               # the changed expert and an untouched one
+        for e in (1, 2):  # the changed expert and an untouched one
             with pytest.raises(errors.ModelStale):
                 h.acquire(0, [e])
         assert c.stats()["stale_detected"] == 1
-        h2 = c.open_model(path)                        # the new content is a new model
+        h2 = c.open_model(path)  # the new content is a new model
         assert h2.model_id != h.model_id
         with h2.acquire(0, [1]) as lease:
             check_lease(Catalog.open(path), lease, 0, [1])

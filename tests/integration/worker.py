@@ -46,7 +46,7 @@ def hold(sock: str, model_path: str, layer: int, experts: list[int], local: bool
     c = Client(sock, "holder")
     m = c.open_model(model_path)
     lease = m.acquire(layer, experts)
-    if local and not lease.local:     # read in by this acquire: hold it again, now without a round trip
+    if local and not lease.local:  # read in by this acquire: hold it again, now without a round trip
         again = m.acquire(layer, experts)
         lease.release()
         lease = again

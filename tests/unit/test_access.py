@@ -25,20 +25,20 @@ def test_mode_bits_owner_group_other():
     assert permits(peer(10), f, R)
     assert permits(peer(11, 20), f, R)
     assert not permits(peer(12, 21), f, R)
-    assert not permits(peer(10), st(0o040, uid=10, gid=10), R)   # owner class wins, like the kernel
-    assert permits(peer(0), st(0o000), R)                          # root reads anything
+    assert not permits(peer(10), st(0o040, uid=10, gid=10), R)  # owner class wins, like the kernel
+    assert permits(peer(0), st(0o000), R)  # root reads anything
 
 
 def test_acl_named_user_masked_groups_and_other():
     f = st(0o640, uid=10, gid=20)
     acl = [(1, 6, U), (2, 4, 30), (2, 4, 31), (4, 4, U), (8, 4, 40), (0x10, 0, U), (0x20, 0, U)]
     assert permits(peer(10), f, R, acl)
-    assert not permits(peer(30), f, R, acl)                        # mask 0 removes the grant
+    assert not permits(peer(30), f, R, acl)  # mask 0 removes the grant
     acl[5] = (0x10, 4, U)
     assert permits(peer(30), f, R, acl)
-    assert permits(peer(50, 40), f, R, acl)                        # named group
-    assert not permits(peer(50, 41), f, R, acl)                    # other: ---
-    assert permits(peer(50, 20), f, R, acl)                        # owning group
+    assert permits(peer(50, 40), f, R, acl)  # named group
+    assert not permits(peer(50, 41), f, R, acl)  # other: ---
+    assert permits(peer(50, 20), f, R, acl)  # owning group
 
 
 def test_search_bit_on_directories():

@@ -44,11 +44,11 @@ def test_align_round_trip(tiny_model, tmp_path):
     align_gguf(out, back, alignment=32)
     same_model(tiny_model, back, 32)
     a, b = read_header(tiny_model), read_header(back)
-    assert tiny_model.read_bytes()[a.data_offset:] == back.read_bytes()[b.data_offset:]
+    assert tiny_model.read_bytes()[a.data_offset :] == back.read_bytes()[b.data_offset :]
 
 
 def test_align_makes_page_multiples_page_aligned(model_factory, tmp_path):
-    src = model_factory(embd=256, ff=256)            # 69632-byte experts, 32-byte alignment
+    src = model_factory(embd=256, ff=256)  # 69632-byte experts, 32-byte alignment
     assert not Catalog.open(src).page_aligned
     out = tmp_path / "out.gguf"
     align_gguf(src, out)
@@ -133,11 +133,10 @@ def test_aligned_copy_gives_identical_logits(llama_cpp, model_factory, split_mod
     split_out = align_gguf(split_model, tmp_path / "split.gguf")[0]
 
     def logits(path):
-        llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=1, logits_all=True,
-                              verbose=False)
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
         tokens = llm.tokenize(b"the page-aligned expert model")
         llm.eval(tokens)
-        return np.array(llm.scores[:len(tokens)])
+        return np.array(llm.scores[: len(tokens)])
 
     np.testing.assert_array_equal(logits(src), logits(out))
     np.testing.assert_array_equal(logits(split_model), logits(split_out))

@@ -56,6 +56,7 @@ def copy_shards(src_first, dst_dir):
 
 # ---------------------------------------------------------------------- contents
 
+
 def test_tiny_model_geometry(tiny_model):
     cat = Catalog.open(tiny_model)
     assert cat.arch == "qwen3moe"
@@ -87,8 +88,7 @@ def test_every_extent_holds_the_tensor_bytes(fixture, request):
 def test_split_model_spans_shards(split_model):
     cat = Catalog.open(split_model)
     assert len(cat.files) == 3 and len(cat.identity) == 3
-    assert [os.path.basename(f) for f in cat.files] == [
-        f"model-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    assert [os.path.basename(f) for f in cat.files] == [f"model-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
     assert len({p.shard for e in cat.layers.values() for p in e.parts.values()}) >= 2
     assert Catalog.open(split_model).identity == cat.identity
 
@@ -125,11 +125,11 @@ def test_identity_changes_with_any_change(tiny_model, tmp_path):
     assert a.identity == b.identity and hash(a.identity) == hash(b.identity)
     st = os.stat(path)
     assert a.identity[0] == (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))      # a touch is a change
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # a touch is a change
     assert identity_of(os.stat(path)) != a.identity[0]
-    os.chmod(path, 0o600)                                               # so is a chmod (ctime)
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))                 # mtime put back ...
-    assert identity_of(os.stat(path)) != a.identity[0]                  # ... ctime still tells
+    os.chmod(path, 0o600)  # so is a chmod (ctime)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # mtime put back ...
+    assert identity_of(os.stat(path)) != a.identity[0]  # ... ctime still tells
 
 
 def test_lookup_errors(tiny_model):
@@ -161,12 +161,14 @@ def test_moectl_index(mixed_model, capsys):
 
 # ---------------------------------------------------------------------- header parser
 
+
 def test_header_matches_gguf_reader(split_model):
     for path in Catalog.open(split_model).files:
         ours, theirs = read_header(path), gguf.GGUFReader(path)
         assert ours.data_offset == theirs.data_offset
         assert [(t.name, t.offset, t.n_bytes, t.ggml_type) for t in ours.tensors] == [
-            (t.name, t.data_offset, t.n_bytes, int(t.tensor_type)) for t in theirs.tensors]
+            (t.name, t.data_offset, t.n_bytes, int(t.tensor_type)) for t in theirs.tensors
+        ]
         for key, field in theirs.fields.items():
             if key.startswith("GGUF."):
                 continue
@@ -174,6 +176,7 @@ def test_header_matches_gguf_reader(split_model):
 
 
 # ---------------------------------------------------------------------- bad files
+
 
 def expect_bad(path, *words):
     with pytest.raises(BadModelFile) as err:
@@ -252,6 +255,7 @@ def test_split_file_with_wrong_name(split_model, tmp_path):
 
 # ---------------------------------------------------------------------- other layouts
 
+
 def write_moe(path, layers: dict[int, dict[str, tuple[int, int, int]]], n_expert_kv=None, used=2):
     """A minimal GGUF with expert tensors {layer: {part: (n_expert, ne1, ne0)}} in Q8_0."""
     w = gguf.GGUFWriter(path, "testmoe")
@@ -263,8 +267,11 @@ def write_moe(path, layers: dict[int, dict[str, tuple[int, int, int]]], n_expert
     for layer, parts in layers.items():
         for part, (n, ne1, ne0) in parts.items():
             raw = np.arange(n * ne1 * ne0 // 32 * 34, dtype=np.uint32).astype(np.uint8)
-            w.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", raw.reshape(n, ne1, ne0 // 32 * 34),
-                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(
+                f"blk.{layer}.ffn_{part}_exps.weight",
+                raw.reshape(n, ne1, ne0 // 32 * 34),
+                raw_dtype=gguf.GGMLQuantizationType.Q8_0,
+            )
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -273,8 +280,9 @@ def write_moe(path, layers: dict[int, dict[str, tuple[int, int, int]]], n_expert
 
 
 def test_fused_gate_up_and_leading_dense_layers(tmp_path):
-    p = write_moe(tmp_path / "fused.gguf", {
-        l: {"gate_up": (4, 128, 64), "down": (4, 64, 64)} for l in (2, 3, 5)}, n_expert_kv=4)
+    p = write_moe(
+        tmp_path / "fused.gguf", {l: {"gate_up": (4, 128, 64), "down": (4, 64, 64)} for l in (2, 3, 5)}, n_expert_kv=4
+    )
     cat = Catalog.open(p)
     assert cat.moe_layers == (2, 3, 5) and cat.n_layers == 6
     assert cat.parts == ("gate_up", "down")
@@ -288,8 +296,13 @@ def test_fused_gate_up_and_leading_dense_layers(tmp_path):
 
 
 def test_layers_with_different_parts(tmp_path):
-    p = write_moe(tmp_path / "odd.gguf", {0: {"gate": (4, 32, 32), "up": (4, 32, 32), "down": (4, 32, 32)},
-                                          1: {"gate": (4, 32, 32), "down": (4, 32, 32)}})
+    p = write_moe(
+        tmp_path / "odd.gguf",
+        {
+            0: {"gate": (4, 32, 32), "up": (4, 32, 32), "down": (4, 32, 32)},
+            1: {"gate": (4, 32, 32), "down": (4, 32, 32)},
+        },
+    )
     expect_bad(p, "different expert parts", "layer 1: gate+down")
 
 
@@ -303,6 +316,7 @@ def test_expert_counts_disagree(tmp_path):
 
 
 # ---------------------------------------------------------------------- damaged files never crash
+
 
 def test_any_truncation_is_bad_model_file(tiny_model, tmp_path):
     data = tiny_model.read_bytes()

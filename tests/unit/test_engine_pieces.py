@@ -41,6 +41,12 @@ def test_moectl_has_the_engine_verbs():
 
     parser = build_parser()
     for verb in ("generate", "chat", "trace"):
-        args = parser.parse_args([verb, "m.gguf", *(["--prompt", "x"] if verb == "generate" else []),
-                                  *(["--prompt-file", "p", "-o", "t"] if verb == "trace" else [])])
+        args = parser.parse_args(
+            [
+                verb,
+                "m.gguf",
+                *(["--prompt", "x"] if verb == "generate" else []),
+                *(["--prompt-file", "p", "-o", "t"] if verb == "trace" else []),
+            ]
+        )
         assert args.model == "m.gguf" and callable(args.func)

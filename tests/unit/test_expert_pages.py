@@ -48,21 +48,21 @@ def test_merge_joins_touching_and_overlapping_runs():
 
 def test_copy_span_hides_experts_and_keeps_dense_bytes_on_shared_pages(mapped):
     base, data, _ = mapped
-    off, bpe, n = PAGE + 100, 3000, 8          # unaligned: shares its first/last page with dense bytes
+    off, bpe, n = PAGE + 100, 3000, 8  # unaligned: shares its first/last page with dense bytes
     span = PartSpan(0, "gate", base + off, bpe, n)
     pages = ExpertPages([span])
     pages.install()
     assert not span.zero_copy
     # dense bytes just before and after the experts are still there
-    assert read(base + PAGE, 100) == data[PAGE:PAGE + 100]
+    assert read(base + PAGE, 100) == data[PAGE : PAGE + 100]
     end = off + n * bpe
-    assert read(base + end, 50) == data[end:end + 50]
+    assert read(base + end, 50) == data[end : end + 50]
     # expert bytes on the shared first page read as zero, pure pages are inaccessible
     assert read(base + off, 10) == bytes(10)
     assert perms_at(base + 2 * PAGE) == "---p"
     src = np.frombuffer(data, dtype=np.uint8)
     pages.show_copied(span, 3, src.ctypes.data + off + 3 * bpe)
-    assert read(span.expert_addr(3), bpe) == data[off + 3 * bpe: off + 4 * bpe]
+    assert read(span.expert_addr(3), bpe) == data[off + 3 * bpe : off + 4 * bpe]
     pages.hide(span, 3)
     assert perms_at(span.expert_addr(3) + PAGE) == "---p"
     assert pages.stats.copies == 1 and pages.stats.hides == 1
@@ -77,8 +77,8 @@ def test_neighbouring_experts_sharing_a_page_stay_correct(mapped):
     src = np.frombuffer(data, dtype=np.uint8).ctypes.data
     pages.show_copied(span, 1, src + off + bpe)
     pages.show_copied(span, 2, src + off + 2 * bpe)
-    pages.hide(span, 1)                          # expert 2 shares a page with 1: it must survive
-    assert read(span.expert_addr(2), bpe) == data[off + 2 * bpe: off + 3 * bpe]
+    pages.hide(span, 1)  # expert 2 shares a page with 1: it must survive
+    assert read(span.expert_addr(2), bpe) == data[off + 2 * bpe : off + 3 * bpe]
     with pytest.raises(RuntimeError):
         pages.hide(span, 1)
 
@@ -91,14 +91,14 @@ def test_zero_copy_span_maps_the_slot_and_remaps_only_when_it_changes(mapped):
     assert span.zero_copy and perms_at(span.addr) == "---p"
     # "slots" are pages 40.. of the same file
     pages.show_mapped(span, 1, seg_key=7, fd=fd, offset=40 * PAGE)
-    assert read(span.expert_addr(1), 2 * PAGE) == data[40 * PAGE: 42 * PAGE]
+    assert read(span.expert_addr(1), 2 * PAGE) == data[40 * PAGE : 42 * PAGE]
     pages.hide(span, 1)
     assert perms_at(span.expert_addr(1)) == "---s"
-    pages.show_mapped(span, 1, seg_key=7, fd=fd, offset=40 * PAGE)   # same slot: one mprotect
+    pages.show_mapped(span, 1, seg_key=7, fd=fd, offset=40 * PAGE)  # same slot: one mprotect
     pages.show_mapped(span, 2, seg_key=7, fd=fd, offset=44 * PAGE)
     pages.hide(span, 1)
-    pages.show_mapped(span, 1, seg_key=7, fd=fd, offset=50 * PAGE)   # the slot changed: map again
-    assert read(span.expert_addr(1), 2 * PAGE) == data[50 * PAGE: 52 * PAGE]
+    pages.show_mapped(span, 1, seg_key=7, fd=fd, offset=50 * PAGE)  # the slot changed: map again
+    assert read(span.expert_addr(1), 2 * PAGE) == data[50 * PAGE : 52 * PAGE]
     assert (pages.stats.maps, pages.stats.reprotects) == (3, 1)
 
 
@@ -107,15 +107,15 @@ def test_relaxed_mode_keeps_a_released_expert_mapped_until_its_slot_changes(mapp
     span = PartSpan(0, "down", base + 8 * PAGE, 2 * PAGE, 4)
     pages = ExpertPages([span])
     pages.install()
-    assert perms_at(span.expert_addr(3)) == "---p"          # never acquired: faults
+    assert perms_at(span.expert_addr(3)) == "---p"  # never acquired: faults
     pages.show_mapped(span, 1, seg_key=7, fd=fd, offset=40 * PAGE)
     pages.hide(span, 1)
     assert perms_at(span.expert_addr(1)) == "r--s"
-    pages.show_mapped(span, 1, seg_key=7, fd=fd, offset=40 * PAGE)   # no syscall at all
+    pages.show_mapped(span, 1, seg_key=7, fd=fd, offset=40 * PAGE)  # no syscall at all
     assert (pages.stats.maps, pages.stats.reprotects) == (1, 0)
     pages.hide(span, 1)
     pages.show_mapped(span, 1, seg_key=7, fd=fd, offset=46 * PAGE)
-    assert read(span.expert_addr(1), 2 * PAGE) == data[46 * PAGE: 48 * PAGE]
+    assert read(span.expert_addr(1), 2 * PAGE) == data[46 * PAGE : 48 * PAGE]
     assert pages.stats.maps == 2
 
 

@@ -21,15 +21,24 @@ A, B = "expert A", "expert B"
 
 def initial() -> dict:
     g = 1
-    return {"entry_A": rz.entry(g, SLOT), "entry_B": 0, "state": rz.state(g, rz.READY),
-            "hold0": 0, "hold1": 0, "bytes": A, "violations": []}
+    return {
+        "entry_A": rz.entry(g, SLOT),
+        "entry_B": 0,
+        "state": rz.state(g, rz.READY),
+        "hold0": 0,
+        "hold1": 0,
+        "bytes": A,
+        "violations": [],
+    }
 
 
 # Each program is a list of steps; a step takes (memory, locals) and returns the
 # next step's index, or None when the program is done.
 
+
 def client(rounds: int = 2, me_index: int = 0):
-    hold_word = f"hold{me_index}"       # each client's own region
+    hold_word = f"hold{me_index}"  # each client's own region
+
     def read_entry(mem, me):
         me["e"] = mem["entry_A"]
         if me["e"] == 0:
@@ -41,7 +50,7 @@ def client(rounds: int = 2, me_index: int = 0):
         mem[hold_word] = rz.hold(CLASS, (me["e"] & 0xFFFFFF) - 1, me["g"])
         return 2
 
-    def check_state(mem, me):           # after the fence
+    def check_state(mem, me):  # after the fence
         if mem["state"] != rz.state(me["g"], rz.READY):
             mem[hold_word] = 0
             return done_round(me)
@@ -73,10 +82,10 @@ def daemon(rounds: int = 2):
             return 1
         return None
 
-    def scan(mem, me):                  # after the fence
+    def scan(mem, me):  # after the fence
         g = me["g"]
         if rz.hold(CLASS, SLOT, g) in (mem["hold0"], mem["hold1"]):
-            mem["state"] = rz.state(g, rz.READY)        # refused: put back, try again later
+            mem["state"] = rz.state(g, rz.READY)  # refused: put back, try again later
             me["tries"] = me.get("tries", 0) + 1
             return 0 if me["tries"] < rounds else None
         mem["entry_A"] = 0
@@ -122,7 +131,7 @@ def explore(programs) -> tuple[int, set[str]]:
 
 def test_no_interleaving_lets_a_hit_read_a_refilled_slot():
     runs, violations = explore([client(), daemon()])
-    assert runs > 400                   # every order of every step was tried
+    assert runs > 400  # every order of every step was tried
     assert violations == set()
 
 
@@ -133,6 +142,7 @@ def test_two_clients_and_the_daemon():
 
 def test_the_explorer_finds_the_bug_of_checking_before_holding():
     """Check the state, then store the hold: the daemon can scan between the two."""
+
     def buggy():
         steps = client()
 
@@ -173,6 +183,6 @@ def test_encodings_agree_with_the_c_hit():
     assert _holds.find(region, rz.HOLD_BASE, rz.HOLD_WORDS, rz.hold(class_id, slot, g))
     _holds.store(states, slot, rz.state(g, rz.EVICTING))
     assert _holds.hit(table, 0, [3], states, region, [rz.HOLD_BASE + 1], class_id) is None
-    assert _holds.load(region, rz.HOLD_BASE + 1) == 0          # a failed hit leaves no hold
+    assert _holds.load(region, rz.HOLD_BASE + 1) == 0  # a failed hit leaves no hold
     _holds.clear(region, [rz.HOLD_BASE])
     assert _holds.count(region, rz.HOLD_BASE, rz.HOLD_WORDS) == 0

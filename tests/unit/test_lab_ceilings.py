@@ -16,9 +16,9 @@ def test_ceiling_arithmetic():
     r = ReplayResult("g-lru", 0.5, 64, 1000, 800, 0.8)
     c = ceilings.ceiling(r, 100, 1e6, 1.0, 8.0)
     assert c.reads_per_token == 2.0 and c.io_ms == pytest.approx(2.0)
-    assert c.serial_tok_s == pytest.approx(100.0)      # 1000 / (8 + 2)
+    assert c.serial_tok_s == pytest.approx(100.0)  # 1000 / (8 + 2)
     assert c.overlapped_tok_s == pytest.approx(125.0)  # 1000 / max(8, 2)
-    slow = ceilings.ceiling(r, 100, 1e6, 0.1, 8.0)     # 20 ms of reads: the drive sets the pace
+    slow = ceilings.ceiling(r, 100, 1e6, 0.1, 8.0)  # 20 ms of reads: the drive sets the pace
     assert slow.overlapped_tok_s == pytest.approx(50.0)
     with pytest.raises(BadRequest):
         ceilings.ceiling(r, 100, 1e6, 0.0, 8.0)
@@ -38,7 +38,7 @@ def test_mtp_windows_union_and_advance():
     t = one_layer_trace([[0, 1], [1, 2], [3, 4], [4, 5], [6, 7]])
     grouped, steps = ceilings.mtp_accesses(t, 1, 1.5)
     assert steps == 4
-    assert grouped.keys.tolist() == [0, 1, 2,  1, 2, 3, 4,  4, 5, 6, 7,  6, 7]
+    assert grouped.keys.tolist() == [0, 1, 2, 1, 2, 3, 4, 4, 5, 6, 7, 6, 7]
     assert grouped.counted.all() and grouped.n_counted_tokens == 5
 
 

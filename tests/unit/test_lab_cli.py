@@ -42,18 +42,49 @@ def test_policy_json_schema(capsys, trace_path):
 
 
 def test_policy_slots_warm_and_subset(capsys, trace_path):
-    rows = run_json(capsys, "policy", str(trace_path), "--json", "--policies", "lru,g-opt",
-                    "--slots", "6", "--slots", "12", "--warm", "5")
-    assert rows == run_json(capsys, "policy", str(trace_path), "--json", "--policies", "lru,g-opt",
-                            "--slots", "6,12", "--warm", "5")
-    assert [(r["policy"], r["size"], r["slots"]) for r in rows] == \
-        [("lru", None, 6), ("g-opt", None, 6), ("lru", None, 12), ("g-opt", None, 12)]
+    rows = run_json(
+        capsys,
+        "policy",
+        str(trace_path),
+        "--json",
+        "--policies",
+        "lru,g-opt",
+        "--slots",
+        "6",
+        "--slots",
+        "12",
+        "--warm",
+        "5",
+    )
+    assert rows == run_json(
+        capsys, "policy", str(trace_path), "--json", "--policies", "lru,g-opt", "--slots", "6,12", "--warm", "5"
+    )
+    assert [(r["policy"], r["size"], r["slots"]) for r in rows] == [
+        ("lru", None, 6),
+        ("g-opt", None, 6),
+        ("lru", None, 12),
+        ("g-opt", None, 12),
+    ]
     assert all(r["accesses"] <= 25 * 3 * 2 for r in rows)
 
 
 def test_policy_ceilings_and_mtp_add_fields(capsys, trace_path):
-    rows = run_json(capsys, "policy", str(trace_path), "--json", "--policies", "g-lru",
-                    "--drive-gbps", "2", "--compute-ms", "10", "--mtp", "3", "--accept", "2.2")
+    rows = run_json(
+        capsys,
+        "policy",
+        str(trace_path),
+        "--json",
+        "--policies",
+        "g-lru",
+        "--drive-gbps",
+        "2",
+        "--compute-ms",
+        "10",
+        "--mtp",
+        "3",
+        "--accept",
+        "2.2",
+    )
     for row in rows:
         assert {"reads_per_token", "serial_tok_s", "overlapped_tok_s", "mtp_reads_per_token"} <= set(row)
         assert row["serial_tok_s"] <= row["overlapped_tok_s"] <= 100.0
@@ -61,8 +92,23 @@ def test_policy_ceilings_and_mtp_add_fields(capsys, trace_path):
 
 def test_policy_table_and_plot(capsys, trace_path, tmp_path):
     out = tmp_path / "p.png"
-    assert main(["policy", str(trace_path), "--policies", "g-lru,opt", "--plot", str(out),
-                 "--drive-gbps", "2", "--compute-ms", "10"]) == 0
+    assert (
+        main(
+            [
+                "policy",
+                str(trace_path),
+                "--policies",
+                "g-lru,opt",
+                "--plot",
+                str(out),
+                "--drive-gbps",
+                "2",
+                "--compute-ms",
+                "10",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "g-lru" in text and "25%" in text and "drive ceiling" in text
     assert out.stat().st_size > 1000
@@ -89,18 +135,21 @@ def test_mrc_json_and_table(capsys, trace_path, tmp_path):
     assert "g-opt" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv", [
-    ["policy", "{t}", "--policies", "lru,bogus"],
-    ["policy", "{t}", "--sizes", "0.5,2"],
-    ["policy", "{t}", "--sizes", "half"],
-    ["policy", "{t}", "--drive-gbps", "3"],
-    ["policy", "{t}", "--mtp", "3"],
-    ["policy", "{t}", "--warm", "-1"],
-    ["policy", "{t}", "--slots", "ten"],
-    ["policy", "{t}/missing.npz"],
-    ["mrc", "{t}", "--points", "0"],
-    ["trace-info", "{t}", "--predictors", "--size", "1.5"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["policy", "{t}", "--policies", "lru,bogus"],
+        ["policy", "{t}", "--sizes", "0.5,2"],
+        ["policy", "{t}", "--sizes", "half"],
+        ["policy", "{t}", "--drive-gbps", "3"],
+        ["policy", "{t}", "--mtp", "3"],
+        ["policy", "{t}", "--warm", "-1"],
+        ["policy", "{t}", "--slots", "ten"],
+        ["policy", "{t}/missing.npz"],
+        ["mrc", "{t}", "--points", "0"],
+        ["trace-info", "{t}", "--predictors", "--size", "1.5"],
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(capsys, trace_path, argv):
     argv = [a.replace("{t}", str(trace_path)) for a in argv]
     assert main(argv) == 2

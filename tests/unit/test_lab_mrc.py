@@ -13,14 +13,14 @@ from moed.lab import mrc
 from moed.lab.policies import accesses, replay
 from moed.lab.traces import Trace, TraceWriter
 
-NVMOE_SMOKE = Path(__file__).resolve().parents[1] / "data/olmoe-smoke.jsonl"   # MIT, from nvmoe
+NVMOE_SMOKE = Path(__file__).resolve().parents[1] / "data/olmoe-smoke.jsonl"  # MIT, from nvmoe
 
 
 def brute_distances(keys):
     out = []
     for i, k in enumerate(keys):
         prev = [j for j in range(i) if keys[j] == k]
-        out.append(mrc.COLD if not prev else len(set(keys[prev[-1] + 1:i])))
+        out.append(mrc.COLD if not prev else len(set(keys[prev[-1] + 1 : i])))
     return out
 
 

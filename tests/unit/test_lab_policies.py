@@ -24,6 +24,7 @@ def hits(policy, keys, cap, **kw):
 
 # ---- hand-worked single caches ---------------------------------------------------
 
+
 @pytest.mark.parametrize("policy", ["lru", "g-lru"])
 def test_lru(policy):
     # cap 2: a[a] b[a b] a+[b a] c-> evicts b [a c] b-> evicts a [c b] a-> evicts c [b a]
@@ -105,10 +106,11 @@ def test_zero_slots_never_hit_and_one_key_always_hits(policy):
 
 # ---- whole traces: the access and counting rules ---------------------------------
 
+
 def small_trace():
     """2 layers x 4 experts, top-2. A prompt step of 2 tokens, then 3 decode tokens."""
     w = TraceWriter(moe_layers=2, n_experts=4, top_k=2)
-    w.append_step("P", [[[0, 1], [1, 1]], [[2, 3], [2, 0]]])   # token 1 lists expert 1 twice
+    w.append_step("P", [[[0, 1], [1, 1]], [[2, 3], [2, 0]]])  # token 1 lists expert 1 twice
     w.append_step("D", [[0, 1], [3, 2]])
     w.append_step("D", [[0, 2], [3, 2]])
     w.append_step("D", [[0, 1], [0, 1]])
@@ -132,15 +134,14 @@ def test_replay_counts_decode_hits_only():
     r = replay(small_trace(), "g-lru", slots=8)  # everything fits: every re-use hits
     # decode accesses: 0 1 7 6 | 0 2 7 6 | 0 1 4 5 -> misses: 2 (first use), 5 (first use)
     assert (r.accesses, r.hits) == (12, 10)
-    assert r.to_json() == {"policy": "g-lru", "size": None, "slots": 8, "accesses": 12,
-                           "hits": 10, "hit_rate": 10 / 12}
+    assert r.to_json() == {"policy": "g-lru", "size": None, "slots": 8, "accesses": 12, "hits": 10, "hit_rate": 10 / 12}
 
 
 def test_sizes_and_slots():
     t = small_trace()
-    assert replay(t, "lru", size=0.5).slots == 4       # 2 per layer x 2 layers
-    assert replay(t, "g-lru", size=0.5).slots == 4     # 0.5 x 4 experts x 2 layers
-    assert replay(t, "lru", slots=5).slots == 4        # per layer: 5 // 2 = 2 each
+    assert replay(t, "lru", size=0.5).slots == 4  # 2 per layer x 2 layers
+    assert replay(t, "g-lru", size=0.5).slots == 4  # 0.5 x 4 experts x 2 layers
+    assert replay(t, "lru", slots=5).slots == 4  # per layer: 5 // 2 = 2 each
     assert replay(t, "g-lru", slots=5).slots == 5
     with pytest.raises(BadRequest):
         replay(t, "g-lru", size=1.5)
@@ -161,6 +162,7 @@ def test_per_layer_caches_are_independent():
 
 # ---- Belady is an upper bound -----------------------------------------------------
 
+
 @st.composite
 def traces(draw):
     layers = draw(st.integers(1, 3))
@@ -170,8 +172,13 @@ def traces(draw):
     for _ in range(draw(st.integers(1, 25))):
         kind = draw(st.sampled_from("PDD"))
         n = draw(st.integers(1, 3)) if kind == "P" else 1
-        ids = draw(st.lists(st.lists(st.lists(st.integers(0, experts - 1), min_size=k, max_size=k),
-                                     min_size=n, max_size=n), min_size=layers, max_size=layers))
+        ids = draw(
+            st.lists(
+                st.lists(st.lists(st.integers(0, experts - 1), min_size=k, max_size=k), min_size=n, max_size=n),
+                min_size=layers,
+                max_size=layers,
+            )
+        )
         w.append_step(kind, ids)
     return w.finish()
 

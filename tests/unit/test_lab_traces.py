@@ -13,15 +13,20 @@ from hypothesis import strategies as st
 
 from moed.lab.traces import BadTrace, Geometry, Trace, TraceWriter
 
-NVMOE_SMOKE = Path(__file__).resolve().parents[1] / "data/olmoe-smoke.jsonl"   # MIT, from nvmoe
+NVMOE_SMOKE = Path(__file__).resolve().parents[1] / "data/olmoe-smoke.jsonl"  # MIT, from nvmoe
 
 
 def trace_with_predictions() -> Trace:
-    w = TraceWriter(moe_layers=3, n_experts=8, top_k=2, bytes_per_expert=3 << 20,
-                    layer_ids=[1, 2, 3], meta={"workload": "chat", "model": "x.gguf"})
+    w = TraceWriter(
+        moe_layers=3,
+        n_experts=8,
+        top_k=2,
+        bytes_per_expert=3 << 20,
+        layer_ids=[1, 2, 3],
+        meta={"workload": "chat", "model": "x.gguf"},
+    )
     w.append_step("P", [[[0, 1], [2, 3], [4, 5]], [[1, 2], [3, 4], [5, 6]], [[7, 0], [1, 2], [3, 4]]])
-    w.append_step("D", [[1, 2], [3, 4], [5, 6]],
-                  ahead1=[[], [3, 4, 0, 1], [5, 6, 7, 0]], ahead2=[[], [], [6, 5, 1, 2]])
+    w.append_step("D", [[1, 2], [3, 4], [5, 6]], ahead1=[[], [3, 4, 0, 1], [5, 6, 7, 0]], ahead2=[[], [], [6, 5, 1, 2]])
     w.append_step("D", [[1, 7], [0, 4], [5]])  # a short row is padded with -1
     return w.finish()
 
@@ -32,25 +37,28 @@ def test_writer_builds_steps_and_views():
     assert (t.moe_layers, t.n_experts, t.top_k, t.bytes_per_expert) == (3, 8, 2, 3 << 20)
     p, d1, d2 = t.steps
     assert p.kind == "P" and p.n_tokens == 3 and d1.kind == "D" and d1.n_tokens == 1
-    assert p.ids[1].tolist() == [[1, 2], [3, 4], [5, 6]]          # layer 1, every token
+    assert p.ids[1].tolist() == [[1, 2], [3, 4], [5, 6]]  # layer 1, every token
     assert d2.ids[2].tolist() == [[5, -1]]
     assert p.experts(2).tolist() == [0, 1, 2, 3, 4, 7]
     assert d1.ahead1[1].tolist() == [[3, 4, 0, 1]]
-    assert d1.ahead1[0].tolist() == [[-1, -1, -1, -1]]            # no prediction for layer 0
-    assert d2.ahead1 is not None and (d2.ahead1 == -1).all()       # a step without predictions
+    assert d1.ahead1[0].tolist() == [[-1, -1, -1, -1]]  # no prediction for layer 0
+    assert d2.ahead1 is not None and (d2.ahead1 == -1).all()  # a step without predictions
     assert p.ahead2 is not None and (p.ahead2 == -1).all()
     assert t.token_kinds.tobytes() == b"PPPDD"
     with pytest.raises(ValueError):
         t.ids[0, 0, 0] = 5  # immutable
 
 
-@pytest.mark.parametrize("bad", [
-    lambda w: w.append_step("X", [[0, 1]] * 3),
-    lambda w: w.append_step("D", [[0, 1]] * 2),                 # wrong layer count
-    lambda w: w.append_step("D", [[0, 1, 2]] * 3),              # wider than top_k
-    lambda w: w.append_step("D", [[0, 8]] * 3),                 # id out of range
-    lambda w: w.append_step("D", [[[0, 1], [1, 2]], [[0, 1]], [[0, 1]]]),  # ragged tokens
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda w: w.append_step("X", [[0, 1]] * 3),
+        lambda w: w.append_step("D", [[0, 1]] * 2),  # wrong layer count
+        lambda w: w.append_step("D", [[0, 1, 2]] * 3),  # wider than top_k
+        lambda w: w.append_step("D", [[0, 8]] * 3),  # id out of range
+        lambda w: w.append_step("D", [[[0, 1], [1, 2]], [[0, 1]], [[0, 1]]]),  # ragged tokens
+    ],
+)
 def test_writer_rejects_bad_steps(bad):
     with pytest.raises(BadTrace):
         bad(TraceWriter(3, 8, 2))
@@ -73,8 +81,9 @@ def test_round_trip_keeps_everything(tmp_path, suffix):
     back = Trace.load(path, **({"n_experts": 8, "bytes_per_expert": 3 << 20} if suffix == ".tsv" else {}))
     if suffix == ".tsv":  # TSV keeps routes, kinds, predictions and layer numbers, not meta
         assert back.meta["source_format"] == "tsv"
-        back = Trace(back.geometry, back.ids, back.step_kinds, np.diff(back.step_offsets),
-                     back.ahead1, back.ahead2, t.meta)
+        back = Trace(
+            back.geometry, back.ids, back.step_kinds, np.diff(back.step_offsets), back.ahead1, back.ahead2, t.meta
+        )
     assert back == t
     assert not list(tmp_path.glob(".*tmp*"))  # written through a temporary name
 
@@ -112,10 +121,12 @@ def test_shipped_nvmoe_trace_loads():
 def test_tsv_import_six_columns(tmp_path):
     # a prompt step of 2 tokens over layers 1-2, then two decode tokens with predictions
     path = tmp_path / "t.tsv"
-    path.write_text("# model=x.gguf\n"
-                    "0\t1\tP\t0,1\n0\t1\tP\t2,3\n0\t2\tP\t4,5\n0\t2\tP\t6,7\n"
-                    "1\t1\tD\t1,2\t-\t-\n1\t2\tD\t3,4\t3,4,5,6\t-\n"
-                    "2\t1\tD\t1,2\t-\t-\n2\t2\tD\t5,4\t4,5,1,2\t7,6,5,4\n")
+    path.write_text(
+        "# model=x.gguf\n"
+        "0\t1\tP\t0,1\n0\t1\tP\t2,3\n0\t2\tP\t4,5\n0\t2\tP\t6,7\n"
+        "1\t1\tD\t1,2\t-\t-\n1\t2\tD\t3,4\t3,4,5,6\t-\n"
+        "2\t1\tD\t1,2\t-\t-\n2\t2\tD\t5,4\t4,5,1,2\t7,6,5,4\n"
+    )
     t = Trace.load(path)
     assert t.geometry.layer_ids == (1, 2) and t.top_k == 2 and t.n_experts == 8
     assert t.step_kinds.tobytes() == b"PDD" and t.n_prompt_tokens == 2
@@ -133,8 +144,9 @@ def test_tsv_import_old_three_columns(tmp_path):
     assert t.steps[0].n_tokens == 2 and not t.has_predictions
 
 
-@pytest.mark.parametrize("content", [b"", b"hello world\n", b"0\t1\tQ\t1,2\n", b"0\t1\tD\tx,y\n",
-                                     b"[[0, 1], [0]]\n", b"PK\x03\x04garbage"])
+@pytest.mark.parametrize(
+    "content", [b"", b"hello world\n", b"0\t1\tQ\t1,2\n", b"0\t1\tD\tx,y\n", b"[[0, 1], [0]]\n", b"PK\x03\x04garbage"]
+)
 def test_bad_files_are_typed_errors(tmp_path, content):
     path = tmp_path / "bad"
     path.write_bytes(content)
@@ -180,13 +192,25 @@ def traces(draw):
     for _ in range(draw(st.integers(1, 6))):
         kind = draw(st.sampled_from("PD"))
         n = draw(st.integers(1, 3))
-        ids = draw(st.lists(st.lists(st.lists(st.integers(0, experts - 1), min_size=1, max_size=k),
-                                     min_size=n, max_size=n), min_size=layers, max_size=layers))
+        ids = draw(
+            st.lists(
+                st.lists(st.lists(st.integers(0, experts - 1), min_size=1, max_size=k), min_size=n, max_size=n),
+                min_size=layers,
+                max_size=layers,
+            )
+        )
         ids = [[row + [-1] * (k - len(row)) for row in layer] for layer in ids]
         pred = None
         if with_pred and kind == "D":
-            pred = draw(st.lists(st.lists(st.lists(st.integers(0, experts - 1), min_size=2 * k, max_size=2 * k),
-                                          min_size=n, max_size=n), min_size=layers, max_size=layers))
+            pred = draw(
+                st.lists(
+                    st.lists(
+                        st.lists(st.integers(0, experts - 1), min_size=2 * k, max_size=2 * k), min_size=n, max_size=n
+                    ),
+                    min_size=layers,
+                    max_size=layers,
+                )
+            )
         w.append_step(kind, ids, ahead1=pred)
     return w.finish()
 
@@ -196,11 +220,14 @@ def traces(draw):
 def test_round_trip_property(tmp_path, t):
     for name in ("p.npz", "p.tsv"):
         t.save(tmp_path / name)
-        back = Trace.load(tmp_path / name, n_experts=t.n_experts, top_k=t.top_k) if name.endswith(".tsv") \
+        back = (
+            Trace.load(tmp_path / name, n_experts=t.n_experts, top_k=t.top_k)
+            if name.endswith(".tsv")
             else Trace.load(tmp_path / name)
+        )
         assert np.array_equal(back.ids, t.ids), name
         assert np.array_equal(back.step_offsets, t.step_offsets) and np.array_equal(back.step_kinds, t.step_kinds)
         if t.ahead1 is None or not (t.ahead1 >= 0).any():
             assert back.ahead1 is None or not (back.ahead1 >= 0).any()
         else:
-            assert np.array_equal(back.ahead1[:, :, :2 * t.top_k], t.ahead1)
+            assert np.array_equal(back.ahead1[:, :, : 2 * t.top_k], t.ahead1)

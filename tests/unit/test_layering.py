@@ -56,18 +56,34 @@ def offending(where: str, allowed) -> dict[str, list[str]]:
 STDLIB = set(sys.stdlib_module_names) | {"__future__"}
 
 
-@pytest.mark.parametrize("where, rule, allowed", [
-    ("moed/protocol", "stdlib and msgspec only",
-     lambda n: top(n) in STDLIB | {"msgspec"} or n.startswith("moed.protocol")),
-    ("moed/client", "never the daemon, gguf, psutil or llama_cpp",
-     lambda n: not (n.startswith(("moed.daemon", "moed.gguf", "moed.lab", "moed.engines"))
-                    or top(n) in {"gguf", "psutil", "llama_cpp"})),
-    ("moed/daemon", "never the client", lambda n: not n.startswith("moed.client")),
-    ("moed/gguf", "the protocol, gguf-py and numpy",
-     lambda n: top(n) in STDLIB | {"gguf", "numpy", "rich"} or n.startswith(("moed.protocol", "moed.gguf"))),
-    ("moed/lab", "never the daemon", lambda n: not n.startswith("moed.daemon")),
-    ("bench", "nothing from tests", lambda n: top(n) != "tests"),
-])
+@pytest.mark.parametrize(
+    "where, rule, allowed",
+    [
+        (
+            "moed/protocol",
+            "stdlib and msgspec only",
+            lambda n: top(n) in STDLIB | {"msgspec"} or n.startswith("moed.protocol"),
+        ),
+        (
+            "moed/client",
+            "never the daemon, gguf, psutil or llama_cpp",
+            lambda n: (
+                not (
+                    n.startswith(("moed.daemon", "moed.gguf", "moed.lab", "moed.engines"))
+                    or top(n) in {"gguf", "psutil", "llama_cpp"}
+                )
+            ),
+        ),
+        ("moed/daemon", "never the client", lambda n: not n.startswith("moed.client")),
+        (
+            "moed/gguf",
+            "the protocol, gguf-py and numpy",
+            lambda n: top(n) in STDLIB | {"gguf", "numpy", "rich"} or n.startswith(("moed.protocol", "moed.gguf")),
+        ),
+        ("moed/lab", "never the daemon", lambda n: not n.startswith("moed.daemon")),
+        ("bench", "nothing from tests", lambda n: top(n) != "tests"),
+    ],
+)
 def test_layering(where, rule, allowed):
     assert offending(where, allowed) == {}, f"{where} must import {rule}"
 

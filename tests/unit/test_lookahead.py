@@ -14,9 +14,14 @@ E, D, LAYERS = 16, 32, [1, 2, 3, 4]
 
 def routers(seed: int = 0, bias: bool = False) -> dict[int, Router]:
     rng = np.random.default_rng(seed)
-    return {l: Router(rng.standard_normal((E, D)).astype(np.float32),
-                      (1 + 0.3 * rng.standard_normal(D)).astype(np.float32),
-                      rng.standard_normal(E).astype(np.float32) if bias else None) for l in LAYERS}
+    return {
+        l: Router(
+            rng.standard_normal((E, D)).astype(np.float32),
+            (1 + 0.3 * rng.standard_normal(D)).astype(np.float32),
+            rng.standard_normal(E).astype(np.float32) if bias else None,
+        )
+        for l in LAYERS
+    }
 
 
 def test_zero_lead_scores_are_the_router_logits():
@@ -31,8 +36,8 @@ def test_folding_applies_the_norm_ratio():
     p = GatePredictor(rs, LAYERS)
     h = np.random.default_rng(2).standard_normal((3, D)).astype(np.float32)
     rms = h / np.sqrt((h * h).mean(axis=1, keepdims=True))
-    x1 = rms * rs[1].norm                                # what ffn_norm-1 holds
-    want = (rms * rs[3].norm) @ rs[3].weight.T           # layer 3's logits on the same stream
+    x1 = rms * rs[1].norm  # what ffn_norm-1 holds
+    want = (rms * rs[3].norm) @ rs[3].weight.T  # layer 3's logits on the same stream
     np.testing.assert_allclose(p.logits(x1, 1, 3), want, rtol=1e-4, atol=1e-4)
 
 
@@ -99,8 +104,9 @@ def run_step(la: Lookahead, x: np.ndarray, routes: dict[int, np.ndarray], stop_a
 
 def counts_add_up(t: dict) -> bool:
     per = t["per_layer"].values()
-    return (t["prefetch_issued"] == t["prefetch_hits"] + t["prefetch_wasted"] + t["prefetch_pending"]
-            and all(p["issued"] == p["hits"] + p["wasted"] + p["pending"] for p in per))
+    return t["prefetch_issued"] == t["prefetch_hits"] + t["prefetch_wasted"] + t["prefetch_pending"] and all(
+        p["issued"] == p["hits"] + p["wasted"] + p["pending"] for p in per
+    )
 
 
 @pytest.mark.parametrize("mode", ["gate", "gate2"])
@@ -126,11 +132,14 @@ def test_a_stopped_graph_leaves_nothing_pending():
     p, drive = GatePredictor(routers(), LAYERS), Drive()
     la = Lookahead(p, drive, "gate2", width=2, adapt=False)
     x = np.ones((1, D), np.float32)
-    run_step(la, x, {l: np.array([[0, 1]]) for l in LAYERS}, stop_after=2)     # layers 3, 4 never route
+    run_step(la, x, {l: np.array([[0, 1]]) for l in LAYERS}, stop_after=2)  # layers 3, 4 never route
     t = la.totals()
     assert counts_add_up(t) and t["prefetch_pending"] == 0
-    assert t["per_layer"][3]["wasted"] + t["per_layer"][4]["wasted"] == (
-        t["per_layer"][3]["issued"] + t["per_layer"][4]["issued"]) > 0
+    assert (
+        t["per_layer"][3]["wasted"] + t["per_layer"][4]["wasted"]
+        == (t["per_layer"][3]["issued"] + t["per_layer"][4]["issued"])
+        > 0
+    )
 
 
 def test_a_batch_touching_most_experts_prefetches_the_whole_layer_within_capacity():
@@ -141,7 +150,7 @@ def test_a_batch_touching_most_experts_prefetches_the_whole_layer_within_capacit
     wide = Drive()
     run_step(Lookahead(p, wide, "gate", width=2, adapt=False), x, routes)
     assert any(len(e) == E for _, e in wide.sent)
-    tight = Drive(capacity=E + 5)               # the current layer holds all E: 5 slots of room
+    tight = Drive(capacity=E + 5)  # the current layer holds all E: 5 slots of room
     run_step(Lookahead(p, tight, "gate", width=2, adapt=False), x, routes)
     assert all(len(np.unique(routes[l])) == E for l in LAYERS)
     assert tight.sent and all(len(e) == 5 for _, e in tight.sent)
@@ -152,8 +161,7 @@ def test_off_issues_nothing_and_does_not_observe():
     assert not la.observing and la.governor is None
 
 
-def drive_governor(g: PrefetchGovernor, on_s: float, off_s: float, steps: int,
-                   precision: float = 1.0) -> list[str]:
+def drive_governor(g: PrefetchGovernor, on_s: float, off_s: float, steps: int, precision: float = 1.0) -> list[str]:
     modes = []
     for _ in range(steps):
         mode = g.begin(decode_step=True)
@@ -169,13 +177,13 @@ def test_governor_holds_the_faster_arm_between_paired_probes(faster_on):
     g = PrefetchGovernor(probe=4, hold=8, hold_max=32, skip=2)
     win = "on" if faster_on else "off"
     modes = drive_governor(g, 0.010 if faster_on else 0.012, 0.012 if faster_on else 0.010, 400)
-    assert modes[:2] == ["shadow", "shadow"]                  # cold steps: predict, send nothing, not timed
-    assert modes[2:6] == ["on", "off", "on", "off"]           # the probe pairs the arms step by step
-    assert set(modes[6:14]) == {win}                          # then holds the winner for `hold` steps
+    assert modes[:2] == ["shadow", "shadow"]  # cold steps: predict, send nothing, not timed
+    assert modes[2:6] == ["on", "off", "on", "off"]  # the probe pairs the arms step by step
+    assert set(modes[6:14]) == {win}  # then holds the winner for `hold` steps
     assert modes[14:18] == ["on", "off", "on", "off"]
-    assert set(modes[18:34]) == {win}                         # the same winner: the hold doubles
+    assert set(modes[18:34]) == {win}  # the same winner: the hold doubles
     share_loser = sum(m != win for m in modes[200:]) / len(modes[200:])
-    assert share_loser == pytest.approx(2 / 36, abs=0.02)     # half of each probe, once the hold is 32
+    assert share_loser == pytest.approx(2 / 36, abs=0.02)  # half of each probe, once the hold is 32
     assert g.last_median_s["on"] == (0.010 if faster_on else 0.012)
     assert (g.state()["prefetch_on_vs_off"] < 1) == faster_on
 
@@ -183,36 +191,36 @@ def test_governor_holds_the_faster_arm_between_paired_probes(faster_on):
 def test_governor_below_the_precision_floor_stays_off_and_only_shadows():
     g = PrefetchGovernor(probe=4, hold=8, hold_max=32, skip=2)
     modes = drive_governor(g, 0.008, 0.012, 200, precision=0.6)  # faster on, but much of it wrong
-    assert modes[:2] == ["shadow", "shadow"]                  # cold steps measure the precision
-    assert "on" not in modes[2:]                              # never issues again
-    assert modes[2:6] == ["shadow", "off", "shadow", "off"]   # probes predict without sending
+    assert modes[:2] == ["shadow", "shadow"]  # cold steps measure the precision
+    assert "on" not in modes[2:]  # never issues again
+    assert modes[2:6] == ["shadow", "off", "shadow", "off"]  # probes predict without sending
     assert g.state()["prefetch_precision"] == pytest.approx(0.6)
 
 
 def test_governor_turns_off_at_once_when_precision_drops_during_a_hold():
     g = PrefetchGovernor(probe=4, hold=32, skip=2, precision_alpha=1.0)
-    drive_governor(g, 0.010, 0.012, 10)                       # on won the first probe, holding on
+    drive_governor(g, 0.010, 0.012, 10)  # on won the first probe, holding on
     assert g.mode == "on"
-    g.scored(50, 100)                                         # the predictions went bad
+    g.scored(50, 100)  # the predictions went bad
     assert g.begin(decode_step=True) in ("shadow", "off")
 
 
 def test_governor_weighs_several_probes_against_one_noisy_one():
     g = PrefetchGovernor(probe=2, hold=2, hold_max=2, skip=0, memory=4)
-    for _ in range(3):                                       # three probes: on 17% faster
+    for _ in range(3):  # three probes: on 17% faster
         for _ in range(4):
             g.end(0.010 if g.begin(decode_step=True) == "on" else 0.012)
-    for _ in range(2):                                       # one probe where on looks 5% slower
+    for _ in range(2):  # one probe where on looks 5% slower
         g.end(0.0126 if g.begin(decode_step=True) == "on" else 0.012)
-    assert g.begin(decode_step=True) == "on"                 # the mean verdict still says on
+    assert g.begin(decode_step=True) == "on"  # the mean verdict still says on
 
 
 def test_governor_ignores_an_outlier_step():
     g = PrefetchGovernor(probe=6, hold=8, skip=0)
-    for t in [0.010, 0.012, 0.5, 0.012, 0.010, 0.012]:       # one preempted 'on' step
+    for t in [0.010, 0.012, 0.5, 0.012, 0.010, 0.012]:  # one preempted 'on' step
         g.begin(decode_step=True)
         g.end(t)
-    assert g.begin(decode_step=True) == "on"                 # the median still says on is faster
+    assert g.begin(decode_step=True) == "on"  # the median still says on is faster
 
 
 def test_governor_leaves_prompt_batches_on_and_uncounted():
@@ -226,29 +234,29 @@ def test_shadow_steps_name_prefetches_for_the_governor_but_send_nothing():
     rng = np.random.default_rng(7)
     p, drive = GatePredictor(routers(), LAYERS), Drive()
     la = Lookahead(p, drive, "gate", width=2)
-    la.governor.skip, la.governor.precision = 0, 0.1        # below the floor: every probe is a shadow one
+    la.governor.skip, la.governor.precision = 0, 0.1  # below the floor: every probe is a shadow one
     for _ in range(8):
         x = rng.standard_normal((1, D)).astype(np.float32)
         run_step(la, x, {l: top(p.scores(x, l, l), 2) for l in LAYERS})
     t = la.totals()
     assert drive.sent == [] and t["prefetch_issued"] == 0
     assert t["prefetch_steps_shadow"] > 0
-    assert t["prefetch_precision"] > 0.1                    # the shadow steps measured it
+    assert t["prefetch_precision"] > 0.1  # the shadow steps measured it
 
 
 def test_cache_estimate_is_an_lru_per_class():
     from moed.engines.cache_estimate import CacheEstimate
 
-    r = CacheEstimate(lambda layer: 3, lambda layer: layer % 2)     # odd and even layers: two classes
+    r = CacheEstimate(lambda layer: 3, lambda layer: layer % 2)  # odd and even layers: two classes
     r.touch(0, [1, 2])
-    r.touch(2, [1])                                                     # same class as layer 0
+    r.touch(2, [1])  # same class as layer 0
     assert r.missing(0, [1, 2, 3]) == [3]
-    r.touch(2, [5])                                                     # a fourth key evicts (0, 1)
+    r.touch(2, [5])  # a fourth key evicts (0, 1)
     assert r.missing(0, [1, 2]) == [1]
-    assert r.missing(1, [1]) == [1]                                     # the other class is separate
+    assert r.missing(1, [1]) == [1]  # the other class is separate
     unknown = CacheEstimate(lambda layer: None, lambda layer: 0)
     unknown.touch(0, [1])
-    assert unknown.missing(0, [1, 2]) == [1, 2]                         # no capacity: assume nothing
+    assert unknown.missing(0, [1, 2]) == [1, 2]  # no capacity: assume nothing
 
 
 def test_an_engine_whose_experts_fit_stops_sending_once_warm():
@@ -256,12 +264,12 @@ def test_an_engine_whose_experts_fit_stops_sending_once_warm():
     p, drive = GatePredictor(routers(), LAYERS), Drive(capacity=E * len(LAYERS))
     la = Lookahead(p, drive, "gate", width=2, adapt=False)
     xs = [rng.standard_normal((1, D)).astype(np.float32) for _ in range(40)]
-    for x in xs * 2:                                                    # the same 40 tokens twice
+    for x in xs * 2:  # the same 40 tokens twice
         run_step(la, x, {l: top(p.scores(x, l, l), 2) for l in LAYERS})
     sent_first = len(drive.sent)
     for x in xs:
         run_step(la, x, {l: top(p.scores(x, l, l), 2) for l in LAYERS})
-    assert sent_first > 0 and len(drive.sent) == sent_first            # warm: everything it predicts is held
+    assert sent_first > 0 and len(drive.sent) == sent_first  # warm: everything it predicts is held
     assert la.totals()["prefetch_skipped_resident"] > 0
 
 
@@ -271,13 +279,13 @@ def test_the_last_layer_of_a_batch_is_prefetched_for_its_output_rows_once_seen()
     la = Lookahead(p, drive, "gate", width=2, adapt=False)
     x = rng.standard_normal((48, D)).astype(np.float32)
     routes = {l: top(p.scores(x, l, l), 2) for l in LAYERS}
-    routes[LAYERS[-1]] = routes[LAYERS[-1]][-1:]                # only the output row, as llama.cpp does
+    routes[LAYERS[-1]] = routes[LAYERS[-1]][-1:]  # only the output row, as llama.cpp does
     run_step(la, x, routes)
     first = [e for layer, e in drive.sent if layer == LAYERS[-1]]
     drive.sent.clear()
     run_step(la, x, routes)
     second = [e for layer, e in drive.sent if layer == LAYERS[-1]]
-    assert len(first[0]) > 2                                     # the first batch predicted every row
-    assert 0 < len(second[0]) <= 2                               # then only the output row's top 2
+    assert len(first[0]) > 2  # the first batch predicted every row
+    assert 0 < len(second[0]) <= 2  # then only the output row's top 2
     t = la.totals()
     assert counts_add_up(t)

@@ -101,14 +101,17 @@ def test_vocab():
         build_vocab(10)
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    (dict(quant="q4_k"), "multiples of 256"),
-    (dict(used=9), "must not exceed"),
-    (dict(layer_quants="q8_0,q8_0"), "2 entries for 4 layers"),
-    (dict(quant="f32"), "unknown quant"),
-    (dict(align=100), "power of two"),
-    (dict(embd=60), "multiple"),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(quant="q4_k"), "multiples of 256"),
+        (dict(used=9), "must not exceed"),
+        (dict(layer_quants="q8_0,q8_0"), "2 entries for 4 layers"),
+        (dict(quant="f32"), "unknown quant"),
+        (dict(align=100), "power of two"),
+        (dict(embd=60), "multiple"),
+    ],
+)
 def test_bad_arguments(tmp_path, kwargs, words):
     with pytest.raises(ValueError, match=words):
         make_model(tmp_path / "m.gguf", **kwargs)
@@ -116,32 +119,40 @@ def test_bad_arguments(tmp_path, kwargs, words):
 
 def test_moectl_make_model(tmp_path, capsys):
     out = tmp_path / "cli.gguf"
-    assert moectl(["make-model", str(out), "--layers", "2", "--experts", "4", "--split", "2",
-                   "--layer-quants", "q8_0,q4_0"]) == 0
+    assert (
+        moectl(
+            ["make-model", str(out), "--layers", "2", "--experts", "4", "--split", "2", "--layer-quants", "q8_0,q4_0"]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out.split()
     assert printed == [str(tmp_path / f"cli-0000{i}-of-00002.gguf") for i in (1, 2)]
     assert moectl(["make-model", str(out), "--quant", "q4_k"]) == 2
     assert "multiples of 256" in capsys.readouterr().err
     missing = tmp_path / "no" / "such" / "dir" / "m.gguf"
-    assert moectl(["make-model", str(missing)]) == 2          # as align: no directories made
+    assert moectl(["make-model", str(missing)]) == 2  # as align: no directories made
     assert "does not exist" in capsys.readouterr().err and not (tmp_path / "no").exists()
 
 
 @pytest.mark.e2e
-def test_llama_cpp_loads_and_runs(llama_cpp, tiny_model, split_model, aligned_model, mixed_model,
-                                  model_factory):
+def test_llama_cpp_loads_and_runs(llama_cpp, tiny_model, split_model, aligned_model, mixed_model, model_factory):
     """Every flavour loads in llama.cpp and gives finite logits; split == unsplit bit for bit."""
     q4k = model_factory(embd=256, ff=256, quant="q4_k", layers=2)
     fast = model_factory(embd=256, ff=256, layer_quants="q4_k,q4_0,q8_0", layers=3, random_experts=True)
     logits = {}
-    for name, path in [("tiny", tiny_model), ("split", split_model), ("aligned", aligned_model),
-                       ("mixed", mixed_model), ("q4k", q4k), ("random", fast)]:
-        llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=1, logits_all=True,
-                              verbose=False)
+    for name, path in [
+        ("tiny", tiny_model),
+        ("split", split_model),
+        ("aligned", aligned_model),
+        ("mixed", mixed_model),
+        ("q4k", q4k),
+        ("random", fast),
+    ]:
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
         tokens = llm.tokenize("Hello, wörld! the expert 42".encode())
         assert tokens[0] == 1 and len(tokens) > 10
         llm.eval(tokens)
-        scores = np.array(llm.scores[:len(tokens)])
+        scores = np.array(llm.scores[: len(tokens)])
         assert np.isfinite(scores).all() and scores.std() > 0.1, name
         logits[name] = scores
         text = llm.create_completion("the", max_tokens=4, temperature=0)["choices"][0]["text"]

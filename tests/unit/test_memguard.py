@@ -42,7 +42,7 @@ def test_a_large_floor_with_a_small_budget_still_grows_back():
     floor, budget = int(22.6 * GiB), 1 * GiB
     band = hysteresis_for(floor, budget)
     assert band <= budget // 8 < hysteresis_for(floor)
-    avail = floor + 300 * MiB               # well above the floor, within the old floor/16 band
+    avail = floor + 300 * MiB  # well above the floor, within the old floor/16 band
     assert decide_limit(avail, floor, 0, 0, budget) == 300 * MiB - band
     assert decide_limit(floor + budget + band, floor, 0, 0, budget) == budget
 
@@ -68,7 +68,7 @@ def test_cgroup_v1_headroom_counts_inactive_file_pages(tmp_path):
     (d / "memory.usage_in_bytes").write_text(str(900 * MiB))
     (d / "memory.stat").write_text(f"cache 5\ntotal_inactive_file {50 * MiB}\n")
     up = tmp_path / "memory" / "a"
-    (up / "memory.limit_in_bytes").write_text(str(1 << 62))   # unlimited: ignored
+    (up / "memory.limit_in_bytes").write_text(str(1 << 62))  # unlimited: ignored
     proc = tmp_path / "cgroup"
     proc.write_text("4:memory:/a/b\n0::/\n")
     found = find_cgroups(str(proc), str(tmp_path))

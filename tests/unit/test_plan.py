@@ -20,7 +20,7 @@ def trace():
     for _ in range(300):
         rows = []
         for _ in range(LAYERS):
-            pool = 6 if rng.random() < 0.8 else EXPERTS        # a hot few, sometimes anything
+            pool = 6 if rng.random() < 0.8 else EXPERTS  # a hot few, sometimes anything
             rows.append(rng.choice(pool, TOP_K, replace=False))
         w.append_step("D", rows)
     return w.finish()
@@ -53,8 +53,7 @@ def test_bytes_and_rate_follow_the_misses(model, trace):
 
 def test_recommendation_is_the_smallest_budget_reaching_the_target(model, trace):
     cost = ModelCost.of(model)
-    p = make_plan(model, trace, target_tok_s=150, drive_gbps=0.01, compute_ms=5.0, ram_bytes=1 << 30,
-                  reserve_bytes=0)
+    p = make_plan(model, trace, target_tok_s=150, drive_gbps=0.01, compute_ms=5.0, ram_bytes=1 << 30, reserve_bytes=0)
     r = p.recommended
     assert r["meets_target"] and r["fits_ram"] and r["tok_s"] >= 150
     pl = Planner(cost, trace, drive_gbps=0.01, compute_ms=5.0)
@@ -73,13 +72,12 @@ def test_pins_never_lose_to_no_pins(model, trace):
 def test_ram_limits_the_budget_and_an_unreachable_target_says_so(model, trace):
     cost = ModelCost.of(model)
     small = cost.dense_bytes + int(10 * cost.mean_slot_bytes)
-    p = make_plan(model, trace, target_tok_s=1e6, drive_gbps=1.0, compute_ms=1.0, ram_bytes=small,
-                  reserve_bytes=0)
+    p = make_plan(model, trace, target_tok_s=1e6, drive_gbps=1.0, compute_ms=1.0, ram_bytes=small, reserve_bytes=0)
     r = p.recommended
     assert not r["meets_target"] and r["slots"] == 10 and r["fits_ram"]
     assert any("out of reach" in n for n in p.notes)
     best = make_plan(model, trace, drive_gbps=1.0, ram_bytes=small, reserve_bytes=0)
-    assert best.recommended["slots"] == 10                   # no target: all the RAM allows
+    assert best.recommended["slots"] == 10  # no target: all the RAM allows
 
 
 def test_bad_input(model, trace):

@@ -38,10 +38,10 @@ def test_lru_victim_is_the_least_recently_added():
     assert p.victim() is None and len(p) == 0
     for s in (b, a, c):
         p.add(s)
-    p.touch(b)                               # LRU orders by release (add), not touch
+    p.touch(b)  # LRU orders by release (add), not touch
     assert len(p) == 3
-    p.remove(b)                              # referenced again ...
-    p.add(b)                                 # ... and released: now the most recent
+    p.remove(b)  # referenced again ...
+    p.add(b)  # ... and released: now the most recent
     assert eviction_order(p) == [0, 2, 1]
 
 
@@ -105,7 +105,7 @@ def test_lfu_victim_is_never_a_removed_slot():
     p.touch(c)
     for s in (a, b, c):
         p.add(s)
-    p.remove(a)                              # the lowest score leaves
+    p.remove(a)  # the lowest score leaves
     assert p.victim() is b
     p.remove(b)
     p.remove(c)
@@ -120,7 +120,7 @@ def test_lfu_member_touched_in_place_is_reordered():
     p.add(b)
     assert p.victim() is b
     p.touch(b)
-    p.touch(b)                               # b now counts ~2, a ~1
+    p.touch(b)  # b now counts ~2, a ~1
     assert p.victim() is a
 
 
@@ -133,13 +133,13 @@ def test_lfu_heap_stays_bounded_when_nothing_is_evicted():
         p.add(s)
     touched = {s.index: [] for s in ss}
     for r in range(20_000):
-        s = ss[(r * 3) % 8 if r % 5 else 0]      # slot 0 is the hot one
+        s = ss[(r * 3) % 8 if r % 5 else 0]  # slot 0 is the hot one
         p.remove(s)
         p.touch(s)
         touched[s.index].append(r + 1)
         p.add(s)
     assert len(p) == 8
-    assert len(p._heap) <= 2 * 8 + 65         # internals: the leak this guards against
+    assert len(p._heap) <= 2 * 8 + 65  # internals: the leak this guards against
 
     def count(i):
         return sum(2.0 ** (-(20_000 - t) / half_life) for t in touched[i])
@@ -153,13 +153,18 @@ N_SLOTS = 5
 _touch = st.tuples(st.just("touch"), st.integers(0, N_SLOTS - 1))
 _add = st.tuples(st.just("add"), st.integers(0, N_SLOTS - 1))
 OPS = st.lists(
-    st.one_of(                                  # a branch listed twice is drawn twice as often
-        _touch, _touch, _touch, _add, _add,
+    st.one_of(  # a branch listed twice is drawn twice as often
+        _touch,
+        _touch,
+        _touch,
+        _add,
+        _add,
         st.tuples(st.just("remove"), st.integers(0, N_SLOTS - 1)),
         st.tuples(st.just("rekey"), st.integers(0, N_SLOTS - 1), st.integers(0, 2 * N_SLOTS)),
         st.tuples(st.just("evict")),
     ),
-    min_size=8, max_size=120,
+    min_size=8,
+    max_size=120,
 )
 
 
@@ -174,7 +179,7 @@ def apply(policy, ss, members, op):
     elif kind == "remove" and ss[op[1]] in members:
         policy.remove(ss[op[1]])
         members.remove(ss[op[1]])
-    elif kind == "rekey" and ss[op[1]] not in members:    # the slot is reused for another key
+    elif kind == "rekey" and ss[op[1]] not in members:  # the slot is reused for another key
         ss[op[1]].key = ExpertKey(0, 1, op[2])
     elif kind == "evict":
         v = policy.victim()
@@ -196,7 +201,7 @@ def test_lru_matches_reference(ops):
         oldest = members[0] if members else None
         v = apply(p, ss, members, op)
         if op[0] == "evict":
-            assert v is oldest                     # members is kept in add order
+            assert v is oldest  # members is kept in add order
 
 
 @settings(max_examples=150, deadline=None)
@@ -240,7 +245,7 @@ def test_lfu_forgets_keys_untouched_for_many_half_lives():
     from moed.daemon.policy import DecayingLFU
 
     lfu = DecayingLFU(half_life=8)
-    for i in range(50_000):            # every access a new expert: nothing is ever hot
+    for i in range(50_000):  # every access a new expert: nothing is ever hot
         lfu.touch(SimpleNamespace(key=(1, 0, i)))
     assert len(lfu._score) <= 2 * DecayingLFU.PRUNE_MIN
-    assert (1, 0, 49_999) in lfu._score        # the recent ones are kept
+    assert (1, 0, 49_999) in lfu._score  # the recent ones are kept

@@ -15,13 +15,23 @@ from moed.protocol import messages as m
 from moed.protocol.framing import HEADER, MAX_FRAME_BYTES, FrameReader, encode, reply_decoder
 from moed.protocol.layout import PAGE, round_up, slot_layout
 
-SEGMENT = m.SegmentInfo(class_id=1, capacity=4, part_names=["gate", "up", "down"],
-                        part_bytes=[4352, 4352, 4352], part_off=[0, 32768, 65536],
-                        part_stride=[8192, 8192, 8192], segment_bytes=98304)
-LAYER = m.LayerInfo(layer=1, class_id=1, parts=[
-    m.PartExtent("gate", 0, 123456, 4352, 8, [64, 64, 8]),
-    m.PartExtent("down", 1, 9876543210, 4352, 8, [64, 64, 8]),
-])
+SEGMENT = m.SegmentInfo(
+    class_id=1,
+    capacity=4,
+    part_names=["gate", "up", "down"],
+    part_bytes=[4352, 4352, 4352],
+    part_off=[0, 32768, 65536],
+    part_stride=[8192, 8192, 8192],
+    segment_bytes=98304,
+)
+LAYER = m.LayerInfo(
+    layer=1,
+    class_id=1,
+    parts=[
+        m.PartExtent("gate", 0, 123456, 4352, 8, [64, 64, 8]),
+        m.PartExtent("down", 1, 9876543210, 4352, 8, [64, 64, 8]),
+    ],
+)
 
 # Every message type with every field set (and, where it has defaults, once bare).
 EXAMPLES: dict[type, list] = {
@@ -36,13 +46,23 @@ EXAMPLES: dict[type, list] = {
     m.Error: [m.Error(int(errors.ErrorCode.BUDGET_EXHAUSTED), "no room")],
     m.HelloReply: [m.HelloReply(1, "0.1.0", 4242, 1000, 777)],
     m.Pong: [m.Pong(time_ns=1_700_000_000_000_000_000)],
-    m.ModelInfo: [m.ModelInfo(model_id=2, path="/m.gguf", files=["/m-1.gguf", "/m-2.gguf"],
-                              moe_layers=[1, 3], n_experts=8, n_expert_used=2,
-                              parts=["gate", "up", "down"], layers=[LAYER], segments=[SEGMENT])],
+    m.ModelInfo: [
+        m.ModelInfo(
+            model_id=2,
+            path="/m.gguf",
+            files=["/m-1.gguf", "/m-2.gguf"],
+            moe_layers=[1, 3],
+            n_experts=8,
+            n_expert_used=2,
+            parts=["gate", "up", "down"],
+            layers=[LAYER],
+            segments=[SEGMENT],
+        )
+    ],
     m.Granted: [m.Granted(lease_id=9, class_id=1, slots=[0, 3])],
     m.Released: [m.Released(count=2)],
     m.Prefetched: [m.Prefetched(queued=0)],
-}   # StatsReply and ModelsReply: typed rows, generated below like every later type
+}  # StatsReply and ModelsReply: typed rows, generated below like every later type
 
 
 def tag(t: type) -> str:
@@ -73,7 +93,7 @@ def sample(t: type):
 # ---- the message set ---------------------------------------------------------------
 
 
-for _t in m.REQUEST_TYPES + m.REPLY_TYPES:        # types added later get a generated example
+for _t in m.REQUEST_TYPES + m.REPLY_TYPES:  # types added later get a generated example
     EXAMPLES.setdefault(_t, []).append(sample(_t))
 
 
@@ -81,15 +101,28 @@ def test_stats_refuse_undeclared_or_missing_keys():
     """The stats contract is the Stats struct: a key the daemon forgets, or adds
     without declaring it, fails the conversion instead of reaching clients."""
     from moed.protocol.stats import Stats
+
     good = msgspec.to_builtins(sample(Stats))
     assert msgspec.convert(good, Stats) == sample(Stats)
     with pytest.raises(msgspec.ValidationError, match="unknown field"):
         msgspec.convert({**good, "surprise": 1}, Stats)
     with pytest.raises(msgspec.ValidationError, match="budget_bytes"):
         msgspec.convert({k: v for k, v in good.items() if k != "budget_bytes"}, Stats)
-    for key in ("budget_bytes", "used_bytes", "pinned_bytes", "hits", "misses", "prefetch_hits",
-                "bytes_read", "direct_io", "mem_available_bytes", "mem_floor_bytes", "models", "tenants"):
-        assert key in good                       # the brief's contract keys
+    for key in (
+        "budget_bytes",
+        "used_bytes",
+        "pinned_bytes",
+        "hits",
+        "misses",
+        "prefetch_hits",
+        "bytes_read",
+        "direct_io",
+        "mem_available_bytes",
+        "mem_floor_bytes",
+        "models",
+        "tenants",
+    ):
+        assert key in good  # the brief's contract keys
 
 
 def test_tags_are_unique_across_requests_and_replies():
@@ -102,14 +135,14 @@ def test_every_request_has_exactly_one_reply_type():
     assert set(m.REPLY_TYPE) == set(m.REQUEST_TYPES)
     replies = list(m.REPLY_TYPE.values())
     assert all(r in m.REPLY_TYPES for r in replies)
-    assert len(set(replies)) == len(replies)          # one request per reply type, too
-    assert m.Error not in replies                     # Error may replace any reply
+    assert len(set(replies)) == len(replies)  # one request per reply type, too
+    assert m.Error not in replies  # Error may replace any reply
 
 
 def test_every_request_has_a_handler():
     from moed.daemon.server import Session
 
-    session = Session(daemon=None)                    # __init__ only builds the table
+    session = Session(daemon=None)  # __init__ only builds the table
     assert set(session._handlers) == set(m.REQUEST_TYPES)
     assert all(callable(h) for h in session._handlers.values())
 
@@ -141,13 +174,14 @@ def test_a_reply_is_not_a_request_and_a_request_is_not_a_reply():
 
 
 def test_unknown_fields_from_a_newer_peer_are_ignored():
-    payload = msgspec.msgpack.encode({"t": "acquire", "model_id": 1, "layer": 2,
-                                      "experts": [3], "priority": 9, "hint": {"x": [1]}})
+    payload = msgspec.msgpack.encode(
+        {"t": "acquire", "model_id": 1, "layer": 2, "experts": [3], "priority": 9, "hint": {"x": [1]}}
+    )
     assert FrameReader().feed(HEADER.pack(len(payload)) + payload) == [m.Acquire(1, 2, [3])]
 
 
 def test_defaults_are_left_off_the_wire():
-    bare = msgspec.msgpack.decode(encode(m.Acquire(1, 2, [3]))[HEADER.size:])
+    bare = msgspec.msgpack.decode(encode(m.Acquire(1, 2, [3]))[HEADER.size :])
     assert bare == {"t": "acquire", "model_id": 1, "layer": 2, "experts": [3]}
 
 
@@ -167,7 +201,7 @@ def test_frames_split_at_every_byte():
     data = frames(*msgs)
     r, out = FrameReader(), []
     for i in range(len(data)):
-        out += r.feed(data[i:i + 1])
+        out += r.feed(data[i : i + 1])
     assert out == msgs
 
 
@@ -180,16 +214,20 @@ def test_concatenated_frames_in_one_feed_and_a_partial_tail():
     assert r.feed(encode(m.Ping())[3:]) == [m.Ping()]
 
 
-@pytest.mark.parametrize("payload", [
-    b"\xc1",                                               # never-used msgpack byte
-    b"",                                                   # empty frame
-    msgspec.msgpack.encode({"t": "no_such_verb"}),
-    msgspec.msgpack.encode({"t": "acquire", "model_id": "one", "layer": 0, "experts": []}),
-    msgspec.msgpack.encode({"t": "acquire", "model_id": 1}),    # missing fields
-    msgspec.msgpack.encode([1, 2, 3]),
-    msgspec.msgpack.encode({"t": "ping"}) + b"\x00",      # trailing bytes
-    b"\x82\xa1t\xa4ping\xa1x" + b"\x91" * 100_000 + b"\x90",   # nested past the recursion limit
-], ids=["reserved", "empty", "unknown-tag", "wrong-type", "missing", "array", "trailing", "deep"])
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"\xc1",  # never-used msgpack byte
+        b"",  # empty frame
+        msgspec.msgpack.encode({"t": "no_such_verb"}),
+        msgspec.msgpack.encode({"t": "acquire", "model_id": "one", "layer": 0, "experts": []}),
+        msgspec.msgpack.encode({"t": "acquire", "model_id": 1}),  # missing fields
+        msgspec.msgpack.encode([1, 2, 3]),
+        msgspec.msgpack.encode({"t": "ping"}) + b"\x00",  # trailing bytes
+        b"\x82\xa1t\xa4ping\xa1x" + b"\x91" * 100_000 + b"\x90",  # nested past the recursion limit
+    ],
+    ids=["reserved", "empty", "unknown-tag", "wrong-type", "missing", "array", "trailing", "deep"],
+)
 def test_garbage_frame_is_a_bad_frame_and_the_stream_goes_on(payload):
     r = FrameReader()
     out = r.feed(encode(m.Ping()) + frame_of(payload) + encode(m.GetStats()))
@@ -210,7 +248,7 @@ def test_oversize_length_breaks_the_stream_after_the_frames_before_it():
     assert out[0] == m.Ping() and len(out) == 2
     assert isinstance(out[1], errors.BadFrame) and "exceeds" in str(out[1])
     assert r.broken
-    assert r.feed(encode(m.Ping())) == []                   # nothing after: the caller closes
+    assert r.feed(encode(m.Ping())) == []  # nothing after: the caller closes
 
 
 def test_oversize_frame_arriving_whole_in_one_read_is_still_refused():
@@ -230,7 +268,7 @@ def test_a_frame_of_exactly_the_limit_is_accepted_and_awaited():
 
 def test_error_codes_are_unique_and_each_has_one_exception_type():
     codes = [c.value for c in errors.ErrorCode.__members__.values()]
-    assert len(codes) == len(set(codes))                   # no IntEnum aliases
+    assert len(codes) == len(set(codes))  # no IntEnum aliases
     types = [t for t in errors.MoedError.__subclasses__()]
     assert sorted(t.code for t in types) == sorted(codes)
     assert len({t.__name__ for t in types}) == len(types)
@@ -257,6 +295,7 @@ def test_named_types_and_unknown_codes():
 
 # ---- fuzz ---------------------------------------------------------------------------------------
 
+
 def check_output(out):
     for x in out:
         assert isinstance(x, (m.Message, errors.BadFrame))
@@ -273,13 +312,33 @@ def test_random_bytes_never_raise(data, cuts):
 
 
 MSGPACK_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=8)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8)
     | st.binary(max_size=8),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
     max_leaves=20,
 )
-FIELD_NAMES = st.sampled_from(["t", "version", "model_id", "layer", "experts", "lease_ids", "ack",
-                               "timeout_s", "release", "path", "stats", "models", "code", "x"])
+FIELD_NAMES = st.sampled_from(
+    [
+        "t",
+        "version",
+        "model_id",
+        "layer",
+        "experts",
+        "lease_ids",
+        "ack",
+        "timeout_s",
+        "release",
+        "path",
+        "stats",
+        "models",
+        "code",
+        "x",
+    ]
+)
 TAGS = st.sampled_from([tag(t) for t in EXAMPLES] + ["", "nope"])
 
 
@@ -295,6 +354,7 @@ def test_random_well_framed_messages_never_raise(fields, t, reply_side):
 
 
 # ---- slot layout -------------------------------------------------------------------------------
+
 
 def test_round_up():
     assert [round_up(n) for n in (0, 1, PAGE - 1, PAGE, PAGE + 1)] == [0, PAGE, PAGE, PAGE, 2 * PAGE]

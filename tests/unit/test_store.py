@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from moed.daemon.policy import LRU, DecayingLFU
 from moed.daemon.store import ExpertKey, Plan, SlotState, Store, Want
 
-SMALL, BIG = 1, 2                     # class ids
+SMALL, BIG = 1, 2  # class ids
 CLASS_BYTES = {SMALL: 100, BIG: 250}
 
 
@@ -100,15 +100,15 @@ def resident(store: Store) -> set[ExpertKey]:
 
 def test_lru_evicts_least_recently_released_across_models_and_classes():
     store = make_store(budget_bytes=600)
-    a = load(store, [want(0, model=0)])                  # 100
-    b = load(store, [want(1, BIG, layer=1, model=1)])    # 250
-    c = load(store, [want(2, model=1)])                  # 100
-    d = load(store, [want(3, model=0)])                  # 100: 550 used, 50 free
-    for plan in (c, a, d, b):                            # LRU order: c, a, d, b
+    a = load(store, [want(0, model=0)])  # 100
+    b = load(store, [want(1, BIG, layer=1, model=1)])  # 250
+    c = load(store, [want(2, model=1)])  # 100
+    d = load(store, [want(3, model=0)])  # 100: 550 used, 50 free
+    for plan in (c, a, d, b):  # LRU order: c, a, d, b
         release(store, plan)
     check_invariants(store)
 
-    load(store, [want(4, model=2)])       # needs 100: evicts c only
+    load(store, [want(4, model=2)])  # needs 100: evicts c only
     assert key(2, model=1) not in resident(store)
     assert {key(0), key(3), key(1, 1, 1)} <= resident(store)
 
@@ -124,7 +124,7 @@ def test_hit_moves_a_slot_to_the_back_of_the_lru_order():
     plans = [load(store, [want(e)]) for e in range(3)]
     for plan in plans:
         release(store, plan)
-    release(store, load(store, [want(0)]))   # hit: 0 is now the most recent
+    release(store, load(store, [want(0)]))  # hit: 0 is now the most recent
     load(store, [want(9)])
     assert resident(store) == {key(0), key(2), key(9)}
 
@@ -173,7 +173,7 @@ def test_acquire_is_all_or_nothing():
 
 def test_resident_keys_of_a_request_are_not_counted_as_room():
     store = make_store(budget_bytes=300)
-    release(store, load(store, [want(0), want(1)]))   # 200 evictable, 100 free
+    release(store, load(store, [want(0), want(1)]))  # 200 evictable, 100 free
     # 0 and 1 will be referenced by this very acquire, so only 100 bytes are
     # free for the two misses.
     assert store.acquire([want(0), want(1), want(2)]) is not None
@@ -211,7 +211,7 @@ def test_refs_count_every_lease_and_release_is_idempotent_per_lease():
     assert slot.refs == 1 and len(store.policy) == 0
     release(store, b)
     assert slot.refs == 0 and len(store.policy) == 1
-    release(store, b)                     # a release beyond the refs does nothing
+    release(store, b)  # a release beyond the refs does nothing
     assert slot.refs == 0 and store.evictable_bytes == 100
     check_invariants(store)
 
@@ -229,7 +229,7 @@ def test_second_acquire_of_a_loading_key_joins_the_read():
     assert second.to_load == [second.slots[1]]
     assert second.hits == 0 and second.misses == 1
     assert second.slots[0] is first.slots[0] and first.slots[0].refs == 2
-    assert store.used_bytes == used + 100          # only key 1 got a new slot
+    assert store.used_bytes == used + 100  # only key 1 got a new slot
     store.loaded(first.slots[0])
     assert first.slots[0].state == SlotState.READY and len(store.policy) == 0
     check_invariants(store)
@@ -246,13 +246,13 @@ def test_failed_load_kills_every_reference_and_stale_releases_are_ignored():
     assert store.take_dropped() == [slot]
     check_invariants(store)
 
-    again = store.acquire([want(0)])       # a fresh residency, maybe in the same slot
+    again = store.acquire([want(0)])  # a fresh residency, maybe in the same slot
     store.loaded(again.slots[0])
-    release(store, first)                  # stale generations: ignored
+    release(store, first)  # stale generations: ignored
     release(store, joined)
     assert again.slots[0].refs == 1
     check_invariants(store)
-    store.failed(again.slots[0])           # not LOADING any more: ignored
+    store.failed(again.slots[0])  # not LOADING any more: ignored
     assert again.slots[0].state == SlotState.READY
 
 
@@ -274,17 +274,17 @@ def test_prefetch_takes_no_reference_and_is_evictable_once_ready():
     store = make_store(budget_bytes=200)
     slot = store.prefetch(want(0))
     assert slot is not None and slot.state == SlotState.LOADING and slot.refs == 0 and slot.prefetched
-    assert store.prefetch(want(0)) is None              # in flight already
+    assert store.prefetch(want(0)) is None  # in flight already
     check_invariants(store)
     store.loaded(slot)
-    assert store.prefetch(want(0)) is None              # resident
+    assert store.prefetch(want(0)) is None  # resident
     assert store.policy.victim() is slot
     check_invariants(store)
 
     plan = store.acquire([want(0)])
     assert plan.hits == 1 and plan.slots[0] is slot
     assert store.use_prefetched(slot) is True
-    assert store.use_prefetched(slot) is False          # counted once
+    assert store.use_prefetched(slot) is False  # counted once
     release(store, plan)
     check_invariants(store)
 
@@ -296,7 +296,7 @@ def test_prefetch_never_evicts_a_held_slot():
     assert store.prefetch(want(2, BIG)) is None
     release(store, held)
     slot = store.prefetch(want(2))
-    assert slot is not None and key(0) not in store.table     # the LRU one went
+    assert slot is not None and key(0) not in store.table  # the LRU one went
     check_invariants(store)
 
 
@@ -324,7 +324,7 @@ def test_reused_slot_is_no_longer_marked_prefetched():
     store = make_store(budget_bytes=100)
     slot = store.prefetch(want(0))
     store.loaded(slot)
-    plan = load(store, [want(1)])                      # evicts the prefetch, same class
+    plan = load(store, [want(1)])  # evicts the prefetch, same class
     assert plan.slots[0] is slot and not store.use_prefetched(slot)
 
 
@@ -348,7 +348,7 @@ def test_cross_class_eviction_drops_the_victims_pages():
     store = make_store(budget_bytes=300)
     small = load(store, [want(0), want(1), want(2)])
     release(store, small)
-    big = store.acquire([want(9, BIG)])           # 250: evicts three small slots
+    big = store.acquire([want(9, BIG)])  # 250: evicts three small slots
     assert big is not None
     dropped = store.take_dropped()
     assert sorted(s.index for s in dropped) == [0, 1, 2]
@@ -383,7 +383,7 @@ def test_shrink_evicts_unreferenced_slots_in_lru_order():
     assert freed == 200 and store.used_bytes == 200
     assert resident(store) == {key(0), key(3)}
     assert len(store.take_dropped()) == 2
-    assert store.shrink(0) == 100                 # the held slot stays
+    assert store.shrink(0) == 100  # the held slot stays
     assert resident(store) == {key(0)} and held.slots[0].refs == 1
     check_invariants(store)
 
@@ -404,7 +404,7 @@ def test_drop_model_forgets_only_unreferenced_slots_of_that_model():
 def test_failed_pinned_read_leaves_owner_accounting_alone():
     """A pinned slot is charged to nobody, so its failed read uncharges nobody."""
     store = make_store(budget_bytes=300, pin_budget_bytes=200)
-    release(store, load(store, [want(0)]))          # owner None: owned_bytes[None] == 100
+    release(store, load(store, [want(0)]))  # owner None: owned_bytes[None] == 100
     slot, newly, must_read = store.pin(want(1))
     assert newly and must_read
     store.failed(slot)
@@ -474,7 +474,7 @@ class StoreMachine(RuleBasedStateMachine):
     def check_quotas(self, who, before: dict) -> None:
         after = self.owned()
         for t, floor in self.floors.items():
-            if t is not who:                     # others are not pushed below their floor
+            if t is not who:  # others are not pushed below their floor
                 assert after.get(t, 0) >= min(before.get(t, 0), floor)
         for t, ceiling in self.ceilings.items():
             assert after.get(t, 0) <= max(ceiling, before.get(t, 0))
@@ -488,9 +488,11 @@ class StoreMachine(RuleBasedStateMachine):
         need = sum(CLASS_BYTES[class_of(k)] for k in missing)
         whole = need + sum(s.slot_bytes for s in present.values() if not s.pinned)
         held = self.locally_held()
-        spare = sum(s.slot_bytes for s in all_slots(store)
-                    if s.state == SlotState.READY and s.refs == 0 and not s.pinned and s.key not in present
-                    and s not in held)
+        spare = sum(
+            s.slot_bytes
+            for s in all_slots(store)
+            if s.state == SlotState.READY and s.refs == 0 and not s.pinned and s.key not in present and s not in held
+        )
         room = store.effective_budget_bytes - store.used_bytes + spare
         used_before, owned_before = store.used_bytes, self.owned()
         before = {k: (id(s), s.refs, s.generation) for k, s in store.table.items()}
@@ -503,7 +505,7 @@ class StoreMachine(RuleBasedStateMachine):
         try:
             plan = store.acquire(wants, who)
         except ValueError:
-            assert missing and need > self.ceilings.get(who, need)     # over its ceiling
+            assert missing and need > self.ceilings.get(who, need)  # over its ceiling
             return
         if plan is None:
             event("acquire: waits")
@@ -521,7 +523,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert plan.hits + len(plan.loading) + plan.misses == len(keys)
         assert {id(s) for s in plan.to_load} == {id(store.table[k]) for k in missing}
         assert all(s.owner is who for s in plan.to_load)
-        for k, s in present.items():                  # resident keys kept their slot
+        for k, s in present.items():  # resident keys kept their slot
             assert store.table[k] is s and before[k][2] == s.generation
         self.check_quotas(who, owned_before)
         self.settle()
@@ -534,7 +536,7 @@ class StoreMachine(RuleBasedStateMachine):
         lease = self.leases.pop(data.draw(st.integers(0, len(self.leases) - 1)))
         for slot, gen in lease:
             self.store.release(slot, gen)
-        self.settle()                                 # a pending unpin may drop
+        self.settle()  # a pending unpin may drop
 
     @precondition(lambda self: self.leases)
     @rule()
@@ -569,10 +571,14 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(k=KEYS, who=WHO)
     def prefetch(self, k, who):
         store = self.store
-        held = sum(s.slot_bytes for s in self.locally_held()
-                   if s.refs == 0 and s.state == SlotState.READY and not s.pinned)
-        fits = (k not in store.table and CLASS_BYTES[class_of(k)]
-                <= store.effective_budget_bytes - store.used_bytes + store.evictable_bytes - held)
+        held = sum(
+            s.slot_bytes for s in self.locally_held() if s.refs == 0 and s.state == SlotState.READY and not s.pinned
+        )
+        fits = (
+            k not in store.table
+            and CLASS_BYTES[class_of(k)]
+            <= store.effective_budget_bytes - store.used_bytes + store.evictable_bytes - held
+        )
         owned_before = self.owned()
         slot = store.prefetch(Want(k, class_of(k)), who)
         if not store.quotas:
@@ -624,7 +630,7 @@ class StoreMachine(RuleBasedStateMachine):
             self.inflight.append((slot, slot.generation))
         if out is not None:
             assert out[0].pinned and store.table[k] is out[0]
-        assert set(store.table) - {k} == keys_before - {k}    # pinning evicts nobody
+        assert set(store.table) - {k} == keys_before - {k}  # pinning evicts nobody
         assert store.evictions == evictions
 
     @rule(data=st.data())
@@ -638,7 +644,7 @@ class StoreMachine(RuleBasedStateMachine):
         if free_now and slot in self.locally_held():  # rejoins the budget, or is adopted until let go
             assert store.table.get(k) is slot
             assert not slot.pinned or (slot.unpin_pending and slot.adopted)
-        elif free_now:                                # rejoins the shared budget, or goes
+        elif free_now:  # rejoins the shared budget, or goes
             event("unpin: now")
             assert not slot.pinned
             assert store.table.get(k) is slot or slot.state == SlotState.EMPTY
@@ -677,9 +683,9 @@ class StoreMachine(RuleBasedStateMachine):
             for slot, gen in lease:
                 if slot.generation == gen:
                     counts[id(slot)] = counts.get(id(slot), 0) + 1
-                    assert slot.state != SlotState.EMPTY      # a held slot is never evicted
+                    assert slot.state != SlotState.EMPTY  # a held slot is never evicted
         for s in all_slots(self.store):
-            assert s.refs == counts.get(id(s), 0) + s.adopted     # adoption is the store's one reference
+            assert s.refs == counts.get(id(s), 0) + s.adopted  # adoption is the store's one reference
 
 
 class LFUStoreMachine(StoreMachine):
@@ -709,8 +715,8 @@ class LocalHoldMachine(StoreMachine):
 
     def __init__(self):
         super().__init__()
-        self.local: list[tuple] = []            # (slot, generation) held locally
-        self.claimed: dict = {}                 # slot -> generation when claimed
+        self.local: list[tuple] = []  # (slot, generation) held locally
+        self.claimed: dict = {}  # slot -> generation when claimed
         self.store.claim = self._claim
         self.store.unclaim = lambda slot: self.claimed.pop(slot, None)
 
@@ -727,8 +733,14 @@ class LocalHoldMachine(StoreMachine):
     @precondition(lambda self: any(s.state == SlotState.READY for s in self.store.table.values()))
     @rule(data=st.data())
     def hold_locally(self, data):
-        ready = sorted((s for s in self.store.table.values() if s.state == SlotState.READY
-                        and self.claimed.get(s) != s.generation), key=lambda s: (s.class_id, s.index))
+        ready = sorted(
+            (
+                s
+                for s in self.store.table.values()
+                if s.state == SlotState.READY and self.claimed.get(s) != s.generation
+            ),
+            key=lambda s: (s.class_id, s.index),
+        )
         if ready:
             slot = data.draw(st.sampled_from(ready))
             self.local.append((slot, slot.generation))
@@ -753,9 +765,12 @@ class LocalHoldMachine(StoreMachine):
 
 
 # STORE_EXAMPLES=2000 hunts longer (minutes); the default keeps the suite fast.
-_machine_settings = settings(max_examples=int(os.environ.get("STORE_EXAMPLES", 50)),
-                             stateful_step_count=40, deadline=None,
-                             suppress_health_check=[HealthCheck.too_slow])
+_machine_settings = settings(
+    max_examples=int(os.environ.get("STORE_EXAMPLES", 50)),
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 TestStoreMachine = StoreMachine.TestCase
 TestStoreMachine.settings = _machine_settings
 TestLFUStoreMachine = LFUStoreMachine.TestCase

@@ -37,10 +37,10 @@ def test_a_prefetch_evicted_before_use_is_wasted_once():
     p = store.prefetch(want(0))
     store.loaded(p)
     load(store, 1)
-    load(store, 2)                       # evicts the unused prefetch (least recent)
+    load(store, 2)  # evicts the unused prefetch (least recent)
     assert ExpertKey(0, 0, 0) not in store.table
     assert store.wasted_prefetches == 1
-    load(store, 3)                       # evicts expert 1, which was never prefetched
+    load(store, 3)  # evicts expert 1, which was never prefetched
     assert store.wasted_prefetches == 1
 
 
@@ -62,13 +62,13 @@ def test_cancel_returns_the_slot_and_counts_it_wasted():
     assert p.state == SlotState.EMPTY and store.used_bytes == 0
     assert store.take_dropped() == [p]
     assert store.wasted_prefetches == 1
-    assert store.prefetch(want(0)) is not None      # can be asked for again
+    assert store.prefetch(want(0)) is not None  # can be asked for again
 
 
 def test_only_an_unreferenced_loading_prefetch_can_be_cancelled():
     store = make_store(2)
     p = store.prefetch(want(0))
-    plan = store.acquire([want(0)])                 # a demand read joined it
+    plan = store.acquire([want(0)])  # a demand read joined it
     assert plan.loading == [p]
     with pytest.raises(ValueError):
         store.cancel_prefetch(p)
@@ -80,8 +80,8 @@ def test_only_an_unreferenced_loading_prefetch_can_be_cancelled():
 def test_prefetch_of_a_resident_key_makes_it_recent():
     store = make_store(2)
     load(store, 0)
-    load(store, 1)                       # LRU order: 0, 1
+    load(store, 1)  # LRU order: 0, 1
     assert store.prefetch(want(0)) is None
-    load(store, 2)                       # the victim is now 1, not the re-wanted 0
+    load(store, 2)  # the victim is now 1, not the re-wanted 0
     assert ExpertKey(0, 0, 0) in store.table and ExpertKey(0, 0, 1) not in store.table
     assert store.wasted_prefetches == 0

@@ -51,11 +51,11 @@ def test_floor_holds_under_another_tenants_pressure(policy):
     st.set_quota(a, floor_bytes=3 * SLOT)
     for e in range(5):
         assert use(st, a, e)
-    for e in range(100, 140):                  # b streams 40 experts through
+    for e in range(100, 140):  # b streams 40 experts through
         assert use(st, b, e)
-    assert len(resident(st, a)) == 3           # a kept its floor...
+    assert len(resident(st, a)) == 3  # a kept its floor...
     assert st.owned_bytes[a] == 3 * SLOT
-    assert resident(st, a) == {2, 3, 4}        # ...its most recently used ones
+    assert resident(st, a) == {2, 3, 4}  # ...its most recently used ones
     assert st.used_bytes <= st.budget_bytes
     assert st.owned_bytes[b] == 5 * SLOT
 
@@ -86,7 +86,7 @@ def test_other_tenant_waits_when_only_protected_slots_are_left():
     st.set_quota(a, floor_bytes=4 * SLOT)
     for e in range(4):
         use(st, a, e)
-    assert st.acquire([want(50)], b) is None   # nothing b may evict: it waits
+    assert st.acquire([want(50)], b) is None  # nothing b may evict: it waits
     assert st.used_bytes == 4 * SLOT and resident(st, a) == {0, 1, 2, 3}
 
 
@@ -94,12 +94,12 @@ def test_ceiling_makes_a_tenant_evict_its_own_first():
     st = make(8)
     a, b = Owner("a"), Owner("b")
     st.set_quota(a, ceiling_bytes=2 * SLOT)
-    use(st, b, 100)                            # b's slot is the LRU one
+    use(st, b, 100)  # b's slot is the LRU one
     for e in range(6):
         assert use(st, a, e)
     assert st.owned_bytes[a] == 2 * SLOT
     assert resident(st, a) == {4, 5}
-    assert resident(st, b) == {100}            # not evicted although it is older
+    assert resident(st, b) == {100}  # not evicted although it is older
 
 
 def test_ceiling_with_everything_held_waits_and_too_large_raises():
@@ -109,7 +109,7 @@ def test_ceiling_with_everything_held_waits_and_too_large_raises():
     plan = st.acquire([want(0), want(1)], a)
     for s in plan.to_load:
         st.loaded(s)
-    assert st.acquire([want(2)], a) is None    # its two slots are leased
+    assert st.acquire([want(2)], a) is None  # its two slots are leased
     with pytest.raises(ValueError, match="ceiling"):
         st.acquire([want(3), want(4), want(5)], a)
 
@@ -126,7 +126,7 @@ def test_floor_and_ceiling_together_and_accounting_returns_to_zero():
         assert st.owned_bytes[a] >= 2 * SLOT or r < 2
         assert st.owned_bytes[b] >= 2 * SLOT or r < 2
         assert sum(st.owned_bytes.values()) == st.used_bytes
-    st.shrink(0)                               # the memory guard overrides floors
+    st.shrink(0)  # the memory guard overrides floors
     assert st.used_bytes == 0 and st.owned_bytes == {a: 0, b: 0}
 
 
@@ -155,14 +155,14 @@ def test_pinned_slots_are_never_evicted_and_sit_outside_the_budget():
         slot, new, read = st.pin(want(e))
         assert new and read
         st.loaded(slot)
-    assert st.pin(want(2)) is None                 # the pin budget is full
+    assert st.pin(want(2)) is None  # the pin budget is full
     assert st.pinned_bytes == 2 * SLOT and st.used_bytes == 0
     for e in range(10, 40):
         assert use(st, None, e)
     assert {0, 1} <= {k.expert for k in st.table}
     plan = st.acquire([want(0), want(1)])
     assert plan.hits == 2 and not plan.to_load
-    st.shrink(0)                                   # nor by the memory guard
+    st.shrink(0)  # nor by the memory guard
     assert st.pinned_bytes == 2 * SLOT and st.table[ExpertKey(1, 0, 0)].pinned
 
 
@@ -182,7 +182,7 @@ def test_unpin_rejoins_the_lru_or_waits_for_the_lease():
     st.loaded(slot)
     plan = st.acquire([want(0)])
     assert st.unpin(want(0).key)
-    assert slot.pinned and slot.unpin_pending        # held: stays until released
+    assert slot.pinned and slot.unpin_pending  # held: stays until released
     st.release(plan.slots[0], plan.generations[0])
     assert not slot.pinned and st.pinned_bytes == 0
     assert st.used_bytes == SLOT and st.evictable_bytes == SLOT
@@ -191,10 +191,10 @@ def test_unpin_rejoins_the_lru_or_waits_for_the_lease():
 
 def test_unpin_without_room_drops_and_failed_pin_read_frees_the_partition():
     st = pinned_store(1, 2)
-    use(st, None, 9)                                  # the shared budget is full
+    use(st, None, 9)  # the shared budget is full
     slot, _, _ = st.pin(want(0))
     st.loaded(slot)
-    plan = st.acquire([want(9)])                      # and held
+    plan = st.acquire([want(9)])  # and held
     st.unpin(want(0).key)
     assert want(0).key not in st.table and st.pinned_bytes == 0
     assert st.take_dropped() == [slot]
@@ -211,9 +211,14 @@ def test_unpin_without_room_drops_and_failed_pin_read_frees_the_partition():
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-OPS = st.lists(st.tuples(st.sampled_from(["acquire", "release", "prefetch", "shrink", "pin", "unpin"]),
-                         st.integers(0, 2), st.lists(st.integers(0, 11), min_size=1, max_size=3, unique=True)),
-               max_size=80)
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["acquire", "release", "prefetch", "shrink", "pin", "unpin"]),
+        st.integers(0, 2),
+        st.lists(st.integers(0, 11), min_size=1, max_size=3, unique=True),
+    ),
+    max_size=80,
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -261,7 +266,7 @@ def test_random_operations_keep_quota_invariants(ops, policy):
         assert sum(st_.owned_bytes.values()) == st_.used_bytes
         assert st_.evictable_bytes == sum(s.slot_bytes for s in resident if s.refs == 0 and s.state == 2)
         assert st_.owned_bytes.get(owners[1], 0) <= 4 * SLOT
-        if op in ("acquire", "prefetch"):             # another tenant never pushes one below its floor
+        if op in ("acquire", "prefetch"):  # another tenant never pushes one below its floor
             for o, floor in ((owners[0], 3 * SLOT), (owners[1], 2 * SLOT)):
                 if o is not owner:
                     assert st_.owned_bytes.get(o, 0) >= min(before.get(o, 0), floor)

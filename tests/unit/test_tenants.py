@@ -32,7 +32,7 @@ def test_heat_ranks_by_decayed_count_per_model():
     h.add([S(b), S(c)])
     assert h.ranked(1) == [(0, 3), (2, 5)]
     assert h.ranked(2) == [(0, 0)]
-    for _ in range(20):                         # b gets hot later; old counts halve away
+    for _ in range(20):  # b gets hot later; old counts halve away
         h.add([S(b)])
     assert h.ranked(1)[0] == (2, 5)
     assert all(v < 20 for v in h.counts.values())

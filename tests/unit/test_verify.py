@@ -8,12 +8,12 @@ from moed.protocol import errors
 def test_a_later_read_that_differs_is_refused_and_counted():
     v = Verifier()
     k = ExpertKey(1, 0, 3)
-    assert v.check(k, 0xAB, "here") is None            # first read: recorded
-    assert v.check(k, 0xAB, "here") is None            # same bytes: verified
+    assert v.check(k, 0xAB, "here") is None  # first read: recorded
+    assert v.check(k, 0xAB, "here") is None  # same bytes: verified
     err = v.check(k, 0xCD, "model 1 layer 0 expert 3")
     assert isinstance(err, errors.VerifyMismatch) and "expert 3" in str(err)
     assert v.stats()["verified_reads"] == 1 and v.stats()["verify_mismatches"] == 1
-    assert v.check(k, 0xCD, "again") is not None         # the first read stays the reference
+    assert v.check(k, 0xCD, "again") is not None  # the first read stays the reference
 
 
 def test_forget_drops_a_closed_models_hashes():
