@@ -326,6 +326,19 @@ class ModelHandle:
         region.record(self.model_id, info.class_id, slots)
         return Lease(self, layer, uniq, m.Granted(0, info.class_id, slots), (region, holds))
 
+    def resident(self, layer: int, experts) -> np.ndarray:
+        """Which of `experts` of `layer` are resident now: a bool array read from the
+        residency table, with no round trip. A hint for choosing what to prefetch or
+        what to route to; an acquire is still the only thing that holds them. All
+        False when this connection has no table (local hits off)."""
+        ids = np.asarray(experts, dtype=np.int64)
+        info = self._layers.get(layer)
+        if self._table is None or info is None or info.class_id not in self.client._states:
+            return np.zeros(len(ids), dtype=bool)
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.n_experts):
+            raise errors.UnknownExpert(f"experts must be 0..{self.n_experts - 1}")
+        return local.resident(self._table, self._rows[layer], ids, self.client._states[info.class_id])
+
     def prefetch(self, layer: int, experts) -> None:
         """Ask for experts to be read ahead; never waits, never errors back.
 

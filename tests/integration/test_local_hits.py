@@ -151,3 +151,20 @@ def test_a_tenant_holding_over_its_share_locally_is_cut_off(start_shared, shared
     wait_for(lambda: "over its share" in d.log(), 5, what="the warning")
     with pytest.raises(errors.DaemonUnavailable):
         greedy.ping()
+
+
+def test_resident_reads_the_table_with_no_round_trip(start_daemon, model_factory):
+    model = model_factory(layers=2, experts=8, used=2)
+    slot = expert_bytes(model, 0)
+    d = start_daemon(str(3 * slot))
+    with d.client() as c:
+        h = c.open_model(model)
+        assert not h.resident(0, range(8)).any()
+        with h.acquire(0, [1, 4]):
+            pass
+        assert h.resident(0, range(8)).tolist() == [i in (1, 4) for i in range(8)]
+        with h.acquire(1, [0, 2]):  # evicts one of layer 0's
+            pass
+        assert h.resident(0, [1, 4]).sum() == 1 and h.resident(1, [0, 2]).all()
+        with pytest.raises(errors.UnknownExpert):
+            h.resident(0, [8])
