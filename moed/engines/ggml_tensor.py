@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import re
+from collections.abc import Callable
 
 import numpy as np
 
@@ -58,6 +59,30 @@ _NORM_NAME = re.compile(rb"ffn_norm-(\d+)\Z")
 # Kinds of node the streamer's callback acts on (see `node`).
 TOPK = 1
 NORM = 2
+
+
+class EvalCallback:
+    """llama.cpp's `cb_eval` with the ask pass in C (moed._evalcb): `fn(tensor_address)`
+    is called only for computed `ffn_moe_topk-<n>` nodes (and `ffn_norm-<n>` ones while
+    `stop_at_norm(True)`); its bool says whether the graph goes on."""
+
+    def __init__(self, fn: Callable[[int], bool]):
+        import llama_cpp
+
+        from moed import _evalcb
+
+        self._evalcb = _evalcb
+        self.handle = _evalcb.make(fn, NAME_OFFSET)
+        self.function = ctypes.cast(_evalcb.callback_address(), llama_cpp.ggml_backend_sched_eval_callback)
+        self.user_data = ctypes.c_void_p(_evalcb.user_data(self.handle))
+
+    def stop_at_norm(self, on: bool) -> None:
+        self._evalcb.set_norm(self.handle, on)
+
+    def install(self, params) -> None:
+        """Put it in a llama_context_params (the object must outlive the context)."""
+        params.cb_eval = self.function
+        params.cb_eval_user_data = self.user_data
 
 
 def ggml_base_library() -> ctypes.CDLL:

@@ -60,12 +60,13 @@ class _RouteCallback:
 
     def __init__(self, hook: RouteHook):
         self.hook = hook
-        self.c_callback = llama_cpp.ggml_backend_sched_eval_callback(self._callback)
+        # The same C ask pass as the streamer's, so the two engines pay alike per node.
+        self.c_callback = ggml_tensor.EvalCallback(self._on_node)
 
-    def _callback(self, tensor: int, ask: bool, _user_data) -> bool:
+    def _on_node(self, tensor: int) -> bool:
         layer = ggml_tensor.topk_layer(tensor)
-        if ask or layer is None:
-            return layer is not None
+        if layer is None:
+            return True
         try:
             self.hook(layer, ggml_tensor.topk_view(tensor))
             return True
@@ -86,8 +87,7 @@ def _unpacked_internals(route: _RouteCallback | None = None) -> types.ModuleType
 
     def new_context(*, model, params, verbose: bool = True):
         if route is not None:
-            params.cb_eval = route.c_callback
-            params.cb_eval_user_data = None
+            route.c_callback.install(params)
         return real.LlamaContext(model=model, params=params, verbose=verbose)
 
     proxy.__dict__.update(LlamaModel=load_model, LlamaContext=new_context)
@@ -131,8 +131,7 @@ def _hooked_internals(streamer: ExpertStreamer) -> types.ModuleType:
 
     class StreamedContext(real.LlamaContext):
         def __init__(self, *, model, params, verbose: bool = True):
-            params.cb_eval = streamer.c_callback
-            params.cb_eval_user_data = None
+            streamer.c_callback.install(params)
             super().__init__(model=model, params=params, verbose=verbose)
 
         def decode(self, batch):

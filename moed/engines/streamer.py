@@ -120,8 +120,9 @@ class ExpertStreamer:
         # shows, so a repeated hit costs one lookup instead of a call per part.
         self._zero_copy_layers: set[int] = set()
         self._placed: dict[tuple[int, int], tuple] = {}
-        # Kept referenced for as long as llama.cpp may call it.
-        self.c_callback = ggml_tensor_callback_type()(self._callback)
+        # The eval callback: its ask pass (every graph node) runs in C, and only the
+        # nodes acted on reach `_on_node`. Kept referenced for as long as llama.cpp may call it.
+        self.c_callback = ggml_tensor.EvalCallback(self._on_node)
 
     # ---- install ---------------------------------------------------------
 
@@ -227,23 +228,21 @@ class ExpertStreamer:
 
     # ---- the eval callback -----------------------------------------------
 
-    def _callback(self, tensor: int, ask: bool, _user_data) -> bool:
+    def _on_node(self, tensor: int) -> bool:
+        """A computed `ffn_moe_topk-<n>` or (while observing) `ffn_norm-<n>` node; False stops the graph."""
         try:
             hit = ggml_tensor.node(tensor)
             if hit is None:
-                return False
+                return True
             kind, layer = hit
-            if ask:
-                return kind == ggml_tensor.TOPK or self._observing(layer)
             if self.error is not None:
                 # An earlier layer failed: stop this graph at its next stop,
                 # before any expert matmul could read pages nobody acquired.
                 return False
             if kind == ggml_tensor.TOPK:
                 self.on_layer(layer, self._route(layer, tensor))
-            else:
-                # Only asked for ffn_norm when _observing, which requires the look-ahead.
-                assert self.lookahead is not None
+            elif self._observing(layer):
+                assert self.lookahead is not None    # _observing requires the look-ahead
                 self.lookahead.observe(layer, ggml_tensor.rows_f32(tensor))
             return True
         except BaseException as exc:  # noqa: BLE001 - must not unwind through C
@@ -339,6 +338,7 @@ class ExpertStreamer:
         self.stats.tokens += n_tokens
         if self.lookahead is not None:
             self.lookahead.begin_decode(n_tokens)
+        self.c_callback.stop_at_norm(self.lookahead is not None and self.lookahead.observing)
 
     def finish(self) -> None:
         """After llama_decode: hide and release what the last layer holds."""
@@ -355,9 +355,3 @@ class ExpertStreamer:
     def take_error(self) -> BaseException | None:
         err, self.error = self.error, None
         return err
-
-
-def ggml_tensor_callback_type():
-    import llama_cpp
-
-    return llama_cpp.ggml_backend_sched_eval_callback
