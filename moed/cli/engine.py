@@ -1,4 +1,4 @@
-"""moectl verbs that run llama.cpp with experts from moed: generate, chat, trace.
+"""moectl verbs that run llama.cpp with experts from moed: generate, chat, trace, kl.
 
 What this module owns: the terminal side of `StreamedLlama` (streaming tokens as
 they come; at the end, the daemon's hit rate for this run and the engine's
@@ -50,23 +50,60 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", required=True, help="trace file to write")
     p.set_defaults(func=cmd_trace)
 
+    p = sub.add_parser("kl", help="what an output-changing option costs: KL divergence from the exact run")
+    _model_args(p)
+    p.add_argument("--prompt-file", required=True, help="texts, one per line (blank lines skipped), teacher-forced")
+    p.add_argument(
+        "--budget",
+        default=None,
+        help="run a private daemon with this RAM budget (a size, or a share of the experts: 25%%) "
+        "instead of the one on --socket",
+    )
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.set_defaults(func=cmd_kl)
+
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="GGUF model (first shard of a split model)")
-    p.add_argument("--ctx", type=int, default=None,
-                   help="context length (default: the model's training context, at most 4096)")
+    p.add_argument(
+        "--ctx", type=int, default=None, help="context length (default: the model's training context, at most 4096)"
+    )
     p.add_argument("--batch", type=int, default=512, help="prompt batch size (default 512)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: llama.cpp's)")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--skeleton-dir", default=None,
-                   help="load llama.cpp from a skeleton of the model kept here (dense bytes only): "
-                        "the load then reads no expert bytes from the drive")
-    p.add_argument("--prefetch", choices=("gate", "gate2", "off"), default="gate",
-                   help="predict experts from the hidden state and prefetch them while computing: one layer "
-                        "ahead (gate, default), also two ahead (gate2), or acquire on demand only (off)")
-    p.add_argument("--prefetch-width", type=int, default=None,
-                   help="experts per token to prefetch (default: the model's top-k)")
+    p.add_argument(
+        "--skeleton-dir",
+        default=None,
+        help="load llama.cpp from a skeleton of the model kept here (dense bytes only): "
+        "the load then reads no expert bytes from the drive",
+    )
+    p.add_argument(
+        "--prefetch",
+        choices=("gate", "gate2", "off"),
+        default="gate",
+        help="predict experts from the hidden state and prefetch them while computing: one layer "
+        "ahead (gate, default), also two ahead (gate2), or acquire on demand only (off)",
+    )
+    p.add_argument(
+        "--prefetch-width", type=int, default=None, help="experts per token to prefetch (default: the model's top-k)"
+    )
+    p.add_argument(
+        "--subst",
+        type=float,
+        default=None,
+        metavar="R",
+        help="substitution: a chosen expert that is not resident may be replaced by a resident one "
+        "among the router's next k whose probability is at least R times its own (changes the "
+        "outputs; price it with `moectl kl`; default off: exact)",
+    )
+    p.add_argument(
+        "--subst-rule",
+        choices=("plain", "cooc"),
+        default="plain",
+        help="which stand-in: the best-ranked (plain, default) or the one most often routed together "
+        "with the missing expert (cooc, learned online)",
+    )
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's load log")
 
 
@@ -76,20 +113,31 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 class _Session:
     """A client plus a StreamedLlama, and the daemon counters at start (for this run's hit rate)."""
 
-    def __init__(self, args: argparse.Namespace, **llama_kwargs):
+    def __init__(self, args: argparse.Namespace, socket: str | None = None, **llama_kwargs):
         from moed.client import Client
         from moed.engines.llama_cpp import StreamedLlama
 
         if not os.path.exists(args.model):
             raise SystemExit(fail(f"no such model file: {args.model}"))
         n_ctx = args.ctx or _default_ctx(args.model)
-        self.client = Client(args.socket, client_name=f"moectl {args.verb}")
+        self.client = Client(socket or args.socket, client_name=f"moectl {args.verb}")
         try:
-            self.llm = StreamedLlama(args.model, client=self.client, n_ctx=n_ctx, n_batch=args.batch,
-                                     n_ubatch=args.batch, n_threads=args.threads, seed=args.seed,
-                                     verbose=args.verbose, skeleton_dir=args.skeleton_dir,
-                                     prefetch=args.prefetch, prefetch_width=args.prefetch_width,
-                                     **llama_kwargs)
+            self.llm = StreamedLlama(
+                args.model,
+                client=self.client,
+                n_ctx=n_ctx,
+                n_batch=args.batch,
+                n_ubatch=args.batch,
+                n_threads=args.threads,
+                seed=args.seed,
+                verbose=args.verbose,
+                skeleton_dir=args.skeleton_dir,
+                prefetch=args.prefetch,
+                prefetch_width=args.prefetch_width,
+                subst=args.subst,
+                subst_rule=args.subst_rule,
+                **llama_kwargs,
+            )
         except ValueError as exc:  # llama.cpp refused the file
             self.client.close()
             raise SystemExit(fail(str(exc))) from None
@@ -112,9 +160,23 @@ class _Session:
         rate = f"{100.0 * hits / (hits + misses):.1f}%" if hits + misses else "n/a"
         from moed.protocol.sizes import format_size
 
-        print(f"\n[moed] {n_tokens} tokens in {dt:.1f} s ({n_tokens / dt if dt else 0:.2f} tok/s); "
-              f"daemon hit rate {rate} ({hits} hits, {misses} misses), read {format_size(read)}; "
-              f"{lookahead_line(self.llm.stream_stats())}", file=out)
+        print(
+            f"\n[moed] {n_tokens} tokens in {dt:.1f} s ({n_tokens / dt if dt else 0:.2f} tok/s); "
+            f"daemon hit rate {rate} ({hits} hits, {misses} misses), read {format_size(read)}; "
+            f"{lookahead_line(self.llm.stream_stats())}{subst_line(self.llm.stream_stats())}",
+            file=out,
+        )
+
+
+def subst_line(st: dict) -> str:
+    """Substitution in one phrase (empty when off)."""
+    if "subst_r" not in st:
+        return ""
+    return (
+        f"; subst r={st['subst_r']:g} ({st['subst_rule']}): {st['subst_per_token']:.2f} per token, "
+        f"{st['subst_reads_avoided']} reads avoided of {st['subst_reads_needed']}, "
+        f"{100 * st['subst_weight_share']:.2f}% of routing weight on stand-ins"
+    )
 
 
 def lookahead_line(st: dict) -> str:
@@ -124,8 +186,10 @@ def lookahead_line(st: dict) -> str:
         return f"prefetch off, stall {stall_ms:.2f} ms/token"
     recall = st.get("prediction_recall")
     recall_s = "n/a" if recall is None else f"{recall:.2f}"
-    return (f"prefetch {st['prefetch']}: recall {recall_s}, issued {st['prefetch_issued']} "
-            f"(hits {st['prefetch_hits']}, wasted {st['prefetch_wasted']}), stall {stall_ms:.2f} ms/token")
+    return (
+        f"prefetch {st['prefetch']}: recall {recall_s}, issued {st['prefetch_issued']} "
+        f"(hits {st['prefetch_hits']}, wasted {st['prefetch_wasted']}), stall {stall_ms:.2f} ms/token"
+    )
 
 
 def _default_ctx(model: str, most: int = 4096) -> int:
@@ -155,14 +219,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         n = 0
         # stream=True: llama-cpp-python returns the chunk iterator (its annotation is the union of both).
-        chunks = cast("Iterator[CreateCompletionStreamResponse]",
-                      s.llm.create_completion(args.prompt, max_tokens=args.n_predict, stream=True,
-                                              seed=args.seed, **_sampling(args)))
+        chunks = cast(
+            "Iterator[CreateCompletionStreamResponse]",
+            s.llm.create_completion(
+                args.prompt, max_tokens=args.n_predict, stream=True, seed=args.seed, **_sampling(args)
+            ),
+        )
         for chunk in chunks:
             choice = chunk["choices"][0]
             sys.stdout.write(choice["text"])
             sys.stdout.flush()
-            n += choice.get("finish_reason") is None   # the closing chunk carries no new token
+            n += choice.get("finish_reason") is None  # the closing chunk carries no new token
         sys.stdout.write("\n")
         s.report(n)
     finally:
@@ -187,9 +254,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 continue
             messages.append({"role": "user", "content": line.rstrip("\n")})
             reply: list[str] = []
-            chunks = cast("Iterator[CreateChatCompletionStreamResponse]",     # stream=True, as above
-                          s.llm.create_chat_completion(messages, max_tokens=args.n_predict, stream=True,
-                                                       seed=args.seed, **_sampling(args)))
+            chunks = cast(
+                "Iterator[CreateChatCompletionStreamResponse]",  # stream=True, as above
+                s.llm.create_chat_completion(
+                    messages, max_tokens=args.n_predict, stream=True, seed=args.seed, **_sampling(args)
+                ),
+            )
             for chunk in chunks:
                 # The empty delta (the closing chunk) is a delta whose keys, all optional, are absent.
                 delta = cast("ChatCompletionStreamResponseDelta", chunk["choices"][0]["delta"])
@@ -217,15 +287,85 @@ def cmd_trace(args: argparse.Namespace) -> int:
         prompts = [line.rstrip("\n") for line in f if line.strip()]
     if not prompts:
         return fail(f"{args.prompt_file} holds no prompts")
-    s = _Session(args, logits_all=True)   # every token's route in every layer
+    s = _Session(args, logits_all=True)  # every token's route in every layer
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("default")
-            steps = record_trace(s.llm, prompts, args.output, n_predict=args.n_predict, chat=args.chat,
-                                 model_name=os.path.basename(args.model))
+            steps = record_trace(
+                s.llm,
+                prompts,
+                args.output,
+                n_predict=args.n_predict,
+                chat=args.chat,
+                model_name=os.path.basename(args.model),
+            )
         print(f"[moed] wrote {steps} steps for {len(prompts)} prompts to {args.output}", file=sys.stderr)
         s.report(steps)
     finally:
         s.close()
     return 0
 
+
+# ---- kl ------------------------------------------------------------------
+
+
+def cmd_kl(args: argparse.Namespace) -> int:
+    import json
+
+    from moed.engines.llama_cpp import UnpackedLlama
+    from moed.lab import kl
+
+    if not os.path.exists(args.model):
+        return fail(f"no such model file: {args.model}")
+    try:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            texts = [line.rstrip("\n") for line in f if line.strip()]
+    except OSError as exc:
+        return fail(f"cannot read {args.prompt_file}: {exc.strerror}")
+    if not texts:
+        return fail(f"{args.prompt_file} holds no texts")
+    n_ctx = args.ctx or _default_ctx(args.model)
+    kw = dict(
+        n_ctx=n_ctx,
+        n_batch=args.batch,
+        n_ubatch=args.batch,
+        n_threads=args.threads,
+        seed=args.seed,
+        verbose=args.verbose,
+        logits_all=True,
+    )
+    daemon = None
+    if args.budget is not None:
+        from moed.lab.replay import parse_budget
+        from moed.spawn import DaemonProcess
+
+        daemon = DaemonProcess(parse_budget(args.budget, args.model))
+    sessions: list[_Session] = []
+
+    def approx():
+        s = _Session(args, socket=daemon.socket if daemon else None, logits_all=True)
+        sessions.append(s)
+        return s.llm
+
+    try:
+        try:
+            report = kl.compare(
+                lambda: UnpackedLlama(args.model, **kw), approx, texts, n_ctx, stats=lambda llm: llm.stream_stats()
+            )
+        except ValueError as exc:
+            return fail(str(exc))
+        finally:
+            for s in sessions:
+                s.client.close()
+    finally:
+        if daemon is not None:
+            daemon.stop()
+    st = report.approx_stats or {}
+    if args.json:
+        out = report.as_dict()
+        out["approx_stats"] = {k: v for k, v in st.items() if k.startswith("subst_") or k in ("tokens", "experts")}
+        print(json.dumps(out))
+    else:
+        opts = f"subst r={args.subst:g} ({args.subst_rule})" if args.subst is not None else "no option (exact)"
+        print(f"[moed] kl of {opts} against the exact run: {report.line()}{subst_line(st)}")
+    return 0

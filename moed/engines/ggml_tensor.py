@@ -184,3 +184,60 @@ def _rows_view(t: GgmlTensor, n_rows: int, k: int) -> np.ndarray:
     span = (n_rows - 1) * nb1 + k * nb0
     raw = (ctypes.c_char * span).from_address(t.data)
     return np.ndarray((n_rows, k), dtype=np.int32, buffer=raw, strides=(nb1, nb0))  # type: ignore[arg-type]  # numpy's stubs list buffer types before 3.12; a ctypes array is one
+
+
+def name(tensor_ptr: int) -> bytes:
+    return ctypes.string_at(tensor_ptr + NAME_OFFSET)
+
+
+def matrix(tensor_ptr: int, dtype=np.float32) -> np.ndarray:
+    """A 2-D tensor (ne0 columns, ne1*ne2*ne3 rows with ne2*ne3 == 1, or ne0 == 1: a (1, k, n) one)
+    as an (n_rows, n_cols) strided view of its buffer; valid only inside its callback."""
+    t = GgmlTensor.from_address(tensor_ptr)
+    want = GGML_TYPE_F32 if np.dtype(dtype) == np.float32 else GGML_TYPE_I32
+    if t.type != want:
+        raise RuntimeError(f"{name(tensor_ptr)!r} has ggml type {t.type}, expected {want}")
+    ne = [int(x) for x in t.ne]
+    nb = [int(x) for x in t.nb]
+    if ne[0] == 1 and ne[3] == 1:  # (1, k, n): the gathered weights
+        ne, nb = [ne[1], ne[2], 1, 1], [nb[1], nb[2], nb[3], nb[3]]
+    if ne[2] * ne[3] != 1:
+        raise RuntimeError(f"{name(tensor_ptr)!r} has more than two dimensions: unexpected graph")
+    n_cols, n_rows = ne[0], ne[1]
+    if n_rows == 0 or n_cols == 0:
+        return np.empty((n_rows, n_cols), dtype=dtype)
+    span = (n_rows - 1) * nb[1] + (n_cols - 1) * nb[0] + np.dtype(dtype).itemsize
+    raw = (ctypes.c_char * span).from_address(t.data)
+    return np.ndarray((n_rows, n_cols), dtype=dtype, buffer=raw, strides=(nb[1], nb[0]))
+
+
+def router_arrays(topk_ptr: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ranked, probs) of a computed `ffn_moe_topk-<n>`: every expert best first
+    (`ffn_moe_argsort-<n>`) and the routing probabilities (`ffn_moe_probs-<n>`), each
+    (n_tokens, n_experts), read-only strided views, valid only inside the callback.
+
+    The topk is the first k columns of the argsort (its `view_src`, offset 0); the
+    argsort sorts the selection scores (`src[0]`: the probabilities, or
+    `ffn_moe_probs_biased-<n>` whose `src[0]` they are). Both are still live at the
+    topk: the argsort is the topk's own data, and the probabilities are an input of
+    the routing-weight gather that follows.
+    """
+    t = GgmlTensor.from_address(topk_ptr)
+    src = t.view_src
+    if not src or t.view_offs != 0 or not name(src).startswith(b"ffn_moe_argsort"):
+        raise RuntimeError(f"{name(topk_ptr)!r} is not a view of ffn_moe_argsort: unexpected graph")
+    n_rows = int(t.ne[1])
+    ranked = matrix(src, np.int32)[:n_rows]
+    probs_ptr = GgmlTensor.from_address(src).src[0]
+    for _ in range(3):
+        if not probs_ptr or name(probs_ptr).startswith(b"ffn_moe_probs-"):
+            break
+        probs_ptr = GgmlTensor.from_address(probs_ptr).src[0]
+    if not probs_ptr or not name(probs_ptr).startswith(b"ffn_moe_probs-"):
+        raise RuntimeError(f"no ffn_moe_probs behind {name(topk_ptr)!r}: unexpected graph")
+    probs = matrix(probs_ptr, np.float32)[:n_rows]
+    if probs.shape != ranked.shape:
+        raise RuntimeError(f"ffn_moe_probs {probs.shape} and ffn_moe_argsort {ranked.shape} differ")
+    ranked.flags.writeable = False
+    probs.flags.writeable = False
+    return ranked, probs

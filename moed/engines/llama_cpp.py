@@ -37,6 +37,7 @@ from moed.engines.lookahead import MODES as PREFETCH_MODES
 from moed.engines.lookahead import PredictHook
 from moed.engines.sources import ExpertSource, MoedSource
 from moed.engines.streamer import ExpertStreamer, RouteHook, snapshot_bases
+from moed.engines.substitute import Substituter
 from moed.protocol.errors import BudgetExhausted, RequestTooLarge
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
@@ -177,6 +178,12 @@ class StreamedLlama(Llama):
     True): decode steps measure prefetch on against off and keep the faster
     (moed.engines.governor); False prefetches on every step. Prefetch never
     changes the logits. `predict_hook`: benchmark only, may overwrite predictions.
+    `subst`: None (default) computes exactly; a number r > 0 lets a token whose
+    chosen expert is not resident use instead the best resident one among the
+    router's next `subst_window` (default k) choices whose probability is at least
+    r times the missing one's (moed.engines.substitute; this changes the outputs:
+    price it with `moectl kl`). `subst_rule`: "plain" (best-ranked) or "cooc"
+    (most often routed together with the missing expert, learned online).
     """
 
     def __init__(
@@ -194,6 +201,9 @@ class StreamedLlama(Llama):
         prefetch_width: int | None = None,
         prefetch_adapt: bool = True,
         predict_hook: PredictHook | None = None,
+        subst: float | None = None,
+        subst_rule: str = "plain",
+        subst_window: int | None = None,
         **llama_kwargs,
     ):
         self._check_kwargs(llama_kwargs)
@@ -216,6 +226,15 @@ class StreamedLlama(Llama):
                 client = self._own_client = Client(socket_path, client_name=f"StreamedLlama[{os.getpid()}]")
             source = MoedSource(client, model_path, timeout_s=acquire_timeout_s)
         self.moed_client = client
+        substituter = None
+        if subst is not None:
+            try:
+                if not hasattr(source, "resident"):
+                    raise ValueError("subst needs a source that knows what is resident (ExpertSource.resident)")
+                substituter = Substituter(subst, source.n_experts, source.n_expert_used, subst_window, subst_rule)
+            except BaseException:
+                self._close_client()
+                raise
         self.streamer = ExpertStreamer(
             source,
             route_hook=route_hook,
@@ -224,6 +243,7 @@ class StreamedLlama(Llama):
             prefetch_width=prefetch_width,
             prefetch_adapt=prefetch_adapt,
             predict_hook=predict_hook,
+            substituter=substituter,
         )
         try:
             if skeleton_dir is not None:
@@ -300,7 +320,10 @@ class StreamedLlama(Llama):
         `prediction_recall`: routed (token, expert) pairs the one-ahead prediction
         named; `prefetch_issued = prefetch_hits + prefetch_wasted + prefetch_pending`
         (experts named in prefetches, resolved when their layer routes);
-        `per_layer[layer]`: the same per layer (moed.engines.lookahead).
+        `per_layer[layer]`: the same per layer (moed.engines.lookahead). With `subst`:
+        `subst_per_token` (substitutions over all tokens), `subst_reads_avoided`
+        (distinct missing experts per layer whose every use went to a stand-in, so no
+        read), `subst_weight_share` (routing probability on stand-ins over all chosen).
         """
         s = self.streamer.stats
         p = self.streamer.pages.stats if self.streamer.pages else None
@@ -311,6 +334,8 @@ class StreamedLlama(Llama):
             out.update({f"pages_{k}": v for k, v in vars(p).items()})
         if self.streamer.lookahead is not None:
             out.update(self.streamer.lookahead.totals())
+        if self.streamer.substituter is not None:
+            out.update(self.streamer.substituter.totals(s.tokens))
         return out
 
     def _close_client(self) -> None:

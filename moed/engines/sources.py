@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, cast
 
+import numpy as np
+
 from moed.protocol.messages import PartExtent
 
 
@@ -50,6 +52,10 @@ class ExpertSource(Protocol):
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         """Read `experts` of `layer` ahead; never waits (needed only with prefetch on)."""
+
+    def resident(self, layer: int, experts: Sequence[int]) -> np.ndarray:
+        """Which of `experts` of `layer` are resident now, with no round trip (needed only
+        with substitution on)."""
 
 
 class MoedGrant:
@@ -106,3 +112,6 @@ class MoedSource:
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         self.model.prefetch(layer, list(experts))
+
+    def resident(self, layer: int, experts: Sequence[int]) -> np.ndarray:
+        return self.model.resident(layer, experts)

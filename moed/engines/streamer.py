@@ -20,6 +20,11 @@ Invariants (what must happen before what):
   an idle engine holds nothing.
 - The look-ahead only reads the graph's tensors and sends prefetches; it never
   writes a tensor, so prefetch cannot change what llama.cpp computes.
+- Substitution (off unless a `Substituter` is given; moed.engines.substitute)
+  rewrites the ids in place at the topk, reading the router's ranking and
+  probabilities through the topk's sources (both still live there), after the
+  route hook and before the acquire, the observers and the look-ahead see them;
+  off, nothing of it runs.
 - An exception in the callback is stored and the callback answers False, which
   stops the graph (and every later graph of that decode at its first routed
   layer); the decode wrapper re-raises the stored exception even though
@@ -43,6 +48,7 @@ from moed.engines.expert_pages import ExpertPages, PartSpan
 from moed.engines.lookahead import Lookahead, PredictHook
 from moed.engines.skeleton import expert_ranges
 from moed.engines.sources import ExpertSource, Grant
+from moed.engines.substitute import Substituter
 
 log = logging.getLogger("moed.engine")
 
@@ -95,6 +101,7 @@ class ExpertStreamer:
         prefetch_width: int | None = None,
         prefetch_adapt: bool = True,
         predict_hook: PredictHook | None = None,
+        substituter: Substituter | None = None,
     ):
         if not ggml_tensor.layout_matches():
             raise RuntimeError(
@@ -115,6 +122,8 @@ class ExpertStreamer:
         self.predict_hook = predict_hook
         self.lookahead: Lookahead | None = None  # built at install (it reads the mapped routers)
         self.error: BaseException | None = None
+        # Substitution (moed.engines.substitute): None is the exact path, untouched.
+        self.substituter = substituter
         self._parts: dict[int, list[PartSpan]] = {}
         # Relaxed mode on an all-zero-copy layer: which slot each expert's address
         # shows, so a repeated hit costs one lookup instead of a call per part.
@@ -256,6 +265,9 @@ class ExpertStreamer:
     def _route(self, layer: int, tensor: int) -> np.ndarray:
         if self.route_hook is not None:
             self.route_hook(layer, ggml_tensor.topk_view(tensor))
+        if self.substituter is not None:
+            ranked, probs = ggml_tensor.router_arrays(tensor)
+            self.substituter.rewrite(layer, ggml_tensor.topk_view(tensor), ranked, probs, self.source.resident)
         ids = ggml_tensor.topk_ids(tensor)
         for observer in self.observers:
             observer.route(layer, ids)
