@@ -50,6 +50,7 @@ from .reader import ModelFile, ReaderPool, ReadJob
 from .residency import Residency
 from .stats import Counters, Tenant
 from .store import ExpertKey, Slot, SlotState, Store, Want
+from .tasks import stop_task
 from .verify import Verifier, digest
 
 log = logging.getLogger("moed")
@@ -859,12 +860,8 @@ class Daemon:
                 log.exception("local-hold maintenance failed")
 
     async def stop(self) -> None:
-        if self._maintain_task is not None:
-            self._maintain_task.cancel()
-            try:
-                await self._maintain_task
-            except asyncio.CancelledError:
-                pass
+        await stop_task(self._maintain_task)
+        self._maintain_task = None
 
 
 __all__ = ["Daemon", "Lease", "PendingAcquire", "PAGE"]

@@ -34,6 +34,8 @@ import psutil
 
 from moed.protocol.sizes import format_size
 
+from .tasks import stop_task
+
 log = logging.getLogger("moed.memguard")
 
 MIN_HYSTERESIS_BYTES = 16 << 20
@@ -264,13 +266,8 @@ class MemGuard:
             await asyncio.sleep(self.sample_s)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
 
     def stats(self) -> dict:
         store = self.store

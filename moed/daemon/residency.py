@@ -50,11 +50,7 @@ class Words:
         return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
 
     def close(self) -> None:
-        try:
-            self.map.close()
-        except BufferError:
-            pass
-        os.close(self.fd)
+        _unmap(self.map, self.fd)
 
 
 @dataclass(eq=False)
@@ -67,11 +63,16 @@ class Region:
     counters_seen: dict = field(default_factory=dict)  # model_id -> local hits already folded
 
     def close(self) -> None:
-        try:
-            self.map.close()
-        except BufferError:
-            pass
-        os.close(self.fd)
+        _unmap(self.map, self.fd)
+
+
+def _unmap(mapping: mmap.mmap, fd: int) -> None:
+    """Unmap and close; a view still exported keeps its pages, and they go with it."""
+    try:
+        mapping.close()
+    except BufferError:
+        pass
+    os.close(fd)
 
 
 class Residency:

@@ -14,6 +14,24 @@ from __future__ import annotations
 
 import msgspec
 
+# The brief's contract: `moectl stats --json` carries at least these keys.
+CONTRACT_KEYS = frozenset(
+    {
+        "budget_bytes",
+        "used_bytes",
+        "pinned_bytes",
+        "hits",
+        "misses",
+        "prefetch_hits",
+        "bytes_read",
+        "direct_io",
+        "mem_available_bytes",
+        "mem_floor_bytes",
+        "models",
+        "tenants",
+    }
+)
+
 
 class _Row(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=False):
     pass

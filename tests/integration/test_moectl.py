@@ -6,20 +6,7 @@ import json
 import subprocess
 import sys
 
-CONTRACT_KEYS = {
-    "budget_bytes",
-    "used_bytes",
-    "pinned_bytes",
-    "hits",
-    "misses",
-    "prefetch_hits",
-    "bytes_read",
-    "direct_io",
-    "mem_available_bytes",
-    "mem_floor_bytes",
-    "models",
-    "tenants",
-}
+from moed.protocol.stats import CONTRACT_KEYS
 
 
 def moectl(sock: str, *args: str) -> subprocess.CompletedProcess:
