@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moed import _holds
+from moed.protocol import errors
 from moed.protocol import residency as rz
 
 log = logging.getLogger("moed.residency")
@@ -172,7 +173,7 @@ class Residency:
     def open_region(self, session) -> int:
         """A new region for `session`; returns a read-write descriptor for its client."""
         if session in self.regions:
-            raise ValueError("this connection has a hold region already")
+            raise errors.BadRequest("this connection has its hold region already (MapHolds is asked once)")
         fd = os.memfd_create("moed-holds", os.MFD_CLOEXEC)
         os.ftruncate(fd, rz.REGION_WORDS * 8)
         region = Region(fd, mmap.mmap(fd, rz.REGION_WORDS * 8))

@@ -168,3 +168,14 @@ def test_resident_reads_the_table_with_no_round_trip(start_daemon, model_factory
         assert h.resident(0, [1, 4]).sum() == 1 and h.resident(1, [0, 2]).all()
         with pytest.raises(errors.UnknownExpert):
             h.resident(0, [8])
+
+
+def test_asking_for_a_second_hold_region_is_a_typed_error(daemon, tiny_model):
+    from moed.protocol import messages as m
+
+    with daemon.client() as c:
+        c.open_model(tiny_model)                        # maps the region
+        with pytest.raises(errors.BadRequest, match="once"):
+            c.request(m.MapHolds(), fds=True)
+        c.ping()
+    assert "Traceback" not in daemon.log()
