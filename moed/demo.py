@@ -1,8 +1,11 @@
 """The main job on an embedded default: `scripts/demo [MODEL.gguf]`.
 
-Generates a small MoE model when none is given (cached under .cache/demo/),
-starts moed with a RAM budget smaller than the model's routed experts, runs
-two engine processes at once whose experts are served by the daemon (run as
+Without MODEL it runs the committed tiny trained MoE (`moed.data.TINY_MOE`:
+qwen3moe, byte-level, trained on the Python standard library's source by
+scripts/train-tiny-moe), so the engines write Python-looking text; `--random`
+generates a random-weight model instead (cached under .cache/demo/). It starts
+moed with a RAM budget smaller than the model's routed experts, runs two engine
+processes at once whose experts are served by the daemon (run as
 root, the second runs as user `nobody`, so stats show two tenants), prints
 `moectl stats`, and stops everything cleanly (the daemon exits 0).
 
@@ -28,7 +31,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def default_model() -> Path:
+def trained_model() -> Path:
+    from moed.data import tiny_moe
+    return tiny_moe(verify=True)
+
+
+def random_model() -> Path:
     from moed.lab.makemodel import make_model
     path = ROOT / ".cache" / "demo" / "demo-qwen3moe.gguf"
     if not path.exists():
@@ -72,13 +80,14 @@ def second_tenant_possible(model: Path) -> bool:
     return check.returncode == 0
 
 
-def engine_command(sock: str, model: Path, prompt: str, name: str, as_nobody: bool) -> list[str]:
+def engine_command(sock: str, model: Path, prompt: str, name: str, as_nobody: bool,
+                   n_predict: int = 48, sample: list[str] | None = None) -> list[str]:
     try:
         import llama_cpp  # noqa: F401
 
         from moed.engines import llama_cpp as _streamed  # noqa: F401
         cmd = [sys.executable, "-m", "moed.ctl", "--socket", sock, "generate", str(model),
-               "--prompt", prompt, "-n", "48"]
+               "--prompt", prompt, "-n", str(n_predict), *(sample or [])]
     except ImportError:
         cmd = [sys.executable, "-m", "moed.demo_client", sock, str(model), name]
     if as_nobody:
@@ -146,13 +155,18 @@ def serve_demo(model: Path, budget: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="scripts/demo")
-    ap.add_argument("model", nargs="?", help="a MoE GGUF (default: a generated small qwen3moe)")
+    ap.add_argument("model", nargs="?", help="a MoE GGUF (default: the committed tiny trained qwen3moe)")
+    ap.add_argument("--random", action="store_true", help="a generated random-weight model instead (noise)")
     ap.add_argument("--budget-fraction", type=float, default=0.5,
                     help="RAM budget as a share of the model's routed expert bytes")
     ap.add_argument("--serve", action="store_true",
                     help="moed and one OpenAI-compatible server instead; requests through the openai client")
     args = ap.parse_args(argv)
-    model = Path(args.model).resolve() if args.model else default_model()
+    trained = not args.model and not args.random
+    model = Path(args.model).resolve() if args.model else trained_model() if trained else random_model()
+    if trained:
+        from moed.data import TINY_MOE_SUMMARY
+        print(f"demo: {TINY_MOE_SUMMARY}", flush=True)
     total = routed_bytes(model)
     budget = max(int(total * args.budget_fraction), 1 << 20)
     print(f"demo: model {model} ({total / 2**20:.1f} MiB of routed experts), "
@@ -164,11 +178,22 @@ def main(argv: list[str] | None = None) -> int:
     sock = daemon.socket
     codes = []
     try:
-        prompts = [("engine-a", "The quick brown fox", False), ("engine-b", "Once upon a time", two_users)]
+        prompts = ([("engine-a", "import os\n\n\ndef ", False), ("engine-b", "class Reader:\n    def __init__(self",
+                                                                two_users)] if trained else
+                   [("engine-a", "The quick brown fox", False), ("engine-b", "Once upon a time", two_users)])
         print("demo: two engines generate at once" + (", the second as user nobody (a second tenant)"
                                                        if two_users else " (one user, so one tenant)"), flush=True)
-        procs = [subprocess.Popen(engine_command(sock, model, p, name, other)) for name, p, other in prompts]
-        codes = [p.wait() for p in procs]
+        n = 96 if trained else 48       # byte tokens: the trained model's context is 128
+        # Greedy decoding of a tiny byte model loops ("the string the string"): sample, seeded.
+        sample = ["--temp", "0.6", "--seed", "1"] if trained else []
+        procs = [subprocess.Popen(engine_command(sock, model, p, name, other, n, sample), stdout=subprocess.PIPE,
+                                  text=True)
+                 for name, p, other in prompts]
+        outs = [p.communicate()[0] for p in procs]     # small: the pipes never fill
+        codes = [p.returncode for p in procs]
+        for (name, prompt, _), text in zip(prompts, outs):
+            print(f"demo: {name}, prompt {prompt!r}, wrote (prompt included):", flush=True)
+            print("    | " + (prompt + text).rstrip("\n").replace("\n", "\n    | "), flush=True)
         if any(codes):
             print(f"demo: an engine failed: exit codes {codes}", file=sys.stderr)
         subprocess.run([sys.executable, "-m", "moed.ctl", "--socket", sock, "stats"], check=False)

@@ -11,6 +11,8 @@ into `tmp_path` first if a test needs to damage a model):
   every expert part is 69632 = 17 pages and page-aligned (zero-copy path).
 - `split_model`: `tiny_model`'s geometry in 3 shards (first shard's path).
 - `mixed_model`: layers q8_0, q4_0, q8_0, q4_0: two size classes.
+- `trained_model`: the committed tiny trained MoE (`moed.data.TINY_MOE`: 6 layers, 16
+  experts, top-2, d 128, q8_0, byte-level, learned routing), checked against its sha256.
 - `llama_cpp`: the llama_cpp module, or the test is skipped where it is not installed.
 - `start_daemon(budget, *flags, **kw)`, `daemon`: the real moed as a subprocess.
 - `shared_dir`: a world-readable temporary directory (tests that run as another uid).
@@ -68,6 +70,13 @@ def split_model(model_factory) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def mixed_model(model_factory) -> pathlib.Path:
     return model_factory(layer_quants="q8_0,q4_0,q8_0,q4_0")
+
+
+@pytest.fixture(scope="session")
+def trained_model() -> pathlib.Path:
+    from moed.data import tiny_moe
+
+    return tiny_moe(verify=True)
 
 
 @pytest.fixture(scope="session")

@@ -55,7 +55,7 @@ def engine(daemon, path, budget=None, **kw):
     return StreamedLlama(str(path), client=client, **{**LLAMA_KW, **kw}), client
 
 
-@pytest.mark.parametrize("model", ["tiny_model", "aligned_model", "split_model", "mixed_model"])
+@pytest.mark.parametrize("model", ["tiny_model", "aligned_model", "split_model", "mixed_model", "trained_model"])
 def test_predictor_at_zero_lead_is_llama_cpps_top_k(request, start_daemon, model):
     path = request.getfixturevalue(model)
     llm, client = engine(start_daemon(), path, prefetch="off")
@@ -77,6 +77,7 @@ def test_predictor_at_zero_lead_is_llama_cpps_top_k(request, start_daemon, model
 @pytest.mark.parametrize("model, budget", [
     ("aligned_model", "2MiB"),     # zero copy, ~10 slots of 32 experts: evicts between layers
     ("tiny_model", "256KiB"),      # copy path, ~10 slots of 32
+    ("trained_model", "1MiB"),     # learned routing, copy path, ~17 slots of 96
 ])
 def test_logits_bit_exact_with_prefetch_at_an_evicting_budget(request, start_daemon, reference_logits,
                                                               model, budget, mode):

@@ -48,6 +48,8 @@ def test_ggml_layout_and_pinned_version(llama_cpp):
     ("mixed_model", "64MiB", "copy"),
     ("tiny_model", "256KiB", "evicting"),     # ~10 slots of 32 experts: evicted between layers
     ("aligned_model", "2MiB", "evicting"),
+    ("trained_model", "64MiB", "copy"),       # learned weights and routing (17408-byte parts: copy path)
+    ("trained_model", "1MiB", "evicting"),    # ~17 slots of 96 experts
 ])
 def test_logits_bit_exact(request, start_daemon, reference_logits, model, budget, path_kind):
     path = request.getfixturevalue(model)
