@@ -41,7 +41,6 @@ class Observer:
     """An eval callback that keeps ffn_norm, l_out and topk of every layer, with their times."""
 
     def __init__(self):
-        import llama_cpp
 
         from moed.engines import ggml_tensor
 
@@ -49,7 +48,7 @@ class Observer:
         self.rows: dict[tuple[str, int], np.ndarray] = {}
         self.at: dict[tuple[str, int], float] = {}
         self.steps: list[tuple[dict, dict]] = []
-        self.c_callback = llama_cpp.ggml_backend_sched_eval_callback(self._callback)
+        self.c_callback = ggml_tensor.PythonEvalCallback(self._callback)  # it stops at l_out too
 
     def _callback(self, tensor: int, ask: bool, _user) -> bool:
         name = ctypes.string_at(tensor + self.gt.NAME_OFFSET)

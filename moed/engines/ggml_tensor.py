@@ -85,6 +85,23 @@ class EvalCallback:
         params.cb_eval_user_data = self.user_data
 
 
+class PythonEvalCallback:
+    """A `cb_eval` whose ask pass runs in Python too: for tools that stop at nodes the
+    C filter does not know (bench/observation_point.py reads l_out). `fn(tensor, ask, user_data)`."""
+
+    def __init__(self, fn: Callable[[int, bool, object], bool]):
+        import llama_cpp
+
+        self.function = llama_cpp.ggml_backend_sched_eval_callback(fn)
+
+    def stop_at_norm(self, on: bool) -> None:
+        """The Python callback decides every node itself."""
+
+    def install(self, params) -> None:
+        params.cb_eval = self.function
+        params.cb_eval_user_data = None
+
+
 def ggml_base_library() -> ctypes.CDLL:
     """libggml-base from the installed llama-cpp-python (it exports ggml_tensor_overhead)."""
     from pathlib import Path
