@@ -86,10 +86,11 @@ def measure(model: str, tokens: int, eps: float) -> dict:
 
     obs = Observer()
     with _constructing(_unpacked_internals(obs)):
-        llm = UnpackedLlama.__mro__[1](model_path=model, n_ctx=tokens + 64, n_batch=1, n_ubatch=1,
-                                       n_threads=1, verbose=False, logits_all=True)
+        llm = UnpackedLlama.__mro__[1](
+            model_path=model, n_ctx=tokens + 64, n_batch=1, n_ubatch=1, n_threads=1, verbose=False, logits_all=True
+        )
     headers = read_split(model)
-    data = np.fromfile(model, dtype=np.uint8)          # kept referenced while the routers are read
+    data = np.fromfile(model, dtype=np.uint8)  # kept referenced while the routers are read
     base = data.ctypes.data
     layers = list(range(int(headers[0].get(f"{headers[0].get('general.architecture')}.block_count"))))
     routers, gating = load_routers(headers, [base], layers)
@@ -97,7 +98,7 @@ def measure(model: str, tokens: int, eps: float) -> dict:
     llm.eval(llm.tokenize(b"the expert model reads memory pages from the drive"))
     obs.steps.clear()
     obs.rows, obs.at = {}, {}
-    for _ in range(tokens):                       # decode steps: one token a graph
+    for _ in range(tokens):  # decode steps: one token a graph
         llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
         obs.end_step()
     k = routers[layers[0]].weight.shape[0] and int(obs.steps[0][0][("ffn_moe_topk", 0)].shape[1])
@@ -117,8 +118,10 @@ def measure(model: str, tokens: int, eps: float) -> dict:
                     g, t = recall(top(scores, k), rows[("ffn_moe_topk", M)])
                     got, total = got + g, total + t
                     lead_s.append(at[("ffn_moe_topk", M)] - at[(point, L)])
-            out[f"{point} +{lead}"] = {"recall": round(got / total, 3),
-                                       "lead_ms_median": round(1e3 * float(np.median(lead_s)), 3)}
+            out[f"{point} +{lead}"] = {
+                "recall": round(got / total, 3),
+                "lead_ms_median": round(1e3 * float(np.median(lead_s)), 3),
+            }
     llm.close()
     return out
 
@@ -133,15 +136,32 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="a GGUF to measure instead of a generated one")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
-        model = a.model or str(make_model(pathlib.Path(d) / "m.gguf", layers=a.layers, experts=a.experts,
-                                          used=a.used, embd=a.embd, ff=a.ff, ctx=512)[0])
+        model = a.model or str(
+            make_model(
+                pathlib.Path(d) / "m.gguf",
+                layers=a.layers,
+                experts=a.experts,
+                used=a.used,
+                embd=a.embd,
+                ff=a.ff,
+                ctx=512,
+            )[0]
+        )
         from moed.gguf.header import read_header
 
         h = read_header(model)
         eps = float(h.get(f"{h.get('general.architecture')}.attention.layer_norm_rms_epsilon", 1e-6))
         res = measure(model, a.tokens, eps)
-    print(json.dumps({"model": a.model or f"generated (random weights) {a.layers}x{a.experts} top-{a.used} "
-                      f"embd {a.embd} ff {a.ff}", "tokens": a.tokens, "points": res}))
+    print(
+        json.dumps(
+            {
+                "model": a.model
+                or f"generated (random weights) {a.layers}x{a.experts} top-{a.used} embd {a.embd} ff {a.ff}",
+                "tokens": a.tokens,
+                "points": res,
+            }
+        )
+    )
     return 0
 
 

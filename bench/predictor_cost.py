@@ -55,13 +55,18 @@ def main() -> int:
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     layers = list(range(a.layers))
-    routers = {l: Router(rng.standard_normal((a.experts, a.embd)).astype(np.float32),
-                         (1 + 0.1 * rng.standard_normal(a.embd)).astype(np.float32)) for l in layers}
+    routers = {
+        l: Router(
+            rng.standard_normal((a.experts, a.embd)).astype(np.float32),
+            (1 + 0.1 * rng.standard_normal(a.embd)).astype(np.float32),
+        )
+        for l in layers
+    }
     la = Lookahead(GatePredictor(routers, layers), DroppingSource(layers, a.used), "gate", a.used, adapt=False)
     out = {}
     for rows, n in ((1, 3000), (a.batch, 50)):
         x = rng.standard_normal((rows, a.embd)).astype(np.float32)
-        ids = np.argsort(rng.random((rows, a.experts)), axis=1)[:, :a.used].astype(np.int32)
+        ids = np.argsort(rng.random((rows, a.experts)), axis=1)[:, : a.used].astype(np.int32)
         out[f"us_per_layer_{rows}_tokens"] = round(per_layer_us(la, x, ids, n), 1)
     print(json.dumps({"geometry": vars(a), **out}))
     return 0

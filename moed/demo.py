@@ -33,11 +33,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def trained_model() -> Path:
     from moed.data import tiny_moe
+
     return tiny_moe(verify=True)
 
 
 def random_model() -> Path:
     from moed.lab.makemodel import make_model
+
     path = ROOT / ".cache" / "demo" / "demo-qwen3moe.gguf"
     if not path.exists():
         print(f"demo: generating a small qwen3moe model at {path}", flush=True)
@@ -49,6 +51,7 @@ def random_model() -> Path:
 
 def routed_bytes(model: Path) -> int:
     from moed.gguf.catalog import Catalog
+
     cat = Catalog.open(model)
     return sum(cat.expert_bytes(layer) * cat.n_experts for layer in cat.moe_layers)
 
@@ -56,6 +59,7 @@ def routed_bytes(model: Path) -> int:
 def start_daemon(budget: int, shared: bool, *extra: str):
     from moed.protocol.errors import DaemonUnavailable
     from moed.spawn import DaemonProcess
+
     # The demo's second tenant is another user: let it reach the socket.
     config = {"socket_mode": 0o666} if shared else None
     try:
@@ -74,20 +78,49 @@ def second_tenant_possible(model: Path) -> bool:
     """Root can run the second engine as `nobody`, if nobody can read the model and the venv."""
     if os.geteuid() != 0 or not shutil.which("setpriv"):
         return False
-    check = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-                            sys.executable, "-c", f"open({str(model)!r}, 'rb').close()"],
-                           capture_output=True)
+    check = subprocess.run(
+        [
+            "setpriv",
+            f"--reuid={NOBODY}",
+            f"--regid={NOBODY}",
+            "--clear-groups",
+            sys.executable,
+            "-c",
+            f"open({str(model)!r}, 'rb').close()",
+        ],
+        capture_output=True,
+    )
     return check.returncode == 0
 
 
-def engine_command(sock: str, model: Path, prompt: str, name: str, as_nobody: bool,
-                   n_predict: int = 48, sample: list[str] | None = None) -> list[str]:
+def engine_command(
+    sock: str,
+    model: Path,
+    prompt: str,
+    name: str,
+    as_nobody: bool,
+    n_predict: int = 48,
+    sample: list[str] | None = None,
+) -> list[str]:
     try:
         import llama_cpp  # noqa: F401
 
         from moed.engines import llama_cpp as _streamed  # noqa: F401
-        cmd = [sys.executable, "-m", "moed.ctl", "--socket", sock, "generate", str(model),
-               "--prompt", prompt, "-n", str(n_predict), *(sample or [])]
+
+        cmd = [
+            sys.executable,
+            "-m",
+            "moed.ctl",
+            "--socket",
+            sock,
+            "generate",
+            str(model),
+            "--prompt",
+            prompt,
+            "-n",
+            str(n_predict),
+            *(sample or []),
+        ]
     except ImportError:
         cmd = [sys.executable, "-m", "moed.demo_client", sock, str(model), name]
     if as_nobody:
@@ -97,6 +130,7 @@ def engine_command(sock: str, model: Path, prompt: str, name: str, as_nobody: bo
 
 def free_port() -> int:
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -111,13 +145,30 @@ def serve_demo(model: Path, budget: int) -> int:
         import llama_cpp.server.app  # noqa: F401
         import openai
     except ImportError as exc:
-        print(f"demo --serve needs llama-cpp-python[server] and openai (scripts/setup-venv installs them): {exc}",
-              file=sys.stderr)
+        print(
+            f"demo --serve needs llama-cpp-python[server] and openai (scripts/setup-venv installs them): {exc}",
+            file=sys.stderr,
+        )
         return 1
     metrics_port, port = free_port(), free_port()
     daemon = start_daemon(budget, False, "--metrics-listen", f"127.0.0.1:{metrics_port}")
-    server = subprocess.Popen([sys.executable, "-m", "moed.ctl", "--socket", daemon.socket, "serve", str(model),
-                               "--port", str(port), "--alias", "demo", "--ctx", "1024"])
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "moed.ctl",
+            "--socket",
+            daemon.socket,
+            "serve",
+            str(model),
+            "--port",
+            str(port),
+            "--alias",
+            "demo",
+            "--ctx",
+            "1024",
+        ]
+    )
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
     ok = False
     try:
@@ -131,12 +182,14 @@ def serve_demo(model: Path, budget: int) -> int:
                     raise SystemExit("demo: moectl serve did not come up") from None
                 time.sleep(0.2)
         print(f"demo: OpenAI-compatible server on http://127.0.0.1:{port}/v1, experts from moed", flush=True)
-        chat = client.chat.completions.create(model="demo", max_tokens=24, temperature=0,
-                                              messages=[{"role": "user", "content": "Say hello."}])
+        chat = client.chat.completions.create(
+            model="demo", max_tokens=24, temperature=0, messages=[{"role": "user", "content": "Say hello."}]
+        )
         print(f"demo: chat answer: {chat.choices[0].message.content!r}", flush=True)
         print("demo: streamed completion: ", end="", flush=True)
-        for chunk in client.completions.create(model="demo", prompt="Once upon a time", max_tokens=48,
-                                               temperature=0, stream=True):
+        for chunk in client.completions.create(
+            model="demo", prompt="Once upon a time", max_tokens=48, temperature=0, stream=True
+        ):
             print(repr(chunk.choices[0].text)[1:-1], end="", flush=True)
         print(flush=True)
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
@@ -157,20 +210,27 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="scripts/demo")
     ap.add_argument("model", nargs="?", help="a MoE GGUF (default: the committed tiny trained qwen3moe)")
     ap.add_argument("--random", action="store_true", help="a generated random-weight model instead (noise)")
-    ap.add_argument("--budget-fraction", type=float, default=0.5,
-                    help="RAM budget as a share of the model's routed expert bytes")
-    ap.add_argument("--serve", action="store_true",
-                    help="moed and one OpenAI-compatible server instead; requests through the openai client")
+    ap.add_argument(
+        "--budget-fraction", type=float, default=0.5, help="RAM budget as a share of the model's routed expert bytes"
+    )
+    ap.add_argument(
+        "--serve",
+        action="store_true",
+        help="moed and one OpenAI-compatible server instead; requests through the openai client",
+    )
     args = ap.parse_args(argv)
     trained = not args.model and not args.random
     model = Path(args.model).resolve() if args.model else trained_model() if trained else random_model()
     if trained:
         from moed.data import TINY_MOE_SUMMARY
+
         print(f"demo: {TINY_MOE_SUMMARY}", flush=True)
     total = routed_bytes(model)
     budget = max(int(total * args.budget_fraction), 1 << 20)
-    print(f"demo: model {model} ({total / 2**20:.1f} MiB of routed experts), "
-          f"moed budget {budget / 2**20:.1f} MiB", flush=True)
+    print(
+        f"demo: model {model} ({total / 2**20:.1f} MiB of routed experts), moed budget {budget / 2**20:.1f} MiB",
+        flush=True,
+    )
     if args.serve:
         return serve_demo(model, budget)
     two_users = second_tenant_possible(model)
@@ -178,18 +238,27 @@ def main(argv: list[str] | None = None) -> int:
     sock = daemon.socket
     codes = []
     try:
-        prompts = ([("engine-a", "import os\n\n\ndef ", False), ("engine-b", "class Reader:\n    def __init__(self",
-                                                                two_users)] if trained else
-                   [("engine-a", "The quick brown fox", False), ("engine-b", "Once upon a time", two_users)])
-        print("demo: two engines generate at once" + (", the second as user nobody (a second tenant)"
-                                                       if two_users else " (one user, so one tenant)"), flush=True)
-        n = 96 if trained else 48       # byte tokens: the trained model's context is 128
+        prompts = (
+            [
+                ("engine-a", "import os\n\n\ndef ", False),
+                ("engine-b", "class Reader:\n    def __init__(self", two_users),
+            ]
+            if trained
+            else [("engine-a", "The quick brown fox", False), ("engine-b", "Once upon a time", two_users)]
+        )
+        print(
+            "demo: two engines generate at once"
+            + (", the second as user nobody (a second tenant)" if two_users else " (one user, so one tenant)"),
+            flush=True,
+        )
+        n = 96 if trained else 48  # byte tokens: the trained model's context is 128
         # Greedy decoding of a tiny byte model loops ("the string the string"): sample, seeded.
         sample = ["--temp", "0.6", "--seed", "1"] if trained else []
-        procs = [subprocess.Popen(engine_command(sock, model, p, name, other, n, sample), stdout=subprocess.PIPE,
-                                  text=True)
-                 for name, p, other in prompts]
-        outs = [p.communicate()[0] for p in procs]     # small: the pipes never fill
+        procs = [
+            subprocess.Popen(engine_command(sock, model, p, name, other, n, sample), stdout=subprocess.PIPE, text=True)
+            for name, p, other in prompts
+        ]
+        outs = [p.communicate()[0] for p in procs]  # small: the pipes never fill
         codes = [p.returncode for p in procs]
         for (name, prompt, _), text in zip(prompts, outs):
             print(f"demo: {name}, prompt {prompt!r}, wrote (prompt included):", flush=True)

@@ -88,6 +88,7 @@ def llama_cpp():
 def start_daemon():
     """`start_daemon(budget="64MiB", *extra_args, **kw)` -> DaemonProcess, killed after the test."""
     from moed.testing import DaemonProcess
+
     started: list = []
 
     def start(budget: str = "64MiB", *args: str, **kw):
@@ -112,6 +113,7 @@ def shared_dir():
     import os
     import shutil
     import tempfile
+
     d = tempfile.mkdtemp(prefix="moed-shared-", dir="/tmp")
     os.chmod(d, 0o755)
     yield d
@@ -132,4 +134,3 @@ def start_shared(start_daemon, shared_dir):
         return d
 
     return start
-

@@ -251,7 +251,7 @@ class ExpertStreamer:
             if kind == ggml_tensor.TOPK:
                 self.on_layer(layer, self._route(layer, tensor))
             elif self._observing(layer):
-                assert self.lookahead is not None    # _observing requires the look-ahead
+                assert self.lookahead is not None  # _observing requires the look-ahead
                 self.lookahead.observe(layer, ggml_tensor.rows_f32(tensor))
             return True
         except BaseException as exc:  # noqa: BLE001 - must not unwind through C

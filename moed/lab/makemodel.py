@@ -39,10 +39,47 @@ QUANTS = {
 
 # A few whole-word tokens so sampled text looks like text; everything else falls
 # back to single characters or bytes.
-_WORDS = ("the", "of", "and", "to", "in", "is", "that", "it", "was", "for", "on",
-          "are", "with", "as", "be", "at", "this", "have", "from", "or", "one",
-          "by", "not", "but", "what", "all", "were", "we", "when", "your", "can",
-          "expert", "model", "memory", "page", "drive", "token", "hello", "world")
+_WORDS = (
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "that",
+    "it",
+    "was",
+    "for",
+    "on",
+    "are",
+    "with",
+    "as",
+    "be",
+    "at",
+    "this",
+    "have",
+    "from",
+    "or",
+    "one",
+    "by",
+    "not",
+    "but",
+    "what",
+    "all",
+    "were",
+    "we",
+    "when",
+    "your",
+    "can",
+    "expert",
+    "model",
+    "memory",
+    "page",
+    "drive",
+    "token",
+    "hello",
+    "world",
+)
 _CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -55,6 +92,7 @@ def shard_paths(path: str | pathlib.Path, split: int) -> list[pathlib.Path]:
 
 
 # --------------------------------------------------------------------------- vocab
+
 
 def build_vocab(size: int | None = None) -> tuple[list[str], list[float], list[int]]:
     """(tokens, scores, types): <unk> <s> </s>, 256 byte tokens, characters, words."""
@@ -73,12 +111,15 @@ def build_vocab(size: int | None = None) -> tuple[list[str], list[float], list[i
         tokens += extra
         types += [TokenType.NORMAL] * len(extra)
     # SentencePiece merges prefer higher scores: longer pieces win.
-    scores = [0.0 if t in (TokenType.CONTROL, TokenType.UNKNOWN, TokenType.BYTE)
-              else -100.0 + len(tok) for tok, t in zip(tokens, types)]
+    scores = [
+        0.0 if t in (TokenType.CONTROL, TokenType.UNKNOWN, TokenType.BYTE) else -100.0 + len(tok)
+        for tok, t in zip(tokens, types)
+    ]
     return tokens, scores, [int(t) for t in types]
 
 
 # --------------------------------------------------------------------------- quantization
+
 
 def _quantize_q4_k(data: np.ndarray) -> np.ndarray:
     """Q4_K blocks (gguf-py only dequantizes it): 256 values -> d, dmin, 12 scale bytes, 128 nibbles.
@@ -90,26 +131,27 @@ def _quantize_q4_k(data: np.ndarray) -> np.ndarray:
     rows = data.reshape(-1, 256).astype(np.float32)
     n = rows.shape[0]
     sub = rows.reshape(n, 8, 32)
-    mn = np.minimum(sub.min(axis=-1), 0.0)               # (n, 8), <= 0
-    scale = (sub.max(axis=-1) - mn) / 15.0               # (n, 8), >= 0
-    d = scale.max(axis=-1) / 63.0                        # (n,)
+    mn = np.minimum(sub.min(axis=-1), 0.0)  # (n, 8), <= 0
+    scale = (sub.max(axis=-1) - mn) / 15.0  # (n, 8), >= 0
+    d = scale.max(axis=-1) / 63.0  # (n,)
     dmin = (-mn).max(axis=-1) / 63.0
     d16, dmin16 = d.astype(np.float16), dmin.astype(np.float16)
     d32, dmin32 = d16.astype(np.float32), dmin16.astype(np.float32)
     with np.errstate(divide="ignore", invalid="ignore"):
         sc = np.where(d32[:, None] > 0, np.rint(scale / d32[:, None]), 0).clip(0, 63).astype(np.uint8)
         m = np.where(dmin32[:, None] > 0, np.rint(-mn / dmin32[:, None]), 0).clip(0, 63).astype(np.uint8)
-        step = d32[:, None] * sc                         # (n, 8)
+        step = d32[:, None] * sc  # (n, 8)
         offs = dmin32[:, None] * m
         q = np.where(step[..., None] > 0, np.rint((sub + offs[..., None]) / step[..., None]), 0)
-    q = q.clip(0, 15).astype(np.uint8)                   # (n, 8, 32)
+    q = q.clip(0, 15).astype(np.uint8)  # (n, 8, 32)
     qs = (q[:, 0::2, :] | (q[:, 1::2, :] << 4)).reshape(n, 128)
     scales = np.empty((n, 12), np.uint8)
     scales[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
     scales[:, 4:8] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
     scales[:, 8:12] = (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)
-    blocks = np.concatenate([d16.view(np.uint8).reshape(n, 2), dmin16.view(np.uint8).reshape(n, 2),
-                             scales, qs], axis=-1)
+    blocks = np.concatenate(
+        [d16.view(np.uint8).reshape(n, 2), dmin16.view(np.uint8).reshape(n, 2), scales, qs], axis=-1
+    )
     return blocks.reshape(*data.shape[:-1], data.shape[-1] // 256 * 144)
 
 
@@ -117,8 +159,7 @@ def quantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """Raw bytes of `data` in `qtype`, shaped like gguf-py's quantize (last axis in bytes)."""
     block, _ = GGML_QUANT_SIZES[qtype]
     if data.shape[-1] % block:
-        raise ValueError(f"{qtype.name} needs rows that are a multiple of {block} values, "
-                         f"got {data.shape[-1]}")
+        raise ValueError(f"{qtype.name} needs rows that are a multiple of {block} values, got {data.shape[-1]}")
     if qtype == GGMLQuantizationType.Q4_K:
         return _quantize_q4_k(data)
     return quants.quantize(data.astype(np.float32), qtype)
@@ -127,12 +168,10 @@ def quantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
 # Random raw blocks: the scale that gives values of about unit standard deviation
 # for uniformly random quant bytes (q8_0: int8 std ~73.9; q4_0: (q - 8) std ~4.6;
 # q4_k: d*sc*q - dmin*m with dmin = 7.5 d has std ~258 d and mean ~0).
-_RANDOM_BLOCK_STD = {GGMLQuantizationType.Q8_0: 73.9, GGMLQuantizationType.Q4_0: 4.6,
-                     GGMLQuantizationType.Q4_K: 258.0}
+_RANDOM_BLOCK_STD = {GGMLQuantizationType.Q8_0: 73.9, GGMLQuantizationType.Q4_0: 4.6, GGMLQuantizationType.Q4_K: 258.0}
 
 
-def random_blocks(n_rows: int, row: int, qtype: GGMLQuantizationType,
-                  rng: np.random.Generator) -> np.ndarray:
+def random_blocks(n_rows: int, row: int, qtype: GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
     """`n_rows` rows of `row` values as uniformly random quant blocks with sane scales.
 
     About 20x faster than quantizing Gaussian floats: for big benchmark models,
@@ -140,7 +179,7 @@ def random_blocks(n_rows: int, row: int, qtype: GGMLQuantizationType,
     """
     block, size = GGML_QUANT_SIZES[qtype]
     n_blocks = n_rows * row // block
-    raw = rng.bit_generator.random_raw(-(-n_blocks * size // 8)).view(np.uint8)[:n_blocks * size]
+    raw = rng.bit_generator.random_raw(-(-n_blocks * size // 8)).view(np.uint8)[: n_blocks * size]
     blocks = raw.reshape(n_blocks, size)
     d = np.float16(1.0 / (_RANDOM_BLOCK_STD[qtype] * math.sqrt(row)))
     blocks[:, 0:2] = np.frombuffer(d.tobytes(), np.uint8)
@@ -150,6 +189,7 @@ def random_blocks(n_rows: int, row: int, qtype: GGMLQuantizationType,
 
 
 # --------------------------------------------------------------------------- model
+
 
 @dataclass(frozen=True)
 class Geometry:
@@ -181,16 +221,16 @@ def _check(g: Geometry, layer_quants: list[str], split: int, align: int) -> None
             raise ValueError(f"unknown quant {q!r} (use {', '.join(QUANTS)})")
         block, _ = GGML_QUANT_SIZES[QUANTS[q]]
         if g.embd % block or g.ff % block:
-            raise ValueError(f"{q} needs embd and ff to be multiples of {block} "
-                             f"(got embd={g.embd}, ff={g.ff})")
+            raise ValueError(f"{q} needs embd and ff to be multiples of {block} (got embd={g.embd}, ff={g.ff})")
 
 
 @dataclass(frozen=True)
 class _Spec:
     """One tensor to write: numpy-order shape, how to fill it, and its quant type."""
+
     name: str
     shape: tuple[int, ...]
-    kind: str                               # embd | norm | f16 | router | experts
+    kind: str  # embd | norm | f16 | router | experts
     qtype: GGMLQuantizationType | None = None
 
     @property
@@ -235,13 +275,13 @@ def _plan(g: Geometry, layer_quants: list[str], vocab_size: int) -> list[_Spec]:
             _Spec(p + "ffn_up_exps.weight", (g.experts, g.ff, g.embd), "experts", qt),
             _Spec(p + "ffn_down_exps.weight", (g.experts, g.embd, g.ff), "experts", qt),
         ]
-    specs += [_Spec("output_norm.weight", (g.embd,), "norm"),
-              _Spec("output.weight", (vocab_size, g.embd), "f16")]
+    specs += [_Spec("output_norm.weight", (g.embd,), "norm"), _Spec("output.weight", (vocab_size, g.embd), "f16")]
     return specs
 
 
 def _fill(spec: _Spec, rng: np.random.Generator, random_experts: bool = False) -> np.ndarray:
     """The tensor's data; experts are made one at a time to bound memory on big models."""
+
     def mat(*shape: int) -> np.ndarray:
         return rng.standard_normal(shape, dtype=np.float32) / np.float32(math.sqrt(shape[-1]))
 
@@ -252,9 +292,9 @@ def _fill(spec: _Spec, rng: np.random.Generator, random_experts: bool = False) -
     if spec.kind == "f16":
         return mat(*spec.shape).astype(np.float16)
     if spec.kind == "router":
-        return 4.0 * mat(*spec.shape)        # a strong router spreads choices over all experts
+        return 4.0 * mat(*spec.shape)  # a strong router spreads choices over all experts
     qtype = spec.qtype
-    assert qtype is not None    # only the "experts" kind is left, and _plan gives every one a quant type
+    assert qtype is not None  # only the "experts" kind is left, and _plan gives every one a quant type
     out = np.empty(spec.byte_shape, np.uint8)
     for e in range(spec.shape[0]):
         if random_experts:
@@ -295,14 +335,28 @@ def _add_metadata(w: GGUFWriter, g: Geometry, tokens, scores, types) -> None:
 def _chunks(items: list, n: int) -> list[list]:
     """`items` cut into `n` contiguous runs of near-equal length."""
     size = math.ceil(len(items) / n)
-    return [items[i * size:(i + 1) * size] for i in range(n)]
+    return [items[i * size : (i + 1) * size] for i in range(n)]
 
 
-def make_model(path: str | pathlib.Path, *, layers: int = 4, experts: int = 8, used: int = 2,
-               embd: int = 64, ff: int = 64, quant: str = "q8_0",
-               layer_quants: list[str] | str | None = None, align: int = 32, split: int = 1,
-               seed: int = 0, vocab: int | None = None, ctx: int = 256, heads: int = 4,
-               kv_heads: int = 2, random_experts: bool = False) -> list[pathlib.Path]:
+def make_model(
+    path: str | pathlib.Path,
+    *,
+    layers: int = 4,
+    experts: int = 8,
+    used: int = 2,
+    embd: int = 64,
+    ff: int = 64,
+    quant: str = "q8_0",
+    layer_quants: list[str] | str | None = None,
+    align: int = 32,
+    split: int = 1,
+    seed: int = 0,
+    vocab: int | None = None,
+    ctx: int = 256,
+    heads: int = 4,
+    kv_heads: int = 2,
+    random_experts: bool = False,
+) -> list[pathlib.Path]:
     """Write the model; returns its shard paths (the first is the one to load).
 
     `random_experts` fills expert tensors with random quant blocks instead of
@@ -322,16 +376,33 @@ def make_model(path: str | pathlib.Path, *, layers: int = 4, experts: int = 8, u
     paths = shard_paths(path, split)
     for path_i in paths:
         path_i.parent.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)       # one stream, consumed in file order
+    rng = np.random.default_rng(seed)  # one stream, consumed in file order
     for i, (p, chunk) in enumerate(zip(paths, _chunks(specs, split))):
-        _write_shard(p, i, split, len(specs), chunk, align, rng, random_experts,
-                     (lambda w: _add_metadata(w, g, tokens, scores, types)) if i == 0 else None)
+        _write_shard(
+            p,
+            i,
+            split,
+            len(specs),
+            chunk,
+            align,
+            rng,
+            random_experts,
+            (lambda w: _add_metadata(w, g, tokens, scores, types)) if i == 0 else None,
+        )
     return paths
 
 
-def _write_shard(path: pathlib.Path, index: int, count: int, total_tensors: int,
-                 specs: list[_Spec], align: int, rng: np.random.Generator, random_experts: bool,
-                 add_metadata) -> None:
+def _write_shard(
+    path: pathlib.Path,
+    index: int,
+    count: int,
+    total_tensors: int,
+    specs: list[_Spec],
+    align: int,
+    rng: np.random.Generator,
+    random_experts: bool,
+    add_metadata,
+) -> None:
     """Header first, then each tensor made and written in turn (never all in memory)."""
     w = GGUFWriter(path, ARCH)
     if add_metadata is not None:
@@ -343,8 +414,7 @@ def _write_shard(path: pathlib.Path, index: int, count: int, total_tensors: int,
     if align != 32 or count > 1:
         w.add_custom_alignment(align)
     for spec in specs:
-        w.add_tensor_info(spec.name, spec.byte_shape, np.dtype(spec.dtype), spec.nbytes,
-                          raw_dtype=spec.qtype)
+        w.add_tensor_info(spec.name, spec.byte_shape, np.dtype(spec.dtype), spec.nbytes, raw_dtype=spec.qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()

@@ -23,8 +23,9 @@ def greedy_logits(llm, tokens: list[int], steps: int = 32) -> np.ndarray:
 def assert_bit_equal(a: np.ndarray, b: np.ndarray) -> None:
     assert a.shape == b.shape
     differ = a.view(np.uint32) != b.view(np.uint32)
-    assert not differ.any(), (f"{int(differ.any(axis=1).sum())} of {a.shape[0]} rows differ, "
-                              f"max |diff| {float(np.abs(a - b).max())}")
+    assert not differ.any(), (
+        f"{int(differ.any(axis=1).sum())} of {a.shape[0]} rows differ, max |diff| {float(np.abs(a - b).max())}"
+    )
 
 
 @pytest.fixture(scope="session")

@@ -9,12 +9,17 @@ import numpy as np
 import pytest
 
 pytestmark = pytest.mark.e2e
-pytest.importorskip("llama_cpp")   # e2e needs the real llama.cpp (pyproject extra "llama")
+pytest.importorskip("llama_cpp")  # e2e needs the real llama.cpp (pyproject extra "llama")
 
 
 def moectl(socket: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moed.ctl", "--socket", socket, *args], input=stdin,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "moed.ctl", "--socket", socket, *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_generate_prints_text_and_the_hit_rate(start_daemon, tiny_model):
@@ -59,8 +64,20 @@ def test_trace_records_prompt_and_decode_steps(start_daemon, mixed_model, tmp_pa
     prompts.write_text("hello world\n\nthe expert model reads pages\n")
     out = tmp_path / "run.npz"
     d = start_daemon()
-    r = moectl(d.socket, "trace", str(mixed_model), "--prompt-file", str(prompts), "-n", "6",
-               "--ctx", "256", *(["--chat"] if chat else []), "-o", str(out))
+    r = moectl(
+        d.socket,
+        "trace",
+        str(mixed_model),
+        "--prompt-file",
+        str(prompts),
+        "-n",
+        "6",
+        "--ctx",
+        "256",
+        *(["--chat"] if chat else []),
+        "-o",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     t = Trace.load(out)
     kinds = bytes(t.step_kinds).decode()
@@ -76,34 +93,59 @@ def test_a_recorded_trace_carries_predictions_and_replays_with_gate(start_daemon
     prompts.write_text("hello world, the model reads\nthe expert model reads pages\n")
     out = tmp_path / "run.npz"
     d = start_daemon()
-    r = moectl(d.socket, "trace", str(tiny_model), "--prompt-file", str(prompts), "-n", "16",
-               "--ctx", "256", "-o", str(out))
+    r = moectl(
+        d.socket, "trace", str(tiny_model), "--prompt-file", str(prompts), "-n", "16", "--ctx", "256", "-o", str(out)
+    )
     assert r.returncode == 0, r.stderr
     t = Trace.load(out)
     assert t.ahead1 is not None and t.ahead2 is not None
     k = t.top_k
     assert t.ahead1.shape[2] == 2 * k
-    assert np.all(t.ahead1[:, 0] == -1) and np.all(t.ahead2[:, :2] == -1)   # nothing precedes them
+    assert np.all(t.ahead1[:, 0] == -1) and np.all(t.ahead2[:, :2] == -1)  # nothing precedes them
     assert np.all(t.ahead1[:, 1:] >= 0) and np.all(t.ahead2[:, 2:] >= 0)
     # best first and distinct in every row
     rows = t.ahead1[:, 1:].reshape(-1, 2 * k)
     assert all(len(set(row.tolist())) == 2 * k for row in rows)
     # the predictions are the engine's: better than chance on this random model
-    hit = np.mean([len(set(t.ids[i, l]) & set(t.ahead1[i, l, :k])) / k
-                   for i in range(t.n_tokens) for l in range(1, t.moe_layers)])
+    hit = np.mean(
+        [len(set(t.ids[i, l]) & set(t.ahead1[i, l, :k])) / k for i in range(t.n_tokens) for l in range(1, t.moe_layers)]
+    )
     assert hit > k / t.n_experts
 
     for mode in ("gate", "gate2"):
-        r = subprocess.run([sys.executable, "-m", "moed.ctl", "replay", str(tiny_model), str(out), "--budget",
-                            "50%", "--prefetch", mode, "--warm", "4", "--compute-ms", "1", "--json"],
-                           capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "moed.ctl",
+                "replay",
+                str(tiny_model),
+                str(out),
+                "--budget",
+                "50%",
+                "--prefetch",
+                mode,
+                "--warm",
+                "4",
+                "--compute-ms",
+                "1",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert r.returncode == 0, r.stderr
         import json
 
         res = json.loads(r.stdout)
         assert res["prefetch_mode"] == mode and res["prefetches"] > 0 and res["tokens"] > 0
 
-    r = subprocess.run([sys.executable, "-m", "moed.ctl", "trace-info", str(out), "--predictors"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "moed.ctl", "trace-info", str(out), "--predictors"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     assert "gate-ahead k" in r.stdout and "two-ahead k" in r.stdout

@@ -13,15 +13,19 @@ import time
 import pytest
 
 pytestmark = pytest.mark.e2e
-pytest.importorskip("llama_cpp")   # e2e needs the real llama.cpp (pyproject extra "llama")
+pytest.importorskip("llama_cpp")  # e2e needs the real llama.cpp (pyproject extra "llama")
 
 PROMPTS = ("hello world, the model", "memory pages on the drive")
 N_TOKENS = 40
 
 
 def spawn(socket: str, model, prompt: str, n: int = N_TOKENS, *mode: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tests.e2e.worker", socket, str(model), prompt, str(n), *mode],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.e2e.worker", socket, str(model), prompt, str(n), *mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def result(proc: subprocess.Popen, timeout_s: float = 120) -> dict:
@@ -50,10 +54,13 @@ def small_daemon(start_daemon):
     return start_daemon("512KiB")
 
 
-@pytest.mark.parametrize("model, budget", [
-    ("tiny_model", "512KiB"),      # copy path, ~21 slots of 32 experts
-    ("aligned_model", "2MiB"),     # zero copy, ~10 slots of 32: stale mappings must be remapped
-])
+@pytest.mark.parametrize(
+    "model, budget",
+    [
+        ("tiny_model", "512KiB"),  # copy path, ~21 slots of 32 experts
+        ("aligned_model", "2MiB"),  # zero copy, ~10 slots of 32: stale mappings must be remapped
+    ],
+)
 def test_two_engines_produce_the_same_text_as_each_alone(request, start_daemon, model, budget):
     path = request.getfixturevalue(model)
     daemon = start_daemon(budget)
@@ -71,7 +78,7 @@ def test_killed_engine_leaves_daemon_and_other_engine_unharmed(small_daemon, tin
     want = result(spawn(small_daemon.socket, tiny_model, PROMPTS[1]))
     victim = spawn(small_daemon.socket, tiny_model, PROMPTS[0], 0, "--forever")
     try:
-        read_lines(victim, 20)                     # mid-generation
+        read_lines(victim, 20)  # mid-generation
         other = spawn(small_daemon.socket, tiny_model, PROMPTS[1])
         read_lines(victim, 5)
         os.kill(victim.pid, signal.SIGKILL)

@@ -8,7 +8,7 @@ import pytest
 from tests.e2e.conftest import LLAMA_KW, PROMPT, assert_bit_equal, greedy_logits
 
 pytestmark = pytest.mark.e2e
-pytest.importorskip("llama_cpp")   # e2e needs the real llama.cpp (pyproject extra "llama")
+pytest.importorskip("llama_cpp")  # e2e needs the real llama.cpp (pyproject extra "llama")
 
 NEAR_TIE = 1e-4
 
@@ -37,7 +37,7 @@ class ZeroLead:
         mine = top(scores, k)
         for row in range(ids.shape[0]):
             if ranked[row, k - 1] - ranked[row, k] < NEAR_TIE:
-                self.near_ties += 1          # rounding may flip a near-tie: not a test of the math
+                self.near_ties += 1  # rounding may flip a near-tie: not a test of the math
                 continue
             same = set(mine[row].tolist()) == set(ids[row].tolist())
             self.equal += same
@@ -74,13 +74,17 @@ def test_predictor_at_zero_lead_is_llama_cpps_top_k(request, start_daemon, model
 
 
 @pytest.mark.parametrize("mode", ["gate", "gate2"])
-@pytest.mark.parametrize("model, budget", [
-    ("aligned_model", "2MiB"),     # zero copy, ~10 slots of 32 experts: evicts between layers
-    ("tiny_model", "256KiB"),      # copy path, ~10 slots of 32
-    ("trained_model", "1MiB"),     # learned routing, copy path, ~17 slots of 96
-])
-def test_logits_bit_exact_with_prefetch_at_an_evicting_budget(request, start_daemon, reference_logits,
-                                                              model, budget, mode):
+@pytest.mark.parametrize(
+    "model, budget",
+    [
+        ("aligned_model", "2MiB"),  # zero copy, ~10 slots of 32 experts: evicts between layers
+        ("tiny_model", "256KiB"),  # copy path, ~10 slots of 32
+        ("trained_model", "1MiB"),  # learned routing, copy path, ~17 slots of 96
+    ],
+)
+def test_logits_bit_exact_with_prefetch_at_an_evicting_budget(
+    request, start_daemon, reference_logits, model, budget, mode
+):
     path = request.getfixturevalue(model)
     _, want = reference_logits(path)
     llm, client = engine(start_daemon(budget), path, prefetch=mode, prefetch_adapt=False)
@@ -103,14 +107,14 @@ def test_logits_bit_exact_with_prefetch_at_an_evicting_budget(request, start_dae
 
 def assert_counters_add_up(st: dict) -> None:
     assert st["prefetch_issued"] == st["prefetch_hits"] + st["prefetch_wasted"] + st["prefetch_pending"]
-    assert st["prefetch_pending"] == 0        # every decode has ended: every prefetched layer routed
+    assert st["prefetch_pending"] == 0  # every decode has ended: every prefetched layer routed
     per = st["per_layer"].values()
     for key in ("issued", "hits", "wasted"):
         assert sum(layer[key] for layer in per) == st[f"prefetch_{key}"]
     for layer in per:
         assert layer["issued"] == layer["hits"] + layer["wasted"] + layer["pending"]
     first = st["per_layer"][min(st["per_layer"])]
-    assert first["issued"] == 0 and first["recall"] is None     # nothing precedes the first layer
+    assert first["issued"] == 0 and first["recall"] is None  # nothing precedes the first layer
     assert st["stall_s"] == pytest.approx(sum(layer["stall_s"] for layer in per))
     assert st["stall_s_per_token"] == pytest.approx(sum(layer["stall_s_per_token"] for layer in per))
 
@@ -127,10 +131,10 @@ def test_prefetch_on_and_off_engines_share_one_daemon(start_daemon, reference_lo
             llm.reset()
             llm.eval(tokens)
             rows[id(llm)].append(llm.scores[: llm.n_tokens].copy())
-        for _ in range(32):                   # one step each, in turn: they evict each other's slots
+        for _ in range(32):  # one step each, in turn: they evict each other's slots
             for llm in (on, off):
                 llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
-                rows[id(llm)].append(llm.scores[llm.n_tokens - 1: llm.n_tokens].copy())
+                rows[id(llm)].append(llm.scores[llm.n_tokens - 1 : llm.n_tokens].copy())
         st_on, st_off = on.stream_stats(), off.stream_stats()
         stats = c_on.stats()
     finally:
@@ -141,13 +145,13 @@ def test_prefetch_on_and_off_engines_share_one_daemon(start_daemon, reference_lo
     assert_bit_equal(np.concatenate(rows[id(off)]), want)
     assert len(stats["models"]) == 1 and stats["evictions"] > 0 and stats["prefetches"] > 0
     assert st_on["prefetch_issued"] > 0 and st_off["prefetch_issued"] == 0
-    assert st_off["prediction_recall"] is None          # off does not even look
+    assert st_off["prediction_recall"] is None  # off does not even look
     assert_counters_add_up(st_on)
 
 
 def test_adaptive_prefetch_measures_both_arms_and_stays_exact(start_daemon, reference_logits, tiny_model):
     _, want = reference_logits(tiny_model)
-    llm, client = engine(start_daemon("256KiB"), tiny_model, prefetch="gate")     # adapt is the default
+    llm, client = engine(start_daemon("256KiB"), tiny_model, prefetch="gate")  # adapt is the default
     try:
         got = greedy_logits(llm, llm.tokenize(PROMPT))
         st = llm.stream_stats()
@@ -155,8 +159,8 @@ def test_adaptive_prefetch_measures_both_arms_and_stays_exact(start_daemon, refe
         llm.close()
         client.close()
     assert_bit_equal(got, want)
-    assert st["prefetch_steps_shadow"] >= 8 and st["prefetch_steps_off"] >= 8   # cold steps, then a probe
+    assert st["prefetch_steps_shadow"] >= 8 and st["prefetch_steps_off"] >= 8  # cold steps, then a probe
     assert st["prefetch_probes"] >= 1 and 0 < st["prefetch_precision"] <= 1
-    if st["prefetch_precision"] >= 0.8:      # a timed probe (else a shadow one: predicted, not sent)
+    if st["prefetch_precision"] >= 0.8:  # a timed probe (else a shadow one: predicted, not sent)
         assert st["prefetch_steps_on"] >= 8 and st["step_s_on"] > 0 and st["step_s_off"] > 0
     assert_counters_add_up(st)

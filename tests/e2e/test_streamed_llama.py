@@ -12,7 +12,7 @@ import pytest
 from tests.e2e.conftest import LLAMA_KW, PROMPT, assert_bit_equal, greedy_logits
 
 pytestmark = pytest.mark.e2e
-pytest.importorskip("llama_cpp")   # e2e needs the real llama.cpp (pyproject extra "llama")
+pytest.importorskip("llama_cpp")  # e2e needs the real llama.cpp (pyproject extra "llama")
 
 
 def streamed(daemon, path, **kw):
@@ -41,16 +41,19 @@ def test_ggml_layout_and_pinned_version(llama_cpp):
     assert ggml_tensor.layout_matches()
 
 
-@pytest.mark.parametrize("model, budget, path_kind", [
-    ("aligned_model", "64MiB", "zero_copy"),
-    ("tiny_model", "64MiB", "copy"),
-    ("split_model", "64MiB", "copy"),
-    ("mixed_model", "64MiB", "copy"),
-    ("tiny_model", "256KiB", "evicting"),     # ~10 slots of 32 experts: evicted between layers
-    ("aligned_model", "2MiB", "evicting"),
-    ("trained_model", "64MiB", "copy"),       # learned weights and routing (17408-byte parts: copy path)
-    ("trained_model", "1MiB", "evicting"),    # ~17 slots of 96 experts
-])
+@pytest.mark.parametrize(
+    "model, budget, path_kind",
+    [
+        ("aligned_model", "64MiB", "zero_copy"),
+        ("tiny_model", "64MiB", "copy"),
+        ("split_model", "64MiB", "copy"),
+        ("mixed_model", "64MiB", "copy"),
+        ("tiny_model", "256KiB", "evicting"),  # ~10 slots of 32 experts: evicted between layers
+        ("aligned_model", "2MiB", "evicting"),
+        ("trained_model", "64MiB", "copy"),  # learned weights and routing (17408-byte parts: copy path)
+        ("trained_model", "1MiB", "evicting"),  # ~17 slots of 96 experts
+    ],
+)
 def test_logits_bit_exact(request, start_daemon, reference_logits, model, budget, path_kind):
     path = request.getfixturevalue(model)
     _, want = reference_logits(path)
@@ -69,7 +72,7 @@ def test_logits_bit_exact(request, start_daemon, reference_logits, model, budget
 def test_aligned_copy_of_a_model_gives_identical_logits(start_daemon, reference_logits, model_factory, tmp_path):
     from moed.gguf.align import align_gguf
 
-    original = model_factory(embd=256, ff=256)           # 32-byte alignment: copy path
+    original = model_factory(embd=256, ff=256)  # 32-byte alignment: copy path
     aligned = align_gguf(original, tmp_path / "aligned.gguf")[0]
     _, want = reference_logits(original)
     got, engine, _ = run_streamed(start_daemon(), aligned)
@@ -80,8 +83,12 @@ def test_aligned_copy_of_a_model_gives_identical_logits(start_daemon, reference_
 @pytest.mark.parametrize("mode", ["--touch-expert", "--touch-released"])
 def test_reading_an_expert_that_is_not_leased_faults(start_daemon, aligned_model, mode):
     d = start_daemon()
-    r = subprocess.run([sys.executable, "-m", "tests.e2e.worker", d.socket, str(aligned_model), "x", "4", mode],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "tests.e2e.worker", d.socket, str(aligned_model), "x", "4", mode],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert "touching" in r.stdout and "read a" not in r.stdout
     assert r.returncode == -11, r.stderr[-2000:]
 
@@ -148,7 +155,7 @@ def test_skeleton_load_is_bit_exact_and_holds_no_expert_bytes(request, start_dae
             for lo, hi in expert_ranges(source, shard):
                 f.seek(lo)
                 assert not any(f.read(hi - lo)), "a skeleton must not hold expert bytes"
-    if model == "aligned_model":                 # page-aligned holes are real holes on disk
+    if model == "aligned_model":  # page-aligned holes are real holes on disk
         st = os.stat(skeletons[0])
         assert st.st_blocks * 512 < st.st_size / 2
 

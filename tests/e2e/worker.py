@@ -1,9 +1,9 @@
 """An engine process for e2e tests: StreamedLlama on a daemon, greedy text out.
 
-    python -m tests.e2e.worker SOCKET MODEL PROMPT N            -> prints JSON {"text", "tokens"}
-    python -m tests.e2e.worker SOCKET MODEL PROMPT N --forever  -> prints "tok" per token, forever
-    python -m tests.e2e.worker SOCKET MODEL PROMPT N --touch-expert -> reads an unserved expert (must die)
-    python -m tests.e2e.worker SOCKET MODEL PROMPT N --touch-released -> strict mode: reads a released one (must die)
+python -m tests.e2e.worker SOCKET MODEL PROMPT N            -> prints JSON {"text", "tokens"}
+python -m tests.e2e.worker SOCKET MODEL PROMPT N --forever  -> prints "tok" per token, forever
+python -m tests.e2e.worker SOCKET MODEL PROMPT N --touch-expert -> reads an unserved expert (must die)
+python -m tests.e2e.worker SOCKET MODEL PROMPT N --touch-released -> strict mode: reads a released one (must die)
 """
 
 from __future__ import annotations

@@ -174,7 +174,7 @@ def test_asking_for_a_second_hold_region_is_a_typed_error(daemon, tiny_model):
     from moed.protocol import messages as m
 
     with daemon.client() as c:
-        c.open_model(tiny_model)                        # maps the region
+        c.open_model(tiny_model)  # maps the region
         with pytest.raises(errors.BadRequest, match="once"):
             c.request(m.MapHolds(), fds=True)
         c.ping()
