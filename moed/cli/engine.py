@@ -119,18 +119,12 @@ class _Session:
 
         if not os.path.exists(args.model):
             raise SystemExit(fail(f"no such model file: {args.model}"))
-        n_ctx = args.ctx or _default_ctx(args.model)
         self.client = Client(socket or args.socket, client_name=f"moectl {args.verb}")
         try:
             self.llm = StreamedLlama(
                 args.model,
                 client=self.client,
-                n_ctx=n_ctx,
-                n_batch=args.batch,
-                n_ubatch=args.batch,
-                n_threads=args.threads,
-                seed=args.seed,
-                verbose=args.verbose,
+                **_llama_settings(args),
                 skeleton_dir=args.skeleton_dir,
                 prefetch=args.prefetch,
                 prefetch_width=args.prefetch_width,
@@ -189,6 +183,18 @@ def lookahead_line(st: dict) -> str:
     return (
         f"prefetch {st['prefetch']}: recall {recall_s}, issued {st['prefetch_issued']} "
         f"(hits {st['prefetch_hits']}, wasted {st['prefetch_wasted']}), stall {stall_ms:.2f} ms/token"
+    )
+
+
+def _llama_settings(args) -> dict:
+    """The llama.cpp settings every engine verb takes from its flags (one place for generate, chat, kl)."""
+    return dict(
+        n_ctx=args.ctx or _default_ctx(args.model),
+        n_batch=args.batch,
+        n_ubatch=args.batch,
+        n_threads=args.threads,
+        seed=args.seed,
+        verbose=args.verbose,
     )
 
 
@@ -324,16 +330,7 @@ def cmd_kl(args: argparse.Namespace) -> int:
         return fail(f"cannot read {args.prompt_file}: {exc.strerror}")
     if not texts:
         return fail(f"{args.prompt_file} holds no texts")
-    n_ctx = args.ctx or _default_ctx(args.model)
-    kw = dict(
-        n_ctx=n_ctx,
-        n_batch=args.batch,
-        n_ubatch=args.batch,
-        n_threads=args.threads,
-        seed=args.seed,
-        verbose=args.verbose,
-        logits_all=True,
-    )
+    kw = dict(_llama_settings(args), logits_all=True)
     daemon = None
     if args.budget is not None:
         from moed.lab.replay import parse_budget
@@ -350,7 +347,11 @@ def cmd_kl(args: argparse.Namespace) -> int:
     try:
         try:
             report = kl.compare(
-                lambda: UnpackedLlama(args.model, **kw), approx, texts, n_ctx, stats=lambda llm: llm.stream_stats()
+                lambda: UnpackedLlama(args.model, **kw),
+                approx,
+                texts,
+                kw["n_ctx"],
+                stats=lambda llm: llm.stream_stats(),
             )
         except ValueError as exc:
             return fail(str(exc))
