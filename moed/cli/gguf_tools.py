@@ -16,8 +16,10 @@ from moed.protocol.sizes import format_size
 
 
 def register(sub) -> None:
-    p = sub.add_parser("make-model", help="write a tiny qwen3moe test model (GGUF)")
+    p = sub.add_parser("make-model", help="write a tiny MoE test model (GGUF; qwen3moe unless --arch)")
     p.add_argument("out", metavar="OUT.gguf")
+    # checked by make_model (moed.lab.makemodel.ARCHS): importing it here would slow every moectl start
+    p.add_argument("--arch", default="qwen3moe", help="llama.cpp architecture: qwen3moe, olmoe or qwen2moe")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--used", type=int, default=2, help="experts per token (top-k)")
@@ -88,6 +90,7 @@ def _make_model(args) -> int:
             heads=args.heads,
             kv_heads=args.kv_heads,
             random_experts=args.random_experts,
+            arch=args.arch,
         )
     except ValueError as exc:
         return fail(f"make-model: {exc}")

@@ -1,9 +1,16 @@
-"""Test-model generator: tiny, real qwen3moe GGUF files that llama.cpp loads and runs.
+"""Test-model generator: tiny, real MoE GGUF files that llama.cpp loads and runs.
 
-`make_model(path, ...)` writes a qwen3moe-architecture model with random weights
-(deterministic from `seed`) and a small SentencePiece-style vocabulary with byte
-fallback, so llama.cpp tokenizes any text. Nothing but this generator is checked in;
-tests and the demo make their models with it.
+`make_model(path, ...)` writes a model with random weights (deterministic from
+`seed`) and a small SentencePiece-style vocabulary with byte fallback, so llama.cpp
+tokenizes any text. Nothing but this generator is checked in; tests and the demo
+make their models with it.
+
+Architectures (`arch`, see `ARCHS`: one layer plan and its own keys each):
+- `qwen3moe` (the default): per-head q/k norms.
+- `olmoe`: q/k norms over the whole projection; llama.cpp wants kv_heads == heads,
+  so `kv_heads` is ignored.
+- `qwen2moe`: q/k/v biases, and next to the routed experts a dense F16 shared expert
+  (`ffn_{gate,up,down}_shexp`) with its sigmoid gate `ffn_gate_inp_shexp`.
 
 Invariants:
 - Routed experts are `blk.N.ffn_{gate,up,down}_exps.weight`, quantized with q8_0,
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import math
 import pathlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -224,13 +232,16 @@ def _check(g: Geometry, layer_quants: list[str], split: int, align: int) -> None
             raise ValueError(f"{q} needs embd and ff to be multiples of {block} (got embd={g.embd}, ff={g.ff})")
 
 
+_F32_KINDS = ("norm", "router", "bias")
+
+
 @dataclass(frozen=True)
 class _Spec:
     """One tensor to write: numpy-order shape, how to fill it, and its quant type."""
 
     name: str
     shape: tuple[int, ...]
-    kind: str  # embd | norm | f16 | router | experts
+    kind: str  # embd | norm | bias | f16 | router | experts
     qtype: GGMLQuantizationType | None = None
 
     @property
@@ -238,7 +249,7 @@ class _Spec:
         if self.qtype is not None:
             block, size = GGML_QUANT_SIZES[self.qtype]
             return math.prod(self.shape) // block * size
-        return math.prod(self.shape) * (4 if self.kind in ("norm", "router") else 2)
+        return math.prod(self.shape) * (4 if self.kind in _F32_KINDS else 2)
 
     @property
     def byte_shape(self) -> tuple[int, ...]:
@@ -251,30 +262,80 @@ class _Spec:
     def dtype(self):
         if self.qtype is not None:
             return np.uint8
-        return np.float32 if self.kind in ("norm", "router") else np.float16
+        return np.float32 if self.kind in _F32_KINDS else np.float16
 
 
-def _plan(g: Geometry, layer_quants: list[str], vocab_size: int) -> list[_Spec]:
-    """Every tensor of the model, in file order."""
+def _attention(g: Geometry, p: str, *, qk_norm: str = "", bias: bool = False) -> list[_Spec]:
+    """GQA attention; `qk_norm`: "head" (per head) or "full" (whole projection) q/k norms; `bias`: q/k/v biases."""
     hd = g.head_dim
+    specs = [_Spec(p + "attn_norm.weight", (g.embd,), "norm")]
+    for name, rows in (("q", g.heads * hd), ("k", g.kv_heads * hd), ("v", g.kv_heads * hd)):
+        specs.append(_Spec(p + f"attn_{name}.weight", (rows, g.embd), "f16"))
+        if bias:
+            specs.append(_Spec(p + f"attn_{name}.bias", (rows,), "bias"))
+    specs.append(_Spec(p + "attn_output.weight", (g.embd, g.heads * hd), "f16"))
+    if qk_norm:
+        q, k = (hd, hd) if qk_norm == "head" else (g.heads * hd, g.kv_heads * hd)
+        specs += [_Spec(p + "attn_q_norm.weight", (q,), "norm"), _Spec(p + "attn_k_norm.weight", (k,), "norm")]
+    return specs
+
+
+def _routed(g: Geometry, p: str, qt: GGMLQuantizationType) -> list[_Spec]:
+    """The FFN norm, the router and the routed experts: the only tensors moed serves."""
+    return [
+        _Spec(p + "ffn_norm.weight", (g.embd,), "norm"),
+        _Spec(p + "ffn_gate_inp.weight", (g.experts, g.embd), "router"),
+        _Spec(p + "ffn_gate_exps.weight", (g.experts, g.ff, g.embd), "experts", qt),
+        _Spec(p + "ffn_up_exps.weight", (g.experts, g.ff, g.embd), "experts", qt),
+        _Spec(p + "ffn_down_exps.weight", (g.experts, g.embd, g.ff), "experts", qt),
+    ]
+
+
+def _shared_expert(g: Geometry, p: str, gated: bool) -> list[_Spec]:
+    """One dense shared expert (F16, resident), with qwen2moe's sigmoid gate when `gated`."""
+    specs = [_Spec(p + "ffn_gate_inp_shexp.weight", (g.embd,), "router")] if gated else []
+    return specs + [
+        _Spec(p + "ffn_gate_shexp.weight", (g.ff, g.embd), "f16"),
+        _Spec(p + "ffn_up_shexp.weight", (g.ff, g.embd), "f16"),
+        _Spec(p + "ffn_down_shexp.weight", (g.embd, g.ff), "f16"),
+    ]
+
+
+def _layer_qwen3moe(g: Geometry, p: str, qt: GGMLQuantizationType) -> list[_Spec]:
+    return _attention(g, p, qk_norm="head") + _routed(g, p, qt)
+
+
+def _layer_olmoe(g: Geometry, p: str, qt: GGMLQuantizationType) -> list[_Spec]:
+    # OLMoE normalizes the whole q and k projections (n_embd wide), not each head.
+    return _attention(g, p, qk_norm="full") + _routed(g, p, qt)
+
+
+def _layer_qwen2moe(g: Geometry, p: str, qt: GGMLQuantizationType) -> list[_Spec]:
+    return _attention(g, p, bias=True) + _routed(g, p, qt) + _shared_expert(g, p, gated=True)
+
+
+@dataclass(frozen=True)
+class _Arch:
+    """One architecture: its per-layer tensor plan and the metadata keys only it has."""
+
+    layer: Callable[[Geometry, str, GGMLQuantizationType], list[_Spec]]
+    extra_kv: Callable[[Geometry], dict[str, int]] = lambda g: {}
+    same_kv_heads: bool = False  # llama.cpp's loader wants kv_heads == heads
+
+
+ARCHS: dict[str, _Arch] = {
+    "qwen3moe": _Arch(_layer_qwen3moe),
+    "olmoe": _Arch(_layer_olmoe, same_kv_heads=True),
+    "qwen2moe": _Arch(_layer_qwen2moe, lambda g: {"expert_shared_feed_forward_length": g.ff}),
+}
+
+
+def _plan(g: Geometry, layer_quants: list[str], vocab_size: int, arch: str = ARCH) -> list[_Spec]:
+    """Every tensor of the model, in file order."""
+    layer = ARCHS[arch].layer
     specs = [_Spec("token_embd.weight", (vocab_size, g.embd), "embd")]
     for i in range(g.layers):
-        qt = QUANTS[layer_quants[i]]
-        p = f"blk.{i}."
-        specs += [
-            _Spec(p + "attn_norm.weight", (g.embd,), "norm"),
-            _Spec(p + "attn_q.weight", (g.heads * hd, g.embd), "f16"),
-            _Spec(p + "attn_k.weight", (g.kv_heads * hd, g.embd), "f16"),
-            _Spec(p + "attn_v.weight", (g.kv_heads * hd, g.embd), "f16"),
-            _Spec(p + "attn_output.weight", (g.embd, g.heads * hd), "f16"),
-            _Spec(p + "attn_q_norm.weight", (hd,), "norm"),
-            _Spec(p + "attn_k_norm.weight", (hd,), "norm"),
-            _Spec(p + "ffn_norm.weight", (g.embd,), "norm"),
-            _Spec(p + "ffn_gate_inp.weight", (g.experts, g.embd), "router"),
-            _Spec(p + "ffn_gate_exps.weight", (g.experts, g.ff, g.embd), "experts", qt),
-            _Spec(p + "ffn_up_exps.weight", (g.experts, g.ff, g.embd), "experts", qt),
-            _Spec(p + "ffn_down_exps.weight", (g.experts, g.embd, g.ff), "experts", qt),
-        ]
+        specs += layer(g, f"blk.{i}.", QUANTS[layer_quants[i]])
     specs += [_Spec("output_norm.weight", (g.embd,), "norm"), _Spec("output.weight", (vocab_size, g.embd), "f16")]
     return specs
 
@@ -289,6 +350,8 @@ def _fill(spec: _Spec, rng: np.random.Generator, random_experts: bool = False) -
         return rng.standard_normal(spec.shape, dtype=np.float32).astype(np.float16)
     if spec.kind == "norm":
         return (1.0 + 0.1 * rng.standard_normal(spec.shape, dtype=np.float32)).astype(np.float32)
+    if spec.kind == "bias":
+        return 0.1 * rng.standard_normal(spec.shape, dtype=np.float32)
     if spec.kind == "f16":
         return mat(*spec.shape).astype(np.float16)
     if spec.kind == "router":
@@ -304,8 +367,8 @@ def _fill(spec: _Spec, rng: np.random.Generator, random_experts: bool = False) -
     return out
 
 
-def _add_metadata(w: GGUFWriter, g: Geometry, tokens, scores, types) -> None:
-    a = ARCH
+def _add_metadata(w: GGUFWriter, g: Geometry, tokens, scores, types, arch: str = ARCH) -> None:
+    a = arch
     w.add_name("moed test model")
     w.add_uint32(Keys.LLM.CONTEXT_LENGTH.format(arch=a), g.ctx)
     w.add_uint32(Keys.LLM.EMBEDDING_LENGTH.format(arch=a), g.embd)
@@ -320,6 +383,8 @@ def _add_metadata(w: GGUFWriter, g: Geometry, tokens, scores, types) -> None:
     w.add_uint32(Keys.Attention.VALUE_LENGTH.format(arch=a), g.head_dim)
     w.add_float32(Keys.Attention.LAYERNORM_RMS_EPS.format(arch=a), 1e-6)
     w.add_float32(Keys.Rope.FREQ_BASE.format(arch=a), 10000.0)
+    for key, value in ARCHS[a].extra_kv(g).items():
+        w.add_uint32(f"{a}.{key}", value)
     w.add_string(Keys.Tokenizer.MODEL, "llama")
     w.add_array(Keys.Tokenizer.LIST, tokens)
     w.add_array(Keys.Tokenizer.SCORES, scores)
@@ -356,12 +421,18 @@ def make_model(
     heads: int = 4,
     kv_heads: int = 2,
     random_experts: bool = False,
+    arch: str = ARCH,
 ) -> list[pathlib.Path]:
     """Write the model; returns its shard paths (the first is the one to load).
 
     `random_experts` fills expert tensors with random quant blocks instead of
     quantized Gaussian weights: much faster for multi-GB benchmark models.
+    `arch` is one of `ARCHS` (the default, qwen3moe, writes the same bytes as ever).
     """
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r} (use {', '.join(ARCHS)})")
+    if ARCHS[arch].same_kv_heads:
+        kv_heads = heads
     g = Geometry(layers, experts, used, embd, ff, heads, kv_heads, ctx)
     if isinstance(layer_quants, str):
         layer_quants = layer_quants.split(",")
@@ -370,7 +441,7 @@ def make_model(
         raise ValueError(f"layer_quants has {len(lq)} entries for {layers} layers")
     _check(g, lq, split, align)
     tokens, scores, types = build_vocab(vocab)
-    specs = _plan(g, lq, len(tokens))
+    specs = _plan(g, lq, len(tokens), arch)
     if split > len(specs):
         raise ValueError(f"split ({split}) exceeds the number of tensors ({len(specs)})")
     paths = shard_paths(path, split)
@@ -387,7 +458,8 @@ def make_model(
             align,
             rng,
             random_experts,
-            (lambda w: _add_metadata(w, g, tokens, scores, types)) if i == 0 else None,
+            arch,
+            (lambda w: _add_metadata(w, g, tokens, scores, types, arch)) if i == 0 else None,
         )
     return paths
 
@@ -401,10 +473,11 @@ def _write_shard(
     align: int,
     rng: np.random.Generator,
     random_experts: bool,
+    arch: str,
     add_metadata,
 ) -> None:
     """Header first, then each tensor made and written in turn (never all in memory)."""
-    w = GGUFWriter(path, ARCH)
+    w = GGUFWriter(path, arch)
     if add_metadata is not None:
         add_metadata(w)
     if count > 1:

@@ -55,7 +55,10 @@ def engine(daemon, path, budget=None, **kw):
     return StreamedLlama(str(path), client=client, **{**LLAMA_KW, **kw}), client
 
 
-@pytest.mark.parametrize("model", ["tiny_model", "aligned_model", "split_model", "mixed_model", "trained_model"])
+@pytest.mark.parametrize(
+    "model",
+    ["tiny_model", "aligned_model", "split_model", "mixed_model", "trained_model", "olmoe_model", "qwen2moe_model"],
+)
 def test_predictor_at_zero_lead_is_llama_cpps_top_k(request, start_daemon, model):
     path = request.getfixturevalue(model)
     llm, client = engine(start_daemon(), path, prefetch="off")

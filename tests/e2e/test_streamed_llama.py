@@ -52,6 +52,8 @@ def test_ggml_layout_and_pinned_version(llama_cpp):
         ("aligned_model", "2MiB", "evicting"),
         ("trained_model", "64MiB", "copy"),  # learned weights and routing (17408-byte parts: copy path)
         ("trained_model", "1MiB", "evicting"),  # ~17 slots of 96 experts
+        ("olmoe_model", "256KiB", "evicting"),  # other architectures, tiny_model's expert size
+        ("qwen2moe_model", "256KiB", "evicting"),  # routed experts served, the shared expert resident
     ],
 )
 def test_logits_bit_exact(request, start_daemon, reference_logits, model, budget, path_kind):
@@ -69,10 +71,11 @@ def test_logits_bit_exact(request, start_daemon, reference_logits, model, budget
     assert daemon_stats["tenants"][0]["leases"] == 0 or all(t["leases"] == 0 for t in daemon_stats["tenants"])
 
 
-def test_aligned_copy_of_a_model_gives_identical_logits(start_daemon, reference_logits, model_factory, tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3moe", "olmoe", "qwen2moe"])
+def test_aligned_copy_of_a_model_gives_identical_logits(start_daemon, reference_logits, model_factory, tmp_path, arch):
     from moed.gguf.align import align_gguf
 
-    original = model_factory(embd=256, ff=256)  # 32-byte alignment: copy path
+    original = model_factory(embd=256, ff=256, **({} if arch == "qwen3moe" else {"arch": arch}))  # 32-byte: copy path
     aligned = align_gguf(original, tmp_path / "aligned.gguf")[0]
     _, want = reference_logits(original)
     got, engine, _ = run_streamed(start_daemon(), aligned)

@@ -31,6 +31,41 @@ def test_qwen3moe_keys(model_factory):
     assert "<0x0A>" in kv["tokenizer.ggml.tokens"]
 
 
+def test_default_arch_bytes_never_change(tmp_path):
+    import hashlib
+
+    # The default (qwen3moe) model: fixtures, traces and benchmarks depend on these exact bytes.
+    data = make_model(tmp_path / "m.gguf")[0].read_bytes()
+    assert hashlib.sha256(data).hexdigest() == "ae2e4f69c431665ace9eff39f788d981899aacc1dd741022143119ceeb2cabf2"
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "olmoe", "qwen2moe"])
+def test_arch_tensors_are_llama_cpps(model_factory, arch):
+    """Every tensor name is one gguf-py lists for the architecture; each arch's own tensors and keys."""
+    from gguf.constants import MODEL_ARCH_NAMES, MODEL_TENSORS, TENSOR_NAMES
+
+    path = model_factory(arch=arch, heads=4, kv_heads=2)
+    kv = fields(path)
+    assert kv["general.architecture"] == arch and kv[f"{arch}.expert_count"] == 8
+    enum = next(a for a, n in MODEL_ARCH_NAMES.items() if n == arch)
+    allowed = {TENSOR_NAMES[t].format(bid=i) for t in MODEL_TENSORS[enum] for i in range(4)}
+    t = {x.name: x for x in gguf.GGUFReader(path).tensors}
+    assert {n.rsplit(".", 1)[0] for n in t} <= allowed
+    if arch == "olmoe":  # whole-projection q/k norms, and llama.cpp's olmoe wants kv_heads == heads
+        assert kv["olmoe.attention.head_count_kv"] == 4
+        assert list(t["blk.0.attn_q_norm.weight"].shape) == [64] and list(t["blk.0.attn_k_norm.weight"].shape) == [64]
+    else:
+        assert kv[f"{arch}.attention.head_count_kv"] == 2
+    shared = [n for n in t if "_shexp" in n or n.endswith(".bias")]
+    if arch == "qwen2moe":
+        assert kv["qwen2moe.expert_shared_feed_forward_length"] == 64
+        assert list(t["blk.1.ffn_gate_inp_shexp.weight"].shape) == [64]
+        assert t["blk.1.ffn_down_shexp.weight"].tensor_type == Q.F16 and list(t["blk.1.attn_k.bias"].shape) == [32]
+        assert len(shared) == 4 * (4 + 3)
+    else:
+        assert shared == []
+
+
 def test_expert_tensors(tiny_model):
     r = gguf.GGUFReader(tiny_model)
     t = {x.name: x for x in r.tensors}
@@ -110,6 +145,7 @@ def test_vocab():
         (dict(quant="f32"), "unknown quant"),
         (dict(align=100), "power of two"),
         (dict(embd=60), "multiple"),
+        (dict(arch="mixtral"), "unknown arch"),
     ],
 )
 def test_bad_arguments(tmp_path, kwargs, words):
@@ -132,6 +168,10 @@ def test_moectl_make_model(tmp_path, capsys):
     missing = tmp_path / "no" / "such" / "dir" / "m.gguf"
     assert moectl(["make-model", str(missing)]) == 2  # as align: no directories made
     assert "does not exist" in capsys.readouterr().err and not (tmp_path / "no").exists()
+    assert moectl(["make-model", str(tmp_path / "o.gguf"), "--arch", "olmoe", "--layers", "2"]) == 0
+    assert fields(capsys.readouterr().out.split()[0])["general.architecture"] == "olmoe"
+    assert moectl(["make-model", str(out), "--arch", "nope"]) == 2
+    assert "unknown arch 'nope'" in capsys.readouterr().err
 
 
 @pytest.mark.e2e
