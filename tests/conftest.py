@@ -11,9 +11,10 @@ into `tmp_path` first if a test needs to damage a model):
   every expert part is 69632 = 17 pages and page-aligned (zero-copy path).
 - `split_model`: `tiny_model`'s geometry in 3 shards (first shard's path).
 - `mixed_model`: layers q8_0, q4_0, q8_0, q4_0: two size classes.
-- `olmoe_model`, `qwen2moe_model`: `tiny_model`'s geometry in those architectures
-  (olmoe: whole-projection q/k norms, kv_heads = heads; qwen2moe: q/k/v biases and a
-  gated dense shared expert next to the routed ones).
+- `olmoe_model`, `qwen2moe_model`, `deepseek2_model`: `tiny_model`'s geometry in those
+  architectures (olmoe: whole-projection q/k norms, kv_heads = heads; qwen2moe: q/k/v
+  biases and a gated dense shared expert next to the routed ones; deepseek2: MLA, a
+  leading dense layer, a shared expert, sigmoid gating with a selection bias).
 - `trained_model`: the committed tiny trained MoE (`moed.data.TINY_MOE`: 6 layers, 16
   experts, top-2, d 128, q8_0, byte-level, learned routing), checked against its sha256.
 - `llama_cpp`: the llama_cpp module, or the test is skipped where it is not installed.
@@ -83,6 +84,11 @@ def olmoe_model(model_factory) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def qwen2moe_model(model_factory) -> pathlib.Path:
     return model_factory(arch="qwen2moe")
+
+
+@pytest.fixture(scope="session")
+def deepseek2_model(model_factory) -> pathlib.Path:
+    return model_factory(arch="deepseek2")
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,10 @@ Architectures (`arch`, see `ARCHS`: one layer plan and its own keys each):
   so `kv_heads` is ignored.
 - `qwen2moe`: q/k/v biases, and next to the routed experts a dense F16 shared expert
   (`ffn_{gate,up,down}_shexp`) with its sigmoid gate `ffn_gate_inp_shexp`.
+- `deepseek2`: MLA attention (q and kv latents, split `attn_k_b`/`attn_v_b`, one kv
+  head, so `kv_heads` is ignored), a leading dense layer (`ffn_{gate,up,down}`), an
+  ungated dense shared expert, V3-style sigmoid gating with the selection bias
+  `exp_probs_b`, normalized top-k weights scaled by 2.5. No expert groups.
 
 Invariants:
 - Routed experts are `blk.N.ffn_{gate,up,down}_exps.weight`, quantized with q8_0,
@@ -301,32 +305,86 @@ def _shared_expert(g: Geometry, p: str, gated: bool) -> list[_Spec]:
     ]
 
 
-def _layer_qwen3moe(g: Geometry, p: str, qt: GGMLQuantizationType) -> list[_Spec]:
+def _layer_qwen3moe(g: Geometry, i: int, qt: GGMLQuantizationType) -> list[_Spec]:
+    p = f"blk.{i}."
     return _attention(g, p, qk_norm="head") + _routed(g, p, qt)
 
 
-def _layer_olmoe(g: Geometry, p: str, qt: GGMLQuantizationType) -> list[_Spec]:
+def _layer_olmoe(g: Geometry, i: int, qt: GGMLQuantizationType) -> list[_Spec]:
     # OLMoE normalizes the whole q and k projections (n_embd wide), not each head.
+    p = f"blk.{i}."
     return _attention(g, p, qk_norm="full") + _routed(g, p, qt)
 
 
-def _layer_qwen2moe(g: Geometry, p: str, qt: GGMLQuantizationType) -> list[_Spec]:
+def _layer_qwen2moe(g: Geometry, i: int, qt: GGMLQuantizationType) -> list[_Spec]:
+    p = f"blk.{i}."
     return _attention(g, p, bias=True) + _routed(g, p, qt) + _shared_expert(g, p, gated=True)
+
+
+# DeepSeek-V2/V3-style MLA: q and kv compressed to latents of _MLA_RANK, rope and
+# no-rope halves of _MLA_ROPE each per query/key head, values head_dim wide.
+_MLA_RANK, _MLA_ROPE = 32, 16
+
+
+def _layer_deepseek2(g: Geometry, i: int, qt: GGMLQuantizationType) -> list[_Spec]:
+    p, hd, nope = f"blk.{i}.", g.head_dim, _MLA_ROPE
+    specs = [
+        _Spec(p + "attn_norm.weight", (g.embd,), "norm"),
+        _Spec(p + "attn_q_a.weight", (_MLA_RANK, g.embd), "f16"),
+        _Spec(p + "attn_q_a_norm.weight", (_MLA_RANK,), "norm"),
+        _Spec(p + "attn_q_b.weight", (g.heads * (nope + _MLA_ROPE), _MLA_RANK), "f16"),
+        _Spec(p + "attn_kv_a_mqa.weight", (_MLA_RANK + _MLA_ROPE, g.embd), "f16"),
+        _Spec(p + "attn_kv_a_norm.weight", (_MLA_RANK,), "norm"),
+        _Spec(p + "attn_k_b.weight", (g.heads, _MLA_RANK, nope), "f16"),
+        _Spec(p + "attn_v_b.weight", (g.heads, hd, _MLA_RANK), "f16"),
+        _Spec(p + "attn_output.weight", (g.embd, g.heads * hd), "f16"),
+    ]
+    if i < _DENSE_LEAD:  # leading dense layers: a plain FFN, no experts
+        return specs + [
+            _Spec(p + "ffn_norm.weight", (g.embd,), "norm"),
+            _Spec(p + "ffn_gate.weight", (g.ff, g.embd), "f16"),
+            _Spec(p + "ffn_up.weight", (g.ff, g.embd), "f16"),
+            _Spec(p + "ffn_down.weight", (g.embd, g.ff), "f16"),
+        ]
+    routed = _routed(g, p, qt)
+    bias = _Spec(p + "exp_probs_b.bias", (g.experts,), "bias")  # the selection bias (V3's)
+    return specs + routed[:2] + [bias] + routed[2:] + _shared_expert(g, p, gated=False)
+
+
+_DENSE_LEAD = 1
+
+
+def _kv_deepseek2(g: Geometry) -> dict[str, int | float | bool]:
+    return {
+        "attention.key_length": _MLA_RANK + _MLA_ROPE,  # MLA's cache: the latent and the rope key
+        "attention.value_length": _MLA_RANK,
+        "attention.key_length_mla": 2 * _MLA_ROPE,
+        "attention.value_length_mla": g.head_dim,
+        "attention.q_lora_rank": _MLA_RANK,
+        "attention.kv_lora_rank": _MLA_RANK,
+        "rope.dimension_count": _MLA_ROPE,
+        "leading_dense_block_count": _DENSE_LEAD,
+        "expert_shared_count": 1,
+        "expert_weights_scale": 2.5,
+        "expert_weights_norm": True,
+        "expert_gating_func": 2,  # sigmoid, as V3
+    }
 
 
 @dataclass(frozen=True)
 class _Arch:
     """One architecture: its per-layer tensor plan and the metadata keys only it has."""
 
-    layer: Callable[[Geometry, str, GGMLQuantizationType], list[_Spec]]
-    extra_kv: Callable[[Geometry], dict[str, int]] = lambda g: {}
-    same_kv_heads: bool = False  # llama.cpp's loader wants kv_heads == heads
+    layer: Callable[[Geometry, int, GGMLQuantizationType], list[_Spec]]
+    extra_kv: Callable[[Geometry], dict[str, int | float | bool]] = lambda g: {}
+    kv_heads: Callable[[int, int], int] = lambda heads, kv_heads: kv_heads  # what llama.cpp wants of it
 
 
 ARCHS: dict[str, _Arch] = {
     "qwen3moe": _Arch(_layer_qwen3moe),
-    "olmoe": _Arch(_layer_olmoe, same_kv_heads=True),
+    "olmoe": _Arch(_layer_olmoe, kv_heads=lambda heads, kv_heads: heads),
     "qwen2moe": _Arch(_layer_qwen2moe, lambda g: {"expert_shared_feed_forward_length": g.ff}),
+    "deepseek2": _Arch(_layer_deepseek2, _kv_deepseek2, kv_heads=lambda heads, kv_heads: 1),  # one latent kv
 }
 
 
@@ -335,7 +393,7 @@ def _plan(g: Geometry, layer_quants: list[str], vocab_size: int, arch: str = ARC
     layer = ARCHS[arch].layer
     specs = [_Spec("token_embd.weight", (vocab_size, g.embd), "embd")]
     for i in range(g.layers):
-        specs += layer(g, f"blk.{i}.", QUANTS[layer_quants[i]])
+        specs += layer(g, i, QUANTS[layer_quants[i]])
     specs += [_Spec("output_norm.weight", (g.embd,), "norm"), _Spec("output.weight", (vocab_size, g.embd), "f16")]
     return specs
 
@@ -379,12 +437,18 @@ def _add_metadata(w: GGUFWriter, g: Geometry, tokens, scores, types, arch: str =
     w.add_uint32(Keys.LLM.EXPERT_USED_COUNT.format(arch=a), g.used)
     w.add_uint32(Keys.Attention.HEAD_COUNT.format(arch=a), g.heads)
     w.add_uint32(Keys.Attention.HEAD_COUNT_KV.format(arch=a), g.kv_heads)
-    w.add_uint32(Keys.Attention.KEY_LENGTH.format(arch=a), g.head_dim)
-    w.add_uint32(Keys.Attention.VALUE_LENGTH.format(arch=a), g.head_dim)
+    extra = dict(ARCHS[a].extra_kv(g))  # an arch's own keys; it may also set the head lengths
+    w.add_uint32(Keys.Attention.KEY_LENGTH.format(arch=a), int(extra.pop("attention.key_length", g.head_dim)))
+    w.add_uint32(Keys.Attention.VALUE_LENGTH.format(arch=a), int(extra.pop("attention.value_length", g.head_dim)))
     w.add_float32(Keys.Attention.LAYERNORM_RMS_EPS.format(arch=a), 1e-6)
     w.add_float32(Keys.Rope.FREQ_BASE.format(arch=a), 10000.0)
-    for key, value in ARCHS[a].extra_kv(g).items():
-        w.add_uint32(f"{a}.{key}", value)
+    for key, value in extra.items():
+        if isinstance(value, bool):
+            w.add_bool(f"{a}.{key}", value)
+        elif isinstance(value, float):
+            w.add_float32(f"{a}.{key}", value)
+        else:
+            w.add_uint32(f"{a}.{key}", value)
     w.add_string(Keys.Tokenizer.MODEL, "llama")
     w.add_array(Keys.Tokenizer.LIST, tokens)
     w.add_array(Keys.Tokenizer.SCORES, scores)
@@ -431,8 +495,7 @@ def make_model(
     """
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r} (use {', '.join(ARCHS)})")
-    if ARCHS[arch].same_kv_heads:
-        kv_heads = heads
+    kv_heads = ARCHS[arch].kv_heads(heads, kv_heads)
     g = Geometry(layers, experts, used, embd, ff, heads, kv_heads, ctx)
     if isinstance(layer_quants, str):
         layer_quants = layer_quants.split(",")

@@ -57,7 +57,16 @@ def engine(daemon, path, budget=None, **kw):
 
 @pytest.mark.parametrize(
     "model",
-    ["tiny_model", "aligned_model", "split_model", "mixed_model", "trained_model", "olmoe_model", "qwen2moe_model"],
+    [
+        "tiny_model",
+        "aligned_model",
+        "split_model",
+        "mixed_model",
+        "trained_model",
+        "olmoe_model",
+        "qwen2moe_model",
+        "deepseek2_model",
+    ],
 )
 def test_predictor_at_zero_lead_is_llama_cpps_top_k(request, start_daemon, model):
     path = request.getfixturevalue(model)

@@ -73,7 +73,8 @@ def test_tiny_model_geometry(tiny_model):
 
 
 @pytest.mark.parametrize(
-    "fixture", ["tiny_model", "split_model", "aligned_model", "mixed_model", "olmoe_model", "qwen2moe_model"]
+    "fixture",
+    ["tiny_model", "split_model", "aligned_model", "mixed_model", "olmoe_model", "qwen2moe_model", "deepseek2_model"],
 )
 def test_every_extent_holds_the_tensor_bytes(fixture, request):
     cat = Catalog.open(request.getfixturevalue(fixture))
@@ -161,15 +162,19 @@ def test_moectl_index(mixed_model, capsys):
     assert "top-k 2" in out and "Q4_0" in out and "page-aligned expert extents: no" in out
 
 
-@pytest.mark.parametrize("fixture, arch", [("olmoe_model", "olmoe"), ("qwen2moe_model", "qwen2moe")])
+@pytest.mark.parametrize(
+    "fixture, arch", [("olmoe_model", "olmoe"), ("qwen2moe_model", "qwen2moe"), ("deepseek2_model", "deepseek2")]
+)
 def test_other_architectures_serve_only_routed_experts(fixture, arch, request, capsys):
     path = request.getfixturevalue(fixture)
     cat = Catalog.open(path)
-    assert cat.arch == arch and cat.moe_layers == (0, 1, 2, 3) and cat.parts == ("gate", "up", "down")
+    first = 1 if arch == "deepseek2" else 0  # deepseek2's leading dense layer has no experts
+    assert cat.arch == arch and cat.n_layers == 4 and cat.moe_layers == tuple(range(first, 4))
+    assert cat.parts == ("gate", "up", "down")
     served = {(l, p) for l in cat.moe_layers for p in cat.parts}
     names = {t.name for t in gguf.GGUFReader(path).tensors}
     shared = sorted(n for n in names if "_shexp" in n)
-    assert len(shared) == (4 * 4 if arch == "qwen2moe" else 0)  # qwen2moe's shared expert: dense, never a part
+    assert len(shared) == {"olmoe": 0, "qwen2moe": 4 * 4, "deepseek2": 3 * 3}[arch]  # dense, never a part
     assert served == {(int(m.group(1)), m.group(2)) for n in names if (m := EXPERT.match(n))}
     assert moectl(["index", str(path)]) == 0
     out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines

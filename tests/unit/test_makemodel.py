@@ -39,7 +39,7 @@ def test_default_arch_bytes_never_change(tmp_path):
     assert hashlib.sha256(data).hexdigest() == "ae2e4f69c431665ace9eff39f788d981899aacc1dd741022143119ceeb2cabf2"
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "olmoe", "qwen2moe"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "olmoe", "qwen2moe", "deepseek2"])
 def test_arch_tensors_are_llama_cpps(model_factory, arch):
     """Every tensor name is one gguf-py lists for the architecture; each arch's own tensors and keys."""
     from gguf.constants import MODEL_ARCH_NAMES, MODEL_TENSORS, TENSOR_NAMES
@@ -54,6 +54,11 @@ def test_arch_tensors_are_llama_cpps(model_factory, arch):
     if arch == "olmoe":  # whole-projection q/k norms, and llama.cpp's olmoe wants kv_heads == heads
         assert kv["olmoe.attention.head_count_kv"] == 4
         assert list(t["blk.0.attn_q_norm.weight"].shape) == [64] and list(t["blk.0.attn_k_norm.weight"].shape) == [64]
+    elif arch == "deepseek2":  # MLA: one latent kv head; the first layer dense
+        assert kv["deepseek2.attention.head_count_kv"] == 1 and kv["deepseek2.leading_dense_block_count"] == 1
+        assert kv["deepseek2.expert_gating_func"] == 2 and kv["deepseek2.expert_weights_scale"] == 2.5
+        assert "blk.0.ffn_gate.weight" in t and "blk.0.ffn_gate_exps.weight" not in t
+        assert "blk.1.attn_k_b.weight" in t and list(t["blk.1.exp_probs_b.bias"].shape) == [8]
     else:
         assert kv[f"{arch}.attention.head_count_kv"] == 2
     shared = [n for n in t if "_shexp" in n or n.endswith(".bias")]
@@ -62,6 +67,8 @@ def test_arch_tensors_are_llama_cpps(model_factory, arch):
         assert list(t["blk.1.ffn_gate_inp_shexp.weight"].shape) == [64]
         assert t["blk.1.ffn_down_shexp.weight"].tensor_type == Q.F16 and list(t["blk.1.attn_k.bias"].shape) == [32]
         assert len(shared) == 4 * (4 + 3)
+    elif arch == "deepseek2":  # an ungated shared expert and the selection bias in each MoE layer
+        assert len(shared) == 3 * (3 + 1)
     else:
         assert shared == []
 
