@@ -84,6 +84,7 @@ class Residency:
         self.n_experts: dict[int, int] = {}
         self.regions: dict[Any, Region] = {}  # session -> its region
         self._published: dict = {}  # slot -> (model id, table word, generation)
+        self._retired: set[int] = set()  # models that take no new local hits (stale or closed)
         self.claims_refused = 0
 
     # ---- tables ----------------------------------------------------------
@@ -103,6 +104,7 @@ class Residency:
 
     def retire_model(self, model_id: int) -> None:
         """No new local hits on a stale or closed model: zero its table (holds still count)."""
+        self._retired.add(model_id)
         table = self.tables.get(model_id)
         if table is not None:
             for mid, word, _ in list(self._published.values()):
@@ -110,6 +112,7 @@ class Residency:
                     _holds.store(table.map, word, 0)
 
     def drop_model(self, model_id: int) -> None:
+        self._retired.discard(model_id)  # its table is gone: nothing can be published in it
         table = self.tables.pop(model_id, None)
         if table is not None:
             table.close()
@@ -126,8 +129,8 @@ class Residency:
         """The slot is READY with its key: make it visible to local hits."""
         key = slot.key
         table = self.tables.get(key.model_id)
-        if table is None:
-            return
+        if table is None or key.model_id in self._retired:
+            return  # a read that finishes after its model was retired is not offered to local hits
         word = self.layer_index[key.model_id][key.layer] * self.n_experts[key.model_id] + key.expert
         g = slot.generation
         _holds.store(self.states[slot.class_id].map, slot.index, rz.state(g, rz.READY))

@@ -1,0 +1,65 @@
+"""The daemon's residency tables without a daemon: publish, claim, retire (moed.daemon.residency)."""
+
+from __future__ import annotations
+
+from moed import _holds
+from moed.daemon.residency import Residency
+from moed.daemon.store import ExpertKey, Slot, SlotState
+from moed.protocol import residency as rz
+
+
+def ready_slot(model_id: int, layer: int, expert: int, index: int = 3, generation: int = 5) -> Slot:
+    slot = Slot(class_id=1, index=index, slot_bytes=4096)
+    slot.key, slot.state, slot.generation = ExpertKey(model_id, layer, expert), SlotState.READY, generation
+    return slot
+
+
+def test_publish_claim_unclaim_round_trip():
+    res = Residency()
+    res.add_class(1, capacity=8)
+    res.add_model(7, layers=[0, 2], n_experts=4)
+    slot = ready_slot(7, 2, 1)
+    res.publish(slot)
+    word = 1 * 4 + 1  # layer 2 is the model's second MoE layer
+    assert _holds.load(res.tables[7].map, word) == rz.entry(5, 3)
+    assert _holds.load(res.states[1].map, 3) == rz.state(5, rz.READY)
+    assert res.claim(slot)  # nobody holds it
+    assert _holds.load(res.tables[7].map, word) == 0
+    assert _holds.load(res.states[1].map, 3) == rz.state(5, rz.EVICTING)
+    res.unclaim(slot)  # kept after all: visible again
+    assert _holds.load(res.tables[7].map, word) == rz.entry(5, 3)
+    res.close()
+
+
+def test_a_held_slot_is_refused_and_put_back():
+    res = Residency()
+    res.add_class(1, capacity=8)
+    res.add_model(7, layers=[0], n_experts=4)
+    slot = ready_slot(7, 0, 2)
+    res.publish(slot)
+    session = object()
+    fd = res.open_region(session)
+    import mmap
+    import os
+
+    region = mmap.mmap(fd, rz.REGION_WORDS * 8)
+    os.close(fd)
+    _holds.store(region, rz.HOLD_BASE + 10, rz.hold(1, 3, 5))
+    assert not res.claim(slot) and res.claims_refused == 1
+    assert _holds.load(res.states[1].map, 3) == rz.state(5, rz.READY)
+    _holds.store(region, rz.HOLD_BASE + 10, 0)
+    assert res.claim(slot)
+    region.close()
+    res.close_region(session)
+    res.close()
+
+
+def test_a_read_finishing_after_its_model_retired_is_not_published():
+    res = Residency()
+    res.add_class(1, capacity=8)
+    res.add_model(7, layers=[0], n_experts=4)
+    res.retire_model(7)
+    res.publish(ready_slot(7, 0, 1))
+    assert _holds.load(res.tables[7].map, 1) == 0
+    assert _holds.load(res.states[1].map, 3) == 0
+    res.close()
