@@ -11,6 +11,8 @@ into `tmp_path` first if a test needs to damage a model):
   every expert part is 69632 = 17 pages and page-aligned (zero-copy path).
 - `split_model`: `tiny_model`'s geometry in 3 shards (first shard's path).
 - `mixed_model`: layers q8_0, q4_0, q8_0, q4_0: two size classes.
+- `q4_k_m_model`: embd=ff=256 in the `q4_k_m` recipe (gate/up Q4_K, down Q6_K in even
+  layers and Q4_K in odd ones): two size classes, parts of different sizes in a layer.
 - `olmoe_model`, `qwen2moe_model`, `deepseek2_model`: `tiny_model`'s geometry in those
   architectures (olmoe: whole-projection q/k norms, kv_heads = heads; qwen2moe: q/k/v
   biases and a gated dense shared expert next to the routed ones; deepseek2: MLA, a
@@ -74,6 +76,11 @@ def split_model(model_factory) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def mixed_model(model_factory) -> pathlib.Path:
     return model_factory(layer_quants="q8_0,q4_0,q8_0,q4_0")
+
+
+@pytest.fixture(scope="session")
+def q4_k_m_model(model_factory) -> pathlib.Path:
+    return model_factory(embd=256, ff=256, recipe="q4_k_m")
 
 
 @pytest.fixture(scope="session")

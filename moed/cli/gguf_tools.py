@@ -25,8 +25,13 @@ def register(sub) -> None:
     p.add_argument("--used", type=int, default=2, help="experts per token (top-k)")
     p.add_argument("--embd", type=int, default=64)
     p.add_argument("--ff", type=int, default=64, help="expert feed-forward length")
-    p.add_argument("--quant", default="q8_0", choices=["q8_0", "q4_0", "q4_k"])
+    p.add_argument("--quant", default="q8_0", choices=["q8_0", "q4_0", "q4_k", "q6_k"])
     p.add_argument("--layer-quants", default=None, metavar="Q,Q,...", help="one quant per layer (mixed size classes)")
+    p.add_argument(
+        "--recipe",
+        default=None,
+        help="a named quant mix per part and layer (q4_k_m: gate/up Q4_K, down Q6_K and Q4_K by layer)",
+    )
     p.add_argument("--align", type=int, default=32, help="general.alignment (4096: page-aligned experts)")
     p.add_argument("--split", type=int, default=1, help="number of shards")
     p.add_argument("--seed", type=int, default=0)
@@ -91,6 +96,7 @@ def _make_model(args) -> int:
             kv_heads=args.kv_heads,
             random_experts=args.random_experts,
             arch=args.arch,
+            recipe=args.recipe,
         )
     except ValueError as exc:
         return fail(f"make-model: {exc}")

@@ -18,7 +18,9 @@ Architectures (`arch`, see `ARCHS`: one layer plan and its own keys each):
 
 Invariants:
 - Routed experts are `blk.N.ffn_{gate,up,down}_exps.weight`, quantized with q8_0,
-  q4_0 or q4_k (per layer with `layer_quants`, which makes mixed size classes).
+  q4_0, q4_k or q6_k (per layer with `layer_quants`, which makes mixed size classes;
+  per part and layer with a `recipe` from `RECIPES`: `q4_k_m` mixes Q4_K and Q6_K
+  inside a layer and across layers, as llama.cpp's Q4_K_M does).
   Dense weights are F16 (matrices) and F32 (norms, router).
 - `align` becomes `general.alignment` in every shard (llama.cpp reads each shard's
   own alignment), so with `align=4096` an expert whose byte size is a multiple of
@@ -47,7 +49,19 @@ QUANTS = {
     "q8_0": GGMLQuantizationType.Q8_0,
     "q4_0": GGMLQuantizationType.Q4_0,
     "q4_k": GGMLQuantizationType.Q4_K,
+    "q6_k": GGMLQuantizationType.Q6_K,
 }
+PartQuants = tuple[str, str, str]  # one layer's (gate, up, down) quants
+
+
+def _q4_k_m(layer: int) -> PartQuants:
+    # llama.cpp's Q4_K_M as in the real Qwen3-30B-A3B file: gate and up Q4_K, down
+    # Q6_K in some layers and Q4_K in the rest (here: alternating, Q6_K first).
+    return ("q4_k", "q4_k", "q6_k" if layer % 2 == 0 else "q4_k")
+
+
+# Named quant mixes: each layer's (gate, up, down) quants, by layer index.
+RECIPES: dict[str, Callable[[int], PartQuants]] = {"q4_k_m": _q4_k_m}
 
 # A few whole-word tokens so sampled text looks like text; everything else falls
 # back to single characters or bytes.
@@ -167,20 +181,55 @@ def _quantize_q4_k(data: np.ndarray) -> np.ndarray:
     return blocks.reshape(*data.shape[:-1], data.shape[-1] // 256 * 144)
 
 
+def _quantize_q6_k(data: np.ndarray) -> np.ndarray:
+    """Q6_K blocks (gguf-py only dequantizes it): 256 values -> 128 low nibbles, 64 bytes of
+    high bit pairs, 16 int8 scales, then d.
+
+    A plain absmax fit per 16-value sub-block (q - 32 in -31..31), exact in layout
+    (checked against gguf.quants.dequantize in the tests).
+    """
+    rows = data.reshape(-1, 256).astype(np.float32)
+    n = rows.shape[0]
+    sub = rows.reshape(n, 16, 16)
+    scale = np.abs(sub).max(axis=-1) / 31.0  # (n, 16), >= 0
+    d16 = (scale.max(axis=-1) / 127.0).astype(np.float16)
+    d32 = d16.astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d32[:, None] > 0, np.rint(scale / d32[:, None]), 0).clip(0, 127).astype(np.int8)
+        step = d32[:, None] * sc
+        q = np.where(step[..., None] > 0, np.rint(sub / step[..., None]), 0)
+    q = (q.clip(-32, 31) + 32).astype(np.uint8).reshape(n, 2, 128)  # two halves of 128 values
+    lo, hi = (q & 0x0F).reshape(n, 2, 2, 64), (q >> 4).reshape(n, 2, 4, 32)
+    ql = (lo[:, :, 0] | (lo[:, :, 1] << 4)).reshape(n, 128)
+    qh = (hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)).reshape(n, 64)
+    blocks = np.concatenate([ql, qh, sc.view(np.uint8), d16.view(np.uint8).reshape(n, 2)], axis=-1)
+    return blocks.reshape(*data.shape[:-1], data.shape[-1] // 256 * 210)
+
+
+_OWN_QUANTIZERS = {GGMLQuantizationType.Q4_K: _quantize_q4_k, GGMLQuantizationType.Q6_K: _quantize_q6_k}
+
+
 def quantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """Raw bytes of `data` in `qtype`, shaped like gguf-py's quantize (last axis in bytes)."""
     block, _ = GGML_QUANT_SIZES[qtype]
     if data.shape[-1] % block:
         raise ValueError(f"{qtype.name} needs rows that are a multiple of {block} values, got {data.shape[-1]}")
-    if qtype == GGMLQuantizationType.Q4_K:
-        return _quantize_q4_k(data)
+    if qtype in _OWN_QUANTIZERS:
+        return _OWN_QUANTIZERS[qtype](data)
     return quants.quantize(data.astype(np.float32), qtype)
 
 
 # Random raw blocks: the scale that gives values of about unit standard deviation
 # for uniformly random quant bytes (q8_0: int8 std ~73.9; q4_0: (q - 8) std ~4.6;
-# q4_k: d*sc*q - dmin*m with dmin = 7.5 d has std ~258 d and mean ~0).
-_RANDOM_BLOCK_STD = {GGMLQuantizationType.Q8_0: 73.9, GGMLQuantizationType.Q4_0: 4.6, GGMLQuantizationType.Q4_K: 258.0}
+# q4_k: d*sc*q - dmin*m with dmin = 7.5 d has std ~258 d and mean ~0; q6_k: int8
+# scale times (q - 32), 73.9 * 18.5), and where each block keeps its f16 d.
+_RANDOM_BLOCK_STD = {
+    GGMLQuantizationType.Q8_0: 73.9,
+    GGMLQuantizationType.Q4_0: 4.6,
+    GGMLQuantizationType.Q4_K: 258.0,
+    GGMLQuantizationType.Q6_K: 1367.0,
+}
+_D_OFFSET = {GGMLQuantizationType.Q6_K: 208}  # the others start with d
 
 
 def random_blocks(n_rows: int, row: int, qtype: GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
@@ -194,7 +243,8 @@ def random_blocks(n_rows: int, row: int, qtype: GGMLQuantizationType, rng: np.ra
     raw = rng.bit_generator.random_raw(-(-n_blocks * size // 8)).view(np.uint8)[: n_blocks * size]
     blocks = raw.reshape(n_blocks, size)
     d = np.float16(1.0 / (_RANDOM_BLOCK_STD[qtype] * math.sqrt(row)))
-    blocks[:, 0:2] = np.frombuffer(d.tobytes(), np.uint8)
+    at = _D_OFFSET.get(qtype, 0)
+    blocks[:, at : at + 2] = np.frombuffer(d.tobytes(), np.uint8)
     if qtype == GGMLQuantizationType.Q4_K:
         blocks[:, 2:4] = np.frombuffer(np.float16(7.5 * float(d)).tobytes(), np.uint8)
     return blocks.reshape(n_rows, row // block * size)
@@ -219,7 +269,7 @@ class Geometry:
         return self.embd // self.heads
 
 
-def _check(g: Geometry, layer_quants: list[str], split: int, align: int) -> None:
+def _check(g: Geometry, quant_names: list[str], split: int, align: int) -> None:
     if min(g.layers, g.experts, g.used, g.embd, g.ff, g.heads, g.kv_heads, g.ctx, split) < 1:
         raise ValueError("all sizes must be positive")
     if g.used > g.experts:
@@ -228,7 +278,7 @@ def _check(g: Geometry, layer_quants: list[str], split: int, align: int) -> None
         raise ValueError("embd must be a multiple of heads, heads a multiple of kv_heads")
     if align < 8 or align & (align - 1):
         raise ValueError(f"align must be a power of two >= 8, got {align}")
-    for q in layer_quants:
+    for q in dict.fromkeys(quant_names):
         if q not in QUANTS:
             raise ValueError(f"unknown quant {q!r} (use {', '.join(QUANTS)})")
         block, _ = GGML_QUANT_SIZES[QUANTS[q]]
@@ -284,14 +334,17 @@ def _attention(g: Geometry, p: str, *, qk_norm: str = "", bias: bool = False) ->
     return specs
 
 
-def _routed(g: Geometry, p: str, qt: GGMLQuantizationType) -> list[_Spec]:
+_Quants = tuple[GGMLQuantizationType, GGMLQuantizationType, GGMLQuantizationType]  # (gate, up, down)
+
+
+def _routed(g: Geometry, p: str, qt: _Quants) -> list[_Spec]:
     """The FFN norm, the router and the routed experts: the only tensors moed serves."""
     return [
         _Spec(p + "ffn_norm.weight", (g.embd,), "norm"),
         _Spec(p + "ffn_gate_inp.weight", (g.experts, g.embd), "router"),
-        _Spec(p + "ffn_gate_exps.weight", (g.experts, g.ff, g.embd), "experts", qt),
-        _Spec(p + "ffn_up_exps.weight", (g.experts, g.ff, g.embd), "experts", qt),
-        _Spec(p + "ffn_down_exps.weight", (g.experts, g.embd, g.ff), "experts", qt),
+        _Spec(p + "ffn_gate_exps.weight", (g.experts, g.ff, g.embd), "experts", qt[0]),
+        _Spec(p + "ffn_up_exps.weight", (g.experts, g.ff, g.embd), "experts", qt[1]),
+        _Spec(p + "ffn_down_exps.weight", (g.experts, g.embd, g.ff), "experts", qt[2]),
     ]
 
 
@@ -305,18 +358,18 @@ def _shared_expert(g: Geometry, p: str, gated: bool) -> list[_Spec]:
     ]
 
 
-def _layer_qwen3moe(g: Geometry, i: int, qt: GGMLQuantizationType) -> list[_Spec]:
+def _layer_qwen3moe(g: Geometry, i: int, qt: _Quants) -> list[_Spec]:
     p = f"blk.{i}."
     return _attention(g, p, qk_norm="head") + _routed(g, p, qt)
 
 
-def _layer_olmoe(g: Geometry, i: int, qt: GGMLQuantizationType) -> list[_Spec]:
+def _layer_olmoe(g: Geometry, i: int, qt: _Quants) -> list[_Spec]:
     # OLMoE normalizes the whole q and k projections (n_embd wide), not each head.
     p = f"blk.{i}."
     return _attention(g, p, qk_norm="full") + _routed(g, p, qt)
 
 
-def _layer_qwen2moe(g: Geometry, i: int, qt: GGMLQuantizationType) -> list[_Spec]:
+def _layer_qwen2moe(g: Geometry, i: int, qt: _Quants) -> list[_Spec]:
     p = f"blk.{i}."
     return _attention(g, p, bias=True) + _routed(g, p, qt) + _shared_expert(g, p, gated=True)
 
@@ -326,7 +379,7 @@ def _layer_qwen2moe(g: Geometry, i: int, qt: GGMLQuantizationType) -> list[_Spec
 _MLA_RANK, _MLA_ROPE = 32, 16
 
 
-def _layer_deepseek2(g: Geometry, i: int, qt: GGMLQuantizationType) -> list[_Spec]:
+def _layer_deepseek2(g: Geometry, i: int, qt: _Quants) -> list[_Spec]:
     p, hd, nope = f"blk.{i}.", g.head_dim, _MLA_ROPE
     specs = [
         _Spec(p + "attn_norm.weight", (g.embd,), "norm"),
@@ -375,7 +428,7 @@ def _kv_deepseek2(g: Geometry) -> dict[str, int | float | bool]:
 class _Arch:
     """One architecture: its per-layer tensor plan and the metadata keys only it has."""
 
-    layer: Callable[[Geometry, int, GGMLQuantizationType], list[_Spec]]
+    layer: Callable[[Geometry, int, _Quants], list[_Spec]]
     extra_kv: Callable[[Geometry], dict[str, int | float | bool]] = lambda g: {}
     kv_heads: Callable[[int, int], int] = lambda heads, kv_heads: kv_heads  # what llama.cpp wants of it
 
@@ -388,12 +441,13 @@ ARCHS: dict[str, _Arch] = {
 }
 
 
-def _plan(g: Geometry, layer_quants: list[str], vocab_size: int, arch: str = ARCH) -> list[_Spec]:
+def _plan(g: Geometry, part_quants: list[PartQuants], vocab_size: int, arch: str = ARCH) -> list[_Spec]:
     """Every tensor of the model, in file order."""
     layer = ARCHS[arch].layer
     specs = [_Spec("token_embd.weight", (vocab_size, g.embd), "embd")]
     for i in range(g.layers):
-        specs += layer(g, i, QUANTS[layer_quants[i]])
+        gate, up, down = part_quants[i]
+        specs += layer(g, i, (QUANTS[gate], QUANTS[up], QUANTS[down]))
     specs += [_Spec("output_norm.weight", (g.embd,), "norm"), _Spec("output.weight", (vocab_size, g.embd), "f16")]
     return specs
 
@@ -486,12 +540,15 @@ def make_model(
     kv_heads: int = 2,
     random_experts: bool = False,
     arch: str = ARCH,
+    recipe: str | None = None,
 ) -> list[pathlib.Path]:
     """Write the model; returns its shard paths (the first is the one to load).
 
     `random_experts` fills expert tensors with random quant blocks instead of
     quantized Gaussian weights: much faster for multi-GB benchmark models.
     `arch` is one of `ARCHS` (the default, qwen3moe, writes the same bytes as ever).
+    `recipe` (one of `RECIPES`) picks each part's quant per layer instead of
+    `quant`/`layer_quants`.
     """
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r} (use {', '.join(ARCHS)})")
@@ -502,9 +559,10 @@ def make_model(
     lq = list(layer_quants) if layer_quants else [quant] * layers
     if len(lq) != layers:
         raise ValueError(f"layer_quants has {len(lq)} entries for {layers} layers")
-    _check(g, lq, split, align)
+    part_quants = _part_quants(lq, recipe, layer_quants is not None)
+    _check(g, [q for pq in part_quants for q in pq], split, align)
     tokens, scores, types = build_vocab(vocab)
-    specs = _plan(g, lq, len(tokens), arch)
+    specs = _plan(g, part_quants, len(tokens), arch)
     if split > len(specs):
         raise ValueError(f"split ({split}) exceeds the number of tensors ({len(specs)})")
     paths = shard_paths(path, split)
@@ -525,6 +583,17 @@ def make_model(
             (lambda w: _add_metadata(w, g, tokens, scores, types, arch)) if i == 0 else None,
         )
     return paths
+
+
+def _part_quants(layer_quants: list[str], recipe: str | None, explicit: bool) -> list[PartQuants]:
+    """Each layer's (gate, up, down) quants: from the recipe, else the layer's quant for all three."""
+    if recipe is None:
+        return [(q, q, q) for q in layer_quants]
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown recipe {recipe!r} (use {', '.join(RECIPES)})")
+    if explicit:
+        raise ValueError("give a recipe or layer_quants, not both")
+    return [RECIPES[recipe](i) for i in range(len(layer_quants))]
 
 
 def _write_shard(

@@ -290,7 +290,7 @@ def write_gguf(
     w.add_description(description or NAME)
     if align != 32:
         w.add_custom_alignment(align)
-    specs = makemodel._plan(g, lq, len(tokens))
+    specs = makemodel._plan(g, makemodel._part_quants(lq, None, False), len(tokens))
     if set(tensors) != {s.name for s in specs}:
         raise ValueError(f"tensors differ from the plan: {sorted(set(tensors) ^ {s.name for s in specs})}")
     for s in specs:

@@ -48,6 +48,7 @@ def test_ggml_layout_and_pinned_version(llama_cpp):
         ("tiny_model", "64MiB", "copy"),
         ("split_model", "64MiB", "copy"),
         ("mixed_model", "64MiB", "copy"),
+        ("q4_k_m_model", "1MiB", "evicting"),  # Q4_K_M's mix: 127488- and 110592-byte experts, 32 of them
         ("tiny_model", "256KiB", "evicting"),  # ~10 slots of 32 experts: evicted between layers
         ("aligned_model", "2MiB", "evicting"),
         ("trained_model", "64MiB", "copy"),  # learned weights and routing (17408-byte parts: copy path)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import gguf
 import numpy as np
 import pytest
@@ -108,15 +110,25 @@ def test_layer_quants(model_factory):
     assert [types[f"blk.{i}.ffn_up_exps.weight"] for i in range(4)] == [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q8_0]
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_K])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K])
 def test_quantize_round_trips(qtype):
     x = np.random.default_rng(1).standard_normal((4, 512), dtype=np.float32)
     back = gguf.quants.dequantize(quantize(x, qtype), qtype)
-    step = {Q.Q8_0: 1 / 127, Q.Q4_0: 1 / 7, Q.Q4_K: 1 / 15}[qtype] * 2 * np.abs(x).max()
+    step = {Q.Q8_0: 1 / 127, Q.Q4_0: 1 / 7, Q.Q4_K: 1 / 15, Q.Q6_K: 1 / 31}[qtype] * 2 * np.abs(x).max()
     assert np.abs(back - x).max() <= step
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_K])
+def test_q4_k_m_recipe(model_factory):
+    """gate/up Q4_K everywhere; down Q6_K and Q4_K by layer: parts of different sizes inside a layer."""
+    r = gguf.GGUFReader(model_factory(embd=256, ff=256, recipe="q4_k_m"))
+    types = {x.name: x.tensor_type for x in r.tensors}
+    for i in range(4):
+        assert types[f"blk.{i}.ffn_gate_exps.weight"] == types[f"blk.{i}.ffn_up_exps.weight"] == Q.Q4_K
+    assert [types[f"blk.{i}.ffn_down_exps.weight"] for i in range(4)] == [Q.Q6_K, Q.Q4_K, Q.Q6_K, Q.Q4_K]
+    assert types["blk.0.attn_q.weight"] == Q.F16
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K])
 def test_random_blocks_are_well_scaled(qtype):
     x = gguf.quants.dequantize(random_blocks(32, 512, qtype, np.random.default_rng(0)), qtype)
     assert x.shape == (32, 512) and np.isfinite(x).all()
@@ -153,6 +165,9 @@ def test_vocab():
         (dict(align=100), "power of two"),
         (dict(embd=60), "multiple"),
         (dict(arch="mixtral"), "unknown arch"),
+        (dict(recipe="q4_k_m"), "multiples of 256"),
+        (dict(recipe="q9_x", embd=256, ff=256), "unknown recipe 'q9_x'"),
+        (dict(recipe="q4_k_m", embd=256, ff=256, layer_quants="q8_0,q8_0,q8_0,q8_0"), "not both"),
     ],
 )
 def test_bad_arguments(tmp_path, kwargs, words):
@@ -179,6 +194,15 @@ def test_moectl_make_model(tmp_path, capsys):
     assert fields(capsys.readouterr().out.split()[0])["general.architecture"] == "olmoe"
     assert moectl(["make-model", str(out), "--arch", "nope"]) == 2
     assert "unknown arch 'nope'" in capsys.readouterr().err
+    mix = tmp_path / "mix.gguf"
+    assert moectl(["make-model", str(mix), "--recipe", "q4_k_m", "--embd", "256", "--ff", "256", "--layers", "2"]) == 0
+    capsys.readouterr()
+    assert moectl(["index", str(mix), "--json"]) == 0
+    classes = json.loads(capsys.readouterr().out)["size_classes"]
+    assert [(c["parts"], c["layers"], c["types"]) for c in classes] == [
+        ({"gate": 36864, "up": 36864, "down": 53760}, [0], ["Q4_K", "Q6_K"]),
+        ({"gate": 36864, "up": 36864, "down": 36864}, [1], ["Q4_K"]),
+    ]
 
 
 @pytest.mark.e2e
@@ -186,6 +210,8 @@ def test_llama_cpp_loads_and_runs(llama_cpp, tiny_model, split_model, aligned_mo
     """Every flavour loads in llama.cpp and gives finite logits; split == unsplit bit for bit."""
     q4k = model_factory(embd=256, ff=256, quant="q4_k", layers=2)
     fast = model_factory(embd=256, ff=256, layer_quants="q4_k,q4_0,q8_0", layers=3, random_experts=True)
+    q4km = model_factory(embd=256, ff=256, recipe="q4_k_m")
+    q4km_random = model_factory(embd=256, ff=256, recipe="q4_k_m", random_experts=True)
     logits = {}
     for name, path in [
         ("tiny", tiny_model),
@@ -194,6 +220,8 @@ def test_llama_cpp_loads_and_runs(llama_cpp, tiny_model, split_model, aligned_mo
         ("mixed", mixed_model),
         ("q4k", q4k),
         ("random", fast),
+        ("q4_k_m", q4km),
+        ("q4_k_m random", q4km_random),
     ]:
         llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
         tokens = llm.tokenize("Hello, wörld! the expert 42".encode())
