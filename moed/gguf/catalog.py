@@ -21,7 +21,7 @@ API summary
 
 `Catalog.open` raises `moed.protocol.errors.BadModelFile` (clear message naming the
 file) for: a missing file, not GGUF, a truncated file (header or tensor data past
-EOF), no routed experts, a missing shard, shards that disagree (split keys, expert
+EOF), an architecture not in `SERVED_ARCHS` (named in the message), no routed experts, a missing shard, shards that disagree (split keys, expert
 counts, part sets). Lookups raise UnknownLayer / UnknownExpert / BadRequest.
 
 Invariants:
@@ -46,6 +46,9 @@ from moed.protocol.errors import BadModelFile, BadRequest, UnknownExpert, Unknow
 from moed.protocol.layout import PAGE
 
 PART_ORDER = ("gate", "up", "gate_up", "down")  # slot layout order
+# Architectures whose routed experts moed serves: the ones llama.cpp runs and the
+# streamed engine is checked bit-exact on (tests/e2e). Any other is refused at open.
+SERVED_ARCHS = ("qwen3moe", "olmoe", "qwen2moe", "deepseek2")
 EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.weight$")
 
 SizeClass = tuple[tuple[str, int], ...]  # ((part, bytes_per_expert), ...) in part order
@@ -208,6 +211,11 @@ def _build(path: str, files, identity, headers: list[Header]) -> Catalog:
     if not found:
         raise BadModelFile(
             f"{path}: no routed expert tensors (blk.N.ffn_*_exps.weight); not a mixture-of-experts model"
+        )
+    if arch not in SERVED_ARCHS:
+        raise BadModelFile(
+            f"{path}: architecture {arch!r} is not one moed serves (it serves {', '.join(SERVED_ARCHS)}: "
+            "those llama.cpp runs whose routed experts moed's streaming is checked on)"
         )
     n_experts = _expert_count(path, arch, first, found)
     n_used = first.get(f"{arch}.expert_used_count")

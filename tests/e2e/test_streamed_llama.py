@@ -183,3 +183,15 @@ def test_daemon_gone_mid_generation_is_a_typed_error(start_daemon, aligned_model
     finally:
         llm.close()
         client.close()
+
+
+def test_an_architecture_moed_does_not_serve_is_a_typed_error(start_daemon, tmp_path, monkeypatch):
+    """The daemon refuses it at open (BadModelFile naming it), before llama.cpp is asked to load it."""
+    from moed.lab import makemodel
+    from moed.protocol.errors import BadModelFile
+
+    monkeypatch.setitem(makemodel.ARCHS, "foomoe", makemodel.ARCHS["qwen3moe"])  # a name llama.cpp does not know
+    path = makemodel.make_model(tmp_path / "foo.gguf", arch="foomoe")[0]
+    d = start_daemon("64MiB")
+    with pytest.raises(BadModelFile, match="architecture 'foomoe' is not one moed serves"):
+        streamed(d, path)

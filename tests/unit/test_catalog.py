@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from moed.ctl import main as moectl
-from moed.gguf.catalog import Catalog
+from moed.gguf.catalog import SERVED_ARCHS, Catalog
 from moed.gguf.header import identity_of, read_header
 from moed.protocol.errors import BadModelFile, BadRequest, UnknownExpert, UnknownLayer
 
@@ -278,13 +278,13 @@ def test_split_file_with_wrong_name(split_model, tmp_path):
 # ---------------------------------------------------------------------- other layouts
 
 
-def write_moe(path, layers: dict[int, dict[str, tuple[int, int, int]]], n_expert_kv=None, used=2):
-    """A minimal GGUF with expert tensors {layer: {part: (n_expert, ne1, ne0)}} in Q8_0."""
-    w = gguf.GGUFWriter(path, "testmoe")
-    w.add_uint32("testmoe.block_count", max(layers) + 1)
+def write_moe(path, layers: dict[int, dict[str, tuple[int, int, int]]], n_expert_kv=None, used=2, arch="qwen3moe"):
+    """A minimal GGUF with expert tensors {layer: {part: (n_expert, ne1, ne0)}} in Q8_0 (layouts, not llama.cpp's)."""
+    w = gguf.GGUFWriter(path, arch)
+    w.add_uint32(f"{arch}.block_count", max(layers) + 1)
     if n_expert_kv is not None:
-        w.add_uint32("testmoe.expert_count", n_expert_kv)
-    w.add_uint32("testmoe.expert_used_count", used)
+        w.add_uint32(f"{arch}.expert_count", n_expert_kv)
+    w.add_uint32(f"{arch}.expert_used_count", used)
     w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
     for layer, parts in layers.items():
         for part, (n, ne1, ne0) in parts.items():
@@ -299,6 +299,18 @@ def write_moe(path, layers: dict[int, dict[str, tuple[int, int, int]]], n_expert
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def test_an_architecture_moed_does_not_serve_is_named(tmp_path):
+    p = write_moe(tmp_path / "foo.gguf", {0: {p: (4, 32, 32) for p in ("gate", "up", "down")}}, arch="foomoe")
+    msg = expect_bad(p, "architecture 'foomoe' is not one moed serves", str(p))
+    assert all(a in msg for a in SERVED_ARCHS)
+
+
+def test_every_generated_architecture_is_served():
+    from moed.lab.makemodel import ARCHS
+
+    assert set(ARCHS) == set(SERVED_ARCHS)
 
 
 def test_fused_gate_up_and_leading_dense_layers(tmp_path):
