@@ -13,8 +13,8 @@ into `tmp_path` first if a test needs to damage a model):
 - `mixed_model`: layers q8_0, q4_0, q8_0, q4_0: two size classes.
 - `q4_k_m_model`: embd=ff=256 in the `q4_k_m` recipe (gate/up Q4_K, down Q6_K in even
   layers and Q4_K in odd ones): two size classes, parts of different sizes in a layer.
-- `olmoe_model`, `qwen2moe_model`, `deepseek2_model`: `tiny_model`'s geometry in those
-  architectures (olmoe: whole-projection q/k norms, kv_heads = heads; qwen2moe: q/k/v
+- `olmoe_model`, `qwen2moe_model`, `deepseek2_model`, `mixtral_model`: `tiny_model`'s
+  geometry in those architectures (mixtral: `llama` with routed experts; olmoe: whole-projection q/k norms, kv_heads = heads; qwen2moe: q/k/v
   biases and a gated dense shared expert next to the routed ones; deepseek2: MLA, a
   leading dense layer, a shared expert, sigmoid gating with a selection bias).
 - `trained_model`: the committed tiny trained MoE (`moed.data.TINY_MOE`: 6 layers, 16
@@ -96,6 +96,11 @@ def qwen2moe_model(model_factory) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def deepseek2_model(model_factory) -> pathlib.Path:
     return model_factory(arch="deepseek2")
+
+
+@pytest.fixture(scope="session")
+def mixtral_model(model_factory) -> pathlib.Path:
+    return model_factory(arch="llama")
 
 
 @pytest.fixture(scope="session")

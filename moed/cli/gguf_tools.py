@@ -19,7 +19,11 @@ def register(sub) -> None:
     p = sub.add_parser("make-model", help="write a tiny MoE test model (GGUF; qwen3moe unless --arch)")
     p.add_argument("out", metavar="OUT.gguf")
     # checked by make_model (moed.lab.makemodel.ARCHS): importing it here would slow every moectl start
-    p.add_argument("--arch", default="qwen3moe", help="llama.cpp architecture: qwen3moe, olmoe, qwen2moe or deepseek2")
+    p.add_argument(
+        "--arch",
+        default="qwen3moe",
+        help="llama.cpp architecture: qwen3moe, olmoe, qwen2moe, deepseek2 or llama (Mixtral-style; also: mixtral)",
+    )
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--used", type=int, default=2, help="experts per token (top-k)")
@@ -95,7 +99,7 @@ def _make_model(args) -> int:
             heads=args.heads,
             kv_heads=args.kv_heads,
             random_experts=args.random_experts,
-            arch=args.arch,
+            arch="llama" if args.arch == "mixtral" else args.arch,  # Mixtral's files say "llama"
             recipe=args.recipe,
         )
     except ValueError as exc:

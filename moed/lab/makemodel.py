@@ -15,6 +15,9 @@ Architectures (`arch`, see `ARCHS`: one layer plan and its own keys each):
   head, so `kv_heads` is ignored), a leading dense layer (`ffn_{gate,up,down}`), an
   ungated dense shared expert, V3-style sigmoid gating with the selection bias
   `exp_probs_b`, normalized top-k weights scaled by 2.5. No expert groups.
+- `llama` (Mixtral-style; moectl also takes `--arch mixtral`): plain GQA attention
+  with no q/k norms or biases, then the routed experts; the file's architecture is
+  `llama` with `llama.expert_count` / `llama.expert_used_count`.
 
 Invariants:
 - Routed experts are `blk.N.ffn_{gate,up,down}_exps.weight`, quantized with q8_0,
@@ -369,6 +372,12 @@ def _layer_olmoe(g: Geometry, i: int, qt: _Quants) -> list[_Spec]:
     return _attention(g, p, qk_norm="full") + _routed(g, p, qt)
 
 
+def _layer_llama(g: Geometry, i: int, qt: _Quants) -> list[_Spec]:
+    # Mixtral: llama's attention (no q/k norms, no biases) and routed experts only.
+    p = f"blk.{i}."
+    return _attention(g, p) + _routed(g, p, qt)
+
+
 def _layer_qwen2moe(g: Geometry, i: int, qt: _Quants) -> list[_Spec]:
     p = f"blk.{i}."
     return _attention(g, p, bias=True) + _routed(g, p, qt) + _shared_expert(g, p, gated=True)
@@ -438,6 +447,7 @@ ARCHS: dict[str, _Arch] = {
     "olmoe": _Arch(_layer_olmoe, kv_heads=lambda heads, kv_heads: heads),
     "qwen2moe": _Arch(_layer_qwen2moe, lambda g: {"expert_shared_feed_forward_length": g.ff}),
     "deepseek2": _Arch(_layer_deepseek2, _kv_deepseek2, kv_heads=lambda heads, kv_heads: 1),  # one latent kv
+    "llama": _Arch(_layer_llama),  # Mixtral-style: llama with ffn_*_exps
 }
 
 

@@ -66,6 +66,7 @@ def engine(daemon, path, budget=None, **kw):
         "olmoe_model",
         "qwen2moe_model",
         "deepseek2_model",
+        "mixtral_model",
     ],
 )
 def test_predictor_at_zero_lead_is_llama_cpps_top_k(request, start_daemon, model):

@@ -56,6 +56,7 @@ def test_ggml_layout_and_pinned_version(llama_cpp):
         ("olmoe_model", "256KiB", "evicting"),  # other architectures, tiny_model's expert size
         ("qwen2moe_model", "256KiB", "evicting"),  # routed experts served, the shared expert resident
         ("deepseek2_model", "256KiB", "evicting"),  # MLA, a leading dense layer, gating bias
+        ("mixtral_model", "256KiB", "evicting"),  # general.architecture "llama" with ffn_*_exps
     ],
 )
 def test_logits_bit_exact(request, start_daemon, reference_logits, model, budget, path_kind):
@@ -73,7 +74,7 @@ def test_logits_bit_exact(request, start_daemon, reference_logits, model, budget
     assert daemon_stats["tenants"][0]["leases"] == 0 or all(t["leases"] == 0 for t in daemon_stats["tenants"])
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "olmoe", "qwen2moe", "deepseek2"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "olmoe", "qwen2moe", "deepseek2", "llama"])
 def test_aligned_copy_of_a_model_gives_identical_logits(start_daemon, reference_logits, model_factory, tmp_path, arch):
     from moed.gguf.align import align_gguf
 

@@ -74,7 +74,16 @@ def test_tiny_model_geometry(tiny_model):
 
 @pytest.mark.parametrize(
     "fixture",
-    ["tiny_model", "split_model", "aligned_model", "mixed_model", "olmoe_model", "qwen2moe_model", "deepseek2_model"],
+    [
+        "tiny_model",
+        "split_model",
+        "aligned_model",
+        "mixed_model",
+        "olmoe_model",
+        "qwen2moe_model",
+        "deepseek2_model",
+        "mixtral_model",
+    ],
 )
 def test_every_extent_holds_the_tensor_bytes(fixture, request):
     cat = Catalog.open(request.getfixturevalue(fixture))
@@ -163,7 +172,13 @@ def test_moectl_index(mixed_model, capsys):
 
 
 @pytest.mark.parametrize(
-    "fixture, arch", [("olmoe_model", "olmoe"), ("qwen2moe_model", "qwen2moe"), ("deepseek2_model", "deepseek2")]
+    "fixture, arch",
+    [
+        ("olmoe_model", "olmoe"),
+        ("qwen2moe_model", "qwen2moe"),
+        ("deepseek2_model", "deepseek2"),
+        ("mixtral_model", "llama"),
+    ],
 )
 def test_other_architectures_serve_only_routed_experts(fixture, arch, request, capsys):
     path = request.getfixturevalue(fixture)
@@ -174,7 +189,7 @@ def test_other_architectures_serve_only_routed_experts(fixture, arch, request, c
     served = {(l, p) for l in cat.moe_layers for p in cat.parts}
     names = {t.name for t in gguf.GGUFReader(path).tensors}
     shared = sorted(n for n in names if "_shexp" in n)
-    assert len(shared) == {"olmoe": 0, "qwen2moe": 4 * 4, "deepseek2": 3 * 3}[arch]  # dense, never a part
+    assert len(shared) == {"olmoe": 0, "qwen2moe": 4 * 4, "deepseek2": 3 * 3, "llama": 0}[arch]  # dense, never a part
     assert served == {(int(m.group(1)), m.group(2)) for n in names if (m := EXPERT.match(n))}
     assert moectl(["index", str(path)]) == 0
     out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
@@ -235,6 +250,7 @@ def test_truncated_header(tiny_model, tmp_path):
 
 
 def test_no_routed_experts(tmp_path):
+    # a plain (dense) llama: the architecture Mixtral shares, but no routed experts
     p = tmp_path / "dense.gguf"
     w = gguf.GGUFWriter(p, "llama")
     w.add_tensor("token_embd.weight", np.zeros((16, 32), np.float32))
@@ -243,7 +259,7 @@ def test_no_routed_experts(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    expect_bad(p, "no routed expert")
+    expect_bad(p, "no routed expert", "not a mixture-of-experts model")
 
 
 def test_missing_shard(split_model, tmp_path):

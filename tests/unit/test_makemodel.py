@@ -41,7 +41,7 @@ def test_default_arch_bytes_never_change(tmp_path):
     assert hashlib.sha256(data).hexdigest() == "ae2e4f69c431665ace9eff39f788d981899aacc1dd741022143119ceeb2cabf2"
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "olmoe", "qwen2moe", "deepseek2"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "olmoe", "qwen2moe", "deepseek2", "llama"])
 def test_arch_tensors_are_llama_cpps(model_factory, arch):
     """Every tensor name is one gguf-py lists for the architecture; each arch's own tensors and keys."""
     from gguf.constants import MODEL_ARCH_NAMES, MODEL_TENSORS, TENSOR_NAMES
@@ -192,6 +192,9 @@ def test_moectl_make_model(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err and not (tmp_path / "no").exists()
     assert moectl(["make-model", str(tmp_path / "o.gguf"), "--arch", "olmoe", "--layers", "2"]) == 0
     assert fields(capsys.readouterr().out.split()[0])["general.architecture"] == "olmoe"
+    assert moectl(["make-model", str(tmp_path / "x.gguf"), "--arch", "mixtral", "--layers", "2"]) == 0
+    kv = fields(capsys.readouterr().out.split()[0])
+    assert kv["general.architecture"] == "llama" and kv["llama.expert_count"] == 8
     assert moectl(["make-model", str(out), "--arch", "nope"]) == 2
     assert "unknown arch 'nope'" in capsys.readouterr().err
     mix = tmp_path / "mix.gguf"
