@@ -1,4 +1,4 @@
-"""Several engine processes on one daemon: same text as alone; a killed engine harms nobody."""
+"""Several engines on one daemon: same text as alone; a killed engine harms nobody; two architectures at once."""
 
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
+
+from tests.e2e.conftest import LLAMA_KW, PROMPT, assert_bit_equal
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("llama_cpp")  # e2e needs the real llama.cpp (pyproject extra "llama")
@@ -96,3 +99,44 @@ def test_killed_engine_leaves_daemon_and_other_engine_unharmed(small_daemon, tin
     assert "Traceback" not in small_daemon.log()
     # and the daemon still serves a fresh engine the same text
     assert result(spawn(small_daemon.socket, tiny_model, PROMPTS[1])) == want
+
+
+def greedy_steps(llm, tokens: list[int], rows: list, steps: int = 32):
+    """`greedy_logits` one eval at a time: yields after each, appending its logits to `rows`."""
+    llm.reset()
+    llm.eval(tokens)
+    rows.append(llm.scores[: llm.n_tokens].copy())
+    yield
+    for _ in range(steps):
+        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        rows.append(llm.scores[llm.n_tokens - 1 : llm.n_tokens].copy())
+        yield
+
+
+def test_two_architectures_share_a_daemon_and_each_stays_bit_exact(
+    start_daemon, reference_logits, tiny_model, olmoe_model
+):
+    """A qwen3moe and an olmoe engine on one daemon, stepping in turn: each equals its resident run."""
+    from moed.engines.llama_cpp import StreamedLlama
+
+    paths = (tiny_model, olmoe_model)
+    want = [reference_logits(p)[1] for p in paths]
+    daemon = start_daemon("384KiB")  # fewer slots than the two models' 64 experts: they evict each other's
+    clients = [daemon.client(f"e2e-{i}") for i in range(len(paths))]
+    llms: list = []
+    got: list[list] = [[] for _ in paths]
+    try:
+        llms = [StreamedLlama(str(p), client=c, **LLAMA_KW) for p, c in zip(paths, clients)]
+        runs = [greedy_steps(llm, llm.tokenize(PROMPT), rows) for llm, rows in zip(llms, got)]
+        while runs:  # one eval of each in turn, until both are done
+            runs = [r for r in runs if next(r, StopIteration) is not StopIteration]
+        stats = clients[0].stats()
+    finally:
+        for llm in llms:
+            llm.close()
+        for c in clients:
+            c.close()
+    for rows, expected in zip(got, want):
+        assert_bit_equal(np.concatenate(rows), expected)
+    assert len(stats["models"]) == 2
+    assert stats["evictions"] > 0 and stats["hits"] > 0
