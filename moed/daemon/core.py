@@ -77,12 +77,20 @@ class PendingAcquire:
     """
 
     def __init__(
-        self, daemon: Daemon, model: Model, layer: int, wants: list[Want], plan, tenant: Tenant, deadline: float
+        self,
+        daemon: Daemon,
+        model: Model,
+        layer: int,
+        wants: list[Want],
+        plan,
+        tenant: Tenant,
+        deadline: float,
+        started_s: float,
     ):
         self.daemon, self.model, self.layer, self.wants = daemon, model, layer, wants
         self.plan, self.tenant, self.deadline = plan, tenant, deadline
         self.ended = False
-        self.started_s = time.perf_counter()  # Daemon.acquire sets its own start
+        self.started_s = started_s  # when the acquire arrived (its service time is recorded at the grant)
 
     async def wait(self) -> Lease:
         try:
@@ -397,9 +405,7 @@ class Daemon:
             self.counters.acquire_latency_s.observe(time.perf_counter() - started_s)
             return lease
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.config.acquire_timeout_s)
-        pending = PendingAcquire(self, model, layer, wants, plan, tenant, deadline)
-        pending.started_s = started_s
-        return pending
+        return PendingAcquire(self, model, layer, wants, plan, tenant, deadline, started_s)
 
     def _plan(self, wants, tenant):
         if self.residency.regions:
@@ -432,19 +438,25 @@ class Daemon:
         use = tenant.use(plan.slots[0].key.model_id)
         use.hits += plan.hits
         use.misses += misses
-        if plan.hits:
+        self._count_slots(plan.slots, tenant, any_ready=plan.hits > 0)
+
+    def _count_slots(self, slots, tenant: Tenant, any_ready: bool) -> None:
+        """What an access to these slots adds beyond hits and misses (a daemon acquire's
+        plan, or one local hit): shared and pinned hits on the READY ones, heat, prefetch hits."""
+        c = self.counters
+        if any_ready:
             # One copy serving several tenants is the point of the daemon: count it.
             shared = sum(
-                1 for s in plan.slots if s.owner is not tenant and s.owner is not None and s.state is SlotState.READY
+                1 for s in slots if s.owner is not tenant and s.owner is not None and s.state is SlotState.READY
             )
             c.shared_hits += shared
             tenant.shared_hits += shared
         if self.store.pinned_bytes:
-            c.pinned_hits += sum(1 for s in plan.slots if s.pinned and s.state is SlotState.READY)
+            c.pinned_hits += sum(1 for s in slots if s.pinned and s.state is SlotState.READY)
         if self.heat is not None:
-            self.heat.add(plan.slots)
+            self.heat.add(slots)
         if c.prefetches:
-            for slot in plan.slots:
+            for slot in slots:
                 if self.store.use_prefetched(slot):
                     c.prefetch_hits += 1
 
@@ -778,16 +790,7 @@ class Daemon:
         """One local hit on `slot`: recency and the per-slot counts a daemon hit keeps
         (hit totals come from the regions' counters, which cannot overflow)."""
         self.store.touch_local(slot)
-        c = self.counters
-        if slot.pinned:
-            c.pinned_hits += 1
-        if slot.owner is not tenant and slot.owner is not None:
-            c.shared_hits += 1
-            tenant.shared_hits += 1
-        if self.heat is not None:
-            self.heat.add([slot])
-        if self.store.use_prefetched(slot):
-            c.prefetch_hits += 1
+        self._count_slots([slot], tenant, any_ready=True)
 
     def sweep_adopted(self) -> None:
         """Give back the references the store took for local holds that are gone."""
