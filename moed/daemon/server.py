@@ -166,7 +166,10 @@ class Session(asyncio.Protocol):
             return
         idle_s = self.daemon.config.idle_timeout_s
         quiet_s = self.loop.time() - self.last_request_at
-        if self.busy or self.leases or quiet_s < idle_s:
+        # A connection with a hold region is an engine that may hit locally without a
+        # word to us: closing it would stop its holds counting under a read in flight.
+        local = self in self.daemon.residency.regions
+        if self.busy or self.leases or local or quiet_s < idle_s:
             self._arm(max(idle_s - quiet_s, idle_s / 4))  # busy or holding: not idle; look again later
             return
         self._time_out(f"idle for {quiet_s:.0f}s (idle_timeout_s is {idle_s})")

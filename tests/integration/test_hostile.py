@@ -192,8 +192,10 @@ def test_silent_connections_are_closed_at_the_hello_deadline(hostile_daemon, tin
     stops_in_grace(d)
 
 
-def test_idle_limit_closes_quiet_connections_that_hold_nothing(hostile_daemon, tiny_model):
+def test_idle_limit_closes_quiet_connections_that_hold_nothing_and_spares_engines(hostile_daemon, tiny_model):
     d = hostile_daemon(idle_timeout_s=0.5)
+    engine = d.client("engine", timeout_s=5)
+    engine.open_model(tiny_model)  # maps a hold region: it may hit locally, never idle
     quiet = d.client("quiet", timeout_s=5)
     holder = d.client("holder", timeout_s=5)
     h = holder.open_model(tiny_model)
@@ -203,6 +205,7 @@ def test_idle_limit_closes_quiet_connections_that_hold_nothing(hostile_daemon, t
     with pytest.raises(errors.MoedError):
         quiet.ping()
     holder.ping()  # held a lease: not idle
+    engine.ping()
     lease.release()
     well_behaved(d, tiny_model)
     stops_in_grace(d)
