@@ -11,8 +11,8 @@ into `tmp_path` first if a test needs to damage a model):
   every expert part is 69632 = 17 pages and page-aligned (zero-copy path).
 - `split_model`: `tiny_model`'s geometry in 3 shards (first shard's path).
 - `mixed_model`: layers q8_0, q4_0, q8_0, q4_0: two size classes.
-- `q4_k_m_model`: embd=ff=256 in the `q4_k_m` recipe (gate/up Q4_K, down Q6_K in even
-  layers and Q4_K in odd ones): two size classes, parts of different sizes in a layer.
+- `q4_k_m_model`: embd=ff=256 in the `q4_k_m` recipe (llama.cpp's rule: gate/up Q4_K, down Q4_K
+  in layers 0-1 and Q6_K in 2-3; quantized attention): two size classes, parts of different sizes in a layer.
 - `olmoe_model`, `qwen2moe_model`, `deepseek2_model`, `mixtral_model`: `tiny_model`'s
   geometry in those architectures (mixtral: `llama` with routed experts; olmoe: whole-projection q/k norms, kv_heads = heads; qwen2moe: q/k/v
   biases and a gated dense shared expert next to the routed ones; deepseek2: MLA, a

@@ -34,7 +34,8 @@ def register(sub) -> None:
     p.add_argument(
         "--recipe",
         default=None,
-        help="a named quant mix per part and layer (q4_k_m: gate/up Q4_K, down Q6_K and Q4_K by layer)",
+        help="a named quant mix, llama.cpp's rule per tensor (q4_k_m: gate/up Q4_K, down Q6_K or Q4_K by layer, "
+        "quantized attention)",
     )
     p.add_argument("--align", type=int, default=32, help="general.alignment (4096: page-aligned experts)")
     p.add_argument("--split", type=int, default=1, help="number of shards")

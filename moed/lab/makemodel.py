@@ -22,8 +22,9 @@ Architectures (`arch`, see `ARCHS`: one layer plan and its own keys each):
 Invariants:
 - Routed experts are `blk.N.ffn_{gate,up,down}_exps.weight`, quantized with q8_0,
   q4_0, q4_k or q6_k (per layer with `layer_quants`, which makes mixed size classes;
-  per part and layer with a `recipe` from `RECIPES`: `q4_k_m` mixes Q4_K and Q6_K
-  inside a layer and across layers, as llama.cpp's Q4_K_M does).
+  per tensor with a `recipe` from `RECIPES`: `q4_k_m` is llama.cpp's Q4_K_M rule,
+  which mixes Q4_K and Q6_K inside a layer and across layers and quantizes the
+  attention and embeddings too).
   Dense weights are F16 (matrices) and F32 (norms, router).
 - `align` becomes `general.alignment` in every shard (llama.cpp reads each shard's
   own alignment), so with `align=4096` an expert whose byte size is a multiple of
@@ -36,6 +37,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pathlib
 from collections.abc import Callable
@@ -56,15 +58,50 @@ QUANTS = {
 }
 PartQuants = tuple[str, str, str]  # one layer's (gate, up, down) quants
 
-
-def _q4_k_m(layer: int) -> PartQuants:
-    # llama.cpp's Q4_K_M as in the real Qwen3-30B-A3B file: gate and up Q4_K, down
-    # Q6_K in some layers and Q4_K in the rest (here: alternating, Q6_K first).
-    return ("q4_k", "q4_k", "q6_k" if layer % 2 == 0 else "q4_k")
+Q = GGMLQuantizationType
 
 
-# Named quant mixes: each layer's (gate, up, down) quants, by layer index.
-RECIPES: dict[str, Callable[[int], PartQuants]] = {"q4_k_m": _q4_k_m}
+def _use_more_bits(layer: int, layers: int) -> bool:
+    # llama.cpp's use_more_bits: the first and last eighth of the layers, and every
+    # third layer between them.
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+# llama.cpp's fallbacks for a row whose length is not a multiple of 256 (then F16
+# where even 32 does not divide it).
+_K_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+
+
+def _q4_k_m(name: str, row: int, g: Geometry) -> GGMLQuantizationType | None:
+    """llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_K_M choice for one 2-D (or 3-D) weight.
+
+    As llama_tensor_get_type: output Q6_K; ffn_down (routed, shared or dense) and
+    attn_v Q6_K in the use_more_bits layers, else Q4_K; with exactly 8 experts
+    (Mixtral's rule) attn_v and attn_k Q8_0 and attn_output Q5_K; everything else
+    Q4_K (token_embd included); then the fallback for short rows. Norms, biases and
+    routers are never quantized (the caller does not ask).
+    """
+    layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
+    qtype = Q.Q4_K
+    if name == "output.weight":
+        qtype = Q.Q6_K
+    elif "attn_v.weight" in name:
+        qtype = Q.Q8_0 if g.experts == 8 else Q.Q6_K if _use_more_bits(layer, g.layers) else Q.Q4_K
+    elif "attn_k.weight" in name and g.experts == 8:
+        qtype = Q.Q8_0
+    elif "attn_output.weight" in name and g.experts == 8:
+        qtype = Q.Q5_K
+    elif "ffn_down" in name and _use_more_bits(layer, g.layers):
+        qtype = Q.Q6_K
+    if row % GGML_QUANT_SIZES[qtype][0]:
+        qtype = _K_FALLBACK.get(qtype, qtype)
+        if row % GGML_QUANT_SIZES[qtype][0]:
+            return None
+    return qtype
+
+
+# Named quant mixes: the quant type of every weight matrix (None: F16), by name.
+RECIPES: dict[str, Callable[[str, int, Geometry], GGMLQuantizationType | None]] = {"q4_k_m": _q4_k_m}
 
 # A few whole-word tokens so sampled text looks like text; everything else falls
 # back to single characters or bytes.
@@ -150,21 +187,21 @@ def build_vocab(size: int | None = None) -> tuple[list[str], list[float], list[i
 # --------------------------------------------------------------------------- quantization
 
 
-def _quantize_q4_k(data: np.ndarray) -> np.ndarray:
-    """Q4_K blocks (gguf-py only dequantizes it): 256 values -> d, dmin, 12 scale bytes, 128 nibbles.
+def _fit_k_affine(data: np.ndarray, top: int) -> tuple[np.ndarray, ...]:
+    """The min/max fit Q4_K and Q5_K share: per 256 values an f16 d and dmin, per
+    32-value sub-block a 6-bit scale and min, per value q in 0..top.
 
-    A plain min/max fit per 32-value sub-block, not llama.cpp's iterative search:
-    good enough for random test weights, and exact in layout (checked against
-    gguf.quants.dequantize in the tests).
+    A plain fit, not llama.cpp's iterative search: good enough for random test
+    weights, and exact in layout (checked against gguf.quants.dequantize in the tests).
+    Returns (d16, dmin16, sc, m, q) with sc, m (n, 8) and q (n, 8, 32), all uint8.
     """
     rows = data.reshape(-1, 256).astype(np.float32)
     n = rows.shape[0]
     sub = rows.reshape(n, 8, 32)
     mn = np.minimum(sub.min(axis=-1), 0.0)  # (n, 8), <= 0
-    scale = (sub.max(axis=-1) - mn) / 15.0  # (n, 8), >= 0
-    d = scale.max(axis=-1) / 63.0  # (n,)
-    dmin = (-mn).max(axis=-1) / 63.0
-    d16, dmin16 = d.astype(np.float16), dmin.astype(np.float16)
+    scale = (sub.max(axis=-1) - mn) / float(top)  # (n, 8), >= 0
+    d16 = (scale.max(axis=-1) / 63.0).astype(np.float16)
+    dmin16 = ((-mn).max(axis=-1) / 63.0).astype(np.float16)
     d32, dmin32 = d16.astype(np.float32), dmin16.astype(np.float32)
     with np.errstate(divide="ignore", invalid="ignore"):
         sc = np.where(d32[:, None] > 0, np.rint(scale / d32[:, None]), 0).clip(0, 63).astype(np.uint8)
@@ -172,16 +209,41 @@ def _quantize_q4_k(data: np.ndarray) -> np.ndarray:
         step = d32[:, None] * sc  # (n, 8)
         offs = dmin32[:, None] * m
         q = np.where(step[..., None] > 0, np.rint((sub + offs[..., None]) / step[..., None]), 0)
-    q = q.clip(0, 15).astype(np.uint8)  # (n, 8, 32)
-    qs = (q[:, 0::2, :] | (q[:, 1::2, :] << 4)).reshape(n, 128)
-    scales = np.empty((n, 12), np.uint8)
+    return d16, dmin16, sc, m, q.clip(0, top).astype(np.uint8)
+
+
+def _k_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """The 12 bytes that pack eight 6-bit scales and mins (Q4_K's and Q5_K's get_scale_min_k4)."""
+    scales = np.empty((sc.shape[0], 12), np.uint8)
     scales[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
     scales[:, 4:8] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
     scales[:, 8:12] = (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)
+    return scales
+
+
+def _quantize_q4_k(data: np.ndarray) -> np.ndarray:
+    """Q4_K blocks (gguf-py only dequantizes it): 256 values -> d, dmin, 12 scale bytes, 128 nibbles."""
+    d16, dmin16, sc, m, q = _fit_k_affine(data, 15)
+    n = q.shape[0]
+    qs = (q[:, 0::2, :] | (q[:, 1::2, :] << 4)).reshape(n, 128)
     blocks = np.concatenate(
-        [d16.view(np.uint8).reshape(n, 2), dmin16.view(np.uint8).reshape(n, 2), scales, qs], axis=-1
+        [d16.view(np.uint8).reshape(n, 2), dmin16.view(np.uint8).reshape(n, 2), _k_scales(sc, m), qs], axis=-1
     )
     return blocks.reshape(*data.shape[:-1], data.shape[-1] // 256 * 144)
+
+
+def _quantize_q5_k(data: np.ndarray) -> np.ndarray:
+    """Q5_K blocks (gguf-py only dequantizes it): Q4_K's layout plus 32 bytes whose bit s is
+    sub-block s's fifth bit: d, dmin, 12 scale bytes, 32 high-bit bytes, 128 nibbles."""
+    d16, dmin16, sc, m, q = _fit_k_affine(data, 31)
+    n = q.shape[0]
+    lo = q & 0x0F
+    qs = (lo[:, 0::2, :] | (lo[:, 1::2, :] << 4)).reshape(n, 128)
+    qh = ((q >> 4).astype(np.uint8) << np.arange(8, dtype=np.uint8)[None, :, None]).sum(axis=1, dtype=np.uint8)
+    blocks = np.concatenate(
+        [d16.view(np.uint8).reshape(n, 2), dmin16.view(np.uint8).reshape(n, 2), _k_scales(sc, m), qh, qs], axis=-1
+    )
+    return blocks.reshape(*data.shape[:-1], data.shape[-1] // 256 * 176)
 
 
 def _quantize_q6_k(data: np.ndarray) -> np.ndarray:
@@ -209,7 +271,7 @@ def _quantize_q6_k(data: np.ndarray) -> np.ndarray:
     return blocks.reshape(*data.shape[:-1], data.shape[-1] // 256 * 210)
 
 
-_OWN_QUANTIZERS = {GGMLQuantizationType.Q4_K: _quantize_q4_k, GGMLQuantizationType.Q6_K: _quantize_q6_k}
+_OWN_QUANTIZERS = {Q.Q4_K: _quantize_q4_k, Q.Q5_K: _quantize_q5_k, Q.Q6_K: _quantize_q6_k}
 
 
 def quantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
@@ -451,15 +513,23 @@ ARCHS: dict[str, _Arch] = {
 }
 
 
-def _plan(g: Geometry, part_quants: list[PartQuants], vocab_size: int, arch: str = ARCH) -> list[_Spec]:
-    """Every tensor of the model, in file order."""
+def _plan(
+    g: Geometry, part_quants: list[PartQuants], vocab_size: int, arch: str = ARCH, recipe: str | None = None
+) -> list[_Spec]:
+    """Every tensor of the model, in file order; a `recipe` then picks every weight matrix's type."""
     layer = ARCHS[arch].layer
     specs = [_Spec("token_embd.weight", (vocab_size, g.embd), "embd")]
     for i in range(g.layers):
         gate, up, down = part_quants[i]
         specs += layer(g, i, (QUANTS[gate], QUANTS[up], QUANTS[down]))
     specs += [_Spec("output_norm.weight", (g.embd,), "norm"), _Spec("output.weight", (vocab_size, g.embd), "f16")]
-    return specs
+    if recipe is None:
+        return specs
+    rule = RECIPES[recipe]
+    return [dataclasses.replace(s, qtype=rule(s.name, s.shape[-1], g)) if s.kind in _MATRIX_KINDS else s for s in specs]
+
+
+_MATRIX_KINDS = ("embd", "f16", "experts")  # what a recipe quantizes; norms, biases and routers stay F32
 
 
 def _fill(spec: _Spec, rng: np.random.Generator, random_experts: bool = False) -> np.ndarray:
@@ -469,13 +539,15 @@ def _fill(spec: _Spec, rng: np.random.Generator, random_experts: bool = False) -
         return rng.standard_normal(shape, dtype=np.float32) / np.float32(math.sqrt(shape[-1]))
 
     if spec.kind == "embd":
-        return rng.standard_normal(spec.shape, dtype=np.float32).astype(np.float16)
+        embd = rng.standard_normal(spec.shape, dtype=np.float32)
+        return embd.astype(np.float16) if spec.qtype is None else quantize(embd, spec.qtype)
     if spec.kind == "norm":
         return (1.0 + 0.1 * rng.standard_normal(spec.shape, dtype=np.float32)).astype(np.float32)
     if spec.kind == "bias":
         return 0.1 * rng.standard_normal(spec.shape, dtype=np.float32)
     if spec.kind == "f16":
-        return mat(*spec.shape).astype(np.float16)
+        dense = mat(*spec.shape)
+        return dense.astype(np.float16) if spec.qtype is None else quantize(dense, spec.qtype)
     if spec.kind == "router":
         return 4.0 * mat(*spec.shape)  # a strong router spreads choices over all experts
     qtype = spec.qtype
@@ -557,8 +629,8 @@ def make_model(
     `random_experts` fills expert tensors with random quant blocks instead of
     quantized Gaussian weights: much faster for multi-GB benchmark models.
     `arch` is one of `ARCHS` (the default, qwen3moe, writes the same bytes as ever).
-    `recipe` (one of `RECIPES`) picks each part's quant per layer instead of
-    `quant`/`layer_quants`.
+    `recipe` (one of `RECIPES`) picks every weight matrix's quant, as llama.cpp's
+    quantizer would, instead of `quant`/`layer_quants`.
     """
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r} (use {', '.join(ARCHS)})")
@@ -572,7 +644,7 @@ def make_model(
     part_quants = _part_quants(lq, recipe, layer_quants is not None)
     _check(g, [q for pq in part_quants for q in pq], split, align)
     tokens, scores, types = build_vocab(vocab)
-    specs = _plan(g, part_quants, len(tokens), arch)
+    specs = _plan(g, part_quants, len(tokens), arch, recipe)
     if split > len(specs):
         raise ValueError(f"split ({split}) exceeds the number of tensors ({len(specs)})")
     paths = shard_paths(path, split)
@@ -596,14 +668,18 @@ def make_model(
 
 
 def _part_quants(layer_quants: list[str], recipe: str | None, explicit: bool) -> list[PartQuants]:
-    """Each layer's (gate, up, down) quants: from the recipe, else the layer's quant for all three."""
+    """Each layer's (gate, up, down) quants: the layer's quant for all three.
+
+    With a recipe the experts start as Q4_K (every recipe's k-quant base, which needs
+    embd and ff to be multiples of 256); `_plan` then applies the recipe per tensor.
+    """
     if recipe is None:
         return [(q, q, q) for q in layer_quants]
     if recipe not in RECIPES:
         raise ValueError(f"unknown recipe {recipe!r} (use {', '.join(RECIPES)})")
     if explicit:
         raise ValueError("give a recipe or layer_quants, not both")
-    return [RECIPES[recipe](i) for i in range(len(layer_quants))]
+    return [("q4_k", "q4_k", "q4_k")] * len(layer_quants)
 
 
 def _write_shard(

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from moed.ctl import main as moectl
-from moed.lab.makemodel import aligned_geometry, build_vocab, make_model, quantize, random_blocks
+from moed.lab.makemodel import _use_more_bits, aligned_geometry, build_vocab, make_model, quantize, random_blocks
 
 Q = gguf.GGMLQuantizationType
 
@@ -110,22 +110,47 @@ def test_layer_quants(model_factory):
     assert [types[f"blk.{i}.ffn_up_exps.weight"] for i in range(4)] == [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q8_0]
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K])
 def test_quantize_round_trips(qtype):
     x = np.random.default_rng(1).standard_normal((4, 512), dtype=np.float32)
     back = gguf.quants.dequantize(quantize(x, qtype), qtype)
-    step = {Q.Q8_0: 1 / 127, Q.Q4_0: 1 / 7, Q.Q4_K: 1 / 15, Q.Q6_K: 1 / 31}[qtype] * 2 * np.abs(x).max()
+    step = {Q.Q8_0: 1 / 127, Q.Q4_0: 1 / 7, Q.Q4_K: 1 / 15, Q.Q5_K: 1 / 31, Q.Q6_K: 1 / 31}[qtype] * 2 * np.abs(x).max()
     assert np.abs(back - x).max() <= step
 
 
+def test_use_more_bits_is_llama_cpps_rule():
+    """Qwen3-30B-A3B's 48 layers: the first and last six, and every third between (24 in all)."""
+    more = [i for i in range(48) if _use_more_bits(i, 48)]
+    assert more == [0, 1, 2, 3, 4, 5, *range(8, 42, 3), 42, 43, 44, 45, 46, 47] and len(more) == 24
+    assert [i for i in range(4) if _use_more_bits(i, 4)] == [2, 3]
+
+
 def test_q4_k_m_recipe(model_factory):
-    """gate/up Q4_K everywhere; down Q6_K and Q4_K by layer: parts of different sizes inside a layer."""
+    """llama.cpp's Q4_K_M: experts gate/up Q4_K, down Q6_K in the use_more_bits layers; quantized attention."""
     r = gguf.GGUFReader(model_factory(embd=256, ff=256, recipe="q4_k_m"))
     types = {x.name: x.tensor_type for x in r.tensors}
     for i in range(4):
         assert types[f"blk.{i}.ffn_gate_exps.weight"] == types[f"blk.{i}.ffn_up_exps.weight"] == Q.Q4_K
-    assert [types[f"blk.{i}.ffn_down_exps.weight"] for i in range(4)] == [Q.Q6_K, Q.Q4_K, Q.Q6_K, Q.Q4_K]
-    assert types["blk.0.attn_q.weight"] == Q.F16
+        # eight experts: Mixtral's rule bumps attn_v and attn_k to Q8_0 and attn_output to Q5_K
+        assert types[f"blk.{i}.attn_v.weight"] == types[f"blk.{i}.attn_k.weight"] == Q.Q8_0
+        assert (types[f"blk.{i}.attn_q.weight"], types[f"blk.{i}.attn_output.weight"]) == (Q.Q4_K, Q.Q5_K)
+        assert types[f"blk.{i}.ffn_gate_inp.weight"] == types[f"blk.{i}.attn_norm.weight"] == Q.F32
+    assert [types[f"blk.{i}.ffn_down_exps.weight"] for i in range(4)] == [Q.Q4_K, Q.Q4_K, Q.Q6_K, Q.Q6_K]
+    assert (types["token_embd.weight"], types["output.weight"], types["output_norm.weight"]) == (Q.Q4_K, Q.Q6_K, Q.F32)
+    r16 = gguf.GGUFReader(model_factory(embd=256, ff=256, experts=16, recipe="q4_k_m"))
+    types = {x.name: x.tensor_type for x in r16.tensors}
+    assert [types[f"blk.{i}.attn_v.weight"] for i in range(4)] == [Q.Q4_K, Q.Q4_K, Q.Q6_K, Q.Q6_K]
+    assert types["blk.0.attn_k.weight"] == types["blk.0.attn_output.weight"] == Q.Q4_K
+
+
+def test_q4_k_m_falls_back_for_short_rows(model_factory):
+    """Rows that 256 does not divide take llama.cpp's fallbacks (Q4_K -> Q5_0), else stay F16 (MLA's 16-wide rows)."""
+    r = gguf.GGUFReader(model_factory(embd=256, ff=256, arch="deepseek2", experts=16, recipe="q4_k_m"))
+    types = {x.name: x.tensor_type for x in r.tensors}
+    assert types["blk.1.attn_q_b.weight"] == Q.Q5_0  # a 32-wide row (the q latent)
+    assert types["blk.1.attn_k_b.weight"] == Q.F16  # 16-wide rows
+    assert types["blk.1.ffn_down_shexp.weight"] == Q.Q4_K and types["blk.3.ffn_down_shexp.weight"] == Q.Q6_K
+    assert types["blk.0.ffn_down.weight"] == Q.Q4_K  # the leading dense layer's FFN
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K])
@@ -203,8 +228,8 @@ def test_moectl_make_model(tmp_path, capsys):
     assert moectl(["index", str(mix), "--json"]) == 0
     classes = json.loads(capsys.readouterr().out)["size_classes"]
     assert [(c["parts"], c["layers"], c["types"]) for c in classes] == [
-        ({"gate": 36864, "up": 36864, "down": 53760}, [0], ["Q4_K", "Q6_K"]),
-        ({"gate": 36864, "up": 36864, "down": 36864}, [1], ["Q4_K"]),
+        ({"gate": 36864, "up": 36864, "down": 36864}, [0], ["Q4_K"]),  # 2 layers: only the last gets more bits
+        ({"gate": 36864, "up": 36864, "down": 53760}, [1], ["Q4_K", "Q6_K"]),
     ]
 
 
