@@ -4,6 +4,8 @@ python -m tests.e2e.worker SOCKET MODEL PROMPT N            -> prints JSON {"tex
 python -m tests.e2e.worker SOCKET MODEL PROMPT N --forever  -> prints "tok" per token, forever
 python -m tests.e2e.worker SOCKET MODEL PROMPT N --touch-expert -> reads an unserved expert (must die)
 python -m tests.e2e.worker SOCKET MODEL PROMPT N --touch-released -> strict mode: reads a released one (must die)
+python -m tests.e2e.worker SOCKET MODEL PROMPT N --logits OUT.npy -> loads, prints "ready", waits for a line on
+    stdin, then saves the prompt batch's and N greedy steps' logits (the e2e reference's settings) and prints JSON
 """
 
 from __future__ import annotations
@@ -11,6 +13,9 @@ from __future__ import annotations
 import ctypes
 import json
 import sys
+import time
+
+import numpy as np
 
 from moed.client import Client
 from moed.engines.llama_cpp import StreamedLlama
@@ -31,6 +36,8 @@ def greedy(llm: StreamedLlama, prompt: str, n: int) -> list[int]:
 def main(argv: list[str]) -> int:
     socket, model, prompt, n = argv[:4]
     mode = argv[4] if len(argv) > 4 else ""
+    if mode == "--logits":
+        return logits(socket, model, prompt, int(n), argv[5])
     client = Client(socket, "e2e-worker")
     llm = StreamedLlama(model, client=client, strict=(mode == "--touch-released"), **LLAMA_KW)
     if mode == "--touch-released":
@@ -53,6 +60,29 @@ def main(argv: list[str]) -> int:
                 print("tok", flush=True)
     tokens = greedy(llm, prompt, int(n))
     print(json.dumps({"tokens": tokens, "text": llm.detokenize(tokens).decode(errors="replace")}), flush=True)
+    llm.close()
+    client.close()
+    return 0
+
+
+def logits(socket: str, model: str, prompt: str, steps: int, out: str) -> int:
+    """One engine of a test that starts several at once: ready, then go, then logits to `out`."""
+    from tests.e2e.conftest import LLAMA_KW as REFERENCE_KW
+    from tests.e2e.conftest import greedy_logits
+
+    client = Client(socket, "e2e-worker")
+    # One thread: engines started together share a small box, and llama.cpp's spinning
+    # threads slow each other down many times over. The logits do not depend on it
+    # (the tests compare them bit for bit with a two-thread resident run).
+    llm = StreamedLlama(model, client=client, **{**REFERENCE_KW, "n_threads": 1})
+    print("ready", flush=True)
+    sys.stdin.readline()
+    started_s = time.monotonic()  # CLOCK_MONOTONIC: comparable between processes on one box
+    np.save(out, greedy_logits(llm, llm.tokenize(prompt.encode()), steps))
+    ended_s = time.monotonic()
+    s = llm.stream_stats()
+    keys = ("decodes", "layers", "pages_maps", "pages_copies")
+    print(json.dumps({"started_s": started_s, "ended_s": ended_s, "n_batch": llm.n_batch, **{k: s[k] for k in keys}}))
     llm.close()
     client.close()
     return 0
