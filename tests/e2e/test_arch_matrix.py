@@ -1,0 +1,201 @@
+"""Every architecture make-model writes (`makemodel.ARCHS`), through the real daemon and llama.cpp.
+
+Each case runs at a budget that forces eviction and is bit-exact against the
+same-kernel resident engine (UnpackedLlama, `reference_logits`) over a prompt batch
+and 32 greedy steps:
+- zero copy: a model whose every expert part is whole pages at 4096 alignment
+  (`makemodel.aligned_geometry`): the engine maps the daemon's slots, never copies;
+- split shards: a 3-shard model on the copy path, and `align` of a 3-shard model on
+  the zero-copy path, with the catalog checked against gguf.GGUFReader shard by shard;
+- two processes: engines of two architectures (one zero copy, one copy) stepping
+  at the same time on one daemon, for every adjacent pair of the sorted names.
+
+An architecture added to ARCHS joins every case here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import select
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+
+from moed.lab import makemodel
+from tests.e2e.conftest import LLAMA_KW, PROMPT, assert_bit_equal, greedy_logits
+
+pytestmark = pytest.mark.e2e
+pytest.importorskip("llama_cpp")  # e2e needs the real llama.cpp (pyproject extra "llama")
+
+ARCHS = sorted(makemodel.ARCHS)
+PAIRS = [(a, b) for a, b in zip(ARCHS, ARCHS[1:] + ARCHS[:1]) if a != b]  # each arch once per role
+# Budgets of about ten slots: a prompt batch routes to at most 8 experts of a layer,
+# and the models hold 24-32 experts, so every run evicts.
+COPY_BUDGET = "256KiB"  # tiny geometry: 3 parts of 4352 bytes, 24 KiB slots
+ZERO_COPY_BUDGET = "2MiB"  # aligned geometry: 3 parts of 69632 bytes (17 pages), 204 KiB slots
+PAIR_BUDGET = "2560KiB"  # 8 aligned and 8 tiny slots at once, fewer than the two models' experts
+ROUTED = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.weight$")
+
+
+def aligned(arch: str) -> dict:
+    return {"arch": arch, **makemodel.aligned_geometry()}
+
+
+def run_streamed(daemon, path) -> tuple[np.ndarray, dict, dict]:
+    from moed.engines.llama_cpp import StreamedLlama
+
+    client = daemon.client("e2e")
+    try:
+        llm = StreamedLlama(str(path), client=client, **LLAMA_KW)
+        try:
+            logits = greedy_logits(llm, llm.tokenize(PROMPT))
+            assert llm.n_batch == LLAMA_KW["n_batch"], "the engine lowered n_batch: the budget is too small"
+            return logits, llm.stream_stats(), client.stats()
+        finally:
+            llm.close()
+    finally:
+        client.close()
+
+
+def assert_evicting_and_exact(got, want, engine: dict, daemon_stats: dict) -> None:
+    assert_bit_equal(got, want)
+    assert engine["decodes"] >= 33 and engine["layers"] > 0
+    assert daemon_stats["evictions"] > 0, "the budget did not force eviction"
+    assert all(t["leases"] == 0 for t in daemon_stats["tenants"])
+
+
+def assert_catalog_matches_reader(cat) -> None:
+    """Every routed-expert tensor of every shard is one catalog extent, at GGUFReader's offset,
+    size, type and shape, aligned as that shard says; the catalog has nothing else."""
+    seen = 0
+    for shard, path in enumerate(cat.files):
+        reader = gguf.GGUFReader(path)
+        by_offset = {int(t.data_offset): t for t in reader.tensors}
+        routed = {(int(m[1]), m[2]): t for t in reader.tensors if (m := ROUTED.match(t.name))}
+        mine = {(l, p): x for l, e in cat.layers.items() for p, x in e.parts.items() if x.shard == shard}
+        assert set(routed) <= set(mine), f"shard {shard}: routed tensors the catalog missed"
+        for (layer, part), x in mine.items():
+            t = by_offset.get(x.offset)
+            assert t is not None, f"shard {shard}: no tensor at layer {layer} {part}'s offset {x.offset}"
+            assert t.name.startswith(f"blk.{layer}.ffn_") and "_exps." in t.name, t.name
+            assert x.path == path and x.offset % reader.alignment == 0
+            assert (x.bytes_per_expert, x.ggml_type) == (int(t.n_bytes) // cat.n_experts, int(t.tensor_type))
+            assert x.shape == tuple(int(d) for d in t.shape) and x.shape[-1] == cat.n_experts
+        seen += len(mine)
+    assert seen == len(cat.moe_layers) * len(cat.parts)
+    assert cat.alignment == gguf.GGUFReader(cat.files[0]).alignment
+
+
+# ---------------------------------------------------------------------- one engine
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_zero_copy_at_an_evicting_budget(start_daemon, reference_logits, model_factory, arch):
+    from moed.gguf.catalog import Catalog
+
+    path = model_factory(**aligned(arch))
+    assert Catalog.open(path).page_aligned, "aligned_geometry does not make this arch's parts whole pages"
+    _, want = reference_logits(path)
+    got, engine, daemon_stats = run_streamed(start_daemon(ZERO_COPY_BUDGET), path)
+    assert_evicting_and_exact(got, want, engine, daemon_stats)
+    assert engine["pages_maps"] > 0 and engine["pages_copies"] == 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_split_shards_at_an_evicting_budget(start_daemon, reference_logits, model_factory, arch):
+    from moed.gguf.catalog import Catalog
+
+    shards = model_factory.shards(arch=arch, split=3)
+    cat = Catalog.open(shards[0])
+    assert cat.files == tuple(str(s) for s in shards)
+    assert len({x.shard for e in cat.layers.values() for x in e.parts.values()}) > 1, "experts in one shard only"
+    assert_catalog_matches_reader(cat)
+    _, want = reference_logits(shards[0])
+    got, engine, daemon_stats = run_streamed(start_daemon(COPY_BUDGET), shards[0])
+    assert_evicting_and_exact(got, want, engine, daemon_stats)
+    assert engine["pages_copies"] > 0 and engine["pages_maps"] == 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_aligned_split_is_zero_copy_at_an_evicting_budget(
+    start_daemon, reference_logits, model_factory, tmp_path, arch
+):
+    """`align` of a 3-shard model (32-byte alignment, copy path): every shard page-aligned, same logits."""
+    from moed.gguf.align import align_gguf
+    from moed.gguf.catalog import Catalog
+
+    geometry = {k: v for k, v in aligned(arch).items() if k != "align"}
+    original = model_factory.shards(**geometry, split=3)
+    assert not Catalog.open(original[0]).page_aligned
+    shards = align_gguf(original[0], tmp_path / "aligned.gguf")
+    cat = Catalog.open(shards[0])
+    assert len(cat.files) == 3 and cat.page_aligned
+    assert all(gguf.GGUFReader(f).alignment == 4096 for f in cat.files)
+    assert_catalog_matches_reader(cat)
+    _, want = reference_logits(original[0])  # the resident run of the unaligned original
+    got, engine, daemon_stats = run_streamed(start_daemon(ZERO_COPY_BUDGET), shards[0])
+    assert_evicting_and_exact(got, want, engine, daemon_stats)
+    assert engine["pages_maps"] > 0 and engine["pages_copies"] == 0
+
+
+# ---------------------------------------------------------------------- two processes
+
+
+def spawn_engine(socket: str, path, out) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "tests.e2e.worker", socket, str(path), PROMPT.decode(), "32", "--logits", str(out)]
+    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def read_line(proc: subprocess.Popen, timeout_s: float = 60) -> str:
+    """The engine's next line of output, waited for with a deadline."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    assert ready, "engine printed nothing before the deadline"
+    line = proc.stdout.readline()
+    assert line, f"engine exited early: {proc.stderr.read()[-3000:]}"
+    return line.strip()
+
+
+def finish(proc: subprocess.Popen, timeout_s: float = 120) -> dict:
+    out, err = proc.communicate(timeout=timeout_s)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("first, second", PAIRS, ids=[f"{a}+{b}" for a, b in PAIRS])
+def test_two_architectures_from_two_processes_share_an_evicting_daemon(
+    start_daemon, reference_logits, model_factory, tmp_path, first, second
+):
+    """`first` zero copy and `second` copy, both loaded, then both stepping at once; each its own resident run."""
+    paths = [model_factory(**aligned(first)), model_factory(arch=second)]
+    want = [reference_logits(p)[1] for p in paths]
+    daemon = start_daemon(PAIR_BUDGET)
+    outs = [tmp_path / f"{i}.npy" for i in range(2)]
+    procs = [spawn_engine(daemon.socket, p, o) for p, o in zip(paths, outs)]
+    try:
+        for proc in procs:
+            assert read_line(proc) == "ready"
+        for proc in procs:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        runs = [finish(proc) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert runs[0]["started_s"] < runs[1]["ended_s"] and runs[1]["started_s"] < runs[0]["ended_s"], "not concurrent"
+    for run, out, expected in zip(runs, outs, want):
+        assert run["n_batch"] == LLAMA_KW["n_batch"] and run["decodes"] >= 33
+        assert_bit_equal(np.load(out), expected)
+    assert runs[0]["pages_maps"] > 0 and runs[0]["pages_copies"] == 0
+    assert runs[1]["pages_copies"] > 0 and runs[1]["pages_maps"] == 0
+    with daemon.client("check") as c:
+        stats = c.stats()
+    rows = {row["path"]: row for row in stats["models"]}
+    assert set(rows) == {str(p) for p in paths}
+    assert all(row["misses"] > 0 and row["leases"] == 0 for row in rows.values())
+    assert stats["evictions"] > 0 and stats["used_bytes"] <= stats["budget_bytes"]
