@@ -4,8 +4,10 @@
  * few operations the hit protocol needs with the C11 builtins, so the argument
  * in moed/protocol/residency.py holds on ARM as on x86:
  *
- *   client hit:   store hold (seq_cst); fence (seq_cst); load slot state (seq_cst)
+ *   client hit:   store hold (seq_cst); fence (seq_cst); load slot state (seq_cst);
+ *                 load the region's closed word (seq_cst)
  *   daemon evict: CAS state READY->EVICTING (seq_cst); fence; load every hold (seq_cst)
+ *   daemon revoke: store the closed word (seq_cst); fence; load every hold (seq_cst)
  *
  * Every word is a naturally aligned uint64 in a buffer (a mapping of a memfd).
  * Indexes are checked against the buffer's length: a bad index raises
@@ -14,6 +16,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+
+#define W_CLOSED 2 /* moed.protocol.residency.W_CLOSED: nonzero once the daemon revoked the region */
 
 typedef struct {
     Py_buffer view;
@@ -95,7 +99,8 @@ static PyObject *find(PyObject *self, PyObject *args) {
     return PyBool_FromLong(found);
 }
 
-/* count(buf, start, n) -> number of nonzero words (stats: holds in a region) */
+/* count(buf, start, n) -> number of nonzero words (holds in a region). A fence, then
+ * seq_cst loads: after a revoke's closed store, zero means no hit holds or will hold. */
 static PyObject *count(PyObject *self, PyObject *args) {
     PyObject *obj; Py_ssize_t start, n; Words w;
     if (!PyArg_ParseTuple(args, "Onn", &obj, &start, &n) || words_get(obj, &w, 0) < 0) return NULL;
@@ -105,8 +110,9 @@ static PyObject *count(PyObject *self, PyObject *args) {
         return NULL;
     }
     Py_ssize_t c = 0;
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
     for (Py_ssize_t i = start; i < start + n; i++)
-        c += __atomic_load_n(&w.words[i], __ATOMIC_RELAXED) != 0;
+        c += __atomic_load_n(&w.words[i], __ATOMIC_SEQ_CST) != 0;
     PyBuffer_Release(&w.view);
     return PyLong_FromSsize_t(c);
 }
@@ -116,8 +122,9 @@ static PyObject *count(PyObject *self, PyObject *args) {
  * The client's whole hit in one call. For each expert: read its residency entry
  * (0: not resident -> None, nothing written); store a hold naming (class, slot,
  * generation) in the caller's own region. Then one fence, then every slot's state
- * must still read READY with that generation; if any does not, every hold just
- * written is cleared and the answer is None (take the socket path).
+ * must still read READY with that generation, and the region must not be revoked
+ * (its closed word zero); if either fails, every hold just written is cleared and
+ * the answer is None (take the socket path).
  *   entry  = (generation & 2^40-1) << 24 | (slot + 1)
  *   state  = (generation & 2^40-1) << 2 | 1  (READY)
  *   hold   = (class & 0xFFFF) << 48 | (slot & 0xFFFFFF) << 24 | (generation & 0xFFFFFF)
@@ -161,6 +168,9 @@ static PyObject *hit(PyObject *self, PyObject *args) {
     for (Py_ssize_t j = 0; j < k; j++) {
         if (__atomic_load_n(&S.words[slots[j]], __ATOMIC_SEQ_CST) != expect[j]) goto miss;
     }
+    /* After the fence, as the states: a daemon that revoked the region before this load
+     * sees these holds in its scan after its closed store (Dekker again). */
+    if (R.n <= W_CLOSED || __atomic_load_n(&R.words[W_CLOSED], __ATOMIC_SEQ_CST) != 0) goto miss;
     out = PyList_New(k);
     if (out == NULL) goto clear;
     for (Py_ssize_t j = 0; j < k; j++) {

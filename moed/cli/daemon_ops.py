@@ -102,7 +102,8 @@ def print_stats(s: dict) -> None:
         (
             "local hits",
             f"{s.get('local_hits', 0)} served in engines with no round trip, "
-            f"{s.get('adopted_slots', 0)} slots held there now",
+            f"{s.get('adopted_slots', 0)} slots held there now"
+            + (f", {s['revoked_regions']} closed connection(s) still draining" if s.get("revoked_regions") else ""),
         ),
         ("connections", _connections_line(s)),
     ]

@@ -38,7 +38,7 @@ from moed.protocol.layout import PAGE
 from moed.protocol.sizes import format_size
 
 from .access import Peer, check_open_files, check_readable, check_roots, world_readable
-from .bounds import LOCAL_HOLD_SHARE
+from .bounds import LOCAL_HOLD_SHARE, REVOKE_GRACE_S
 from .config import Config, resolve_tenants
 from .heat import Heat
 from .memguard import MemGuard
@@ -761,11 +761,27 @@ class Daemon:
 
     # ---- local holds (hits without a round trip) ---------------------------------
 
-    def close_local(self, session) -> None:
-        """A connection with a hold region closed: count what it recorded, then its holds end."""
+    def close_local(self, session, revoke: bool = False) -> None:
+        """A connection with a hold region closed: count what it recorded, then its holds
+        end: at once if its peer left, once released (or the grace ends) if we closed it."""
         self.fold_local(counters=True, only=session)
-        self.residency.close_region(session)
+        if revoke:
+            self.residency.revoke(session, time.monotonic())
+        else:
+            self.residency.close_region(session)
         self.sweep_adopted()
+
+    def sweep_revoked(self) -> None:
+        """Revoked regions that hold nothing (or outlived the grace) stop counting."""
+        for session, holds in self.residency.sweep_revoked(time.monotonic()):
+            log.warning(
+                "pid %d (uid %d) kept %d local holds %.0fs after the daemon closed its connection; "
+                "they no longer keep slots from eviction",
+                session.pid,
+                session.uid,
+                holds,
+                REVOKE_GRACE_S,
+            )
 
     def fold_local(self, counters: bool = False, only=None) -> None:
         """Fold what engines recorded in their regions: recency (touches) into the
@@ -812,8 +828,9 @@ class Daemon:
     def _bound_local_holds(self) -> None:
         """No tenant keeps another from room by holding more than LOCAL_HOLD_SHARE of the
         budget locally: while another tenant's acquire waits for room, the connections
-        of one that does are closed (their holds stop counting). A tenant starving only
-        itself is left alone, as with socket leases."""
+        of one that does are closed and their regions revoked (their holds count until
+        released, at most REVOKE_GRACE_S). A tenant starving only itself is left alone,
+        as with socket leases."""
         if not self._waiting:
             return
         cap = int(self.store.budget_bytes * LOCAL_HOLD_SHARE)
@@ -855,8 +872,9 @@ class Daemon:
             await asyncio.sleep(period_s)
             n += 1
             try:
-                if self.residency.regions or self.store.adopted:
+                if self.residency.regions or self.residency.revoked or self.store.adopted:
                     self.fold_local(counters=n % 50 == 0)
+                    self.sweep_revoked()
                     self.sweep_adopted()
                     self._check_files_changed()
             except Exception:  # noqa: BLE001 - the next period tries again; never lose the loop

@@ -14,8 +14,11 @@ Invariants, kept here:
   that finds a hold refuses, leaving the residency published.
 - Every region's holds are scanned after the EVICTING store (moed._holds.find
   fences first), so a hold the client made before it checked the state is seen.
-- A connection's region stops counting the moment the connection closes
-  (`close_region`); slots the store adopted for it are released by `sweep`.
+- A region stops counting the moment its peer closes the connection
+  (`close_region`: the peer is gone or done). One the daemon closes itself is
+  revoked instead (`revoke`): it keeps counting until a count after its closed
+  store reads no holds, or REVOKE_GRACE_S pass (`sweep_revoked`). Slots the store
+  adopted for either are then released by the core's sweep.
 - Nothing a client writes in its region is trusted beyond "this word matches a
   live residency": touch and counter words are bounds-checked and clamped.
 """
@@ -29,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moed import _holds
+from moed.daemon.bounds import REVOKE_GRACE_S
 from moed.protocol import errors
 from moed.protocol import residency as rz
 
@@ -62,6 +66,7 @@ class Region:
     map: mmap.mmap
     ring_seen: int = 0
     counters_seen: dict = field(default_factory=dict)  # model_id -> local hits already folded
+    revoked_at: float | None = None  # monotonic time of the daemon's closed store
 
     def close(self) -> None:
         _unmap(self.map, self.fd)
@@ -83,6 +88,7 @@ class Residency:
         self.layer_index: dict[int, dict[int, int]] = {}  # model id -> layer -> row
         self.n_experts: dict[int, int] = {}
         self.regions: dict[Any, Region] = {}  # session -> its region
+        self.revoked: dict[Any, Region] = {}  # sessions the daemon closed whose holds still count
         self._published: dict = {}  # slot -> (model id, table word, generation)
         self._retired: set[int] = set()  # models that take no new local hits (stale or closed)
         self.claims_refused = 0
@@ -164,10 +170,11 @@ class Residency:
 
     def held(self, class_id: int, index: int, generation: int) -> bool:
         target = rz.hold(class_id, index, generation)
-        return any(_holds.find(r.map, rz.HOLD_BASE, rz.HOLD_WORDS, target) for r in self.regions.values())
+        regions = [*self.regions.values(), *self.revoked.values()]
+        return any(_holds.find(r.map, rz.HOLD_BASE, rz.HOLD_WORDS, target) for r in regions)
 
     def holders(self, class_id: int, index: int, generation: int) -> list:
-        """The sessions whose regions hold this residency."""
+        """The open sessions whose regions hold this residency (revoked ones are closed already)."""
         target = rz.hold(class_id, index, generation)
         return [s for s, r in self.regions.items() if _holds.find(r.map, rz.HOLD_BASE, rz.HOLD_WORDS, target)]
 
@@ -185,10 +192,34 @@ class Residency:
         return os.dup(fd)
 
     def close_region(self, session) -> None:
-        """The connection closed: its holds stop counting at once."""
+        """The peer closed the connection: its holds stop counting at once."""
         region = self.regions.pop(session, None)
         if region is not None:
             region.close()
+
+    def revoke(self, session, now_s: float) -> None:
+        """The daemon closed the connection: no new hits; its holds count until released."""
+        region = self.regions.pop(session, None)
+        if region is None:
+            return
+        _holds.store(region.map, rz.W_CLOSED, 1)  # seq_cst, then count's fence and loads
+        region.revoked_at = now_s
+        self.revoked[session] = region
+        self.sweep_revoked(now_s)
+
+    def sweep_revoked(self, now_s: float) -> list:
+        """Stop counting the revoked regions that hold nothing or outlived the grace;
+        returns the sessions whose regions still held slots when the grace ended."""
+        hung = []
+        for session, region in list(self.revoked.items()):
+            holds = _holds.count(region.map, rz.HOLD_BASE, rz.HOLD_WORDS)
+            expired = region.revoked_at is not None and now_s - region.revoked_at >= REVOKE_GRACE_S
+            if holds == 0 or expired:
+                if holds:
+                    hung.append((session, holds))
+                del self.revoked[session]
+                region.close()
+        return hung
 
     def holds_of(self, session) -> int:
         region = self.regions.get(session)
@@ -233,8 +264,9 @@ class Residency:
     def close(self) -> None:
         for words in list(self.states.values()) + list(self.tables.values()):
             words.close()
-        for region in self.regions.values():
+        for region in [*self.regions.values(), *self.revoked.values()]:
             region.close()
         self.states.clear()
         self.tables.clear()
         self.regions.clear()
+        self.revoked.clear()

@@ -89,6 +89,7 @@ class Session(asyncio.Protocol):
         self.queued_bytes = 0
         self.busy = False
         self.closed = False
+        self.peer_closed = False  # the peer ended the connection (EOF or reset), not the daemon
         self.hello = False
         self.leases: dict[int, Lease] = {}
         self.models: set[int] = set()
@@ -180,8 +181,13 @@ class Session(asyncio.Protocol):
         self._send(m.Error(int(errors.ErrorCode.TIMED_OUT), why))
         self.transport.close()
 
+    def eof_received(self) -> bool:
+        self.peer_closed = True
+        return False  # close our end too
+
     def connection_lost(self, exc) -> None:
         self.closed = True
+        self.peer_closed = self.peer_closed or exc is not None
         self.tenant.connections -= 1
         if self._deadline is not None:
             self._deadline.cancel()
@@ -200,8 +206,10 @@ class Session(asyncio.Protocol):
         for lease in leases:
             self.daemon.release(lease)
         self.daemon.forget_prefetches(self)  # its queued read-ahead is no longer wanted
-        if self in self.daemon.residency.regions:  # its local holds stop counting now
-            self.daemon.close_local(self)
+        if self in self.daemon.residency.regions:
+            # A peer that left stops counting now; one the daemon closed may be mid-hit
+            # and does not know yet: its region is revoked (moed.protocol.residency).
+            self.daemon.close_local(self, revoke=not self.peer_closed)
         self.tenant.pids.discard(self.pid)
         if leases:
             log.info("connection of pid %d closed holding %d leases; released them", self.pid, len(leases))

@@ -223,6 +223,7 @@ def snapshot(daemon) -> dict:
         "local_hits": c.local_hits,
         "local_claims_refused": daemon.residency.claims_refused,
         "adopted_slots": len(daemon.store.adopted),
+        "revoked_regions": len(daemon.residency.revoked),
         "acquire_latency_s": c.acquire_latency_s.row(),
         "read_latency_s": c.read_latency_s.row(),
         "limits": limits(daemon.config),

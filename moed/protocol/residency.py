@@ -41,6 +41,28 @@ argument: of "client stores, then loads" and "daemon stores, then loads", at
 least one side sees the other's store. A stale entry is harmless: the state
 check compares the generation the entry named.
 
+Revoking a region. When the daemon itself closes a connection that has a region
+(a tenant over its local share while another waits, a peer that reads nothing),
+the client may be mid-hit or reading held bytes, and learns of the close only at
+its next round trip, which a hit never makes. So the daemon does not stop
+counting the region's holds at once; it revokes it, the same Dekker pattern:
+
+    client hit (continued)              daemon revoke
+    ... fence, s == READY(g)            store(closed, 1)
+    c = load(closed)                    fence
+    c != 0: clear the holds, miss       n = count of nonzero hold words
+    else: hit                           n == 0: stop counting the region
+                                        else: keep counting it; look again later
+
+If the client's load of `closed` read 0, it came before the daemon's store, so
+its hold store came before the daemon's count, which sees it: the region keeps
+counting until the client releases. If it read 1, the client takes no hit. So
+once a count after the closed store reads zero, no hit holds anything and none
+ever will: the region can go. A client that keeps holds past the grace period
+(moed.daemon.bounds.REVOKE_GRACE_S) is taken to be hung; its region stops
+counting then, which only that client could notice, on bytes it should have
+released.
+
 What a hostile client can do with its own region: write any words there. A
 hold word that matches a live residency keeps that slot from eviction (bounded
 by the region's HOLD_WORDS, charged to its tenant, gone when its connection
@@ -60,6 +82,7 @@ GEN_MASK = (1 << 40) - 1
 MAGIC = 0x6D6F65642D686F6C  # "moed-hol"
 W_MAGIC = 0
 W_RING_HEAD = 1  # touches ever written (the ring index is head % RING_WORDS)
+W_CLOSED = 2  # the daemon's word: nonzero once it revoked the region (moed/_holds.c's W_CLOSED)
 COUNTER_BASE = 8  # pairs (model_id, local hits) from here
 MAX_MODEL_COUNTERS = 24
 HOLD_BASE = 64

@@ -110,6 +110,7 @@ class Limits(_Row):
     open_timeout_s: float
     local_hold_share: float = 0.5
     local_holds_per_connection: int = 0
+    revoke_grace_s: float = 0.0
 
 
 class HistogramRow(_Row):
@@ -172,6 +173,7 @@ class Stats(_Row):
     local_hits: int = 0  # hits served in engines with no round trip (folded from regions)
     local_claims_refused: int = 0  # evictions put off because an engine held the slot locally
     adopted_slots: int = 0  # slots the store holds for engines' local holds now
+    revoked_regions: int = 0  # hold regions of connections the daemon closed, still counting
     verified_reads: int = 0  # verify mode only
     verify_mismatches: int = 0
     verify_hashed_experts: int = 0

@@ -128,8 +128,11 @@ def _acquire_as_other_tenant(sock: str, model: str) -> bool:
 def test_a_tenant_holding_over_its_share_locally_is_cut_off(start_shared, shared_dir, model_factory):
     """Local holds are bounded like everything else a tenant can make the daemon keep:
     past LOCAL_HOLD_SHARE of the budget, while another tenant waits for room, its
-    connections are closed and the other tenant gets its room."""
+    connections are closed. Their regions are revoked, not dropped: the lease the
+    cut-off engine still reads keeps its bytes, its next hit is refused, and the other
+    tenant gets its room once the lease is released."""
     import shutil
+    import threading
 
     from moed.daemon.bounds import LOCAL_HOLD_SHARE
     from tests.integration.peer import NOBODY, Outcome, as_peer
@@ -137,6 +140,7 @@ def test_a_tenant_holding_over_its_share_locally_is_cut_off(start_shared, shared
     model = os.path.join(shared_dir, "m.gguf")
     shutil.copy(model_factory(layers=2, experts=8, used=2), model)
     os.chmod(model, 0o644)
+    cat = Catalog.open(model)
     slot = expert_bytes(model, 0)
     d = start_shared(str(8 * slot))
     greedy = d.client("greedy")
@@ -145,10 +149,28 @@ def test_a_tenant_holding_over_its_share_locally_is_cut_off(start_shared, shared
     assert 6 / 8 > LOCAL_HOLD_SHARE
     with g.acquire(0, mine):
         pass
-    kept = g.acquire(0, mine)  # held locally, never released
+    kept = g.acquire(0, mine)  # held locally while the other tenant waits
     assert kept.local
-    assert as_peer(NOBODY, NOBODY, _acquire_as_other_tenant, d.socket, model) == Outcome(result=True)
-    wait_for(lambda: "over its share" in d.log(), 5, what="the warning")
+    outcome: list = []
+    other = threading.Thread(
+        target=lambda: outcome.append(as_peer(NOBODY, NOBODY, _acquire_as_other_tenant, d.socket, model))
+    )
+    other.start()
+    try:
+        wait_for(lambda: "over its share" in d.log(), 10, what="the warning")
+        with d.client() as op:
+            s = op.stats()
+        assert s["revoked_regions"] == 1 and s["adopted_slots"] == 6  # still counted: nothing refilled
+        check_lease(cat, kept, 0, mine)
+        with pytest.raises(errors.DaemonUnavailable):  # a would-be local hit is refused: the socket says why
+            g.acquire(0, mine[:2])
+        kept.release()  # clears the holds with no round trip: the region can go
+        other.join(20)
+        assert outcome == [Outcome(result=True)]
+        with d.client() as op:
+            assert op.stats()["revoked_regions"] == 0
+    finally:
+        other.join(30)
     with pytest.raises(errors.DaemonUnavailable):
         greedy.ping()
 

@@ -186,3 +186,107 @@ def test_encodings_agree_with_the_c_hit():
     assert _holds.load(region, rz.HOLD_BASE + 1) == 0  # a failed hit leaves no hold
     _holds.clear(region, [rz.HOLD_BASE])
     assert _holds.count(region, rz.HOLD_BASE, rz.HOLD_WORDS) == 0
+    _holds.store(region, rz.W_CLOSED, 1)  # revoked: a hit that would succeed misses, and holds nothing
+    _holds.store(states, slot, rz.state(g, rz.READY))
+    assert _holds.hit(table, 0, [3], states, region, [rz.HOLD_BASE + 2], class_id) is None
+    assert _holds.count(region, rz.HOLD_BASE, rz.HOLD_WORDS) == 0
+
+
+# ---- revoking a region: the daemon closed the connection of a client that may be mid-hit
+
+
+def revoking_client(check_closed: bool = True, rounds: int = 2):
+    """The client's hit with the closed check after its state check (moed/_holds.c)."""
+    steps = client(rounds=rounds)
+    read_entry, store_hold, check_state, begin_read, end_read = steps
+
+    def check_state_then(mem, me):
+        nxt = check_state(mem, me)
+        return 3 if nxt == 3 else nxt  # passed: go on to the closed check
+
+    def closed(mem, me):
+        if check_closed and mem["closed"]:
+            mem["hold0"] = 0
+            me["round"] = rounds  # a miss: the socket path, which finds the connection closed
+            return None
+        return 4
+
+    # indexes: 0 read_entry, 1 store_hold, 2 check_state, 3 closed, 4 begin_read, 5 end_read
+    def begin(mem, me):
+        begin_read(mem, me)
+        return 5
+
+    return [read_entry, store_hold, check_state_then, closed, begin, end_read]
+
+
+def revoking_daemon(tries: int = 2):
+    """Revoke the region (closed store, then count its holds); only once the count reads
+    none does the region stop counting, and then the daemon evicts and refills."""
+    evict = daemon(rounds=1)
+
+    def revoke(mem, me):
+        mem["closed"] = 1
+        return 1
+
+    def count(mem, me):  # after the fence
+        if mem["hold0"]:
+            me["waits"] = me.get("waits", 0) + 1
+            return 1 if me["waits"] < tries else None  # still held: look again next period
+        return 2
+
+    def claim(mem, me):
+        return _shift(evict[0](mem, me))
+
+    def scan_without_region(mem, me):  # the region no longer counts: only others' holds
+        g = me["g"]
+        if rz.hold(CLASS, SLOT, g) == mem["hold1"]:
+            mem["state"] = rz.state(g, rz.READY)
+            return None
+        mem["entry_A"] = 0
+        return 4
+
+    return [
+        revoke,
+        count,
+        claim,
+        scan_without_region,
+        lambda m, me: _shift(evict[2](m, me)),
+        lambda m, me: _shift(evict[3](m, me)),
+    ]
+
+
+def _shift(nxt):
+    return None if nxt is None else nxt + 2
+
+
+def revoke_initial() -> dict:
+    return {**initial(), "closed": 0}
+
+
+def explore_from(mem, programs) -> set[str]:
+    seen: set[str] = set()
+
+    def step(mem, pcs, locs):
+        moved = False
+        for i, prog in enumerate(programs):
+            if pcs[i] is None:
+                continue
+            moved = True
+            m2 = {**mem, "violations": list(mem["violations"])}
+            l2 = [dict(x) for x in locs]
+            p2 = list(pcs)
+            p2[i] = prog[pcs[i]](m2, l2[i])
+            step(m2, p2, l2)
+        if not moved:
+            seen.update(mem["violations"])
+
+    step(mem, [0] * len(programs), [{} for _ in programs])
+    return seen
+
+
+def test_no_interleaving_lets_a_revoked_client_read_a_refilled_slot():
+    assert explore_from(revoke_initial(), [revoking_client(), revoking_daemon()]) == set()
+
+
+def test_the_explorer_finds_the_bug_of_a_hit_that_ignores_the_closed_word():
+    assert explore_from(revoke_initial(), [revoking_client(check_closed=False), revoking_daemon()])

@@ -63,3 +63,36 @@ def test_a_read_finishing_after_its_model_retired_is_not_published():
     assert _holds.load(res.tables[7].map, 1) == 0
     assert _holds.load(res.states[1].map, 3) == 0
     res.close()
+
+
+def test_a_revoked_region_counts_until_its_holds_clear_or_the_grace_ends():
+    import mmap
+    import os
+
+    from moed.daemon.bounds import REVOKE_GRACE_S
+
+    res = Residency()
+    res.add_class(1, capacity=8)
+    res.add_model(7, layers=[0], n_experts=4)
+    slot = ready_slot(7, 0, 2)
+    res.publish(slot)
+    sessions = [object(), object()]
+    regions = []
+    for s in sessions:
+        fd = res.open_region(s)
+        regions.append(mmap.mmap(fd, rz.REGION_WORDS * 8))
+        os.close(fd)
+        _holds.store(regions[-1], rz.HOLD_BASE, rz.hold(1, 3, 5))
+    res.revoke(sessions[0], now_s=100.0)
+    res.revoke(sessions[1], now_s=100.0)
+    assert _holds.load(regions[0], rz.W_CLOSED) == 1 and set(res.revoked) == set(sessions)
+    assert not res.claim(slot)  # still held: the revoked client may be reading it
+    assert res.holders(1, 3, 5) == []  # closed already: nobody to close again
+    _holds.clear(regions[0], [rz.HOLD_BASE])  # the first releases
+    assert res.sweep_revoked(100.5) == [] and list(res.revoked) == [sessions[1]]
+    assert not res.claim(slot)
+    assert res.sweep_revoked(100.0 + REVOKE_GRACE_S) == [(sessions[1], 1)]  # hung: it stops counting
+    assert res.revoked == {} and res.claim(slot)
+    for r in regions:
+        r.close()
+    res.close()
