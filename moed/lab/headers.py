@@ -17,7 +17,7 @@ model's):
   rank 1536, kv rank 512, split `attn_k_b`/`attn_v_b`), the selection bias
   `exp_probs_b`, 129,280 tokens and 127,741 merges.
 
-Quant types follow llama.cpp's Q4_K_M (`q4_k_m_type`): Q4_K by default; Q6_K for
+Quant types follow llama.cpp's Q4_K_M (`q4_k_m_type`, the rule in moed.lab.quantmix): Q4_K by default; Q6_K for
 `output.weight`, and for `ffn_down*` and `attn_v` in the layers llama.cpp's
 `use_more_bits` picks (the first and last eighth, and every third between);
 norms, biases and routers F32; a row that is not whole 256-blocks falls back as
@@ -41,10 +41,10 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf.constants import TokenType
 
+from moed.lab import quantmix
+
 Q = GGMLQuantizationType
 V = GGUFValueType
-QK_K = 256
-_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q6_K: Q.Q8_0}  # llama.cpp's, for rows not whole 256-blocks
 _MAX_TOKEN_CHARS = 12
 
 
@@ -71,22 +71,11 @@ class HeaderSpec:
     alignment: int = 32
 
 
-def use_more_bits(i_layer: int, n_layers: int) -> bool:
-    """llama.cpp's rule for the layers Q4_K_M gives Q6_K (ffn_down, attn_v)."""
-    return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
-
-
-def q4_k_m_type(name: str, dims: tuple[int, ...], layer: int, n_layers: int) -> GGMLQuantizationType:
-    """The type llama.cpp's Q4_K_M quantization gives a tensor (the rules that apply to these models)."""
+def q4_k_m_type(name: str, dims: tuple[int, ...], n_layers: int, n_experts: int) -> GGMLQuantizationType:
+    """The type llama.cpp's Q4_K_M gives a tensor: F32 for vectors, routers and biases, else quantmix's rule."""
     if len(dims) == 1 or "ffn_gate_inp" in name or name.endswith(".bias"):
         return Q.F32
-    if name == "output.weight":
-        qtype = Q.Q6_K
-    elif ("ffn_down" in name or ".attn_v." in name) and use_more_bits(layer, n_layers):
-        qtype = Q.Q6_K
-    else:
-        qtype = Q.Q4_K
-    return _FALLBACK[qtype] if dims[0] % QK_K else qtype
+    return quantmix.q4_k_m_type(name, dims[0], n_layers, n_experts)
 
 
 def _bytes_to_unicode() -> list[str]:
@@ -176,8 +165,8 @@ def _f32(arch: str, **keys: float):
     return [(f"{arch}.{k.replace('__', '.')}", v, V.FLOAT32, None) for k, v in keys.items()]
 
 
-def _place(names_dims: list[tuple[str, tuple[int, ...]]], layer: int, n_layers: int) -> list[Tensor]:
-    return [Tensor(n, d, q4_k_m_type(n, d, layer, n_layers)) for n, d in names_dims]
+def _place(names_dims: list[tuple[str, tuple[int, ...]]], n_layers: int, n_experts: int) -> list[Tensor]:
+    return [Tensor(n, d, q4_k_m_type(n, d, n_layers, n_experts)) for n, d in names_dims]
 
 
 def qwen3_30b_a3b(
@@ -224,7 +213,7 @@ def qwen3_30b_a3b(
             (p + "ffn_up_exps.weight", (embd, ff, experts)),
             (p + "ffn_down_exps.weight", (ff, embd, experts)),
         ]
-        tensors += _place(plan, i, layers)
+        tensors += _place(plan, layers, experts)
     tensors += [Tensor("output_norm.weight", (embd,), Q.F32), Tensor("output.weight", (embd, vocab), Q.Q6_K)]
     return _spec(a, kv, tensors, range(layers), experts, vocab)
 
@@ -318,7 +307,7 @@ def deepseek_v3(
                 (p + "ffn_up_shexp.weight", (embd, moe_ff)),
                 (p + "ffn_down_shexp.weight", (moe_ff, embd)),
             ]
-        tensors += _place(plan, i, layers)
+        tensors += _place(plan, layers, experts)
     tensors += [Tensor("output_norm.weight", (embd,), Q.F32), Tensor("output.weight", (embd, vocab), Q.Q6_K)]
     return _spec(a, kv, tensors, range(dense_lead, layers), experts, vocab)
 

@@ -48,6 +48,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
 from gguf.constants import Keys, TokenType
 
 from moed.gguf.header import shard_names
+from moed.lab import quantmix
 
 ARCH = "qwen3moe"
 QUANTS = {
@@ -61,43 +62,10 @@ PartQuants = tuple[str, str, str]  # one layer's (gate, up, down) quants
 Q = GGMLQuantizationType
 
 
-def _use_more_bits(layer: int, layers: int) -> bool:
-    # llama.cpp's use_more_bits: the first and last eighth of the layers, and every
-    # third layer between them.
-    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
-
-
-# llama.cpp's fallbacks for a row whose length is not a multiple of 256 (then F16
-# where even 32 does not divide it).
-_K_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
-
-
 def _q4_k_m(name: str, row: int, g: Geometry) -> GGMLQuantizationType | None:
-    """llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_K_M choice for one 2-D (or 3-D) weight.
-
-    As llama_tensor_get_type: output Q6_K; ffn_down (routed, shared or dense) and
-    attn_v Q6_K in the use_more_bits layers, else Q4_K; with exactly 8 experts
-    (Mixtral's rule) attn_v and attn_k Q8_0 and attn_output Q5_K; everything else
-    Q4_K (token_embd included); then the fallback for short rows. Norms, biases and
-    routers are never quantized (the caller does not ask).
-    """
-    layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
-    qtype = Q.Q4_K
-    if name == "output.weight":
-        qtype = Q.Q6_K
-    elif "attn_v.weight" in name:
-        qtype = Q.Q8_0 if g.experts == 8 else Q.Q6_K if _use_more_bits(layer, g.layers) else Q.Q4_K
-    elif "attn_k.weight" in name and g.experts == 8:
-        qtype = Q.Q8_0
-    elif "attn_output.weight" in name and g.experts == 8:
-        qtype = Q.Q5_K
-    elif "ffn_down" in name and _use_more_bits(layer, g.layers):
-        qtype = Q.Q6_K
-    if row % GGML_QUANT_SIZES[qtype][0]:
-        qtype = _K_FALLBACK.get(qtype, qtype)
-        if row % GGML_QUANT_SIZES[qtype][0]:
-            return None
-    return qtype
+    """llama.cpp's Q4_K_M type for one weight matrix (moed.lab.quantmix); None: F16."""
+    qtype = quantmix.q4_k_m_type(name, row, g.layers, g.experts)
+    return None if qtype == Q.F16 else qtype
 
 
 # Named quant mixes: the quant type of every weight matrix (None: F16), by name.

@@ -8,7 +8,8 @@ import gguf
 import pytest
 
 from moed.gguf.catalog import Catalog
-from moed.lab.headers import deepseek_v3, qwen3_30b_a3b, use_more_bits, write_sparse
+from moed.lab.headers import deepseek_v3, qwen3_30b_a3b, write_sparse
+from moed.lab.quantmix import use_more_bits
 
 EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(\w+)_exps\.weight$")
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from moed.ctl import main as moectl
-from moed.lab.makemodel import _use_more_bits, aligned_geometry, build_vocab, make_model, quantize, random_blocks
+from moed.lab.makemodel import aligned_geometry, build_vocab, make_model, quantize, random_blocks
+from moed.lab.quantmix import use_more_bits
 
 Q = gguf.GGMLQuantizationType
 
@@ -120,9 +121,9 @@ def test_quantize_round_trips(qtype):
 
 def test_use_more_bits_is_llama_cpps_rule():
     """Qwen3-30B-A3B's 48 layers: the first and last six, and every third between (24 in all)."""
-    more = [i for i in range(48) if _use_more_bits(i, 48)]
+    more = [i for i in range(48) if use_more_bits(i, 48)]
     assert more == [0, 1, 2, 3, 4, 5, *range(8, 42, 3), 42, 43, 44, 45, 46, 47] and len(more) == 24
-    assert [i for i in range(4) if _use_more_bits(i, 4)] == [2, 3]
+    assert [i for i in range(4) if use_more_bits(i, 4)] == [2, 3]
 
 
 def test_q4_k_m_recipe(model_factory):
