@@ -7,6 +7,8 @@ and 32 greedy steps:
   (`makemodel.aligned_geometry`): the engine maps the daemon's slots, never copies;
 - split shards: a 3-shard model on the copy path, and `align` of a 3-shard model on
   the zero-copy path, with the catalog checked against gguf.GGUFReader shard by shard;
+- the q4_k_m recipe after `align`: layers whose Q4_K parts are mapped and whose Q6_K
+  part is copied, in two size classes;
 - two processes: engines of two architectures (one zero copy, one copy) stepping
   at the same time on one daemon, for every adjacent pair of the sorted names.
 
@@ -37,6 +39,7 @@ PAIRS = [(a, b) for a, b in zip(ARCHS, ARCHS[1:] + ARCHS[:1]) if a != b]  # each
 # and the models hold 24-32 experts, so every run evicts.
 COPY_BUDGET = "256KiB"  # tiny geometry: 3 parts of 4352 bytes, 24 KiB slots
 ZERO_COPY_BUDGET = "2MiB"  # aligned geometry: 3 parts of 69632 bytes (17 pages), 204 KiB slots
+MIXED_BUDGET = "1MiB"  # q4_k_m at 256 x 256 after align: 2 x 36864 + 53760 bytes, ~128 KiB slots
 PAIR_BUDGET = "2560KiB"  # 8 aligned and 8 tiny slots at once, fewer than the two models' experts
 ROUTED = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.weight$")
 
@@ -140,6 +143,24 @@ def test_aligned_split_is_zero_copy_at_an_evicting_budget(
     got, engine, daemon_stats = run_streamed(start_daemon(ZERO_COPY_BUDGET), shards[0])
     assert_evicting_and_exact(got, want, engine, daemon_stats)
     assert engine["pages_maps"] > 0 and engine["pages_copies"] == 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_q4_k_m_after_align_maps_and_copies_in_one_layer(start_daemon, reference_logits, model_factory, tmp_path, arch):
+    """The real quant mix after `align`: Q4_K gate/up are whole pages (mapped), Q6_K down is not (copied)."""
+    from moed.gguf.align import align_gguf
+    from moed.gguf.catalog import Catalog
+
+    original = model_factory(arch=arch, embd=256, ff=256, recipe="q4_k_m")
+    path = align_gguf(original, tmp_path / "aligned.gguf")[0]
+    cat = Catalog.open(path)
+    kinds = [{x.page_aligned for x in e.parts.values()} for e in cat.layers.values()]
+    assert {True, False} in kinds, "no layer with both a page-aligned and an unaligned part"
+    assert len(cat.size_classes) > 1
+    _, want = reference_logits(original)
+    got, engine, daemon_stats = run_streamed(start_daemon(MIXED_BUDGET), path)
+    assert_evicting_and_exact(got, want, engine, daemon_stats)
+    assert engine["pages_maps"] > 0 and engine["pages_copies"] > 0
 
 
 # ---------------------------------------------------------------------- two processes
