@@ -22,14 +22,20 @@ def register(sub) -> None:
     p.add_argument(
         "--arch",
         default="qwen3moe",
-        help="llama.cpp architecture: qwen3moe, olmoe, qwen2moe, deepseek2 or llama (Mixtral-style; also: mixtral)",
+        help="llama.cpp architecture: qwen3moe, olmoe, qwen2moe, deepseek2, llama (Mixtral-style; also: mixtral) "
+        "or gpt-oss (MXFP4 experts with biases, attention sinks, sliding-window layers)",
     )
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--used", type=int, default=2, help="experts per token (top-k)")
     p.add_argument("--embd", type=int, default=64)
     p.add_argument("--ff", type=int, default=64, help="expert feed-forward length")
-    p.add_argument("--quant", default="q8_0", choices=["q8_0", "q4_0", "q4_k", "q6_k"])
+    p.add_argument(
+        "--quant",
+        default=None,
+        choices=["q8_0", "q4_0", "q4_k", "q6_k", "mxfp4"],
+        help="the routed experts' quant (default: the architecture's own: mxfp4 for gpt-oss, else q8_0)",
+    )
     p.add_argument("--layer-quants", default=None, metavar="Q,Q,...", help="one quant per layer (mixed size classes)")
     p.add_argument(
         "--recipe",

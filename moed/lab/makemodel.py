@@ -18,14 +18,23 @@ Architectures (`arch`, see `ARCHS`: one layer plan and its own keys each):
 - `llama` (Mixtral-style; moectl also takes `--arch mixtral`): plain GQA attention
   with no q/k norms or biases, then the routed experts; the file's architecture is
   `llama` with `llama.expert_count` / `llama.expert_used_count`.
+- `gpt-oss` (llama.cpp's OPENAI_MOE): MXFP4 routed experts by default, each part with
+  an F32 bias row per expert (`ffn_{gate,up,down}_exps.bias`, [experts, rows]); the
+  router's bias `ffn_gate_inp.bias`; q/k/v and output biases; one attention sink per
+  head (`attn_sinks`); the FFN input normed by `post_attention_norm` (no ffn_norm);
+  `attention.sliding_window` (32 here) on every other layer, llama.cpp's default
+  pattern. The expert biases are dense, not served: llama.cpp adds them with add_id
+  from the whole tensor; a part's row is 2880 f32 (11,520 bytes, not whole pages) in
+  gpt-oss-20b, all three 0.26% of an expert's 13.2 MB; and the catalog's parts are the
+  `.weight` tensors only, so the skeleton and `align` keep them as dense bytes.
 
 Invariants:
 - Routed experts are `blk.N.ffn_{gate,up,down}_exps.weight`, quantized with q8_0,
-  q4_0, q4_k or q6_k (per layer with `layer_quants`, which makes mixed size classes;
-  per tensor with a `recipe` from `RECIPES`: `q4_k_m` is llama.cpp's Q4_K_M rule,
+  q4_0, q4_k, q6_k or mxfp4 (the arch's own when `quant` is not given; per layer
+  with `layer_quants`, which makes mixed size classes; per tensor with a `recipe` from `RECIPES`: `q4_k_m` is llama.cpp's Q4_K_M rule,
   which mixes Q4_K and Q6_K inside a layer and across layers and quantizes the
   attention and embeddings too).
-  Dense weights are F16 (matrices) and F32 (norms, router).
+  Dense weights are F16 (matrices) and F32 (norms, router, biases, sinks).
 - `align` becomes `general.alignment` in every shard (llama.cpp reads each shard's
   own alignment), so with `align=4096` an expert whose byte size is a multiple of
   4096 starts on a page boundary.
@@ -56,6 +65,7 @@ QUANTS = {
     "q4_0": GGMLQuantizationType.Q4_0,
     "q4_k": GGMLQuantizationType.Q4_K,
     "q6_k": GGMLQuantizationType.Q6_K,
+    "mxfp4": GGMLQuantizationType.MXFP4,  # gpt-oss's experts: 32 E2M1 values and one E8M0 scale in 17 bytes
 }
 PartQuants = tuple[str, str, str]  # one layer's (gate, up, down) quants
 
@@ -261,6 +271,7 @@ _RANDOM_BLOCK_STD = {
     GGMLQuantizationType.Q4_0: 4.6,
     GGMLQuantizationType.Q4_K: 258.0,
     GGMLQuantizationType.Q6_K: 1367.0,
+    GGMLQuantizationType.MXFP4: 5.85,  # E2M1 values (doubled, as ggml stores them): std of the 16 codes
 }
 _D_OFFSET = {GGMLQuantizationType.Q6_K: 208}  # the others start with d
 
@@ -275,7 +286,11 @@ def random_blocks(n_rows: int, row: int, qtype: GGMLQuantizationType, rng: np.ra
     n_blocks = n_rows * row // block
     raw = rng.bit_generator.random_raw(-(-n_blocks * size // 8)).view(np.uint8)[: n_blocks * size]
     blocks = raw.reshape(n_blocks, size)
-    d = np.float16(1.0 / (_RANDOM_BLOCK_STD[qtype] * math.sqrt(row)))
+    scale = 1.0 / (_RANDOM_BLOCK_STD[qtype] * math.sqrt(row))
+    if qtype == GGMLQuantizationType.MXFP4:  # one E8M0 byte, e: the block's scale is 2**(e - 128)
+        blocks[:, 0] = round(math.log2(scale)) + 128
+        return blocks.reshape(n_rows, row // block * size)
+    d = np.float16(scale)
     at = _D_OFFSET.get(qtype, 0)
     blocks[:, at : at + 2] = np.frombuffer(d.tobytes(), np.uint8)
     if qtype == GGMLQuantizationType.Q4_K:
@@ -319,7 +334,7 @@ def _check(g: Geometry, quant_names: list[str], split: int, align: int) -> None:
             raise ValueError(f"{q} needs embd and ff to be multiples of {block} (got embd={g.embd}, ff={g.ff})")
 
 
-_F32_KINDS = ("norm", "router", "bias")
+_F32_KINDS = ("norm", "router", "bias", "router_bias")
 
 
 @dataclass(frozen=True)
@@ -328,7 +343,7 @@ class _Spec:
 
     name: str
     shape: tuple[int, ...]
-    kind: str  # embd | norm | bias | f16 | router | experts
+    kind: str  # embd | norm | bias | f16 | router | router_bias | experts
     qtype: GGMLQuantizationType | None = None
 
     @property
@@ -446,6 +461,32 @@ def _layer_deepseek2(g: Geometry, i: int, qt: _Quants) -> list[_Spec]:
 _DENSE_LEAD = 1
 
 
+def _layer_gpt_oss(g: Geometry, i: int, qt: _Quants) -> list[_Spec]:
+    # llama.cpp's OPENAI_MOE: biases on q/k/v and the output, one attention sink per
+    # head, the FFN input normed by post_attention_norm (there is no ffn_norm), a
+    # router with a bias, and a bias row per routed expert and part. The expert biases
+    # stay dense (see the module docstring): llama.cpp adds them with add_id from the
+    # whole [experts, rows] tensor, and they are 0.26% of the expert bytes (gpt-oss-20b).
+    p = f"blk.{i}."
+    attention = _attention(g, p, bias=True) + [
+        _Spec(p + "attn_output.bias", (g.embd,), "bias"),
+        _Spec(p + "attn_sinks.weight", (g.heads,), "bias"),
+    ]
+    _, router, *experts = _routed(g, p, qt)
+    return (
+        attention
+        + [_Spec(p + "post_attention_norm.weight", (g.embd,), "norm"), router]
+        + [_Spec(p + "ffn_gate_inp.bias", (g.experts,), "router_bias")]
+        + [s for e in experts for s in (e, _Spec(e.name.replace(".weight", ".bias"), e.shape[:2], "bias"))]
+    )
+
+
+# gpt-oss's sliding window (128 in the real models): short enough here that the
+# alternate layers (llama.cpp's default pattern: every other layer, from the first)
+# attend to a window on a test prompt.
+_SWA_WINDOW = 32
+
+
 def _kv_deepseek2(g: Geometry) -> dict[str, int | float | bool]:
     return {
         "attention.key_length": _MLA_RANK + _MLA_ROPE,  # MLA's cache: the latent and the rope key
@@ -470,6 +511,7 @@ class _Arch:
     layer: Callable[[Geometry, int, _Quants], list[_Spec]]
     extra_kv: Callable[[Geometry], dict[str, int | float | bool]] = lambda g: {}
     kv_heads: Callable[[int, int], int] = lambda heads, kv_heads: kv_heads  # what llama.cpp wants of it
+    expert_quant: str = "q8_0"  # the routed experts' quant when the caller names none
 
 
 ARCHS: dict[str, _Arch] = {
@@ -478,6 +520,7 @@ ARCHS: dict[str, _Arch] = {
     "qwen2moe": _Arch(_layer_qwen2moe, lambda g: {"expert_shared_feed_forward_length": g.ff}),
     "deepseek2": _Arch(_layer_deepseek2, _kv_deepseek2, kv_heads=lambda heads, kv_heads: 1),  # one latent kv
     "llama": _Arch(_layer_llama),  # Mixtral-style: llama with ffn_*_exps
+    "gpt-oss": _Arch(_layer_gpt_oss, lambda g: {"attention.sliding_window": _SWA_WINDOW}, expert_quant="mxfp4"),
 }
 
 
@@ -518,6 +561,8 @@ def _fill(spec: _Spec, rng: np.random.Generator, random_experts: bool = False) -
         return dense.astype(np.float16) if spec.qtype is None else quantize(dense, spec.qtype)
     if spec.kind == "router":
         return 4.0 * mat(*spec.shape)  # a strong router spreads choices over all experts
+    if spec.kind == "router_bias":  # a quarter of the logits' spread: it changes some choices, not all
+        return rng.standard_normal(spec.shape, dtype=np.float32)
     qtype = spec.qtype
     assert qtype is not None  # only the "experts" kind is left, and _plan gives every one a quant type
     out = np.empty(spec.byte_shape, np.uint8)
@@ -579,7 +624,7 @@ def make_model(
     used: int = 2,
     embd: int = 64,
     ff: int = 64,
-    quant: str = "q8_0",
+    quant: str | None = None,
     layer_quants: list[str] | str | None = None,
     align: int = 32,
     split: int = 1,
@@ -597,12 +642,15 @@ def make_model(
     `random_experts` fills expert tensors with random quant blocks instead of
     quantized Gaussian weights: much faster for multi-GB benchmark models.
     `arch` is one of `ARCHS` (the default, qwen3moe, writes the same bytes as ever).
+    `quant` is the routed experts' quant for every layer; by default the arch's own
+    (`_Arch.expert_quant`: mxfp4 for gpt-oss, q8_0 for the others).
     `recipe` (one of `RECIPES`) picks every weight matrix's quant, as llama.cpp's
     quantizer would, instead of `quant`/`layer_quants`.
     """
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r} (use {', '.join(ARCHS)})")
     kv_heads = ARCHS[arch].kv_heads(heads, kv_heads)
+    quant = quant or ARCHS[arch].expert_quant
     g = Geometry(layers, experts, used, embd, ff, heads, kv_heads, ctx)
     if isinstance(layer_quants, str):
         layer_quants = layer_quants.split(",")
@@ -682,10 +730,13 @@ def _write_shard(
     w.close()
 
 
-def aligned_geometry(quant: str = "q8_0") -> dict:
-    """embd/ff that make every expert part a multiple of 4096 bytes for `quant`.
+def aligned_geometry(quant: str | None = None, arch: str = ARCH) -> dict:
+    """embd/ff that make every expert part a multiple of 4096 bytes for `quant` (by
+    default `arch`'s own expert quant).
 
     q8_0 stores 32 values in 34 bytes, q4_0 in 18, q4_k 256 in 144: in each case
     `embd * ff` must be a multiple of 65536 (17 and 9 are odd), so 256 x 256.
+    mxfp4 stores 32 in 17, so `embd * ff` must be a multiple of 131072: 256 x 512.
     """
-    return {"embd": 256, "ff": 256, "align": 4096, "quant": quant}
+    quant = quant or ARCHS[arch].expert_quant
+    return {"embd": 256, "ff": 512 if quant == "mxfp4" else 256, "align": 4096, "quant": quant}

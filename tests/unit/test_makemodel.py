@@ -42,7 +42,7 @@ def test_default_arch_bytes_never_change(tmp_path):
     assert hashlib.sha256(data).hexdigest() == "ae2e4f69c431665ace9eff39f788d981899aacc1dd741022143119ceeb2cabf2"
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "olmoe", "qwen2moe", "deepseek2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "olmoe", "qwen2moe", "deepseek2", "llama", "gpt-oss"])
 def test_arch_tensors_are_llama_cpps(model_factory, arch):
     """Every tensor name is one gguf-py lists for the architecture; each arch's own tensors and keys."""
     from gguf.constants import MODEL_ARCH_NAMES, MODEL_TENSORS, TENSOR_NAMES
@@ -72,6 +72,16 @@ def test_arch_tensors_are_llama_cpps(model_factory, arch):
         assert len(shared) == 4 * (4 + 3)
     elif arch == "deepseek2":  # an ungated shared expert and the selection bias in each MoE layer
         assert len(shared) == 3 * (3 + 1)
+    elif arch == "gpt-oss":  # q/k/v/output biases, the router's bias and one bias row per expert and part
+        assert len(shared) == 4 * (4 + 1 + 3)
+        assert kv["gpt-oss.attention.sliding_window"] == 32 and "gpt-oss.expert_gating_func" not in kv
+        assert "blk.0.ffn_norm.weight" not in t and list(t["blk.0.post_attention_norm.weight"].shape) == [64]
+        assert list(t["blk.0.attn_sinks.weight"].shape) == [4] and list(t["blk.0.attn_output.bias"].shape) == [64]
+        assert list(t["blk.0.ffn_gate_inp.bias"].shape) == [8]
+        for part in ("gate", "up", "down"):
+            assert t[f"blk.0.ffn_{part}_exps.weight"].tensor_type == Q.MXFP4  # the arch's own expert quant
+            assert t[f"blk.0.ffn_{part}_exps.bias"].tensor_type == Q.F32
+            assert list(t[f"blk.0.ffn_{part}_exps.bias"].shape) == [64, 8]  # [ff or embd, experts]
     else:
         assert shared == []
 
@@ -86,10 +96,11 @@ def test_expert_tensors(tiny_model):
     assert t["token_embd.weight"].tensor_type == Q.F16
 
 
-def test_deterministic(tmp_path):
-    a = make_model(tmp_path / "a.gguf", seed=7)[0].read_bytes()
-    b = make_model(tmp_path / "b.gguf", seed=7)[0].read_bytes()
-    c = make_model(tmp_path / "c.gguf", seed=8)[0].read_bytes()
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
+def test_deterministic(tmp_path, arch):
+    a = make_model(tmp_path / "a.gguf", seed=7, arch=arch)[0].read_bytes()
+    b = make_model(tmp_path / "b.gguf", seed=7, arch=arch)[0].read_bytes()
+    c = make_model(tmp_path / "c.gguf", seed=8, arch=arch)[0].read_bytes()
     assert a == b and a != c
 
 
@@ -154,11 +165,24 @@ def test_q4_k_m_falls_back_for_short_rows(model_factory):
     assert types["blk.0.ffn_down.weight"] == Q.Q4_K  # the leading dense layer's FFN
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K])
+def test_quantize_mxfp4_round_trips():
+    """MXFP4 (gguf-py's quantizer): per 32 values a power-of-two scale s with the block's
+    absmax in [4s, 8s), and E2M1 levels at most 2s apart (the top, above 6s, clamps to 6s)."""
+    x = np.random.default_rng(1).standard_normal((4, 512), dtype=np.float32)
+    raw = quantize(x, Q.MXFP4)
+    assert raw.shape == (4, 512 // 32 * 17)
+    blocks = x.reshape(-1, 32)
+    s = 2.0 ** (np.floor(np.log2(np.abs(blocks).max(axis=1))) - 2)
+    err = np.abs(gguf.quants.dequantize(raw, Q.MXFP4).reshape(-1, 32) - blocks)
+    assert (err <= 2 * s[:, None]).all() and err.mean() < 0.5 * s.mean()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K, Q.MXFP4])
 def test_random_blocks_are_well_scaled(qtype):
     x = gguf.quants.dequantize(random_blocks(32, 512, qtype, np.random.default_rng(0)), qtype)
     assert x.shape == (32, 512) and np.isfinite(x).all()
-    assert 0.8 < x.std() * np.sqrt(512) < 1.2
+    lo, hi = (2**-0.5, 2**0.5) if qtype == Q.MXFP4 else (0.8, 1.2)  # MXFP4's scale is a power of two
+    assert lo < x.std() * np.sqrt(512) < hi
 
 
 def test_random_experts_model(tmp_path):
@@ -170,7 +194,9 @@ def test_random_experts_model(tmp_path):
 
 def test_aligned_geometry_gives_page_multiples():
     g = aligned_geometry()
-    assert g["embd"] * g["ff"] // 32 * 34 % 4096 == 0
+    assert g["embd"] * g["ff"] // 32 * 34 % 4096 == 0 and g["quant"] == "q8_0"
+    g = aligned_geometry(arch="gpt-oss")  # MXFP4: 32 values in 17 bytes
+    assert g["quant"] == "mxfp4" and g["embd"] * g["ff"] // 32 * 17 % 4096 == 0
 
 
 def test_vocab():
@@ -221,6 +247,12 @@ def test_moectl_make_model(tmp_path, capsys):
     assert moectl(["make-model", str(tmp_path / "x.gguf"), "--arch", "mixtral", "--layers", "2"]) == 0
     kv = fields(capsys.readouterr().out.split()[0])
     assert kv["general.architecture"] == "llama" and kv["llama.expert_count"] == 8
+    assert moectl(["make-model", str(tmp_path / "g.gguf"), "--arch", "gpt-oss", "--layers", "2"]) == 0
+    g = {x.name: x for x in gguf.GGUFReader(capsys.readouterr().out.split()[0]).tensors}
+    assert g["blk.1.ffn_down_exps.weight"].tensor_type == Q.MXFP4 and "blk.1.ffn_down_exps.bias" in g
+    assert moectl(["make-model", str(tmp_path / "g8.gguf"), "--arch", "gpt-oss", "--quant", "q8_0"]) == 0
+    g = {x.name: x for x in gguf.GGUFReader(capsys.readouterr().out.split()[0]).tensors}
+    assert g["blk.0.ffn_gate_exps.weight"].tensor_type == Q.Q8_0
     assert moectl(["make-model", str(out), "--arch", "nope"]) == 2
     assert "unknown arch 'nope'" in capsys.readouterr().err
     mix = tmp_path / "mix.gguf"
@@ -241,6 +273,7 @@ def test_llama_cpp_loads_and_runs(llama_cpp, tiny_model, split_model, aligned_mo
     fast = model_factory(embd=256, ff=256, layer_quants="q4_k,q4_0,q8_0", layers=3, random_experts=True)
     q4km = model_factory(embd=256, ff=256, recipe="q4_k_m")
     q4km_random = model_factory(embd=256, ff=256, recipe="q4_k_m", random_experts=True)
+    gpt_oss, gpt_oss_random = model_factory(arch="gpt-oss"), model_factory(arch="gpt-oss", random_experts=True)
     logits = {}
     for name, path in [
         ("tiny", tiny_model),
@@ -251,6 +284,8 @@ def test_llama_cpp_loads_and_runs(llama_cpp, tiny_model, split_model, aligned_mo
         ("random", fast),
         ("q4_k_m", q4km),
         ("q4_k_m random", q4km_random),
+        ("gpt-oss", gpt_oss),  # MXFP4 experts with biases, attention sinks, sliding-window layers
+        ("gpt-oss random", gpt_oss_random),
     ]:
         llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
         tokens = llm.tokenize("Hello, wörld! the expert 42".encode())
