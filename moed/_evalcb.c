@@ -5,11 +5,12 @@
  * once with ask=false for those the answer was yes to, after computing them. A
  * Python callback pays a ctypes transition and a name read on each of the ~500
  * ask calls a token makes on a 16-layer MoE; here the ask pass is a prefix
- * compare in C, and only the wanted nodes (`ffn_moe_topk-<n>`, and `ffn_norm-<n>`
- * while observing) reach Python, with the GIL taken for the call.
+ * compare in C, and only the wanted nodes (`ffn_moe_topk-<n>`, and the router's
+ * input `ffn_norm-<n>` while observing) reach Python, with the GIL taken for the call.
  *
  *   handle = make(fn, name_offset)   # fn(tensor_address) -> bool, called on the data pass
- *   set_norm(handle, on)             # also stop at ffn_norm-<n>
+ *   set_norm(handle, on[, prefix])   # also stop at <prefix><n>; the prefix stays until
+ *                                    # changed (b"ffn_norm-"; gpt-oss: b"attn_post_norm-")
  *   callback_address(), user_data(handle): what goes into llama_context_params
  * The handle owns a reference to fn and must outlive the context.
  */
@@ -18,10 +19,14 @@
 #include <stdbool.h>
 #include <string.h>
 
+#define NORM_PREFIX_MAX 47 /* a ggml name is at most 63 bytes; the prefix leaves room for digits */
+
 typedef struct {
     PyObject *fn;
     size_t name_offset;
     int norm;
+    char norm_prefix[NORM_PREFIX_MAX + 1];
+    size_t norm_len;
 } Config;
 
 static int digits_to_end(const char *s) {
@@ -33,7 +38,7 @@ static int digits_to_end(const char *s) {
 
 static bool wanted(const Config *c, const char *name) {
     if (strncmp(name, "ffn_moe_topk-", 13) == 0) return digits_to_end(name + 13);
-    if (c->norm && strncmp(name, "ffn_norm-", 9) == 0) return digits_to_end(name + 9);
+    if (c->norm && strncmp(name, c->norm_prefix, c->norm_len) == 0) return digits_to_end(name + c->norm_len);
     return false;
 }
 
@@ -76,6 +81,8 @@ static PyObject *make(PyObject *self, PyObject *args) {
     c->fn = fn;
     c->name_offset = (size_t)off;
     c->norm = 0;
+    strcpy(c->norm_prefix, "ffn_norm-");
+    c->norm_len = strlen(c->norm_prefix);
     PyObject *cap = PyCapsule_New(c, "moed.evalcb", config_free);
     if (cap == NULL) { Py_DECREF(fn); PyMem_Free(c); }
     return cap;
@@ -86,10 +93,19 @@ static Config *config_of(PyObject *cap) {
 }
 
 static PyObject *set_norm(PyObject *self, PyObject *args) {
-    PyObject *cap; int on;
-    if (!PyArg_ParseTuple(args, "Op", &cap, &on)) return NULL;
+    PyObject *cap; int on; const char *prefix = NULL; Py_ssize_t len = 0;
+    if (!PyArg_ParseTuple(args, "Op|y#", &cap, &on, &prefix, &len)) return NULL;
     Config *c = config_of(cap);
     if (c == NULL) return NULL;
+    if (prefix != NULL) {
+        if (len < 1 || len > NORM_PREFIX_MAX || memchr(prefix, 0, (size_t)len) != NULL) {
+            PyErr_SetString(PyExc_ValueError, "the norm prefix must be 1..47 bytes with no NUL");
+            return NULL;
+        }
+        memcpy(c->norm_prefix, prefix, (size_t)len);
+        c->norm_prefix[len] = 0;
+        c->norm_len = (size_t)len;
+    }
     c->norm = on;
     Py_RETURN_NONE;
 }
@@ -108,7 +124,7 @@ static PyObject *callback_address(PyObject *self, PyObject *noargs) {
 
 static PyMethodDef methods[] = {
     {"make", make, METH_VARARGS, "make(fn, name_offset) -> handle"},
-    {"set_norm", set_norm, METH_VARARGS, "set_norm(handle, on): also stop at ffn_norm-<n>"},
+    {"set_norm", set_norm, METH_VARARGS, "set_norm(handle, on[, prefix]): also stop at <prefix><n> (ffn_norm-<n>)"},
     {"user_data", user_data, METH_VARARGS, "the cb_eval_user_data pointer for a handle"},
     {"callback_address", callback_address, METH_NOARGS, "the address of the C eval callback"},
     {NULL, NULL, 0, NULL},

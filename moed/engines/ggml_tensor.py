@@ -3,7 +3,8 @@
 What this module owns: the field layout, reading a tensor's name without
 building a Python string per node, reading the routed expert ids of an
 `ffn_moe_topk-<layer>` tensor, and viewing the float rows of an `ffn_norm-<layer>`
-tensor (the normed FFN input the gate-ahead predictor reads).
+tensor (the normed FFN input the gate-ahead predictor reads; gpt-oss names it
+`attn_post_norm-<layer>`, so the norm node's prefix is a parameter).
 
 Invariants:
 - The layout is that of ggml.h in the pinned llama-cpp-python; `layout_matches()`
@@ -17,6 +18,7 @@ Invariants:
 from __future__ import annotations
 
 import ctypes
+import functools
 import re
 from collections.abc import Callable
 
@@ -55,7 +57,6 @@ NAME_OFFSET = GgmlTensor.name.offset
 TOPK_PREFIX = b"ffn_moe_topk-"
 NORM_PREFIX = b"ffn_norm-"
 _TOPK_NAME = re.compile(rb"ffn_moe_topk-(\d+)\Z")
-_NORM_NAME = re.compile(rb"ffn_norm-(\d+)\Z")
 # Kinds of node the streamer's callback acts on (see `node`).
 TOPK = 1
 NORM = 2
@@ -76,8 +77,9 @@ class EvalCallback:
         self.function = ctypes.cast(_evalcb.callback_address(), llama_cpp.ggml_backend_sched_eval_callback)
         self.user_data = ctypes.c_void_p(_evalcb.user_data(self.handle))
 
-    def stop_at_norm(self, on: bool) -> None:
-        self._evalcb.set_norm(self.handle, on)
+    def stop_at_norm(self, on: bool, prefix: bytes = NORM_PREFIX) -> None:
+        """Also stop at `<prefix><n>` nodes (the router's input) while `on`."""
+        self._evalcb.set_norm(self.handle, on, prefix)
 
     def install(self, params) -> None:
         """Put it in a llama_context_params (the object must outlive the context)."""
@@ -94,7 +96,7 @@ class PythonEvalCallback:
 
         self.function = llama_cpp.ggml_backend_sched_eval_callback(fn)
 
-    def stop_at_norm(self, on: bool) -> None:
+    def stop_at_norm(self, on: bool, prefix: bytes = NORM_PREFIX) -> None:
         """The Python callback decides every node itself."""
 
     def install(self, params) -> None:
@@ -138,20 +140,25 @@ def topk_layer(tensor_ptr: int) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def node(tensor_ptr: int) -> tuple[int, int] | None:
-    """(TOPK or NORM, layer) for `ffn_moe_topk-<layer>` / `ffn_norm-<layer>`, else None.
+def node(tensor_ptr: int, norm_prefix: bytes = NORM_PREFIX) -> tuple[int, int] | None:
+    """(TOPK or NORM, layer) for `ffn_moe_topk-<layer>` / `<norm_prefix><layer>`, else None.
 
     One `string_at` of the longer prefix per graph node; parsing only on a match.
     """
-    head = ctypes.string_at(tensor_ptr + NAME_OFFSET, len(TOPK_PREFIX))
-    if head == TOPK_PREFIX:
+    head = ctypes.string_at(tensor_ptr + NAME_OFFSET, max(len(TOPK_PREFIX), len(norm_prefix)))
+    if head[: len(TOPK_PREFIX)] == TOPK_PREFIX:
         kind, pattern = TOPK, _TOPK_NAME
-    elif head[: len(NORM_PREFIX)] == NORM_PREFIX:
-        kind, pattern = NORM, _NORM_NAME
+    elif head[: len(norm_prefix)] == norm_prefix:
+        kind, pattern = NORM, _norm_name(norm_prefix)
     else:
         return None
     match = pattern.match(ctypes.string_at(tensor_ptr + NAME_OFFSET))
     return (kind, int(match.group(1))) if match else None
+
+
+@functools.cache
+def _norm_name(prefix: bytes) -> re.Pattern[bytes]:
+    return re.compile(re.escape(prefix) + rb"(\d+)\Z")
 
 
 def rows_f32(tensor_ptr: int) -> np.ndarray:

@@ -8,13 +8,20 @@ token. No I/O after `load_routers`, no state between calls.
 The math. llama.cpp computes, at MoE layer L with residual stream h_L:
 
     x_L      = rms_norm(h_L) * n_L              (the graph's `ffn_norm-L`)
-    logits_L = W_L @ x_L                        (`ffn_moe_logits-L`)
+    logits_L = W_L @ x_L [+ c_L]                (`ffn_moe_logits-L`; c: the router bias)
     chosen   = top_k(gating(logits_L) + b_L)    (`ffn_moe_topk-L`; b: `exp_probs_b`)
+
+Architectures differ in where the router's input is normed and in the gating
+(`ROUTER_INPUTS`, `ARCH_GATING`): gpt-oss norms it with `post_attention_norm`
+(the graph's `attn_post_norm-L`; there is no ffn_norm), adds a router bias
+`ffn_gate_inp.bias` to the logits, and gates with SOFTMAX_WEIGHT: it selects on the
+biased logits and takes the softmax over the chosen k only (the weights, which
+selection does not need).
 
 RMS norm's scale is per token and shared by every layer, and the residual stream
 changes little from one layer to the next, so rms_norm(h_M) ~ rms_norm(h_L) and
 
-    logits_M ~ W_M @ (x_L * n_M / n_L) = (W_M * (n_M / n_L)) @ x_L = F[L, M] @ x_L
+    logits_M ~ W_M @ (x_L * n_M / n_L) [+ c_M] = F[L, M] @ x_L [+ c_M]
 
 `F[L, M]` is computed once, on first use (as its transpose, so a batch is one
 matmul: `x @ F.T`). At zero lead (M = L) the ratio is 1 and F = W_L: the selection then
@@ -23,7 +30,8 @@ reproduces llama.cpp's own top-k, which is the test of this code.
 Invariants:
 - Without a selection bias, top-k of softmax or sigmoid equals top-k of the
   logits (both are monotone), so selection sorts logits; with a bias it sorts
-  gating(logits) + bias, as llama.cpp does.
+  gating(logits) + bias, as llama.cpp does. A router bias is part of the logits
+  (llama.cpp's `ffn_moe_logits_biased`), added before either.
 - A norm weight of (almost) zero in layer L carries no signal to fold; its ratio
   is taken as 0 rather than dividing by it.
 - Group-limited selection (DeepSeek's n_group/topk_group) is not modelled: on
@@ -39,16 +47,43 @@ import numpy as np
 
 GATING_SOFTMAX = 1
 GATING_SIGMOID = 2
+GATING_SOFTMAX_WEIGHT = 3  # llama.cpp's SOFTMAX_WEIGHT: select on the logits, softmax over the chosen k
 _TINY_NORM = 1e-12
 
 
 @dataclass(frozen=True)
+class RouterInput:
+    """Where an architecture's router reads its input: the graph node `<node>-L` and the
+    norm weight `blk.L.<norm>.weight` that made it."""
+
+    node: str
+    norm: str
+
+    @property
+    def prefix(self) -> bytes:
+        """The node's name up to the layer number, as the eval callback matches it."""
+        return self.node.encode() + b"-"
+
+
+FFN_NORM = RouterInput("ffn_norm", "ffn_norm")
+ROUTER_INPUTS = {"gpt-oss": RouterInput("attn_post_norm", "post_attention_norm")}  # others: FFN_NORM
+# Gating an architecture's graph fixes in llama.cpp (its files carry no expert_gating_func).
+ARCH_GATING = {"gpt-oss": GATING_SOFTMAX_WEIGHT}
+
+
+def router_input(arch: str) -> RouterInput:
+    return ROUTER_INPUTS.get(arch, FFN_NORM)
+
+
+@dataclass(frozen=True)
 class Router:
-    """One MoE layer's routing weights, float32: W (n_experts, n_embd), norm (n_embd,), bias or None."""
+    """One MoE layer's routing weights, float32: W (n_experts, n_embd), norm (n_embd,), the
+    selection bias `exp_probs_b` or None, and the router bias on the logits or None."""
 
     weight: np.ndarray
     norm: np.ndarray
     bias: np.ndarray | None = None
+    logit_bias: np.ndarray | None = None
 
 
 class GatePredictor:
@@ -89,16 +124,22 @@ class GatePredictor:
         return x @ self.folded(src, dst)
 
     def scores(self, x: np.ndarray, src: int, dst: int) -> np.ndarray:
-        """What llama.cpp's selection sorts: the logits, or gating(logits) + bias with a bias."""
+        """What llama.cpp's selection sorts: the (router-biased) logits, or gating(logits) +
+        bias with a selection bias."""
         logits = self.logits(x, src, dst)
-        bias = self.routers[dst].bias
-        if bias is None:
+        r = self.routers[dst]
+        if r.logit_bias is not None:
+            logits = logits + r.logit_bias
+        if r.bias is None:
             return logits
-        return gate(logits, self.gating) + bias
+        return gate(logits, self.gating) + r.bias
 
 
 def gate(logits: np.ndarray, gating: int) -> np.ndarray:
-    """The router's probabilities: softmax over experts, or a per-expert sigmoid."""
+    """The router's probabilities: softmax over experts, a per-expert sigmoid, or (SOFTMAX_WEIGHT)
+    the logits themselves, as llama.cpp's `ffn_moe_probs` is for that gating."""
+    if gating == GATING_SOFTMAX_WEIGHT:
+        return logits
     if gating == GATING_SIGMOID:
         return 1.0 / (1.0 + np.exp(-logits))
     z = np.exp(logits - logits.max(axis=1, keepdims=True))
@@ -130,7 +171,10 @@ def load_routers(headers, bases: list[int], moe_layers: list[int]) -> tuple[dict
         for t in h.tensors:
             infos[t.name] = (shard, t)
     arch = headers[0].get("general.architecture", "")
-    gating = int(headers[0].get(f"{arch}.expert_gating_func", GATING_SOFTMAX) or GATING_SOFTMAX)
+    gating = ARCH_GATING.get(arch) or int(
+        headers[0].get(f"{arch}.expert_gating_func", GATING_SOFTMAX) or GATING_SOFTMAX
+    )
+    norm_name = router_input(arch).norm
 
     def read(name: str) -> np.ndarray | None:
         if name not in infos:
@@ -141,13 +185,14 @@ def load_routers(headers, bases: list[int], moe_layers: list[int]) -> tuple[dict
     routers = {}
     for layer in moe_layers:
         w = read(f"blk.{layer}.ffn_gate_inp.weight")
-        norm = read(f"blk.{layer}.ffn_norm.weight")
+        norm = read(f"blk.{layer}.{norm_name}.weight")
         if w is None or norm is None:
             raise ValueError(
-                f"layer {layer} has no ffn_gate_inp/ffn_norm weight: gate-ahead prediction "
+                f"layer {layer} has no ffn_gate_inp/{norm_name} weight: gate-ahead prediction "
                 "needs both (this architecture is not supported for prefetch)"
             )
-        routers[layer] = Router(w, norm.reshape(-1), read(f"blk.{layer}.exp_probs_b.bias"))
+        bias, logit_bias = read(f"blk.{layer}.exp_probs_b.bias"), read(f"blk.{layer}.ffn_gate_inp.bias")
+        routers[layer] = Router(w, norm.reshape(-1), bias, None if logit_bias is None else logit_bias.reshape(-1))
     return routers, gating
 
 

@@ -132,6 +132,8 @@ class ExpertStreamer:
         # The eval callback: its ask pass (every graph node) runs in C, and only the
         # nodes acted on reach `_on_node`. Kept referenced for as long as llama.cpp may call it.
         self.c_callback = ggml_tensor.EvalCallback(self._on_node)
+        # The router's input node, `<prefix><layer>`: ffn_norm-, or the arch's own (set at install).
+        self.norm_prefix = ggml_tensor.NORM_PREFIX
 
     # ---- install ---------------------------------------------------------
 
@@ -157,11 +159,13 @@ class ExpertStreamer:
 
     def _install_lookahead(self, bases: list[int]) -> None:
         """Read the routers from the (now locked) dense pages; fold nothing until first use."""
-        from moed.engines.predictor import GatePredictor, load_routers
+        from moed.engines.predictor import GatePredictor, load_routers, router_input
         from moed.gguf.header import read_split
 
+        headers = read_split(self.mapped_files[0])
+        self.norm_prefix = router_input(str(headers[0].get("general.architecture", ""))).prefix
         try:
-            routers, gating = load_routers(read_split(self.mapped_files[0]), bases, self.source.moe_layers)
+            routers, gating = load_routers(headers, bases, self.source.moe_layers)
             predictor = GatePredictor(routers, self.source.moe_layers, gating)
         except (ValueError, KeyError, NotImplementedError) as exc:
             if self.prefetch != "off":
@@ -240,7 +244,7 @@ class ExpertStreamer:
     def _on_node(self, tensor: int) -> bool:
         """A computed `ffn_moe_topk-<n>` or (while observing) `ffn_norm-<n>` node; False stops the graph."""
         try:
-            hit = ggml_tensor.node(tensor)
+            hit = ggml_tensor.node(tensor, self.norm_prefix)
             if hit is None:
                 return True
             kind, layer = hit
@@ -350,7 +354,7 @@ class ExpertStreamer:
         self.stats.tokens += n_tokens
         if self.lookahead is not None:
             self.lookahead.begin_decode(n_tokens)
-        self.c_callback.stop_at_norm(self.lookahead is not None and self.lookahead.observing)
+        self.c_callback.stop_at_norm(self.lookahead is not None and self.lookahead.observing, self.norm_prefix)
 
     def finish(self) -> None:
         """After llama_decode: hide and release what the last layer holds."""

@@ -7,7 +7,16 @@ import pytest
 
 from moed.engines.governor import PrefetchGovernor
 from moed.engines.lookahead import Lookahead
-from moed.engines.predictor import GATING_SIGMOID, GatePredictor, Router, gate, tensor_f32, top
+from moed.engines.predictor import (
+    GATING_SIGMOID,
+    GATING_SOFTMAX_WEIGHT,
+    GatePredictor,
+    Router,
+    gate,
+    router_input,
+    tensor_f32,
+    top,
+)
 
 E, D, LAYERS = 16, 32, [1, 2, 3, 4]
 
@@ -56,6 +65,23 @@ def test_selection_bias_sorts_gated_scores_plus_bias():
     np.testing.assert_allclose(p.scores(x, 2, 2), want, rtol=1e-6)
     soft = gate(np.array([[0.0, np.log(3.0)]]), 1)
     np.testing.assert_allclose(soft, [[0.25, 0.75]])
+
+
+def test_a_router_bias_is_part_of_the_logits_and_softmax_weight_selects_on_them():
+    """gpt-oss: scores are W x + c (llama.cpp's ffn_moe_logits_biased), sorted as they are."""
+    rs = routers()
+    c = np.random.default_rng(5).standard_normal(E).astype(np.float32)
+    rs = {l: Router(r.weight, r.norm, None, c) for l, r in rs.items()}
+    p = GatePredictor(rs, LAYERS, gating=GATING_SOFTMAX_WEIGHT)
+    x = np.random.default_rng(6).standard_normal((4, D)).astype(np.float32)
+    np.testing.assert_array_equal(p.scores(x, 2, 2), x @ rs[2].weight.T + c)
+    assert not np.array_equal(top(p.scores(x, 2, 2), 2), top(x @ rs[2].weight.T, 2))  # the bias changes choices
+    logits = x @ rs[2].weight.T
+    np.testing.assert_array_equal(gate(logits, GATING_SOFTMAX_WEIGHT), logits)
+    assert (
+        router_input("gpt-oss").prefix == b"attn_post_norm-" and router_input("gpt-oss").norm == "post_attention_norm"
+    )
+    assert router_input("qwen3moe").prefix == b"ffn_norm-"
 
 
 @pytest.mark.parametrize("n, width", [(16, 4), (256, 8), (8, 8)])
