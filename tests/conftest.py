@@ -17,6 +17,10 @@ into `tmp_path` first if a test needs to damage a model):
   geometry in those architectures (mixtral: `llama` with routed experts; olmoe: whole-projection q/k norms, kv_heads = heads; qwen2moe: q/k/v
   biases and a gated dense shared expert next to the routed ones; deepseek2: MLA, a
   leading dense layer, a shared expert, sigmoid gating with a selection bias).
+- `gpt_oss_model`: `tiny_model`'s geometry as gpt-oss: MXFP4 experts (2176-byte parts:
+  copy path) with dense bias rows, a router bias, attention sinks, sliding-window layers;
+  `gpt_oss_aligned_model`: the same at `aligned_geometry(arch="gpt-oss")` (256 x 512,
+  alignment 4096: 69632-byte parts, zero-copy path).
 - `trained_model`: the committed tiny trained MoE (`moed.data.TINY_MOE`: 6 layers, 16
   experts, top-2, d 128, q8_0, byte-level, learned routing), checked against its sha256.
 - `llama_cpp`: the llama_cpp module, or the test is skipped where it is not installed.
@@ -101,6 +105,18 @@ def deepseek2_model(model_factory) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def mixtral_model(model_factory) -> pathlib.Path:
     return model_factory(arch="llama")
+
+
+@pytest.fixture(scope="session")
+def gpt_oss_model(model_factory) -> pathlib.Path:
+    return model_factory(arch="gpt-oss")
+
+
+@pytest.fixture(scope="session")
+def gpt_oss_aligned_model(model_factory) -> pathlib.Path:
+    from moed.lab.makemodel import aligned_geometry
+
+    return model_factory(arch="gpt-oss", **aligned_geometry(arch="gpt-oss"))
 
 
 @pytest.fixture(scope="session")

@@ -67,6 +67,7 @@ def engine(daemon, path, budget=None, **kw):
         "qwen2moe_model",
         "deepseek2_model",
         "mixtral_model",
+        "gpt_oss_model",  # router bias on the logits, SOFTMAX_WEIGHT, input at attn_post_norm-L
     ],
 )
 def test_predictor_at_zero_lead_is_llama_cpps_top_k(request, start_daemon, model):
@@ -93,6 +94,7 @@ def test_predictor_at_zero_lead_is_llama_cpps_top_k(request, start_daemon, model
         ("aligned_model", "2MiB"),  # zero copy, ~10 slots of 32 experts: evicts between layers
         ("tiny_model", "256KiB"),  # copy path, ~10 slots of 32
         ("trained_model", "1MiB"),  # learned routing, copy path, ~17 slots of 96
+        ("gpt_oss_model", "256KiB"),  # the look-ahead stops at attn_post_norm-L (no ffn_norm)
     ],
 )
 def test_logits_bit_exact_with_prefetch_at_an_evicting_budget(

@@ -83,6 +83,7 @@ def test_tiny_model_geometry(tiny_model):
         "qwen2moe_model",
         "deepseek2_model",
         "mixtral_model",
+        "gpt_oss_model",
     ],
 )
 def test_every_extent_holds_the_tensor_bytes(fixture, request):
@@ -178,6 +179,7 @@ def test_moectl_index(mixed_model, capsys):
         ("qwen2moe_model", "qwen2moe"),
         ("deepseek2_model", "deepseek2"),
         ("mixtral_model", "llama"),
+        ("gpt_oss_model", "gpt-oss"),
     ],
 )
 def test_other_architectures_serve_only_routed_experts(fixture, arch, request, capsys):
@@ -189,11 +191,26 @@ def test_other_architectures_serve_only_routed_experts(fixture, arch, request, c
     served = {(l, p) for l in cat.moe_layers for p in cat.parts}
     names = {t.name for t in gguf.GGUFReader(path).tensors}
     shared = sorted(n for n in names if "_shexp" in n)
-    assert len(shared) == {"olmoe": 0, "qwen2moe": 4 * 4, "deepseek2": 3 * 3, "llama": 0}[arch]  # dense, never a part
+    assert (
+        len(shared) == {"olmoe": 0, "qwen2moe": 4 * 4, "deepseek2": 3 * 3, "llama": 0, "gpt-oss": 0}[arch]
+    )  # dense, never a part
     assert served == {(int(m.group(1)), m.group(2)) for n in names if (m := EXPERT.match(n))}
+    if arch == "gpt-oss":  # the expert bias rows stay dense: no part, and not inside any part's extent
+        biases = sorted(n for n in names if re.fullmatch(r"blk\.\d+\.ffn_\w+_exps\.bias", n))
+        assert len(biases) == 4 * 3
+        extents = [
+            (x.offset, x.offset + x.bytes_per_expert * cat.n_experts)
+            for e in cat.layers.values()
+            for x in e.parts.values()
+        ]
+        for t in gguf.GGUFReader(path).tensors:
+            if t.name in biases:
+                start = int(t.data_offset)
+                assert all(start + int(t.n_bytes) <= lo or start >= hi for lo, hi in extents), t.name
     assert moectl(["index", str(path)]) == 0
     out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
-    assert f"({arch}, 1" in out and "parts gate+up+down" in out and "Q8_0" in out
+    quant = "MXFP4" if arch == "gpt-oss" else "Q8_0"
+    assert f"({arch}, 1" in out and "parts gate+up+down" in out and quant in out
 
 
 # ---------------------------------------------------------------------- header parser
