@@ -4,7 +4,8 @@ Each case runs at a budget that forces eviction and is bit-exact against the
 same-kernel resident engine (UnpackedLlama, `reference_logits`) over a prompt batch
 and 32 greedy steps:
 - zero copy: a model whose every expert part is whole pages at 4096 alignment
-  (`makemodel.aligned_geometry`): the engine maps the daemon's slots, never copies;
+  (`makemodel.aligned_geometry`, in the arch's own expert quant): the engine maps the
+  daemon's slots, never copies;
 - split shards: a 3-shard model on the copy path, and `align` of a 3-shard model on
   the zero-copy path, with the catalog checked against gguf.GGUFReader shard by shard;
 - the q4_k_m recipe after `align`: layers whose Q4_K parts are mapped and whose Q6_K
@@ -35,9 +36,9 @@ pytest.importorskip("llama_cpp")  # e2e needs the real llama.cpp (pyproject extr
 
 ARCHS = sorted(makemodel.ARCHS)
 PAIRS = [(a, b) for a, b in zip(ARCHS, ARCHS[1:] + ARCHS[:1]) if a != b]  # each arch once per role
-# Budgets of about ten slots: a prompt batch routes to at most 8 experts of a layer,
-# and the models hold 24-32 experts, so every run evicts.
-COPY_BUDGET = "256KiB"  # tiny geometry: 3 parts of 4352 bytes, 24 KiB slots
+# Budgets of 8-21 slots: a prompt batch routes to at most 8 experts of a layer, and the
+# models hold 24-32 experts, so every run evicts (each test checks that it did).
+COPY_BUDGET = "256KiB"  # tiny geometry: 3 parts of 4352 bytes (q8_0), 24 KiB slots
 ZERO_COPY_BUDGET = "2MiB"  # aligned geometry: 3 parts of 69632 bytes (17 pages), 204 KiB slots
 MIXED_BUDGET = "1MiB"  # q4_k_m at 256 x 256 after align: 2 x 36864 + 53760 bytes, ~128 KiB slots
 PAIR_BUDGET = "2560KiB"  # 8 aligned and 8 tiny slots at once, fewer than the two models' experts
@@ -45,7 +46,7 @@ ROUTED = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.weight$")
 
 
 def aligned(arch: str) -> dict:
-    return {"arch": arch, **makemodel.aligned_geometry()}
+    return {"arch": arch, **makemodel.aligned_geometry(arch=arch)}  # the arch's own expert quant
 
 
 def run_streamed(daemon, path) -> tuple[np.ndarray, dict, dict]:
