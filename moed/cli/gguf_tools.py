@@ -22,8 +22,8 @@ def register(sub) -> None:
     p.add_argument(
         "--arch",
         default="qwen3moe",
-        help="llama.cpp architecture: qwen3moe, olmoe, qwen2moe, deepseek2, llama (Mixtral-style; also: mixtral) "
-        "or gpt-oss (MXFP4 experts with biases, attention sinks, sliding-window layers)",
+        help="llama.cpp architecture: qwen3moe, olmoe, qwen2moe, deepseek2, llama (Mixtral-style; also: mixtral), "
+        "gpt-oss (MXFP4 experts with biases, attention sinks, sliding-window layers) or glm4moe (GLM-4.5)",
     )
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=8)

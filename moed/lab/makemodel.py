@@ -27,6 +27,10 @@ Architectures (`arch`, see `ARCHS`: one layer plan and its own keys each):
   from the whole tensor; a part's row is 2880 f32 (11,520 bytes, not whole pages) in
   gpt-oss-20b, all three 0.26% of an expert's 13.2 MB; and the catalog's parts are the
   `.weight` tensors only, so the skeleton and `align` keep them as dense bytes.
+- `glm4moe` (GLM-4.5): q/k/v biases, per-head q/k norms (the 355B's), partial rope
+  (half of each head), the FFN input normed by `post_attention_norm`, a leading dense
+  layer, V3-style sigmoid gating with `exp_probs_b`, normalized top-k weights scaled
+  by 2.5, an ungated dense shared expert; `nextn_predict_layers` 0 (no MTP layer).
 
 Invariants:
 - Routed experts are `blk.N.ffn_{gate,up,down}_exps.weight`, quantized with q8_0,
@@ -447,18 +451,47 @@ def _layer_deepseek2(g: Geometry, i: int, qt: _Quants) -> list[_Spec]:
         _Spec(p + "attn_output.weight", (g.embd, g.heads * hd), "f16"),
     ]
     if i < _DENSE_LEAD:  # leading dense layers: a plain FFN, no experts
-        return specs + [
-            _Spec(p + "ffn_norm.weight", (g.embd,), "norm"),
-            _Spec(p + "ffn_gate.weight", (g.ff, g.embd), "f16"),
-            _Spec(p + "ffn_up.weight", (g.ff, g.embd), "f16"),
-            _Spec(p + "ffn_down.weight", (g.embd, g.ff), "f16"),
-        ]
+        return specs + [_Spec(p + "ffn_norm.weight", (g.embd,), "norm")] + _dense_ffn(g, p)
     routed = _routed(g, p, qt)
     bias = _Spec(p + "exp_probs_b.bias", (g.experts,), "bias")  # the selection bias (V3's)
     return specs + routed[:2] + [bias] + routed[2:] + _shared_expert(g, p, gated=False)
 
 
 _DENSE_LEAD = 1
+
+
+def _dense_ffn(g: Geometry, p: str) -> list[_Spec]:
+    """A leading dense layer's plain FFN (F16, resident): no experts."""
+    return [
+        _Spec(p + "ffn_gate.weight", (g.ff, g.embd), "f16"),
+        _Spec(p + "ffn_up.weight", (g.ff, g.embd), "f16"),
+        _Spec(p + "ffn_down.weight", (g.embd, g.ff), "f16"),
+    ]
+
+
+def _layer_glm4moe(g: Geometry, i: int, qt: _Quants) -> list[_Spec]:
+    # GLM-4.5: q/k/v biases, per-head q/k norms (the 355B's; optional in llama.cpp),
+    # the FFN input normed by post_attention_norm (no ffn_norm), a leading dense layer,
+    # then sigmoid routing with the selection bias exp_probs_b and an ungated shared expert.
+    p = f"blk.{i}."
+    specs = _attention(g, p, qk_norm="head", bias=True) + [_Spec(p + "post_attention_norm.weight", (g.embd,), "norm")]
+    if i < _DENSE_LEAD:
+        return specs + _dense_ffn(g, p)
+    _, router, *experts = _routed(g, p, qt)
+    bias = _Spec(p + "exp_probs_b.bias", (g.experts,), "bias")
+    return specs + [router, bias] + experts + _shared_expert(g, p, gated=False)
+
+
+def _kv_glm4moe(g: Geometry) -> dict[str, int | float | bool]:
+    return {
+        "rope.dimension_count": g.head_dim // 2,  # partial rope: GLM rotates half of each head
+        "leading_dense_block_count": _DENSE_LEAD,
+        "expert_shared_count": 1,
+        "expert_weights_scale": 2.5,  # GLM-4.5's routed_scaling_factor
+        "expert_weights_norm": True,
+        "expert_gating_func": 2,  # sigmoid
+        "nextn_predict_layers": 0,  # no multi-token-prediction layer
+    }
 
 
 def _layer_gpt_oss(g: Geometry, i: int, qt: _Quants) -> list[_Spec]:
@@ -521,6 +554,7 @@ ARCHS: dict[str, _Arch] = {
     "deepseek2": _Arch(_layer_deepseek2, _kv_deepseek2, kv_heads=lambda heads, kv_heads: 1),  # one latent kv
     "llama": _Arch(_layer_llama),  # Mixtral-style: llama with ffn_*_exps
     "gpt-oss": _Arch(_layer_gpt_oss, lambda g: {"attention.sliding_window": _SWA_WINDOW}, expert_quant="mxfp4"),
+    "glm4moe": _Arch(_layer_glm4moe, _kv_glm4moe),
 }
 
 

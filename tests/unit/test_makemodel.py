@@ -42,7 +42,7 @@ def test_default_arch_bytes_never_change(tmp_path):
     assert hashlib.sha256(data).hexdigest() == "ae2e4f69c431665ace9eff39f788d981899aacc1dd741022143119ceeb2cabf2"
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "olmoe", "qwen2moe", "deepseek2", "llama", "gpt-oss"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "olmoe", "qwen2moe", "deepseek2", "llama", "gpt-oss", "glm4moe"])
 def test_arch_tensors_are_llama_cpps(model_factory, arch):
     """Every tensor name is one gguf-py lists for the architecture; each arch's own tensors and keys."""
     from gguf.constants import MODEL_ARCH_NAMES, MODEL_TENSORS, TENSOR_NAMES
@@ -62,6 +62,13 @@ def test_arch_tensors_are_llama_cpps(model_factory, arch):
         assert kv["deepseek2.expert_gating_func"] == 2 and kv["deepseek2.expert_weights_scale"] == 2.5
         assert "blk.0.ffn_gate.weight" in t and "blk.0.ffn_gate_exps.weight" not in t
         assert "blk.1.attn_k_b.weight" in t and list(t["blk.1.exp_probs_b.bias"].shape) == [8]
+    elif arch == "glm4moe":  # a leading dense layer, partial rope, sigmoid gating with a selection bias
+        assert kv["glm4moe.leading_dense_block_count"] == 1 and kv["glm4moe.nextn_predict_layers"] == 0
+        assert kv["glm4moe.rope.dimension_count"] == 8 and kv["glm4moe.attention.key_length"] == 16
+        assert kv["glm4moe.expert_gating_func"] == 2 and kv["glm4moe.expert_shared_count"] == 1
+        assert "blk.0.ffn_gate.weight" in t and "blk.0.ffn_gate_exps.weight" not in t
+        assert "blk.1.ffn_norm.weight" not in t and list(t["blk.1.post_attention_norm.weight"].shape) == [64]
+        assert list(t["blk.1.attn_q_norm.weight"].shape) == [16] and list(t["blk.1.exp_probs_b.bias"].shape) == [8]
     else:
         assert kv[f"{arch}.attention.head_count_kv"] == 2
     shared = [n for n in t if "_shexp" in n or n.endswith(".bias")]
@@ -82,6 +89,8 @@ def test_arch_tensors_are_llama_cpps(model_factory, arch):
             assert t[f"blk.0.ffn_{part}_exps.weight"].tensor_type == Q.MXFP4  # the arch's own expert quant
             assert t[f"blk.0.ffn_{part}_exps.bias"].tensor_type == Q.F32
             assert list(t[f"blk.0.ffn_{part}_exps.bias"].shape) == [64, 8]  # [ff or embd, experts]
+    elif arch == "glm4moe":  # q/k/v biases everywhere; the selection bias and a shared expert in MoE layers
+        assert len(shared) == 4 * 3 + 3 * (1 + 3)
     else:
         assert shared == []
 
@@ -274,6 +283,7 @@ def test_llama_cpp_loads_and_runs(llama_cpp, tiny_model, split_model, aligned_mo
     q4km = model_factory(embd=256, ff=256, recipe="q4_k_m")
     q4km_random = model_factory(embd=256, ff=256, recipe="q4_k_m", random_experts=True)
     gpt_oss, gpt_oss_random = model_factory(arch="gpt-oss"), model_factory(arch="gpt-oss", random_experts=True)
+    glm4moe = model_factory(arch="glm4moe")
     logits = {}
     for name, path in [
         ("tiny", tiny_model),
@@ -286,6 +296,7 @@ def test_llama_cpp_loads_and_runs(llama_cpp, tiny_model, split_model, aligned_mo
         ("q4_k_m random", q4km_random),
         ("gpt-oss", gpt_oss),  # MXFP4 experts with biases, attention sinks, sliding-window layers
         ("gpt-oss random", gpt_oss_random),
+        ("glm4moe", glm4moe),  # a leading dense layer, partial rope, q/k norms, shared expert
     ]:
         llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
         tokens = llm.tokenize("Hello, wörld! the expert 42".encode())
