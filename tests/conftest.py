@@ -21,6 +21,8 @@ into `tmp_path` first if a test needs to damage a model):
   copy path) with dense bias rows, a router bias, attention sinks, sliding-window layers;
   `gpt_oss_aligned_model`: the same at `aligned_geometry(arch="gpt-oss")` (256 x 512,
   alignment 4096: 69632-byte parts, zero-copy path).
+- `glm4moe_model`: `tiny_model`'s geometry as GLM-4.5: q/k/v biases, per-head q/k norms,
+  partial rope, a leading dense layer, sigmoid gating with `exp_probs_b`, a shared expert.
 - `trained_model`: the committed tiny trained MoE (`moed.data.TINY_MOE`: 6 layers, 16
   experts, top-2, d 128, q8_0, byte-level, learned routing), checked against its sha256.
 - `llama_cpp`: the llama_cpp module, or the test is skipped where it is not installed.
@@ -110,6 +112,11 @@ def mixtral_model(model_factory) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def gpt_oss_model(model_factory) -> pathlib.Path:
     return model_factory(arch="gpt-oss")
+
+
+@pytest.fixture(scope="session")
+def glm4moe_model(model_factory) -> pathlib.Path:
+    return model_factory(arch="glm4moe")
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,8 @@ The math. llama.cpp computes, at MoE layer L with residual stream h_L:
 
 Architectures differ in where the router's input is normed and in the gating
 (`ROUTER_INPUTS`, `ARCH_GATING`): gpt-oss norms it with `post_attention_norm`
-(the graph's `attn_post_norm-L`; there is no ffn_norm), adds a router bias
+(the graph's `attn_post_norm-L`; there is no ffn_norm; glm4moe's is
+`post_attn_norm-L`, from the same weight name), adds a router bias
 `ffn_gate_inp.bias` to the logits, and gates with SOFTMAX_WEIGHT: it selects on the
 biased logits and takes the softmax over the chosen k only (the weights, which
 selection does not need).
@@ -66,7 +67,10 @@ class RouterInput:
 
 
 FFN_NORM = RouterInput("ffn_norm", "ffn_norm")
-ROUTER_INPUTS = {"gpt-oss": RouterInput("attn_post_norm", "post_attention_norm")}  # others: FFN_NORM
+ROUTER_INPUTS = {  # others: FFN_NORM
+    "gpt-oss": RouterInput("attn_post_norm", "post_attention_norm"),
+    "glm4moe": RouterInput("post_attn_norm", "post_attention_norm"),
+}
 # Gating an architecture's graph fixes in llama.cpp (its files carry no expert_gating_func).
 ARCH_GATING = {"gpt-oss": GATING_SOFTMAX_WEIGHT}
 

@@ -48,7 +48,7 @@ from moed.protocol.layout import PAGE
 PART_ORDER = ("gate", "up", "gate_up", "down")  # slot layout order
 # Architectures whose routed experts moed serves: the ones llama.cpp runs and the
 # streamed engine is checked bit-exact on (tests/e2e). Any other is refused at open.
-SERVED_ARCHS = ("qwen3moe", "olmoe", "qwen2moe", "deepseek2", "llama", "gpt-oss")
+SERVED_ARCHS = ("qwen3moe", "olmoe", "qwen2moe", "deepseek2", "llama", "gpt-oss", "glm4moe")
 EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.weight$")
 
 SizeClass = tuple[tuple[str, int], ...]  # ((part, bytes_per_expert), ...) in part order

@@ -68,6 +68,7 @@ def engine(daemon, path, budget=None, **kw):
         "deepseek2_model",
         "mixtral_model",
         "gpt_oss_model",  # router bias on the logits, SOFTMAX_WEIGHT, input at attn_post_norm-L
+        "glm4moe_model",  # sigmoid gating with exp_probs_b, input at post_attn_norm-L
     ],
 )
 def test_predictor_at_zero_lead_is_llama_cpps_top_k(request, start_daemon, model):

@@ -59,6 +59,7 @@ def test_ggml_layout_and_pinned_version(llama_cpp):
         ("mixtral_model", "256KiB", "evicting"),  # general.architecture "llama" with ffn_*_exps
         ("gpt_oss_model", "256KiB", "copy+evicting"),  # MXFP4 experts, dense bias rows, sinks, SWA
         ("gpt_oss_aligned_model", "2MiB", "zero_copy+evicting"),  # MXFP4 256 x 512: 17-page parts
+        ("glm4moe_model", "256KiB", "evicting"),  # a leading dense layer, shared expert, partial rope
     ],
 )
 def test_logits_bit_exact(request, start_daemon, reference_logits, model, budget, path_kind):
@@ -77,7 +78,7 @@ def test_logits_bit_exact(request, start_daemon, reference_logits, model, budget
     assert daemon_stats["tenants"][0]["leases"] == 0 or all(t["leases"] == 0 for t in daemon_stats["tenants"])
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "olmoe", "qwen2moe", "deepseek2", "llama", "gpt-oss"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "olmoe", "qwen2moe", "deepseek2", "llama", "gpt-oss", "glm4moe"])
 def test_aligned_copy_of_a_model_gives_identical_logits(start_daemon, reference_logits, model_factory, tmp_path, arch):
     from moed.gguf.align import align_gguf
     from moed.lab.makemodel import aligned_geometry

@@ -84,6 +84,7 @@ def test_tiny_model_geometry(tiny_model):
         "deepseek2_model",
         "mixtral_model",
         "gpt_oss_model",
+        "glm4moe_model",
     ],
 )
 def test_every_extent_holds_the_tensor_bytes(fixture, request):
@@ -180,19 +181,21 @@ def test_moectl_index(mixed_model, capsys):
         ("deepseek2_model", "deepseek2"),
         ("mixtral_model", "llama"),
         ("gpt_oss_model", "gpt-oss"),
+        ("glm4moe_model", "glm4moe"),
     ],
 )
 def test_other_architectures_serve_only_routed_experts(fixture, arch, request, capsys):
     path = request.getfixturevalue(fixture)
     cat = Catalog.open(path)
-    first = 1 if arch == "deepseek2" else 0  # deepseek2's leading dense layer has no experts
+    first = 1 if arch in ("deepseek2", "glm4moe") else 0  # their leading dense layer has no experts
     assert cat.arch == arch and cat.n_layers == 4 and cat.moe_layers == tuple(range(first, 4))
     assert cat.parts == ("gate", "up", "down")
     served = {(l, p) for l in cat.moe_layers for p in cat.parts}
     names = {t.name for t in gguf.GGUFReader(path).tensors}
     shared = sorted(n for n in names if "_shexp" in n)
     assert (
-        len(shared) == {"olmoe": 0, "qwen2moe": 4 * 4, "deepseek2": 3 * 3, "llama": 0, "gpt-oss": 0}[arch]
+        len(shared)
+        == {"olmoe": 0, "qwen2moe": 4 * 4, "deepseek2": 3 * 3, "llama": 0, "gpt-oss": 0, "glm4moe": 3 * 3}[arch]
     )  # dense, never a part
     assert served == {(int(m.group(1)), m.group(2)) for n in names if (m := EXPERT.match(n))}
     if arch == "gpt-oss":  # the expert bias rows stay dense: no part, and not inside any part's extent
