@@ -6,7 +6,8 @@ from the page cache), and the callback that, at every `ffn_moe_topk-<layer>`,
 reads the routed ids, releases the previous layer's grant, acquires this layer's
 distinct experts and makes them visible. When the look-ahead is on (prefetch or
 a trace recording predictions), the callback also stops at `ffn_norm-<layer>`
-and hands the normed hidden state to `moed.engines.lookahead`, which predicts
+(the router's input; gpt-oss's is `attn_post_norm-<layer>`, glm4moe's
+`post_attn_norm-<layer>`: `predictor.ROUTER_INPUTS`) and hands the normed hidden state to `moed.engines.lookahead`, which predicts
 later layers and, after this layer's acquire, prefetches them.
 
 Invariants (what must happen before what):
@@ -22,7 +23,8 @@ Invariants (what must happen before what):
   writes a tensor, so prefetch cannot change what llama.cpp computes.
 - Substitution (off unless a `Substituter` is given; moed.engines.substitute)
   rewrites the ids in place at the topk, reading the router's ranking and
-  probabilities through the topk's sources (both still live there), after the
+  probabilities through the topk's sources (both still live there; with
+  SOFTMAX_WEIGHT gating they are logits, and it is given their softmax), after the
   route hook and before the acquire, the observers and the look-ahead see them;
   off, nothing of it runs.
 - An exception in the callback is stored and the callback answers False, which
@@ -46,6 +48,7 @@ import numpy as np
 from moed.engines import ggml_tensor, vm
 from moed.engines.expert_pages import ExpertPages, PartSpan
 from moed.engines.lookahead import Lookahead, PredictHook
+from moed.engines.predictor import GATING_SOFTMAX, gate
 from moed.engines.skeleton import expert_ranges
 from moed.engines.sources import ExpertSource, Grant
 from moed.engines.substitute import Substituter
@@ -134,6 +137,9 @@ class ExpertStreamer:
         self.c_callback = ggml_tensor.EvalCallback(self._on_node)
         # The router's input node, `<prefix><layer>`: ffn_norm-, or the arch's own (set at install).
         self.norm_prefix = ggml_tensor.NORM_PREFIX
+        # SOFTMAX_WEIGHT gating (gpt-oss): `ffn_moe_probs-L` holds the logits, so the
+        # substituter is given their softmax, the probabilities its `r` compares.
+        self.probs_are_logits = False
 
     # ---- install ---------------------------------------------------------
 
@@ -159,11 +165,13 @@ class ExpertStreamer:
 
     def _install_lookahead(self, bases: list[int]) -> None:
         """Read the routers from the (now locked) dense pages; fold nothing until first use."""
-        from moed.engines.predictor import GatePredictor, load_routers, router_input
+        from moed.engines.predictor import ARCH_GATING, GATING_SOFTMAX_WEIGHT, GatePredictor, load_routers, router_input
         from moed.gguf.header import read_split
 
         headers = read_split(self.mapped_files[0])
-        self.norm_prefix = router_input(str(headers[0].get("general.architecture", ""))).prefix
+        arch = str(headers[0].get("general.architecture", ""))
+        self.norm_prefix = router_input(arch).prefix
+        self.probs_are_logits = ARCH_GATING.get(arch) == GATING_SOFTMAX_WEIGHT
         try:
             routers, gating = load_routers(headers, bases, self.source.moe_layers)
             predictor = GatePredictor(routers, self.source.moe_layers, gating)
@@ -271,6 +279,8 @@ class ExpertStreamer:
             self.route_hook(layer, ggml_tensor.topk_view(tensor))
         if self.substituter is not None:
             ranked, probs = ggml_tensor.router_arrays(tensor)
+            if self.probs_are_logits:
+                probs = gate(probs, GATING_SOFTMAX)  # same ratios as exp(logit) differences: what r means
             self.substituter.rewrite(layer, ggml_tensor.topk_view(tensor), ranked, probs, self.source.resident)
         ids = ggml_tensor.topk_ids(tensor)
         for observer in self.observers:

@@ -18,11 +18,17 @@ pytest.importorskip("llama_cpp")  # e2e needs the real llama.cpp (pyproject extr
 # layers evict each other and most choices are missing when routed.
 MODEL = dict(experts=32, used=4)
 BUDGET = "768KiB"
+GPT_OSS_BUDGET = "384KiB"  # its MXFP4 parts are one page each: 12 KiB slots, 32 of them
 
 
 @pytest.fixture(scope="module")
 def subst_model(model_factory):
     return model_factory(**MODEL)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_subst_model(model_factory):
+    return model_factory(arch="gpt-oss", **MODEL)  # SOFTMAX_WEIGHT: ffn_moe_probs holds logits
 
 
 def streamed(daemon, path, **kw):
@@ -52,14 +58,18 @@ class Replay:
     At each `ffn_moe_topk-L` it checks the rewrite against the router's own arrays
     (the missing id is the one there, the stand-in is among the next k, its
     probability passes r), writes it, and at `ffn_moe_weights-L` checks that the
-    gathered weight of every slot is the probability of the id now in it.
+    gathered weight of every slot is the probability of the id now in it. With
+    `softmax_weight` (gpt-oss) the arrays hold logits: r is checked on their softmax,
+    and the gathered weights are the chosen ids' logits (llama.cpp's softmax over
+    those k comes after, in `ffn_moe_weights_softmax-L`).
     """
 
-    def __init__(self, rewrites, r: float, k: int):
+    def __init__(self, rewrites, r: float, k: int, softmax_weight: bool = False):
         import llama_cpp
 
         self.rewrites = list(rewrites)
         self.r, self.k = r, k
+        self.softmax_weight = softmax_weight
         self.fn = llama_cpp.ggml_backend_sched_eval_callback(self._cb)
         self.c_callback = self
         self.errors: list[str] = []
@@ -93,8 +103,11 @@ class Replay:
         from moed.engines import ggml_tensor
 
         rec = self.rewrites.pop(0)
+        from moed.engines.predictor import GATING_SOFTMAX, gate
+
         ids = ggml_tensor.topk_view(tensor)
-        ranked, probs = ggml_tensor.router_arrays(tensor)
+        ranked, raw = ggml_tensor.router_arrays(tensor)
+        probs = gate(raw, GATING_SOFTMAX) if self.softmax_weight else raw
         assert rec.layer == layer and rec.n_tokens == ids.shape[0], "the two runs route different graphs"
         for s in rec.swaps:
             assert ids[s.token, s.slot] == s.missing
@@ -104,15 +117,15 @@ class Replay:
             ids[s.token, s.slot] = s.standin
         for row in ids:
             assert len(set(row.tolist())) == len(row), f"an expert twice in one token: {row}"
-        self.pending = (layer, ids.copy(), probs.copy())
+        self.pending = (layer, ids.copy(), raw.copy())
 
     def _weights(self, layer, tensor) -> None:
         from moed.engines import ggml_tensor
 
         assert self.pending is not None and self.pending[0] == layer
-        _, ids, probs = self.pending
+        _, ids, raw = self.pending
         w = ggml_tensor.matrix(tensor)  # (n_tokens, k)
-        want = probs[np.arange(ids.shape[0])[:, None], ids]
+        want = raw[np.arange(ids.shape[0])[:, None], ids]
         assert w.shape == want.shape
         assert (w.view(np.uint32) == want.view(np.uint32)).all(), "a weight is not its expert's probability"
         self.weights_checked += w.size
@@ -135,14 +148,22 @@ def test_r_above_one_never_substitutes_and_is_bit_exact(start_daemon, reference_
     assert st["subst_substitutions"] == 0 and st["subst_reads_avoided"] == 0 and st["subst_weight_share"] == 0
 
 
-@pytest.mark.parametrize("rule", ["plain", "cooc"])
-def test_substitutes_are_resident_next_k_and_a_resident_replay_is_bit_exact(start_daemon, subst_model, rule):
+@pytest.mark.parametrize(
+    "model, budget, rule",
+    [
+        ("subst_model", BUDGET, "plain"),
+        ("subst_model", BUDGET, "cooc"),
+        ("gpt_oss_subst_model", GPT_OSS_BUDGET, "plain"),  # r on the softmax of the logits
+    ],
+)
+def test_substitutes_are_resident_next_k_and_a_resident_replay_is_bit_exact(request, start_daemon, model, budget, rule):
     from llama_cpp import Llama
 
     from moed.engines.llama_cpp import _constructing, _unpacked_internals
 
+    subst_model = request.getfixturevalue(model)
     r = 0.5
-    llm, client = streamed(start_daemon(BUDGET), subst_model, subst=r, subst_rule=rule)
+    llm, client = streamed(start_daemon(budget), subst_model, subst=r, subst_rule=rule)
     try:
         sub = llm.streamer.substituter
         sub.log = []
@@ -151,6 +172,7 @@ def test_substitutes_are_resident_next_k_and_a_resident_replay_is_bit_exact(star
         st = llm.stream_stats()
         assert llm.n_batch == LLAMA_KW["n_batch"]  # no batch lowering: one record per graph layer
         k = llm.streamer.source.n_expert_used
+        softmax_weight = llm.streamer.probs_are_logits
     finally:
         llm.close()
         client.close()
@@ -169,7 +191,8 @@ def test_substitutes_are_resident_next_k_and_a_resident_replay_is_bit_exact(star
             assert read[s.standin] and not read[s.missing]
             assert k <= s.rank < 2 * k
 
-    replay = Replay(log, r, k)
+    assert softmax_weight == (model == "gpt_oss_subst_model")
+    replay = Replay(log, r, k, softmax_weight)
     with _constructing(_unpacked_internals(replay)):  # type: ignore[arg-type]  # a callback with install()
         ref = Llama(model_path=str(subst_model), **LLAMA_KW)
     try:
