@@ -11,7 +11,8 @@ and 32 greedy steps:
 - the q4_k_m recipe after `align`: layers whose Q4_K parts are mapped and whose Q6_K
   part is copied, in two size classes;
 - two processes: engines of two architectures (one zero copy, one copy) stepping
-  at the same time on one daemon, for every adjacent pair of the sorted names.
+  at the same time on one daemon, for every adjacent pair of the sorted names; and
+  one zero-copy engine process per architecture, all at once.
 
 An architecture added to ARCHS joins every case here.
 """
@@ -42,6 +43,7 @@ COPY_BUDGET = "256KiB"  # tiny geometry: 3 parts of 4352 bytes (q8_0), 24 KiB sl
 ZERO_COPY_BUDGET = "2MiB"  # aligned geometry: 3 parts of 69632 bytes (17 pages), 204 KiB slots
 MIXED_BUDGET = "1MiB"  # q4_k_m at 256 x 256 after align: 2 x 36864 + 53760 bytes, ~128 KiB slots
 PAIR_BUDGET = "2560KiB"  # 8 aligned and 8 tiny slots at once, fewer than the two models' experts
+ALL_BUDGET = f"{len(ARCHS) * 10 * 204}KiB"  # 10 aligned slots an engine: room for every prompt batch at once
 ROUTED = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.weight$")
 
 
@@ -187,15 +189,10 @@ def finish(proc: subprocess.Popen, timeout_s: float = 120) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("first, second", PAIRS, ids=[f"{a}+{b}" for a, b in PAIRS])
-def test_two_architectures_from_two_processes_share_an_evicting_daemon(
-    start_daemon, reference_logits, model_factory, tmp_path, first, second
-):
-    """`first` zero copy and `second` copy, both loaded, then both stepping at once; each its own resident run."""
-    paths = [model_factory(**aligned(first)), model_factory(arch=second)]
+def run_at_once(daemon, paths, tmp_path, reference_logits) -> list[dict]:
+    """One engine process per model: all loaded, then all stepping at once; each its own resident run."""
     want = [reference_logits(p)[1] for p in paths]
-    daemon = start_daemon(PAIR_BUDGET)
-    outs = [tmp_path / f"{i}.npy" for i in range(2)]
+    outs = [tmp_path / f"{i}.npy" for i in range(len(paths))]
     procs = [spawn_engine(daemon.socket, p, o) for p, o in zip(paths, outs)]
     try:
         for proc in procs:
@@ -209,15 +206,45 @@ def test_two_architectures_from_two_processes_share_an_evicting_daemon(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    assert runs[0]["started_s"] < runs[1]["ended_s"] and runs[1]["started_s"] < runs[0]["ended_s"], "not concurrent"
+    assert max(r["started_s"] for r in runs) < min(r["ended_s"] for r in runs), "the engines did not run at once"
     for run, out, expected in zip(runs, outs, want):
         assert run["n_batch"] == LLAMA_KW["n_batch"] and run["decodes"] >= 33
         assert_bit_equal(np.load(out), expected)
-    assert runs[0]["pages_maps"] > 0 and runs[0]["pages_copies"] == 0
-    assert runs[1]["pages_copies"] > 0 and runs[1]["pages_maps"] == 0
+    return runs
+
+
+def assert_daemon_served_all_and_evicted(daemon, paths) -> None:
     with daemon.client("check") as c:
         stats = c.stats()
     rows = {row["path"]: row for row in stats["models"]}
     assert set(rows) == {str(p) for p in paths}
     assert all(row["misses"] > 0 and row["leases"] == 0 for row in rows.values())
     assert stats["evictions"] > 0 and stats["used_bytes"] <= stats["budget_bytes"]
+
+
+@pytest.mark.parametrize("first, second", PAIRS, ids=[f"{a}+{b}" for a, b in PAIRS])
+def test_two_architectures_from_two_processes_share_an_evicting_daemon(
+    start_daemon, reference_logits, model_factory, tmp_path, first, second
+):
+    """`first` zero copy and `second` copy (two size classes on one budget), stepping at once."""
+    paths = [model_factory(**aligned(first)), model_factory(arch=second)]
+    daemon = start_daemon(PAIR_BUDGET)
+    runs = run_at_once(daemon, paths, tmp_path, reference_logits)
+    assert runs[0]["pages_maps"] > 0 and runs[0]["pages_copies"] == 0
+    assert runs[1]["pages_copies"] > 0 and runs[1]["pages_maps"] == 0
+    assert_daemon_served_all_and_evicted(daemon, paths)
+
+
+def test_every_architecture_at_once_zero_copy_on_one_evicting_daemon(
+    start_daemon, reference_logits, model_factory, tmp_path
+):
+    """One zero-copy engine process per architecture; models of one size class take each other's slots."""
+    from moed.gguf.catalog import Catalog
+
+    paths = [model_factory(**aligned(arch)) for arch in ARCHS]
+    classes = [frozenset(Catalog.open(p).size_classes) for p in paths]
+    assert any(classes.count(c) > 1 for c in classes), "no two architectures share a size class"
+    daemon = start_daemon(ALL_BUDGET)
+    runs = run_at_once(daemon, paths, tmp_path, reference_logits)
+    assert all(r["pages_maps"] > 0 and r["pages_copies"] == 0 for r in runs)
+    assert_daemon_served_all_and_evicted(daemon, paths)
