@@ -4,8 +4,9 @@ python -m tests.e2e.worker SOCKET MODEL PROMPT N            -> prints JSON {"tex
 python -m tests.e2e.worker SOCKET MODEL PROMPT N --forever  -> prints "tok" per token, forever
 python -m tests.e2e.worker SOCKET MODEL PROMPT N --touch-expert -> reads an unserved expert (must die)
 python -m tests.e2e.worker SOCKET MODEL PROMPT N --touch-released -> strict mode: reads a released one (must die)
-python -m tests.e2e.worker SOCKET MODEL PROMPT N --logits OUT.npy -> loads, prints "ready", waits for a line on
-    stdin, then saves the prompt batch's and N greedy steps' logits (the e2e reference's settings) and prints JSON
+python -m tests.e2e.worker SOCKET MODEL PROMPT N --logits OUT.npy [--strict] -> loads, prints "ready", waits for a
+    line on stdin, then saves the prompt batch's and N greedy steps' logits (the e2e reference's settings) and prints
+    JSON; --strict: released experts fault again (a read of one kills the process)
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def main(argv: list[str]) -> int:
     socket, model, prompt, n = argv[:4]
     mode = argv[4] if len(argv) > 4 else ""
     if mode == "--logits":
-        return logits(socket, model, prompt, int(n), argv[5])
+        return logits(socket, model, prompt, int(n), argv[5], strict=argv[6:] == ["--strict"])
     client = Client(socket, "e2e-worker")
     llm = StreamedLlama(model, client=client, strict=(mode == "--touch-released"), **LLAMA_KW)
     if mode == "--touch-released":
@@ -65,7 +66,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def logits(socket: str, model: str, prompt: str, steps: int, out: str) -> int:
+def logits(socket: str, model: str, prompt: str, steps: int, out: str, strict: bool = False) -> int:
     """One engine of a test that starts several at once: ready, then go, then logits to `out`."""
     from tests.e2e.conftest import LLAMA_KW as REFERENCE_KW
     from tests.e2e.conftest import greedy_logits
@@ -74,14 +75,14 @@ def logits(socket: str, model: str, prompt: str, steps: int, out: str) -> int:
     # One thread: engines started together share a small box, and llama.cpp's spinning
     # threads slow each other down many times over. The logits do not depend on it
     # (the tests compare them bit for bit with a two-thread resident run).
-    llm = StreamedLlama(model, client=client, **{**REFERENCE_KW, "n_threads": 1})
+    llm = StreamedLlama(model, client=client, strict=strict, **{**REFERENCE_KW, "n_threads": 1})
     print("ready", flush=True)
     sys.stdin.readline()
     started_s = time.monotonic()  # CLOCK_MONOTONIC: comparable between processes on one box
     np.save(out, greedy_logits(llm, llm.tokenize(prompt.encode()), steps))
     ended_s = time.monotonic()
     s = llm.stream_stats()
-    keys = ("decodes", "layers", "pages_maps", "pages_copies")
+    keys = ("decodes", "layers", "pages_maps", "pages_copies", "pages_reprotects")
     print(json.dumps({"started_s": started_s, "ended_s": ended_s, "n_batch": llm.n_batch, **{k: s[k] for k in keys}}))
     llm.close()
     client.close()
