@@ -27,6 +27,10 @@ counts, part sets). Lookups raise UnknownLayer / UnknownExpert / BadRequest.
 Invariants:
 - Expert `e` of a part lives at `offset + e * bytes_per_expert`, `bytes_per_expert =
   n_bytes / n_expert`, entirely inside its shard (checked at open).
+- Parts are the routed `ffn_*_exps.weight` tensors only. Per-expert bias rows
+  (gpt-oss's `ffn_*_exps.bias`) are not parts: llama.cpp adds them from the whole
+  tensor (add_id), they are ~0.3% of the expert bytes and not page-sized, so they
+  stay dense and resident with every other non-expert tensor.
 - Only headers are read (see moed.gguf.header): opening is fast even for big models
   with big vocabularies, and no tensor data is touched.
 - `identity` is each shard's fstat identity on the descriptor its header was
