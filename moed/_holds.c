@@ -190,6 +190,43 @@ done:
     return out;
 }
 
+/* release(states, region, hold_indexes) -> bool: the client's release of a local lease.
+ * A fence (the lease's byte reads come before it), then every held slot's state must
+ * still name the hold's generation (its low 24 bits), READY or EVICTING (a claim
+ * that will find this hold and put the state back); then the holds are cleared.
+ * False: some slot got a new residency while held, which happens only once the
+ * daemon revoked the region and its grace ended, so the bytes read may not be the
+ * expert's. (A refill not yet published is not seen: this check is a net, not the
+ * protocol.) */
+static PyObject *release(PyObject *self, PyObject *args) {
+    PyObject *sobj, *robj, *holds; Words S, R;
+    if (!PyArg_ParseTuple(args, "OOO", &sobj, &robj, &holds) || !PyList_Check(holds)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "hold_indexes must be a list");
+        return NULL;
+    }
+    if (words_get(sobj, &S, 0) < 0) return NULL;
+    if (words_get(robj, &R, 1) < 0) { PyBuffer_Release(&S.view); return NULL; }
+    Py_ssize_t k = PyList_GET_SIZE(holds);
+    for (Py_ssize_t j = 0; j < k; j++) {  /* indexes first: nothing is cleared on a bad one */
+        Py_ssize_t h = PyLong_AsSsize_t(PyList_GET_ITEM(holds, j));
+        if (PyErr_Occurred() || !in_range(&R, h)) {
+            PyBuffer_Release(&S.view); PyBuffer_Release(&R.view); return NULL;
+        }
+    }
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    int ok = 1;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        Py_ssize_t h = PyLong_AsSsize_t(PyList_GET_ITEM(holds, j));
+        uint64_t word = __atomic_load_n(&R.words[h], __ATOMIC_RELAXED);  /* only we write it */
+        Py_ssize_t slot = (Py_ssize_t)((word >> 24) & 0xFFFFFF);
+        uint64_t st = slot < S.n ? __atomic_load_n(&S.words[slot], __ATOMIC_SEQ_CST) : 0;
+        if (((st & 3) != 1 && (st & 3) != 2) || ((st >> 2) & 0xFFFFFF) != (word & 0xFFFFFF)) ok = 0;
+        __atomic_store_n(&R.words[h], 0, __ATOMIC_RELEASE);
+    }
+    PyBuffer_Release(&S.view); PyBuffer_Release(&R.view);
+    return PyBool_FromLong(ok);
+}
+
 /* clear(region, hold_indexes): the client's release, no round trip */
 static PyObject *clear(PyObject *self, PyObject *args) {
     PyObject *robj, *holds; Words R;
@@ -215,6 +252,7 @@ static PyMethodDef methods[] = {
     {"count", count, METH_VARARGS, "nonzero words among [start, start+n)"},
     {"hit", hit, METH_VARARGS, "the client's hit: holds, fence, state check; slots or None"},
     {"clear", clear, METH_VARARGS, "clear hold words (release)"},
+    {"release", release, METH_VARARGS, "fence, check the held slots' states, clear the holds; False if one changed"},
     {NULL, NULL, 0, NULL},
 };
 

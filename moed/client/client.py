@@ -96,7 +96,7 @@ class Client:
             seg.close()
         self._segments.clear()
         self._states.clear()
-        if self._region is not None:  # the daemon stopped counting its holds when the socket closed
+        if self._region is not None:  # no more hits; unmapped once its open local leases are released
             self._region.close()
             self._region = None
 
@@ -324,7 +324,8 @@ class ModelHandle:
             region.give(holds)
             return None
         region.record(self.model_id, info.class_id, slots)
-        return Lease(self, layer, uniq, m.Granted(0, info.class_id, slots), (region, holds))
+        states = client._states[info.class_id]
+        return Lease(self, layer, uniq, m.Granted(0, info.class_id, slots), (region, holds, states))
 
     def resident(self, layer: int, experts) -> np.ndarray:
         """Which of `experts` of `layer` are resident now: a bool array read from the
@@ -362,7 +363,7 @@ class Lease:
         layer: int,
         experts: list[int],
         granted: m.Granted,
-        holds: tuple[local.HoldRegion, list[int]] | None = None,
+        holds: tuple[local.HoldRegion, list[int], local.ReadOnlyWords] | None = None,
     ):
         self.model = model
         self.layer = layer
@@ -372,7 +373,7 @@ class Lease:
         self.slots = dict(zip(experts, granted.slots))
         self._segment = model.segment(granted.class_id)
         self._live = True
-        self._holds = holds  # a local lease (no round trip): its region and hold words
+        self._holds = holds  # a local lease (no round trip): its region, hold words and the class's states
 
     @property
     def segment(self) -> Segment:
@@ -401,9 +402,14 @@ class Lease:
             return None
         self._live = False
         if self._holds is not None:
-            region, words = self._holds
-            if region is self.model.client._region:  # a closed connection's region counts no more
-                region.clear(words)
+            region, words, states = self._holds
+            # Cleared even when the connection is gone: a revoked region then ends early.
+            if not region.release(states, words):
+                raise errors.LeaseLost(
+                    f"layer {self.layer}: a slot of this local lease was refilled before its release "
+                    "(the daemon closed this connection and its holds outlived the grace); "
+                    "what was read from it may be wrong"
+                )
             return None
         return self.lease_id
 

@@ -72,6 +72,8 @@ class HoldRegion:
         self._lock = threading.Lock()
         self._head = 0
         self._counters: dict[int, int] = {}  # model id -> its counter word
+        self._closing = False  # the connection is gone: unmap once the last hold is let go
+        self._mapped = True
 
     def take(self, n: int) -> list[int] | None:
         with self._lock:
@@ -84,6 +86,9 @@ class HoldRegion:
     def give(self, indexes: list[int]) -> None:
         with self._lock:
             self._free += indexes
+            last = self._closing and len(self._free) == rz.HOLD_WORDS
+        if last:
+            self._unmap()
 
     def hit(
         self, table, row_base: int, experts: list[int], states, class_id: int, holds: list[int]
@@ -95,6 +100,14 @@ class HoldRegion:
         assert _holds is not None
         _holds.clear(self.map, holds)
         self.give(holds)
+
+    def release(self, states, holds: list[int]) -> bool:
+        """Let a local lease go: False if one of its slots got a new residency while held
+        (the daemon revoked this region and its grace ended: the bytes read may be wrong)."""
+        assert _holds is not None
+        ok = _holds.release(states.map, self.map, holds)
+        self.give(holds)
+        return ok
 
     def record(self, model_id: int, class_id: int, slots: list[int]) -> None:
         """Count the hit and leave its touches for the daemon's LRU."""
@@ -118,6 +131,19 @@ class HoldRegion:
         return word
 
     def close(self) -> None:
+        """The connection closed: no more hits. Unmapped once every local lease is released,
+        so a lease still open can clear its holds (a revoked region then ends early)."""
+        with self._lock:
+            self._closing = True
+            idle = len(self._free) == rz.HOLD_WORDS
+        if idle:
+            self._unmap()
+
+    def _unmap(self) -> None:
+        with self._lock:
+            if not self._mapped:
+                return
+            self._mapped = False
         del self.words
         try:
             self.map.close()

@@ -16,7 +16,7 @@ WRITE_HIGH_BYTES = 64 << 10  # replies buffered for a peer before the session st
 WRITE_LOW_BYTES = 16 << 10  # ... and resumes once the peer has read them down to this
 SEND_STALL_S = 30.0  # a peer that takes none of its open_model reply for this long is dropped
 LOCAL_HOLD_SHARE = 0.5  # of the budget one tenant may keep from eviction by local holds
-REVOKE_GRACE_S = 5.0  # holds of a connection the daemon closed keep counting this long at most
+REVOKE_GRACE_S = 30.0  # holds of a connection the daemon closed keep counting this long at most
 OPERATOR_RESERVE = 8  # connections beyond max_clients kept for operators (moectl on a full daemon)
 
 

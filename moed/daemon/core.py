@@ -766,29 +766,39 @@ class Daemon:
         end: at once if its peer left, once released (or the grace ends) if we closed it."""
         self.fold_local(counters=True, only=session)
         if revoke:
-            self.residency.revoke(session, time.monotonic())
+            cap = self.config.max_clients_per_tenant
+            self._warn_ended(self.residency.revoke(session, time.monotonic(), session.tenant, cap))
         else:
             self.residency.close_region(session)
         self.sweep_adopted()
 
     def sweep_revoked(self) -> None:
-        """Revoked regions that hold nothing (or outlived the grace) stop counting."""
-        for session, holds in self.residency.sweep_revoked(time.monotonic()):
-            log.warning(
-                "pid %d (uid %d) kept %d local holds %.0fs after the daemon closed its connection; "
-                "they no longer keep slots from eviction",
-                session.pid,
-                session.uid,
-                holds,
-                REVOKE_GRACE_S,
-            )
+        """Revoked regions that hold nothing live (or outlived the grace) stop counting;
+        what their engines recorded is counted first."""
+        for session in list(self.residency.revoked):
+            self.fold_local(counters=True, only=session)
+        self._warn_ended(self.residency.sweep_revoked(time.monotonic()))
+
+    @staticmethod
+    def _warn_ended(ended: list) -> None:
+        for session, holds in ended:
+            if holds:
+                log.warning(
+                    "pid %d (uid %d) kept %d local holds after the daemon closed its connection "
+                    "(past the %.0fs grace, or past its tenant's revoked regions); "
+                    "they no longer keep slots from eviction",
+                    session.pid,
+                    session.uid,
+                    holds,
+                    REVOKE_GRACE_S,
+                )
 
     def fold_local(self, counters: bool = False, only=None) -> None:
         """Fold what engines recorded in their regions: recency (touches) into the
         eviction order, so the shared LRU sees local hits; with `counters`, local hit
         counts into the stats."""
         res, store = self.residency, self.store
-        for session in [only] if only is not None else list(res.regions):
+        for session in [only] if only is not None else [*res.regions, *res.revoked]:
             for class_id, index in res.touches(session):
                 cls = store.classes.get(class_id)
                 slot = cls.slots.get(index) if cls is not None else None
@@ -840,16 +850,20 @@ class Daemon:
             for session in self.residency.holders(slot.class_id, slot.index, slot.generation):
                 by_tenant[session.tenant] = by_tenant.get(session.tenant, 0) + slot.slot_bytes
                 holders.setdefault(session.tenant, set()).add(session)
+            # A cut-off tenant's revoked holds still count against it: a new connection
+            # holding the same slots again is over the share too.
+            for tenant in self.residency.revoked_owners(slot.class_id, slot.index, slot.generation):
+                by_tenant[tenant] = by_tenant.get(tenant, 0) + slot.slot_bytes
         for tenant, held in by_tenant.items():
-            if held > cap and any(t is not tenant for t in self._waiting):
+            if held > cap and holders.get(tenant) and any(t is not tenant for t in self._waiting):
                 log.warning(
                     "uid %d holds %s locally, over its share %s of the budget: closing %d connection(s)",
                     tenant.uid,
                     format_size(held),
                     format_size(cap),
-                    len(holders[tenant]),
+                    len(holders.get(tenant, ())),
                 )
-                for session in holders[tenant]:
+                for session in holders.get(tenant, ()):  # only open ones: revoked ones run out their grace
                     session.transport.abort()
 
     def _check_files_changed(self) -> None:
@@ -872,9 +886,13 @@ class Daemon:
             await asyncio.sleep(period_s)
             n += 1
             try:
+                if self.residency.revoked:  # first, and on its own: a failure elsewhere must not keep them
+                    self.sweep_revoked()
+            except Exception:  # noqa: BLE001 - the next period tries again; never lose the loop
+                log.exception("revoked-region sweep failed")
+            try:
                 if self.residency.regions or self.residency.revoked or self.store.adopted:
                     self.fold_local(counters=n % 50 == 0)
-                    self.sweep_revoked()
                     self.sweep_adopted()
                     self._check_files_changed()
             except Exception:  # noqa: BLE001 - the next period tries again; never lose the loop

@@ -17,8 +17,9 @@ Invariants, kept here:
 - A region stops counting the moment its peer closes the connection
   (`close_region`: the peer is gone or done). One the daemon closes itself is
   revoked instead (`revoke`): it keeps counting until a count after its closed
-  store reads no holds, or REVOKE_GRACE_S pass (`sweep_revoked`). Slots the store
-  adopted for either are then released by the core's sweep.
+  store reads no hold of a published residency, or REVOKE_GRACE_S pass
+  (`sweep_revoked`); an owner keeps at most `max_per_owner` revoked regions.
+  Slots the store adopted for either are then released by the core's sweep.
 - Nothing a client writes in its region is trusted beyond "this word matches a
   live residency": touch and counter words are bounds-checked and clamped.
 """
@@ -30,6 +31,8 @@ import mmap
 import os
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from moed import _holds
 from moed.daemon.bounds import REVOKE_GRACE_S
@@ -67,18 +70,20 @@ class Region:
     ring_seen: int = 0
     counters_seen: dict = field(default_factory=dict)  # model_id -> local hits already folded
     revoked_at: float | None = None  # monotonic time of the daemon's closed store
+    owner: Any = None  # whose (a tenant), for the bound on revoked regions
 
     def close(self) -> None:
         _unmap(self.map, self.fd)
 
 
 def _unmap(mapping: mmap.mmap, fd: int) -> None:
-    """Unmap and close; a view still exported keeps its pages, and they go with it."""
+    """Unmap and close (fd -1: none); a view still exported keeps its pages, and they go with it."""
     try:
         mapping.close()
     except BufferError:
         pass
-    os.close(fd)
+    if fd >= 0:
+        os.close(fd)
 
 
 class Residency:
@@ -173,6 +178,11 @@ class Residency:
         regions = [*self.regions.values(), *self.revoked.values()]
         return any(_holds.find(r.map, rz.HOLD_BASE, rz.HOLD_WORDS, target) for r in regions)
 
+    def revoked_owners(self, class_id: int, index: int, generation: int) -> list:
+        """The owners of the revoked regions that hold this residency."""
+        target = rz.hold(class_id, index, generation)
+        return [r.owner for r in self.revoked.values() if _holds.find(r.map, rz.HOLD_BASE, rz.HOLD_WORDS, target)]
+
     def holders(self, class_id: int, index: int, generation: int) -> list:
         """The open sessions whose regions hold this residency (revoked ones are closed already)."""
         target = rz.hold(class_id, index, generation)
@@ -186,10 +196,10 @@ class Residency:
             raise errors.BadRequest("this connection has its hold region already (MapHolds is asked once)")
         fd = os.memfd_create("moed-holds", os.MFD_CLOEXEC)
         os.ftruncate(fd, rz.REGION_WORDS * 8)
-        region = Region(fd, mmap.mmap(fd, rz.REGION_WORDS * 8))
+        region = Region(-1, mmap.mmap(fd, rz.REGION_WORDS * 8))  # the map keeps its own descriptor
         _holds.store(region.map, rz.W_MAGIC, rz.MAGIC)
         self.regions[session] = region
-        return os.dup(fd)
+        return fd  # the client's; the caller closes it once sent
 
     def close_region(self, session) -> None:
         """The peer closed the connection: its holds stop counting at once."""
@@ -197,29 +207,55 @@ class Residency:
         if region is not None:
             region.close()
 
-    def revoke(self, session, now_s: float) -> None:
-        """The daemon closed the connection: no new hits; its holds count until released."""
+    def revoke(self, session, now_s: float, owner: Any = None, max_per_owner: int = 64) -> list:
+        """The daemon closed the connection: no new hits; its holds count until released.
+
+        An owner keeps at most `max_per_owner` revoked regions: past that its oldest
+        stops counting at once (only its own engines could notice). Returns the
+        sessions whose regions stopped counting with holds, as `sweep_revoked`."""
         region = self.regions.pop(session, None)
         if region is None:
-            return
+            return []
         _holds.store(region.map, rz.W_CLOSED, 1)  # seq_cst, then count's fence and loads
-        region.revoked_at = now_s
+        region.revoked_at, region.owner = now_s, owner
         self.revoked[session] = region
-        self.sweep_revoked(now_s)
+        mine = [s for s, r in self.revoked.items() if r.owner is owner]  # oldest first (dict order)
+        over = mine[: max(0, len(mine) - max_per_owner)]
+        return [(s, self._end_revoked(s)) for s in over] + self.sweep_revoked(now_s)
 
     def sweep_revoked(self, now_s: float) -> list:
-        """Stop counting the revoked regions that hold nothing or outlived the grace;
-        returns the sessions whose regions still held slots when the grace ended."""
+        """Stop counting the revoked regions that hold no live residency, or outlived the
+        grace; returns (session, holds) for those that still held when the grace ended."""
+        live = self._live_holds() if self.revoked else set()
         hung = []
         for session, region in list(self.revoked.items()):
-            holds = _holds.count(region.map, rz.HOLD_BASE, rz.HOLD_WORDS)
+            holds = self._holds_in(region, live)
             expired = region.revoked_at is not None and now_s - region.revoked_at >= REVOKE_GRACE_S
             if holds == 0 or expired:
                 if holds:
                     hung.append((session, holds))
-                del self.revoked[session]
-                region.close()
+                self._end_revoked(session)
         return hung
+
+    def _end_revoked(self, session) -> int:
+        region = self.revoked.pop(session)
+        holds = _holds.count(region.map, rz.HOLD_BASE, rz.HOLD_WORDS)
+        region.close()
+        return holds
+
+    def _live_holds(self) -> set[int]:
+        """The hold word of every published residency: only these can protect a read (a hit
+        needs READY(g), and a claim of a held READY slot is refused, so it stays published)."""
+        return {rz.hold(slot.class_id, slot.index, g) for slot, (_, _, g) in self._published.items()}
+
+    @staticmethod
+    def _holds_in(region: Region, live: set[int]) -> int:
+        """Hold words of `region` naming a live residency. `count` fences and loads every word
+        first (after the closed store: the revoke's side); zero is then final."""
+        if _holds.count(region.map, rz.HOLD_BASE, rz.HOLD_WORDS) == 0:
+            return 0
+        words = np.frombuffer(region.map, dtype=np.uint64, count=rz.HOLD_WORDS, offset=rz.HOLD_BASE * 8)
+        return sum(1 for w in words[words != 0].tolist() if w in live)
 
     def holds_of(self, session) -> int:
         region = self.regions.get(session)
@@ -227,9 +263,12 @@ class Residency:
 
     # ---- folding what clients recorded -----------------------------------------
 
+    def _region(self, session) -> Region | None:
+        return self.regions.get(session) or self.revoked.get(session)
+
     def touches(self, session) -> list[tuple[int, int]]:
         """(class id, slot) of the local hits `session` recorded since the last call."""
-        region = self.regions.get(session)
+        region = self._region(session)
         if region is None:
             return []
         head = _holds.load(region.map, rz.W_RING_HEAD)
@@ -246,7 +285,7 @@ class Residency:
 
     def local_hits(self, session) -> dict[int, int]:
         """model id -> local hits `session` recorded since the last call (clamped)."""
-        region = self.regions.get(session)
+        region = self._region(session)
         if region is None:
             return {}
         out = {}

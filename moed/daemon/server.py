@@ -89,7 +89,7 @@ class Session(asyncio.Protocol):
         self.queued_bytes = 0
         self.busy = False
         self.closed = False
-        self.peer_closed = False  # the peer ended the connection (EOF or reset), not the daemon
+        self.peer_closed = False  # the peer ended the connection (EOF, reset, broken protocol), not the daemon
         self.hello = False
         self.leases: dict[int, Lease] = {}
         self.models: set[int] = set()
@@ -187,7 +187,8 @@ class Session(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.closed = True
-        self.peer_closed = self.peer_closed or exc is not None
+        # A reset or a broken pipe is the peer leaving; any other exception is ours.
+        self.peer_closed = self.peer_closed or isinstance(exc, OSError)
         self.tenant.connections -= 1
         if self._deadline is not None:
             self._deadline.cancel()
@@ -314,6 +315,7 @@ class Session(asyncio.Protocol):
         self.daemon.counters.bad_frames += 1
         self._send(m.Error(int(exc.code), str(exc)))
         if self.frames.broken:
+            self.peer_closed = True  # the peer broke the protocol: it left, as far as its holds go
             self.transport.close()
 
     def _reply_error(self, msg, exc: errors.MoedError) -> None:
@@ -323,6 +325,7 @@ class Session(asyncio.Protocol):
         else:
             log.info("%s from pid %d failed (no reply wanted): %s", type(msg).__name__, self.pid, exc)
         if isinstance(exc, (errors.NotHello, errors.VersionMismatch)):
+            self.peer_closed = True  # as a broken frame: nothing of the peer's is revoked, just dropped
             self.transport.close()
 
     def _send(self, reply) -> None:

@@ -32,6 +32,7 @@ class ErrorCode(enum.IntEnum):
     TOO_MANY_CLIENTS = 19  # max_clients connections are open already
     TOO_BUSY = 20  # this tenant already has the most requests of a kind in flight
     TIMED_OUT = 21  # the connection sent no Hello (or nothing) for too long; it is closed
+    LEASE_LOST = 22  # client side only: a local lease's slot changed before its release
 
 
 class MoedError(Exception):
@@ -168,6 +169,13 @@ class TimedOut(MoedError):
     """The connection sent no Hello, or nothing at all, for too long; the daemon closed it."""
 
     code = ErrorCode.TIMED_OUT
+
+
+class LeaseLost(MoedError):
+    """A local lease's slot was refilled before it was released (the daemon had closed the
+    connection and its holds outlived the grace): what was read from it may be wrong."""
+
+    code = ErrorCode.LEASE_LOST
 
 
 _BY_CODE: dict[int, type[MoedError]] = {cls.code: cls for cls in MoedError.__subclasses__()}

@@ -57,16 +57,22 @@ counting the region's holds at once; it revokes it, the same Dekker pattern:
 If the client's load of `closed` read 0, it came before the daemon's store, so
 its hold store came before the daemon's count, which sees it: the region keeps
 counting until the client releases. If it read 1, the client takes no hit. So
-once a count after the closed store reads zero, no hit holds anything and none
-ever will: the region can go. A client that keeps holds past the grace period
-(moed.daemon.bounds.REVOKE_GRACE_S) is taken to be hung; its region stops
-counting then, which only that client could notice, on bytes it should have
-released.
+once a count after the closed store reads no hold of a live (published)
+residency, no hit holds anything and none ever will: the region can go (a word
+naming nothing published protects no read: a hit needs READY(g), and a claim of
+a held READY slot is refused, so it stays published). A client that keeps holds
+past the grace period (moed.daemon.bounds.REVOKE_GRACE_S) is taken to be hung;
+its region stops counting then, which only that client could notice, on bytes it
+should have released; its release then checks the held slots' states (after a
+fence) and raises LeaseLost if one got a new residency. A peer that breaks the
+protocol (a bad frame stream, no Hello) is treated as one that left: dropped.
 
 What a hostile client can do with its own region: write any words there. A
 hold word that matches a live residency keeps that slot from eviction (bounded
 by the region's HOLD_WORDS, charged to its tenant, gone when its connection
-closes); a word that matches nothing only costs the daemon a comparison.
+closes or, if the daemon closed it, when revoked as above: a tenant keeps at most
+max_clients_per_tenant revoked regions, and its revoked holds still count against
+its LOCAL_HOLD_SHARE); a word that matches nothing only costs the daemon a comparison.
 Touches and counters are bounds-checked and clamped by the daemon. It can never
 write the table, the states or another client's region, so it can never make
 another engine read wrong bytes.

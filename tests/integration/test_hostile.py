@@ -17,9 +17,11 @@ import time
 import msgspec
 import pytest
 
+from moed.client import local
 from moed.gguf.catalog import Catalog
 from moed.protocol import errors
 from moed.protocol import messages as m
+from moed.protocol import residency as rz
 from moed.protocol.framing import HEADER, FrameReader, encode, reply_decoder
 from moed.spawn import DaemonProcess
 from moed.testing import wait_for
@@ -220,6 +222,37 @@ def test_one_tenant_cannot_take_every_connection(hostile_daemon, tiny_model):
     wait_for(lambda: _can_connect(d), 5, what="a freed per-tenant slot")
     for c in held:
         c.close()
+    stops_in_grace(d)
+
+
+@pytest.mark.skipif(not local.enabled(), reason="moed._holds not built or MOED_LOCAL_HITS=0")
+def test_breaking_the_protocol_with_a_hold_region_leaves_nothing_behind(hostile_daemon, tiny_model):
+    """A peer that holds a slot locally (or writes junk into its region) and then sends
+    a broken frame has left: its region is dropped, not revoked, so looping on it piles
+    up nothing (no revoked regions, no descriptors) in the daemon."""
+    d = hostile_daemon()
+    fds_before = len(os.listdir(f"/proc/{d.proc.pid}/fd"))
+    kept = []
+    for i in range(100):
+        c = d.client("junk")
+        h = c.open_model(tiny_model)  # maps the region
+        with h.acquire(1, [2]):
+            pass
+        kept.append(h.acquire(1, [2]))  # a live local hold, never released before the break
+        assert kept[-1].local and c._region is not None
+        c._region.words[rz.HOLD_BASE + rz.HOLD_WORDS - 1 - i % 8] = 1  # and junk beside it
+        assert c._sock is not None
+        c._sock.sendall(HEADER.pack(0x7FFFFFFF))  # over the frame bound: the stream is broken
+        c._sock.settimeout(5)
+        while c._sock.recv(4096):  # the error reply, then the daemon's close
+            pass
+        c.close()
+    with d.client() as op:
+        wait_for(lambda: op.stats()["revoked_regions"] == 0, 5, what="no revoked regions")
+    assert len(os.listdir(f"/proc/{d.proc.pid}/fd")) < fds_before + 20
+    for lease in kept:
+        lease.release()  # the connections are gone; letting go still works here
+    well_behaved(d, tiny_model)
     stops_in_grace(d)
 
 

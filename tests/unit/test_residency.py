@@ -96,3 +96,47 @@ def test_a_revoked_region_counts_until_its_holds_clear_or_the_grace_ends():
     for r in regions:
         r.close()
     res.close()
+
+
+def test_a_revoked_region_holding_only_garbage_ends_at_once_and_an_owner_keeps_few():
+    import mmap
+    import os
+
+    res = Residency()
+    res.add_class(1, capacity=8)
+    res.add_model(7, layers=[0], n_experts=4)
+    slot = ready_slot(7, 0, 2)
+    res.publish(slot)
+    maps = []
+
+    def region_with(word: int):
+        session = object()
+        fd = res.open_region(session)
+        maps.append(mmap.mmap(fd, rz.REGION_WORDS * 8))
+        os.close(fd)
+        _holds.store(maps[-1], rz.HOLD_BASE + 7, word)
+        return session
+
+    junk = region_with(0xDEAD)  # names no published residency: protects no read
+    assert res.revoke(junk, 0.0, owner="t") == [] and res.revoked == {}
+    live = [region_with(rz.hold(1, 3, 5)) for _ in range(3)]
+    ended = [res.revoke(s, 0.0, owner="t", max_per_owner=2) for s in live]
+    assert ended[:2] == [[], []] and ended[2] == [(live[0], 1)]  # the oldest past the bound ends, noted
+    assert list(res.revoked) == live[1:]
+    for m in maps:
+        m.close()
+    res.close()
+
+
+def test_the_c_release_checks_the_held_generations():
+    import mmap
+
+    states, region = mmap.mmap(-1, 4096), mmap.mmap(-1, rz.REGION_WORDS * 8)
+    slot, g = 5, (1 << 30) + 9
+    _holds.store(states, slot, rz.state(g, rz.READY))
+    for state, ok in ((rz.READY, True), (rz.EVICTING, True), (rz.READY, False)):
+        gen = g if ok else g + 1  # a refill publishes a later generation
+        _holds.store(states, slot, rz.state(gen, state))
+        _holds.store(region, rz.HOLD_BASE, rz.hold(3, slot, g))
+        assert _holds.release(states, region, [rz.HOLD_BASE]) is ok
+        assert _holds.load(region, rz.HOLD_BASE) == 0  # cleared either way
