@@ -106,7 +106,9 @@ class Lookahead:
         record_width: int = 0,
         adapt: bool = True,
         predict_hook: PredictHook | None = None,
+        layers: list[int] | None = None,
     ):
+        """`layers`: the MoE layers the graph runs (default: all of the source's)."""
         if mode not in MODES:
             raise ValueError(f"prefetch must be one of {', '.join(MODES)}, not {mode!r}")
         self.predictor = predictor
@@ -120,7 +122,8 @@ class Lookahead:
         self.leads = LEADS[mode] if not record_width else (1, 2)
         if predictor is not None:
             predictor.prepare(self.leads)
-        self.layers: dict[int, LayerLook] = {layer: LayerLook() for layer in source.moe_layers}
+        self.moe_layers = list(layers) if layers is not None else list(source.moe_layers)
+        self.layers: dict[int, LayerLook] = {layer: LayerLook() for layer in self.moe_layers}
         self.cache = CacheEstimate(source.capacity, getattr(source, "size_class", source.capacity))
         self.skipped_resident = 0  # predicted experts not sent: the estimate says the daemon has them
         self.predict_s = 0.0  # in observe: the predictor's matmul, top-k, prefetch set
@@ -135,7 +138,7 @@ class Lookahead:
         self._pred: dict[int, dict[int, np.ndarray]] = {}  # target -> lead -> (rows, width) ids
         self._outbox: list[tuple[int, np.ndarray]] = []  # (target, experts) to send after this acquire
         self._pending: dict[int, np.ndarray] = {}  # target -> bool mask of experts issued
-        self._last_layer = source.moe_layers[-1]
+        self._last_layer = self.moe_layers[-1]
         self._rows_now = 0  # rows of the last ffn_norm seen (the graph's tokens)
         self._out_rows: int | None = None  # rows the last layer kept, when fewer than the graph's
 

@@ -79,6 +79,18 @@ def router_input(arch: str) -> RouterInput:
     return ROUTER_INPUTS.get(arch, FFN_NORM)
 
 
+def graph_moe_layers(header, moe_layers) -> list[int]:
+    """The MoE layers llama.cpp's graph runs: all but the last `nextn_predict_layers`
+    blocks (GLM-4.5's and DeepSeek-V3's multi-token-prediction layers, which the
+    file carries with their experts and the graph never reaches)."""
+    arch = str(header.get("general.architecture", ""))
+    blocks = header.get(f"{arch}.block_count")
+    nextn = int(header.get(f"{arch}.nextn_predict_layers", 0) or 0)
+    if blocks is None or nextn <= 0:
+        return list(moe_layers)
+    return [layer for layer in moe_layers if layer < int(blocks) - nextn]
+
+
 @dataclass(frozen=True)
 class Router:
     """One MoE layer's routing weights, float32: W (n_experts, n_embd), norm (n_embd,), the

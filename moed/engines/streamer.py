@@ -165,16 +165,24 @@ class ExpertStreamer:
 
     def _install_lookahead(self, bases: list[int]) -> None:
         """Read the routers from the (now locked) dense pages; fold nothing until first use."""
-        from moed.engines.predictor import ARCH_GATING, GATING_SOFTMAX_WEIGHT, GatePredictor, load_routers, router_input
+        from moed.engines.predictor import (
+            ARCH_GATING,
+            GATING_SOFTMAX_WEIGHT,
+            GatePredictor,
+            graph_moe_layers,
+            load_routers,
+            router_input,
+        )
         from moed.gguf.header import read_split
 
         headers = read_split(self.mapped_files[0])
         arch = str(headers[0].get("general.architecture", ""))
         self.norm_prefix = router_input(arch).prefix
         self.probs_are_logits = ARCH_GATING.get(arch) == GATING_SOFTMAX_WEIGHT
+        layers = graph_moe_layers(headers[0], self.source.moe_layers)  # no prefetch into MTP layers
         try:
-            routers, gating = load_routers(headers, bases, self.source.moe_layers)
-            predictor = GatePredictor(routers, self.source.moe_layers, gating)
+            routers, gating = load_routers(headers, bases, layers)
+            predictor = GatePredictor(routers, layers, gating)
         except (ValueError, KeyError, NotImplementedError) as exc:
             if self.prefetch != "off":
                 raise
@@ -187,6 +195,7 @@ class ExpertStreamer:
             self.prefetch_width,
             adapt=self.prefetch_adapt,
             predict_hook=self.predict_hook,
+            layers=layers,
         )
 
     def record_predictions(self, observer: AheadObserver, width: int) -> None:

@@ -315,3 +315,14 @@ def test_the_last_layer_of_a_batch_is_prefetched_for_its_output_rows_once_seen()
     assert 0 < len(second[0]) <= 2  # then only the output row's top 2
     t = la.totals()
     assert counts_add_up(t)
+
+
+def test_multi_token_prediction_layers_are_not_graph_layers():
+    """GLM-4.5 / DeepSeek-V3 files carry nextn_predict_layers MTP blocks (experts
+    included) that llama.cpp's graph never runs: nothing is predicted or prefetched for them."""
+    from moed.engines.predictor import graph_moe_layers
+
+    glm = {"general.architecture": "glm4moe", "glm4moe.block_count": 47, "glm4moe.nextn_predict_layers": 1}
+    assert graph_moe_layers(glm, range(1, 47)) == list(range(1, 46))
+    assert graph_moe_layers({**glm, "glm4moe.nextn_predict_layers": 0}, range(1, 47)) == list(range(1, 47))
+    assert graph_moe_layers({"general.architecture": "qwen3moe"}, [0, 1, 2]) == [0, 1, 2]
