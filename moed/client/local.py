@@ -96,11 +96,6 @@ class HoldRegion:
         assert _holds is not None
         return _holds.hit(table.map, row_base, experts, states.map, self.map, holds, class_id)
 
-    def clear(self, holds: list[int]) -> None:
-        assert _holds is not None
-        _holds.clear(self.map, holds)
-        self.give(holds)
-
     def release(self, states, holds: list[int]) -> bool:
         """Let a local lease go: False if one of its slots got a new residency while held
         (the daemon revoked this region and its grace ended: the bytes read may be wrong)."""

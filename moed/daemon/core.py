@@ -767,7 +767,8 @@ class Daemon:
         self.fold_local(counters=True, only=session)
         if revoke:
             cap = self.config.max_clients_per_tenant
-            self._warn_ended(self.residency.revoke(session, time.monotonic(), session.tenant, cap))
+            ended = self.residency.revoke(session, time.monotonic(), session.tenant, cap, self._fold_ending)
+            self._warn_ended(ended)
         else:
             self.residency.close_region(session)
         self.sweep_adopted()
@@ -775,23 +776,23 @@ class Daemon:
     def sweep_revoked(self) -> None:
         """Revoked regions that hold nothing live (or outlived the grace) stop counting;
         what their engines recorded is counted first."""
-        for session in list(self.residency.revoked):
-            self.fold_local(counters=True, only=session)
-        self._warn_ended(self.residency.sweep_revoked(time.monotonic()))
+        self._warn_ended(self.residency.sweep_revoked(time.monotonic(), self._fold_ending))
+
+    def _fold_ending(self, session) -> None:
+        self.fold_local(counters=True, only=session)
 
     @staticmethod
     def _warn_ended(ended: list) -> None:
         for session, holds in ended:
-            if holds:
-                log.warning(
-                    "pid %d (uid %d) kept %d local holds after the daemon closed its connection "
-                    "(past the %.0fs grace, or past its tenant's revoked regions); "
-                    "they no longer keep slots from eviction",
-                    session.pid,
-                    session.uid,
-                    holds,
-                    REVOKE_GRACE_S,
-                )
+            log.warning(
+                "pid %d (uid %d) kept %d local holds after the daemon closed its connection "
+                "(past the %.0fs grace, or past its tenant's revoked regions); "
+                "they no longer keep slots from eviction",
+                session.pid,
+                session.uid,
+                holds,
+                REVOKE_GRACE_S,
+            )
 
     def fold_local(self, counters: bool = False, only=None) -> None:
         """Fold what engines recorded in their regions: recency (touches) into the
@@ -861,9 +862,9 @@ class Daemon:
                     tenant.uid,
                     format_size(held),
                     format_size(cap),
-                    len(holders.get(tenant, ())),
+                    len(holders[tenant]),
                 )
-                for session in holders.get(tenant, ()):  # only open ones: revoked ones run out their grace
+                for session in holders[tenant]:  # only open ones: revoked ones run out their grace
                     session.transport.abort()
 
     def _check_files_changed(self) -> None:

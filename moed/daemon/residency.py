@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +85,10 @@ def _unmap(mapping: mmap.mmap, fd: int) -> None:
         pass
     if fd >= 0:
         os.close(fd)
+
+
+def _nothing(session) -> None:
+    pass
 
 
 class Residency:
@@ -207,12 +212,15 @@ class Residency:
         if region is not None:
             region.close()
 
-    def revoke(self, session, now_s: float, owner: Any = None, max_per_owner: int = 64) -> list:
+    def revoke(
+        self, session, now_s: float, owner: Any = None, max_per_owner: int = 64, before_end: Callable = _nothing
+    ) -> list:
         """The daemon closed the connection: no new hits; its holds count until released.
 
         An owner keeps at most `max_per_owner` revoked regions: past that its oldest
-        stops counting at once (only its own engines could notice). Returns the
-        sessions whose regions stopped counting with holds, as `sweep_revoked`."""
+        stops counting at once (only its own engines could notice). `before_end(session)`
+        runs before any revoked region is closed (to fold what it recorded). Returns
+        (session, live holds) for the regions that stopped counting while holding."""
         region = self.regions.pop(session, None)
         if region is None:
             return []
@@ -220,28 +228,32 @@ class Residency:
         region.revoked_at, region.owner = now_s, owner
         self.revoked[session] = region
         mine = [s for s, r in self.revoked.items() if r.owner is owner]  # oldest first (dict order)
-        over = mine[: max(0, len(mine) - max_per_owner)]
-        return [(s, self._end_revoked(s)) for s in over] + self.sweep_revoked(now_s)
+        over = set(mine[: max(0, len(mine) - max_per_owner)])
+        return self._sweep(lambda s, r: s in over, before_end) + self.sweep_revoked(now_s, before_end)
 
-    def sweep_revoked(self, now_s: float) -> list:
+    def sweep_revoked(self, now_s: float, before_end: Callable = _nothing) -> list:
         """Stop counting the revoked regions that hold no live residency, or outlived the
         grace; returns (session, holds) for those that still held when the grace ended."""
+
+        def expired(session, region: Region) -> bool:
+            return region.revoked_at is not None and now_s - region.revoked_at >= REVOKE_GRACE_S
+
+        return self._sweep(expired, before_end, idle_too=True)
+
+    def _sweep(self, ends: Callable, before_end: Callable, idle_too: bool = False) -> list:
+        """End the revoked regions `ends(session, region)` names (and, `idle_too`, those
+        holding no live residency); (session, live holds) of those ended holding."""
         live = self._live_holds() if self.revoked else set()
-        hung = []
+        ended = []
         for session, region in list(self.revoked.items()):
             holds = self._holds_in(region, live)
-            expired = region.revoked_at is not None and now_s - region.revoked_at >= REVOKE_GRACE_S
-            if holds == 0 or expired:
+            if ends(session, region) or (idle_too and holds == 0):
+                before_end(session)
+                del self.revoked[session]
+                region.close()
                 if holds:
-                    hung.append((session, holds))
-                self._end_revoked(session)
-        return hung
-
-    def _end_revoked(self, session) -> int:
-        region = self.revoked.pop(session)
-        holds = _holds.count(region.map, rz.HOLD_BASE, rz.HOLD_WORDS)
-        region.close()
-        return holds
+                    ended.append((session, holds))
+        return ended
 
     def _live_holds(self) -> set[int]:
         """The hold word of every published residency: only these can protect a read (a hit

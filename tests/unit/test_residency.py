@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import mmap
+import os
+
 from moed import _holds
 from moed.daemon.residency import Residency
 from moed.daemon.store import ExpertKey, Slot, SlotState
@@ -12,6 +15,24 @@ def ready_slot(model_id: int, layer: int, expert: int, index: int = 3, generatio
     slot = Slot(class_id=1, index=index, slot_bytes=4096)
     slot.key, slot.state, slot.generation = ExpertKey(model_id, layer, expert), SlotState.READY, generation
     return slot
+
+
+def one_published() -> tuple[Residency, Slot]:
+    """A residency with model 7's expert (0, 2) published in slot 3 at generation 5."""
+    res = Residency()
+    res.add_class(1, capacity=8)
+    res.add_model(7, layers=[0], n_experts=4)
+    slot = ready_slot(7, 0, 2)
+    res.publish(slot)
+    return res, slot
+
+
+def client_region(res: Residency, session) -> mmap.mmap:
+    """`session`'s hold region, mapped as its client maps it."""
+    fd = res.open_region(session)
+    region = mmap.mmap(fd, rz.REGION_WORDS * 8)
+    os.close(fd)
+    return region
 
 
 def test_publish_claim_unclaim_round_trip():
@@ -32,18 +53,9 @@ def test_publish_claim_unclaim_round_trip():
 
 
 def test_a_held_slot_is_refused_and_put_back():
-    res = Residency()
-    res.add_class(1, capacity=8)
-    res.add_model(7, layers=[0], n_experts=4)
-    slot = ready_slot(7, 0, 2)
-    res.publish(slot)
+    res, slot = one_published()
     session = object()
-    fd = res.open_region(session)
-    import mmap
-    import os
-
-    region = mmap.mmap(fd, rz.REGION_WORDS * 8)
-    os.close(fd)
+    region = client_region(res, session)
     _holds.store(region, rz.HOLD_BASE + 10, rz.hold(1, 3, 5))
     assert not res.claim(slot) and res.claims_refused == 1
     assert _holds.load(res.states[1].map, 3) == rz.state(5, rz.READY)
@@ -66,23 +78,13 @@ def test_a_read_finishing_after_its_model_retired_is_not_published():
 
 
 def test_a_revoked_region_counts_until_its_holds_clear_or_the_grace_ends():
-    import mmap
-    import os
-
     from moed.daemon.bounds import REVOKE_GRACE_S
 
-    res = Residency()
-    res.add_class(1, capacity=8)
-    res.add_model(7, layers=[0], n_experts=4)
-    slot = ready_slot(7, 0, 2)
-    res.publish(slot)
+    res, slot = one_published()
     sessions = [object(), object()]
-    regions = []
-    for s in sessions:
-        fd = res.open_region(s)
-        regions.append(mmap.mmap(fd, rz.REGION_WORDS * 8))
-        os.close(fd)
-        _holds.store(regions[-1], rz.HOLD_BASE, rz.hold(1, 3, 5))
+    regions = [client_region(res, s) for s in sessions]
+    for region in regions:
+        _holds.store(region, rz.HOLD_BASE, rz.hold(1, 3, 5))
     res.revoke(sessions[0], now_s=100.0)
     res.revoke(sessions[1], now_s=100.0)
     assert _holds.load(regions[0], rz.W_CLOSED) == 1 and set(res.revoked) == set(sessions)
@@ -99,21 +101,12 @@ def test_a_revoked_region_counts_until_its_holds_clear_or_the_grace_ends():
 
 
 def test_a_revoked_region_holding_only_garbage_ends_at_once_and_an_owner_keeps_few():
-    import mmap
-    import os
-
-    res = Residency()
-    res.add_class(1, capacity=8)
-    res.add_model(7, layers=[0], n_experts=4)
-    slot = ready_slot(7, 0, 2)
-    res.publish(slot)
+    res, _ = one_published()
     maps = []
 
     def region_with(word: int):
         session = object()
-        fd = res.open_region(session)
-        maps.append(mmap.mmap(fd, rz.REGION_WORDS * 8))
-        os.close(fd)
+        maps.append(client_region(res, session))
         _holds.store(maps[-1], rz.HOLD_BASE + 7, word)
         return session
 
@@ -129,8 +122,6 @@ def test_a_revoked_region_holding_only_garbage_ends_at_once_and_an_owner_keeps_f
 
 
 def test_the_c_release_checks_the_held_generations():
-    import mmap
-
     states, region = mmap.mmap(-1, 4096), mmap.mmap(-1, rz.REGION_WORDS * 8)
     slot, g = 5, (1 << 30) + 9
     _holds.store(states, slot, rz.state(g, rz.READY))
