@@ -79,6 +79,13 @@ def router_input(arch: str) -> RouterInput:
     return ROUTER_INPUTS.get(arch, FFN_NORM)
 
 
+def gating_of(header) -> int:
+    """The router's gating: fixed by the architecture's graph, else the file's
+    `expert_gating_func` (softmax when it names none)."""
+    arch = str(header.get("general.architecture", ""))
+    return ARCH_GATING.get(arch) or int(header.get(f"{arch}.expert_gating_func", GATING_SOFTMAX) or GATING_SOFTMAX)
+
+
 def graph_moe_layers(header, moe_layers) -> list[int]:
     """The MoE layers llama.cpp's graph runs: all but the last `nextn_predict_layers`
     blocks (GLM-4.5's and DeepSeek-V3's multi-token-prediction layers, which the
@@ -186,11 +193,8 @@ def load_routers(headers, bases: list[int], moe_layers: list[int]) -> tuple[dict
     for shard, h in enumerate(headers):
         for t in h.tensors:
             infos[t.name] = (shard, t)
-    arch = headers[0].get("general.architecture", "")
-    gating = ARCH_GATING.get(arch) or int(
-        headers[0].get(f"{arch}.expert_gating_func", GATING_SOFTMAX) or GATING_SOFTMAX
-    )
-    norm_name = router_input(arch).norm
+    gating = gating_of(headers[0])
+    norm_name = router_input(str(headers[0].get("general.architecture", ""))).norm
 
     def read(name: str) -> np.ndarray | None:
         if name not in infos:

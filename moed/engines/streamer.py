@@ -166,9 +166,9 @@ class ExpertStreamer:
     def _install_lookahead(self, bases: list[int]) -> None:
         """Read the routers from the (now locked) dense pages; fold nothing until first use."""
         from moed.engines.predictor import (
-            ARCH_GATING,
             GATING_SOFTMAX_WEIGHT,
             GatePredictor,
+            gating_of,
             graph_moe_layers,
             load_routers,
             router_input,
@@ -178,7 +178,7 @@ class ExpertStreamer:
         headers = read_split(self.mapped_files[0])
         arch = str(headers[0].get("general.architecture", ""))
         self.norm_prefix = router_input(arch).prefix
-        self.probs_are_logits = ARCH_GATING.get(arch) == GATING_SOFTMAX_WEIGHT
+        self.probs_are_logits = gating_of(headers[0]) == GATING_SOFTMAX_WEIGHT
         layers = graph_moe_layers(headers[0], self.source.moe_layers)  # no prefetch into MTP layers
         try:
             routers, gating = load_routers(headers, bases, layers)

@@ -196,7 +196,7 @@ def qwen3_30b_a3b(
         ("tokenizer.ggml.add_bos_token", False, V.BOOL, None),
         ("tokenizer.chat_template", _TEMPLATE, V.STRING, None),
     ]
-    tensors = [Tensor("token_embd.weight", (embd, vocab), Q.Q4_K)]
+    tensors = _place([("token_embd.weight", (embd, vocab))], layers, experts)
     for i in range(layers):
         p = f"blk.{i}."
         plan = [
@@ -214,7 +214,7 @@ def qwen3_30b_a3b(
             (p + "ffn_down_exps.weight", (ff, embd, experts)),
         ]
         tensors += _place(plan, layers, experts)
-    tensors += [Tensor("output_norm.weight", (embd,), Q.F32), Tensor("output.weight", (embd, vocab), Q.Q6_K)]
+    tensors += _place([("output_norm.weight", (embd,)), ("output.weight", (embd, vocab))], layers, experts)
     return _spec(a, kv, tensors, range(layers), experts, vocab)
 
 
@@ -275,7 +275,7 @@ def deepseek_v3(
         ("tokenizer.ggml.add_eos_token", False, V.BOOL, None),
         ("tokenizer.chat_template", _TEMPLATE, V.STRING, None),
     ]
-    tensors = [Tensor("token_embd.weight", (embd, vocab), Q.Q4_K)]
+    tensors = _place([("token_embd.weight", (embd, vocab))], layers, experts)
     for i in range(layers):
         p = f"blk.{i}."
         plan = [
@@ -308,7 +308,7 @@ def deepseek_v3(
                 (p + "ffn_down_shexp.weight", (moe_ff, embd)),
             ]
         tensors += _place(plan, layers, experts)
-    tensors += [Tensor("output_norm.weight", (embd,), Q.F32), Tensor("output.weight", (embd, vocab), Q.Q6_K)]
+    tensors += _place([("output_norm.weight", (embd,)), ("output.weight", (embd, vocab))], layers, experts)
     return _spec(a, kv, tensors, range(dense_lead, layers), experts, vocab)
 
 
