@@ -583,16 +583,17 @@ def _fill(spec: _Spec, rng: np.random.Generator, random_experts: bool = False) -
     def mat(*shape: int) -> np.ndarray:
         return rng.standard_normal(shape, dtype=np.float32) / np.float32(math.sqrt(shape[-1]))
 
+    def dense(values: np.ndarray) -> np.ndarray:  # F16, or the type a recipe gave it
+        return values.astype(np.float16) if spec.qtype is None else quantize(values, spec.qtype)
+
     if spec.kind == "embd":
-        embd = rng.standard_normal(spec.shape, dtype=np.float32)
-        return embd.astype(np.float16) if spec.qtype is None else quantize(embd, spec.qtype)
+        return dense(rng.standard_normal(spec.shape, dtype=np.float32))
     if spec.kind == "norm":
         return (1.0 + 0.1 * rng.standard_normal(spec.shape, dtype=np.float32)).astype(np.float32)
     if spec.kind == "bias":
         return 0.1 * rng.standard_normal(spec.shape, dtype=np.float32)
     if spec.kind == "f16":
-        dense = mat(*spec.shape)
-        return dense.astype(np.float16) if spec.qtype is None else quantize(dense, spec.qtype)
+        return dense(mat(*spec.shape))
     if spec.kind == "router":
         return 4.0 * mat(*spec.shape)  # a strong router spreads choices over all experts
     if spec.kind == "router_bias":  # a quarter of the logits' spread: it changes some choices, not all
