@@ -1,4 +1,9 @@
-"""moectl operator verbs: `set mem-floor`, `pin`, `unpin` (root or the daemon's uid only).
+"""moectl operator verbs: `set mem-floor`, `pin`, `unpin`, `clear-errors` (root or the daemon's uid only).
+
+`moectl clear-errors [MODEL]` ends the quarantine of experts whose reads failed
+(of one model, or of all), so the next acquire reads them from the drive again:
+after a drive was replaced or a file restored (docs/design.md, "When the drive
+misbehaves").
 
 `moectl pin MODEL` takes its hotness profile from one of: `--all`, `--from-stats`
 (the daemon's own decayed access counts), `--trace FILE` (a routing trace in any
@@ -41,6 +46,10 @@ def register(sub) -> None:
     src.add_argument("--all", action="store_true")
     src.add_argument("--experts", type=parse_experts)
     p.set_defaults(func=cmd_unpin)
+
+    p = sub.add_parser("clear-errors", help="read quarantined experts (failed reads) from the drive again")
+    p.add_argument("model", nargs="?", help="the model's GGUF path (default: every model)")
+    p.set_defaults(func=cmd_clear_errors)
 
 
 _PAIR = re.compile(r"^(\d+):(\d+)(?:-(\d+))?$")
@@ -108,6 +117,14 @@ def cmd_pin(args) -> int:
         f"pinned {r.pinned} experts ({r.skipped} skipped: pin budget full); "
         f"pinned partition {format_size(r.pinned_bytes)}"
     )
+    return 0
+
+
+def cmd_clear_errors(args) -> int:
+    with Client(args.socket, "moectl") as c:
+        model_id = c.open_model(args.model).model_id if args.model else 0
+        r = c.request(m.ClearReadErrors(model_id))
+    print(f"cleared {r.cleared} quarantined experts")
     return 0
 
 

@@ -65,6 +65,14 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     tenants: dict[str, TenantConfig] = {}
     metrics_listen: str = ""  # HOST:PORT of the Prometheus endpoint; "" (default): off
+    # When the drive misbehaves (docs/design.md): a failed chunk read is tried again
+    # read_retries times (backoff read_retry_backoff_s, x4 each time); then the expert
+    # is quarantined for read_quarantine_s (0: never) and its acquires fail at once.
+    read_retries: int = 2
+    read_retry_backoff_s: float = 0.01
+    read_quarantine_s: float = 30.0
+    read_stall_warn_s: float = 10.0  # a read running longer is logged and a spare reader started (0: off)
+    prefetch_backoff: bool = True  # no read-ahead while the drive is behind (latency or queue)
 
     def __post_init__(self):
         checks = [
@@ -90,6 +98,10 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             (self.open_timeout_s > 0, "open_timeout_s must be positive"),
             (self.max_models >= 1, "max_models must be at least 1"),
             (self.max_opens_per_tenant >= 1, "max_opens_per_tenant must be at least 1"),
+            (0 <= self.read_retries <= 10, "read_retries must be 0..10"),
+            (0 <= self.read_retry_backoff_s <= 1, "read_retry_backoff_s must be 0..1 (seconds)"),
+            (self.read_quarantine_s >= 0, "read_quarantine_s must not be negative (0: no quarantine)"),
+            (self.read_stall_warn_s >= 0, "read_stall_warn_s must not be negative (0: off)"),
             (self.socket_path != "", "socket_path must not be empty"),
             (
                 len(os.fsencode(self.socket_path)) <= MAX_SOCKET_PATH_BYTES,

@@ -1,4 +1,4 @@
-"""Operator requests: change the memory floor, pin and unpin experts, live.
+"""Operator requests: change the memory floor, pin and unpin experts, clear read errors, live.
 
 They change what every tenant gets, so only an operator may send them: a peer
 whose uid is root or the daemon's own uid (SO_PEERCRED, not anything the
@@ -49,12 +49,19 @@ def on_unpin(session, msg: m.Unpin):
     return m.Unpinned(n, session.daemon.store.pinned_bytes)
 
 
+def on_clear_read_errors(session, msg: m.ClearReadErrors):
+    require_operator(session)
+    model = session.model(msg.model_id) if msg.model_id else None
+    return m.ReadErrorsCleared(session.daemon.clear_read_errors(model))
+
+
 def handlers(session) -> dict:
     """The control handlers bound to one session, keyed by request type."""
     return {
         m.SetMemFloor: lambda msg: on_set_mem_floor(session, msg),
         m.Pin: lambda msg: on_pin(session, msg),
         m.Unpin: lambda msg: on_unpin(session, msg),
+        m.ClearReadErrors: lambda msg: on_clear_read_errors(session, msg),
     }
 
 

@@ -17,8 +17,14 @@ touching a held one, and its read queues behind every demand read. A demand
 acquire of a key being prefetched joins that read and promotes it. A queued
 prefetch whose read has not started is dropped (its slot goes back, counted as
 wasted) when it is no longer wanted: the same source prefetches the same
-(model, layer) again without it, the source's connection closes, or a demand
-acquire finds no room while unreferenced prefetches hold the budget.
+(model, layer) again without it, the source's connection closes, a demand
+acquire finds no room while unreferenced prefetches hold the budget, or the
+drive is behind (then no new prefetch is issued either: `faults.DriveFaults`).
+
+A failed read fails only the acquires waiting on that expert: the slot goes
+back to the free list before they learn of it, the expert is quarantined
+(`faults.DriveFaults`), and an acquire's wait for reads ends at its deadline
+(`ReadTimeout`) while the read itself runs on and frees or fills the slot.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from moed.protocol.sizes import format_size
 from .access import Peer, check_open_files, check_readable, check_roots, world_readable
 from .bounds import LOCAL_HOLD_SHARE, REVOKE_GRACE_S
 from .config import Config, resolve_tenants
+from .faults import DriveFaults
 from .heat import Heat
 from .memguard import MemGuard
 from .models import LayerPlan, Model, file_identity, model_info, open_catalog
@@ -133,7 +140,10 @@ class Daemon:
         self.store.unclaim = self.residency.unclaim
         self._maintain_task: asyncio.Task | None = None
         self.ramtier = RamTier(config.ram_budget_bytes + config.pin_budget_bytes)
-        self.reader = ReaderPool(config.reader_threads, config.chunk_bytes)
+        self.reader = ReaderPool(
+            config.reader_threads, config.chunk_bytes, config.read_retries, config.read_retry_backoff_s
+        )
+        self.faults = DriveFaults(config, self.reader)
         self.opener = Opener(config.max_opens_per_tenant, config.open_timeout_s)
         self.memguard = MemGuard(
             self.store, config.mem_floor_bytes, config.mem_sample_s, settle=self.settle, room_changed=self.room_changed
@@ -399,6 +409,7 @@ class Daemon:
         started_s = time.perf_counter()
         wants = self._wants(model, layer, experts)
         self.check_current(model)
+        self.faults.refuse_marked(wants)  # a quarantined expert fails at once, before any reference
         plan = self._plan(wants, tenant)
         if plan is not None and not plan.to_load and not plan.loading:
             lease = self._grant(model, layer, plan, tenant)
@@ -424,6 +435,8 @@ class Daemon:
                 self._start_read(slot, demand=True)
             for slot in plan.loading:
                 self.reader.promote(self._loading[slot].job)
+            if plan.to_load and self.faults.behind():
+                self._drop_queued_prefetches()
         return plan
 
     def _count(self, plan, tenant: Tenant) -> None:
@@ -477,13 +490,26 @@ class Daemon:
         plan = p.plan
         pending = [self._loading[s].done for s in plan.to_load + plan.loading if s in self._loading]
         if pending:
-            # shielded: this acquire's cancellation must not cancel a read others wait on
-            results = await asyncio.gather(*map(asyncio.shield, pending), return_exceptions=True)
+            results = await self._wait_reads(pending, p)
             failures = [r for r in results if isinstance(r, BaseException)]
             if failures:
                 raise failures[0] if isinstance(failures[0], errors.MoedError) else errors.ReadError(str(failures[0]))
         self.check_current(p.model)  # the file may have changed while this acquire waited
         return self._grant(p.model, p.layer, plan, p.tenant)
+
+    async def _wait_reads(self, pending: list, p: PendingAcquire) -> list:
+        """The reads' outcomes, or ReadTimeout at p's deadline (the reads run on: a stalled
+        read still ends in `_read_done`, which fills or frees its slot)."""
+        # shielded: this acquire's end must not cancel a read others wait on
+        gathered = asyncio.gather(*map(asyncio.shield, pending), return_exceptions=True)
+        try:
+            return await asyncio.wait_for(gathered, max(0.0, p.deadline - time.monotonic()))
+        except TimeoutError:
+            waited = time.perf_counter() - p.started_s
+            raise errors.ReadTimeout(
+                f"reads of {len(pending)} experts of layer {p.layer} (model {p.model.model_id}) did not "
+                f"finish within this acquire's {waited:.1f}s: the drive is slow or stalled"
+            ) from None
 
     def _no_room_message(self, n: int, layer: int) -> str:
         st = self.store
@@ -573,15 +599,16 @@ class Daemon:
             loading.done.set_result(None)
         else:
             self.counters.read_errors += 1
-            log.error("read of %s failed: %s", job.what, err)
             model = self.models.get(key.model_id)
-            self.store.failed(slot)
+            if model is not None:
+                model.read_errors += 1
+            failure = self.faults.failed(key, job.what, err, self.ramtier.segments[slot.class_id].part_names)
+            log.error("%s", failure)
+            self.store.failed(slot)  # back to the free list before any waiter hears of it
             self.settle()
             if isinstance(err, errors.ModelStale) and model is not None:
                 self.went_stale(model, str(err))
-            loading.done.set_exception(
-                err if isinstance(err, errors.MoedError) else errors.ReadError(f"reading {job.what} failed: {err}")
-            )
+            loading.done.set_exception(failure)
             loading.done.exception()  # mark retrieved: a prefetch has no awaiter
         self.room_changed()
 
@@ -612,9 +639,13 @@ class Daemon:
 
         `source` (the session) supersedes its own earlier prefetches of this layer.
         """
-        wants = self._wants(model, layer, experts)
+        wants = self.faults.unmarked(self._wants(model, layer, experts))
         self.check_current(model)
         mine = self._supersede(source, (model.model_id, layer), {w.key for w in wants})
+        if self.faults.behind():  # read-ahead would only deepen the drive's queue
+            self.faults.prefetch_dropped += sum(1 for w in wants if w.key not in self.store.table)
+            self._drop_queued_prefetches()
+            return 0
         queued = 0
         for want in wants:
             slot = self.store.prefetch(want, owner=tenant)
@@ -645,6 +676,19 @@ class Daemon:
             for slot, gen in entries:
                 if slot.generation == gen and slot.state == SlotState.LOADING:
                     self._cancel_prefetch(slot)
+
+    def _drop_queued_prefetches(self) -> None:
+        """The drive is behind: drop every prefetch whose read has not started (counted)."""
+        for job in self.reader.queued_prefetches():
+            slot = cast(Slot, job.tag)
+            if slot in self._loading and not slot.pinned and self._cancel_prefetch(slot):
+                self.faults.prefetch_dropped += 1
+
+    def clear_read_errors(self, model: Model | None = None) -> int:
+        """Operator: end the quarantine of one model's experts (or all); how many marks went."""
+        n = self.faults.quarantine.clear(model.model_id if model is not None else None)
+        log.info("cleared %d quarantined experts%s", n, f" of model {model.model_id}" if model else "")
+        return n
 
     def _cancel_newest_prefetch(self) -> bool:
         """Drop the newest queued, unreferenced prefetch; False if there is none."""
@@ -886,6 +930,11 @@ class Daemon:
         while True:
             await asyncio.sleep(period_s)
             n += 1
+            if n % 25 == 0:
+                try:
+                    self.faults.watch()  # reads that do not return (twice a second is plenty)
+                except Exception:  # noqa: BLE001 - the next period tries again; never lose the loop
+                    log.exception("read watch failed")
             try:
                 if self.residency.revoked:  # first, and on its own: a failure elsewhere must not keep them
                     self.sweep_revoked()

@@ -53,6 +53,7 @@ class Model:
     stale: bool = False
     domain: object = None  # None: shares segments by geometry; else its files' identity (private)
     leases: int = 0  # leases held on it now, by every connection (kept by core)
+    read_errors: int = 0  # reads of its experts that failed (after their retries)
 
     @property
     def direct_io(self) -> bool:
@@ -109,4 +110,5 @@ def model_info(model: Model, class_segments: Mapping[int, Segment]) -> ModelInfo
         parts=list(dict.fromkeys(p for L in layers for p in (x.part for x in L.parts))),
         layers=layers,
         segments=[class_segments[c].info() for c in used],
+        expert_layout=cat.expert_layout,
     )

@@ -9,9 +9,20 @@ A job (one expert's parts) is split into chunks of `chunk_bytes` so several
 reads are in flight per expert. Two queues: demand chunks always go before
 prefetch chunks, and a prefetch job is promoted when a demand read wants it.
 A chunk whose file range and length are 4096-aligned is read straight into
-the slot; any other goes through the thread's aligned bounce buffer. A short
-read or an OSError fails the job (never wrong bytes); `on_done(job, error)`
-is called exactly once per job, from a reader thread.
+the slot; any other goes through the thread's aligned bounce buffer.
+
+Failures (docs/design.md, "When the drive misbehaves"): a short read is read on
+from where it stopped, so what fails is what the kernel said (an O_DIRECT read
+over a bad block returns the bytes before it, and the next read gets the EIO);
+end of file is its own failure. A chunk that fails is read again up to
+`retries` times after `retry_backoff_s`, x4 each time, then fails its job with a
+`ReadFailure` naming the piece (part), file, offset and errno: never wrong bytes.
+`on_done(job, error)` is called exactly once per job, from a reader thread.
+
+The pool also reports how the drive does: every chunk's service time goes to
+`health` (moed.daemon.drivehealth), and `in_progress_jobs()` lists the reads running
+now with their age, so a read that never returns is seen (core warns, and
+`add_spare()` starts a thread in its place, at most `threads` in all).
 
 Files are opened with `open_regular` (non-blocking, regular files only, no
 symbolic link followed: the caller passes the resolved path) and remember the
@@ -27,6 +38,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -35,6 +47,7 @@ from moed.protocol.errors import BadModelFile
 from moed.protocol.layout import PAGE
 
 from . import libc
+from .drivehealth import DriveHealth
 
 log = logging.getLogger("moed.reader")
 
@@ -88,6 +101,27 @@ class ModelFile:
             self.fd = -1
 
 
+class ReadFailure(Exception):
+    """A chunk that could not be read, after its retries: where, and what the kernel said.
+
+    `errno` is the kernel's error (0 for end of file: the file is shorter than
+    the catalog says); `piece` indexes the job's pieces (core: the part).
+    """
+
+    def __init__(self, err: int, path: str, offset: int, length: int, piece: int, attempts: int = 1):
+        super().__init__(err, path, offset, length, piece, attempts)
+        self.errno, self.path, self.offset, self.length = err, path, offset, length
+        self.piece, self.attempts = piece, attempts
+
+    def __str__(self) -> str:
+        where = f"{self.length} bytes at offset {self.offset} of {self.path}"
+        if not self.errno:
+            return f"end of file reading {where} (the file is shorter than its header says)"
+        name = errno.errorcode.get(self.errno, "?")
+        tries = f", {self.attempts} attempts" if self.attempts > 1 else ""
+        return f"[Errno {self.errno}] {name} ({os.strerror(self.errno)}) reading {where}{tries}"
+
+
 @dataclass(eq=False)
 class ReadJob:
     """Read `pieces` [(file, file_offset, length, dest_addr)] then call `on_done(job, err)`."""
@@ -99,6 +133,7 @@ class ReadJob:
     what: str = "expert"  # names the expert in errors and logs
     digest: int = 0  # verify mode: xxh3 of the bytes read (set by the completion callback)
     bytes_total: int = 0
+    submitted_s: float = 0.0  # monotonic, at submit (how long its chunks have queued)
     _left: int = 0
     _error: BaseException | None = None
     _chunks: list = field(default_factory=list)
@@ -106,17 +141,30 @@ class ReadJob:
 
 
 class ReaderPool:
-    def __init__(self, threads: int = 8, chunk_bytes: int = 256 << 10):
+    def __init__(
+        self,
+        threads: int = 8,
+        chunk_bytes: int = 256 << 10,
+        retries: int = 2,
+        retry_backoff_s: float = 0.01,
+        health: DriveHealth | None = None,
+    ):
         if chunk_bytes % ALIGN:
             raise ValueError(f"chunk_bytes must be a multiple of {ALIGN}")
         self.chunk_bytes = chunk_bytes
+        self.retries, self.retry_backoff_s = retries, retry_backoff_s
+        self.health = health if health is not None else DriveHealth()
+        self.retried = 0  # chunk reads that failed and were tried again
         self._demand: collections.deque = collections.deque()
         self._prefetch: collections.deque = collections.deque()
         self._cv = threading.Condition()
         self._stop = False
+        # thread name -> (started_s, job, path, offset, length) of the read it runs now
+        self._active: dict[str, tuple] = {}
         self._threads = [
             threading.Thread(target=self._run, name=f"moed-reader-{i}", daemon=True) for i in range(threads)
         ]
+        self._base, self._spares = threads, 0
         for t in self._threads:
             t.start()
 
@@ -124,12 +172,13 @@ class ReaderPool:
 
     def submit(self, job: ReadJob) -> None:
         chunks = []
-        for f, off, length, dest in job.pieces:
+        for k, (f, off, length, dest) in enumerate(job.pieces):
             for pos in range(0, length, self.chunk_bytes):
                 n = min(self.chunk_bytes, length - pos)
-                chunks.append((job, f, off + pos, n, dest + pos))
+                chunks.append((job, k, f, off + pos, n, dest + pos))
         job._left = len(chunks)
         job.bytes_total = sum(p[2] for p in job.pieces)
+        job.submitted_s = time.monotonic()
         if not chunks:
             job.on_done(job, None)
             return
@@ -161,6 +210,32 @@ class ReaderPool:
             job.cancelled = True
         return True
 
+    def queued_prefetches(self) -> list[ReadJob]:
+        """Prefetch jobs with chunks still queued, newest first (candidates to drop)."""
+        with self._cv:
+            jobs = dict.fromkeys(c[0] for c in self._prefetch)
+        return list(reversed(jobs))
+
+    def oldest_demand_wait_s(self, now: float) -> float:
+        """How long the oldest queued demand chunk has waited for a reader (0: none queued)."""
+        with self._cv:
+            return now - self._demand[0][0].submitted_s if self._demand else 0.0
+
+    def in_progress_jobs(self, now: float) -> list[tuple[float, ReadJob, str, int, int]]:
+        """The reads running now: (age_s, job, path, offset, length), oldest first."""
+        rows = [(now - t0, job, path, off, n) for t0, job, path, off, n in list(self._active.values())]
+        return sorted(rows, key=lambda row: -row[0])
+
+    def add_spare(self) -> bool:
+        """Start one more reader in place of one stuck in a read (at most `threads` spares)."""
+        if self._spares >= self._base or self._stop:
+            return False
+        self._spares += 1
+        t = threading.Thread(target=self._run, name=f"moed-reader-spare-{self._spares}", daemon=True)
+        self._threads.append(t)
+        t.start()
+        return True
+
     def close(self) -> None:
         with self._cv:
             self._stop = True
@@ -180,29 +255,47 @@ class ReaderPool:
 
     def _run(self) -> None:
         bounce = mmap.mmap(-1, self.chunk_bytes + 2 * ALIGN)
+        me = threading.current_thread().name
         while (chunk := self._next()) is not None:
-            job, f, off, n, dest = chunk
+            job, k, f, off, n, dest = chunk
             err = None
             if job._error is None:
+                self._active[me] = (time.monotonic(), job, f.path, off, n)
                 try:
-                    self._read(f, off, n, dest, bounce)
+                    self._read_retrying(k, f, off, n, dest, bounce)
                 except BaseException as exc:  # noqa: BLE001 - any failure fails the job, not the thread
                     err = exc
+                finally:
+                    del self._active[me]
             self._finish(job, err)
         bounce.close()
 
+    def _read_retrying(self, k: int, f: ModelFile, off: int, n: int, dest: int, bounce: mmap.mmap) -> None:
+        """Read one chunk; a failing read is tried again `retries` times, end of file never."""
+        for attempt in range(1, self.retries + 2):
+            t0 = time.perf_counter()
+            try:
+                self._read(f, off, n, dest, bounce)
+            except OSError as exc:
+                err = exc.errno or errno.EIO
+            else:
+                self.health.observe(time.perf_counter() - t0, n)
+                return
+            if err == _EOF or attempt > self.retries:
+                raise ReadFailure(0 if err == _EOF else err, f.path, off, n, k, attempt) from None
+            self.retried += 1
+            # Short: a transient fault (a path failover, a bus reset) is often over in
+            # milliseconds, and a bad sector fails every retry the same way anyway.
+            time.sleep(self.retry_backoff_s * 4 ** (attempt - 1))
+
     def _read(self, f: ModelFile, off: int, n: int, dest: int, bounce: mmap.mmap) -> None:
         if not f.direct or (off % ALIGN == 0 and n % ALIGN == 0 and dest % ALIGN == 0):
-            got = os.preadv(f.fd, [libc.buffer_at(dest, n)], off)
-            if got != n:
-                raise OSError(errno.EIO, f"short read of {f.path} at {off}: {got} of {n} bytes (file truncated?)")
+            _fill(f.fd, libc.buffer_at(dest, n), off, n)
             return
         start = off - off % ALIGN
         end = -(-(off + n) // ALIGN) * ALIGN
         view = memoryview(bounce)[: end - start]
-        got = os.preadv(f.fd, [view], start)
-        if got < off + n - start:
-            raise OSError(errno.EIO, f"short read of {f.path} at {off}: file ends before {off + n}")
+        _fill(f.fd, view, start, off + n - start)
         libc.buffer_at(dest, n)[:] = view[off - start : off - start + n]
 
     def _finish(self, job: ReadJob, err: BaseException | None) -> None:
@@ -216,3 +309,20 @@ class ReaderPool:
                 job.on_done(job, job._error)
             except BaseException:  # noqa: BLE001
                 log.exception("read completion callback failed")
+
+
+_EOF = -1  # not an errno: the file ended before the range did
+
+
+def _fill(fd: int, buf: memoryview, off: int, need: int) -> None:
+    """Read at least `need` bytes of `buf` from `off`, reading on after short reads.
+
+    A short read is not an error by itself: reading on from where it stopped gets
+    either the rest, the kernel's error for the failing block, or end of file.
+    """
+    pos = 0
+    while pos < need:
+        got = os.preadv(fd, [buf[pos:]], off + pos)
+        if got == 0:
+            raise OSError(_EOF, f"end of file at {off + pos}")
+        pos += got

@@ -144,8 +144,11 @@ def _model_row(daemon, model) -> dict:
         "bytes_read": sum(u.bytes_read for u in uses),
         "leases": model.leases,
         "direct_io": model.direct_io,
+        "expert_layout": model.catalog.expert_layout,
         "stale": model.stale,
         "users": users,
+        "read_errors": model.read_errors,
+        "quarantined": sorted([k.layer, k.expert] for k in daemon.faults.quarantine.entries(mid)),
     }
 
 
@@ -209,6 +212,7 @@ def snapshot(daemon) -> dict:
         "wasted_prefetches": store.wasted_prefetches,
         "bytes_read": c.bytes_read,
         "read_errors": c.read_errors,
+        **daemon.faults.stats(),
         "reads_in_flight": daemon.reads_in_flight,
         "direct_io": all(m.direct_io for m in models) if models else True,
         "policy": daemon.config.policy,

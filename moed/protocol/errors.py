@@ -33,6 +33,7 @@ class ErrorCode(enum.IntEnum):
     TOO_BUSY = 20  # this tenant already has the most requests of a kind in flight
     TIMED_OUT = 21  # the connection sent no Hello (or nothing) for too long; it is closed
     LEASE_LOST = 22  # client side only: a local lease's slot changed before its release
+    READ_TIMEOUT = 23  # an acquire's reads did not finish before its timeout (a slow or stalled drive)
 
 
 class MoedError(Exception):
@@ -176,6 +177,13 @@ class LeaseLost(MoedError):
     connection and its holds outlived the grace): what was read from it may be wrong."""
 
     code = ErrorCode.LEASE_LOST
+
+
+class ReadTimeout(MoedError):
+    """The reads an acquire waited on did not finish before its timeout: the drive is slow
+    or stalled. Nothing is held; the reads go on, and a later acquire may find them done."""
+
+    code = ErrorCode.READ_TIMEOUT
 
 
 _BY_CODE: dict[int, type[MoedError]] = {cls.code: cls for cls in MoedError.__subclasses__()}

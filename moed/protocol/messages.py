@@ -235,6 +235,17 @@ class Unpinned(Message, tag="unpinned"):
     pinned_bytes: int
 
 
+class ClearReadErrors(Message, tag="clear_read_errors"):
+    """End the quarantine of experts whose reads failed, so the next acquire reads them
+    again: those of one open model, or (`model_id` 0) of every model."""
+
+    model_id: int = 0
+
+
+class ReadErrorsCleared(Message, tag="read_errors_cleared"):
+    cleared: int  # quarantined experts released
+
+
 Request = (
     Hello
     | Ping
@@ -248,6 +259,7 @@ Request = (
     | Pin
     | Unpin
     | MapHolds
+    | ClearReadErrors
 )
 Reply = (
     Error
@@ -263,6 +275,7 @@ Reply = (
     | Pinned
     | Unpinned
     | HoldsMapped
+    | ReadErrorsCleared
 )
 
 REPLY_TYPE: dict[type, type] = {
@@ -278,6 +291,7 @@ REPLY_TYPE: dict[type, type] = {
     Pin: Pinned,
     Unpin: Unpinned,
     MapHolds: HoldsMapped,
+    ClearReadErrors: ReadErrorsCleared,
 }
 
 REQUEST_TYPES: tuple[type, ...] = Request.__args__

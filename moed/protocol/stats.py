@@ -56,6 +56,9 @@ class ModelRow(_Row):
     direct_io: bool
     stale: bool
     users: list[int]  # uids with the model open
+    read_errors: int = 0  # reads of its experts that failed (after their retries)
+    quarantined: list[tuple[int, int]] = []  # (layer, expert) whose acquires fail at once for now
+    expert_layout: str = "plain"  # the file's expert layout: plain or repacked (moed.gguf.layouts)
 
 
 class TenantModelRow(_Row):
@@ -179,3 +182,14 @@ class Stats(_Row):
     verify_hashed_experts: int = 0
     acquire_latency_s: HistogramRow = msgspec.field(default_factory=HistogramRow)  # request to grant
     read_latency_s: HistogramRow = msgspec.field(default_factory=HistogramRow)  # submit to done
+    # When the drive misbehaves (docs/design.md):
+    read_retries: int = 0  # chunk reads that failed and were tried again
+    quarantined_experts: int = 0  # experts whose acquires fail at once for now (read failed)
+    quarantine_refusals: int = 0  # acquires refused at once by a quarantine
+    prefetch_dropped: int = 0  # prefetched experts not read because the drive was behind
+    prefetch_backoff: bool = True  # whether read-ahead holds back while the drive is behind
+    stalled_reads: int = 0  # reads that ran past read_stall_warn_s (each once)
+    stuck_reads: int = 0  # reads running past read_stall_warn_s now
+    drive_behind: bool = False  # read-ahead held back now
+    drive_latency_ratio: float = 0.0  # recent read latency over the drive's own baseline
+    drive_behind_episodes: int = 0  # times the drive went behind
