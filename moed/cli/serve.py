@@ -30,6 +30,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat-format", default=None, help="chat template name (default: the model's own)")
     p.add_argument("--api-key", default=None, help="require this bearer token")
     p.add_argument(
+        "--interrupt-requests",
+        action="store_true",
+        default=None,
+        help="a new request cuts the running stream (which ends with finish_reason 'interrupted'); "
+        "default: requests queue",
+    )
+    p.add_argument(
         "--prefetch",
         choices=("gate", "gate2", "off"),
         default="gate",
@@ -62,11 +69,14 @@ def _settings(args: argparse.Namespace):
             text = json.dumps(yaml.safe_load(text)).encode()
         file_settings = ConfigFileSettings.model_validate_json(text)
         server = ServerSettings.model_validate(file_settings.model_dump(exclude={"models"}))
+        if "interrupt_requests" not in file_settings.model_fields_set:
+            # llama_cpp.server's default cuts a running stream for every new request.
+            server = server.model_copy(update={"interrupt_requests": False})
         models = file_settings.models
         if not models:
             raise ValueError(f"{args.config}: no models")
     else:
-        server = ServerSettings(host="127.0.0.1", port=8000)
+        server = ServerSettings(host="127.0.0.1", port=8000, interrupt_requests=False)
         given = {"n_threads": args.threads, "chat_format": args.chat_format, "model_alias": args.alias}
         models = [
             ModelSettings(
@@ -76,7 +86,12 @@ def _settings(args: argparse.Namespace):
                 **{k: v for k, v in given.items() if v is not None},
             )
         ]
-    updates = {"host": args.host, "port": args.port, "api_key": args.api_key}
+    updates = {
+        "host": args.host,
+        "port": args.port,
+        "api_key": args.api_key,
+        "interrupt_requests": args.interrupt_requests,
+    }
     server = server.model_copy(update={k: v for k, v in updates.items() if v is not None})
     return server, models
 

@@ -81,6 +81,14 @@ def tenant_rows(prev: dict, cur: dict, dt: float) -> list[dict]:
     return [{**t, **_row_rates(before.get(t["uid"]), t, dt)} for t in cur["tenants"]]
 
 
+def names_cell(names: list[str]) -> str:
+    """A tenant's client names, each once with its count: 'moectl serve x2, moectl top'."""
+    counts: dict[str, int] = {}
+    for name in names:
+        counts[name] = counts.get(name, 0) + 1
+    return ", ".join(name if n == 1 else f"{name} x{n}" for name, n in counts.items())
+
+
 def model_rows(prev: dict, cur: dict, dt: float) -> list[dict]:
     before = {m["model_id"]: m for m in prev["models"]}
     return [{**m, **_row_rates(before.get(m["model_id"]), m, dt)} for m in cur["models"]]
@@ -118,7 +126,7 @@ def frame(prev: dict, cur: dict, dt: float):
     r = rates(prev, cur, dt)
     head = Text(
         f"moed {cur['version']}  pid {cur['pid']}  up {cur['uptime_s']:.0f} s  "
-        f"{cur['connections']} connections  {cur['reads_in_flight']} reads in flight  "
+        f"{cur['connections']} connections (this view's included)  {cur['reads_in_flight']} reads in flight  "
         f"policy {cur['policy']}",
         style="bold",
     )
@@ -139,27 +147,20 @@ def frame(prev: dict, cur: dict, dt: float):
         t.add_column(name, justify="right")
     t.add_row(*(v for _, v in cells))
     tenants = Table(
-        "uid",
-        "names",
-        "conns",
-        "leases",
-        "hits/s",
-        "hit %",
-        "read MiB/s",
-        "resident",
-        title="tenants",
-        title_justify="left",
+        "uid", "conns", "leases", "hits/s", "hit %", "read MiB/s", "resident", title="tenants", title_justify="left"
     )
+    # The names last and whole: a long list widens the table instead of being cut or wrapped.
+    tenants.add_column("clients", no_wrap=True)
     for row in tenant_rows(prev, cur, dt):
         tenants.add_row(
             str(row["uid"]),
-            ",".join(row["names"])[:24],
             str(row["connections"]),
             str(row["leases"]),
             _n(row["hits_s"]),
             _pct(row["hit_pct"]),
             f"{row['read_mib_s']:.2f}",
             format_size(row["resident_bytes"]),
+            names_cell(row["names"]),
         )
     models = Table(
         "id",
@@ -228,7 +229,11 @@ def cmd_top(args: argparse.Namespace) -> int:
         prev, t_prev = c.stats(), time.monotonic()
         if args.once:
             time.sleep(args.interval)
-            Console().print(frame(prev, c.stats(), time.monotonic() - t_prev))
+            shown = frame(prev, c.stats(), time.monotonic() - t_prev)
+            console = Console()
+            # A script reads the whole frame: as wide as it needs, never cut or wrapped.
+            console.width = max(console.width, console.measure(shown).maximum)
+            console.print(shown)
             return 0
         try:
             with _keys() as wait, Live(frame(prev, prev, 0.0), refresh_per_second=4) as live:

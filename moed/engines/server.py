@@ -1,8 +1,9 @@
 """llama-cpp-python's OpenAI-compatible server with `StreamedLlama` as its model class.
 
 What this module owns: the seam into `llama_cpp.server` (docs/design.md, "Serving")
-and what the server does when moed is down. Nothing of the server is copied: its
-app, routes, settings, config-file format and multi-model switching are its own.
+and what the server does with requests it cannot serve. Nothing of the server is
+copied: its app, routes, settings, config-file format and multi-model switching are
+its own.
 
 The seam: `create_app` installs its models with `set_llama_proxy`, which builds
 the module-level `llama_cpp.server.app.LlamaProxy`; `install()` puts
@@ -14,18 +15,29 @@ Settings moed cannot honour get a RuntimeWarning and are ignored: n_gpu_layers
 and use_mlock (when set explicitly: StreamedLlama's own warnings), use_mmap=false,
 lora, rpc servers; a Hugging Face repo is refused (moed streams local files).
 
+Requests:
+- they queue for the model (the server's own locks); the server's interruption
+  (a new request cuts the running stream, which ends with no finish_reason) is
+  always off, and `interrupt_requests` turns on ServedLlama's, whose cut stream
+  ends with finish_reason "interrupted";
+- a bad request (max_tokens below 0, prompt plus max_tokens past the context, an
+  unknown model, a body that does not validate) is a 4xx through the error table
+  (moed.engines.http_errors), also when streamed: the response guard
+  (moed.engines.http_guard) holds a stream's 200 back until its first token;
+- the context is exactly `n_ctx` (ServedLlama.n_ctx, whatever llama.cpp pads).
+
 When moed is down:
 - a POST is answered 503 with the reason before the server starts on it
-  (`MoedAvailable`, an ASGI middleware probing the daemon on its own connection),
-  so a streamed request never gets a 200 it cannot keep;
+  (`MoedAvailable`, an ASGI middleware probing the daemon on its own connection);
 - a request that loses the daemon while it runs fails with 503 and the reason
-  (`ServedLlama` raises `MoedUnavailable`, whose message the server's own error
-  table maps to 503), never a hang (the client's timeout bounds every wait);
+  (`ServedLlama` raises `MoedUnavailable`), never a hang (the client's timeout
+  bounds every wait); a failed expert read is a 502 naming the expert
+  (`ExpertReadFailed`), and the next request is served as usual;
 - the engine layer reconnects: before each request the proxy pings the current
   model's connection; if it is gone the model is closed and loaded again on a
   fresh connection (leases, model ids and segments of the old one are void), and
-  if that fails the request gets 503. A stream that loses moed mid-way ends early:
-  its 200 was already sent.
+  if that fails the request gets 503. A stream that loses moed after its first
+  token ends with an error event (its 200 was already sent).
 
 Invariant: the model is only closed or rebuilt inside the proxy's `__call__`,
 which the server runs under its inner lock, so never under a request using it.
@@ -33,37 +45,44 @@ which the server runs under its inner lock, so never under a request using it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import inspect
 import re
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import llama_cpp
 import llama_cpp.server.app as server_app
-from fastapi import HTTPException
-from llama_cpp.server.errors import ErrorResponse, RouteErrorHandler
+from llama_cpp.server.errors import ErrorResponse
 from llama_cpp.server.model import LlamaProxy
-from llama_cpp.server.settings import ModelSettings
+from llama_cpp.server.settings import ModelSettings, ServerSettings
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse
 
+from moed.engines import http_errors
+from moed.engines.http_errors import BadRequest, ExpertReadFailed, ModelNotFound, MoedUnavailable
+from moed.engines.http_guard import ResponseGuard
 from moed.engines.llama_cpp import StreamedLlama
 from moed.protocol import errors
 
 UNAVAILABLE_PREFIX = "moed unavailable: "
+INTERRUPTED = "interrupted"  # the finish_reason of a stream cut for a waiting request
 _LOAD_LOCK = threading.Lock()
-
-
-class MoedUnavailable(RuntimeError):
-    """moed went away under a request; the message starts with UNAVAILABLE_PREFIX."""
+_COMPLETION_ARGS = inspect.signature(llama_cpp.Llama.create_completion)
+_CONTEXT_EXCEEDED = re.compile(r"Requested tokens \((\d+)\) exceed context window of \d+")
 
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """What `moectl serve` sets for every model the server loads."""
+    """What `moectl serve` sets for every model the server loads.
+
+    The StreamedLlama options travel as they are (`streamed_kwargs`): a new engine
+    option is one field here and one flag in moed.cli.serve.
+    """
 
     socket_path: str | None = None
     prefetch: str = "gate"
@@ -71,6 +90,15 @@ class EngineOptions:
     skeleton_dir: str | None = None
     acquire_timeout_s: float | None = None
     client_timeout_s: float = 30.0
+
+    def streamed_kwargs(self) -> dict[str, Any]:
+        """StreamedLlama's keyword arguments (the connection's are the factory's)."""
+        return {
+            "acquire_timeout_s": self.acquire_timeout_s,
+            "prefetch": self.prefetch,
+            "prefetch_width": self.prefetch_width,
+            "skeleton_dir": self.skeleton_dir,
+        }
 
 
 def unavailable_body(reason: str) -> dict:
@@ -82,28 +110,94 @@ def unavailable_body(reason: str) -> dict:
     }
 
 
-def _unavailable_formatter(_body, match: re.Match) -> tuple[int, ErrorResponse]:
-    return 503, unavailable_body(match.group(1))["error"]
-
-
 class ServedLlama(StreamedLlama):
-    """A StreamedLlama whose completions turn a lost daemon into `MoedUnavailable`."""
+    """A StreamedLlama as the server needs it: exactly the context asked for, requests
+    checked before a token is made, moed's failures as the server's typed errors.
+
+    - `n_ctx()` is the context asked for: llama.cpp pads its own to a multiple of
+      256, and llama-cpp-python sizes its token arrays by the one asked for, so a
+      completion past the asked context failed inside numpy ("could not broadcast").
+    - max_tokens below 0, or prompt + max_tokens past the context, is a 400
+      (llama-cpp-python would clip max_tokens silently, or run past its arrays).
+    - `interrupt_when`: when set and true while a stream runs (another request
+      waits for the model), the stream ends with finish_reason "interrupted".
+    - daemon unreachable -> MoedUnavailable (503), a failed expert read ->
+      ExpertReadFailed (502, naming the expert); the model stays usable.
+    """
+
+    interrupt_when: Callable[[], bool] | None = None
+    _wanted_tokens = 0
+
+    def n_ctx(self) -> int:
+        asked = self.context_params.n_ctx
+        return min(super().n_ctx(), asked) if asked > 0 else super().n_ctx()
 
     def create_completion(self, *args, **kwargs):
-        try:
+        bound = _COMPLETION_ARGS.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        max_tokens = bound.arguments["max_tokens"]
+        if max_tokens is not None and max_tokens < 0:
+            raise BadRequest(
+                f"max_tokens must be at least 1, or 0 or null for up to the end of the context; got {max_tokens}",
+                "max_tokens",
+            )
+        self._wanted_tokens = max_tokens or 0  # checked against the prompt by generate(), which resets it
+        with _served_errors(self):
             result = super().create_completion(*args, **kwargs)
-        except errors.DaemonUnavailable as exc:
-            raise MoedUnavailable(f"{UNAVAILABLE_PREFIX}{exc}") from exc
         if isinstance(result, Iterator):
-            return _guarded(result)
+            return self._guarded(result)
         return result
 
+    def generate(self, tokens, *args, **kwargs):
+        """llama-cpp-python's generate; first, the prompt it is given fits with the tokens asked for."""
+        wanted, self._wanted_tokens = self._wanted_tokens, 0
+        if len(tokens) + wanted > self._n_ctx:
+            raise ValueError(f"Requested tokens ({len(tokens)}) exceed context window of {self._n_ctx}")
+        return super().generate(tokens, *args, **kwargs)
 
-def _guarded(chunks: Iterator) -> Iterator:
+    def _guarded(self, chunks: Iterator) -> Iterator:
+        with _served_errors(self):
+            for chunk in chunks:
+                yield chunk
+                if chunk["choices"][0]["finish_reason"] is None and self.interrupt_when and self.interrupt_when():
+                    chunks.close()  # type: ignore[attr-defined]
+                    yield _interrupted(chunk)
+                    return
+
+
+def _interrupted(last: dict) -> dict:
+    """The closing chunk of a stream cut for a waiting request (same id and model as the stream's)."""
+    return {
+        **last,
+        "choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": INTERRUPTED}],
+    }
+
+
+def _read_error_message(exc: errors.ReadError) -> str:
+    """'moed could not read expert 3 of layer 1 (down) of m.gguf: ...': which expert, when the error says."""
+    where = [f"{name} {getattr(exc, name)}" for name in ("expert", "layer") if getattr(exc, name, None) is not None]
+    part = getattr(exc, "part", None)
+    model = getattr(exc, "model", None)
+    what = " of ".join(where) or "an expert"
+    what += f" ({part})" if part else ""
+    what += f" of {model}" if model else ""
+    return f"moed could not read {what}: {exc}"
+
+
+@contextlib.contextmanager
+def _served_errors(llm: ServedLlama):
+    """moed's failures as the server's errors, and the context error with the context asked for."""
     try:
-        yield from chunks
+        yield
     except errors.DaemonUnavailable as exc:
         raise MoedUnavailable(f"{UNAVAILABLE_PREFIX}{exc}") from exc
+    except errors.ReadError as exc:
+        raise ExpertReadFailed(_read_error_message(exc)) from exc
+    except ValueError as exc:
+        match = _CONTEXT_EXCEEDED.search(str(exc))
+        if match is None or isinstance(exc, BadRequest):
+            raise
+        raise ValueError(f"Requested tokens ({match.group(1)}) exceed context window of {llm.n_ctx()}") from exc
 
 
 def _connection_alive(llm: Any) -> bool:
@@ -121,6 +215,7 @@ class MoedLlamaProxy(LlamaProxy):
     """The server's model proxy, loading `ServedLlama`s and reconnecting them (see module)."""
 
     options: ClassVar[EngineOptions] = EngineOptions()
+    interrupt_requests: ClassVar[bool] = False
 
     def __init__(self, models: list[ModelSettings]) -> None:
         try:
@@ -132,6 +227,9 @@ class MoedLlamaProxy(LlamaProxy):
             self._current_model_alias = None
 
     def __call__(self, model: str | None = None) -> llama_cpp.Llama:
+        if model is not None and model not in self._model_settings_dict:
+            # llama-cpp-python answers with its default model; a client would believe another one answered.
+            raise ModelNotFound(model, list(self._model_settings_dict))
         current = self._current_model
         if current is not None and not _connection_alive(current):
             current.close()
@@ -140,7 +238,7 @@ class MoedLlamaProxy(LlamaProxy):
             return super().__call__(model)
         except errors.DaemonUnavailable as exc:
             self._current_model = None
-            raise HTTPException(status_code=503, detail=UNAVAILABLE_PREFIX + str(exc)) from exc
+            raise MoedUnavailable(UNAVAILABLE_PREFIX + str(exc)) from exc
 
     def load_llama_from_model_settings(self, settings: ModelSettings) -> llama_cpp.Llama:  # type: ignore[override]
         """The server's own loader, building a ServedLlama where it builds a Llama."""
@@ -154,7 +252,8 @@ class MoedLlamaProxy(LlamaProxy):
                     stacklevel=2,
                 )
                 setattr(settings, name, None)
-        factory = functools.partial(_served_llama, self.options, settings.model_fields_set)
+        interrupt_when = _request_waiting if self.interrupt_requests else None
+        factory = functools.partial(_served_llama, self.options, interrupt_when, settings.model_fields_set)
         with _LOAD_LOCK:
             saved = llama_cpp.Llama
             setattr(llama_cpp, "Llama", factory)  # noqa: B010 - the swap is the seam (see module)
@@ -164,7 +263,14 @@ class MoedLlamaProxy(LlamaProxy):
                 setattr(llama_cpp, "Llama", saved)  # noqa: B010
 
 
-def _served_llama(options: EngineOptions, explicit: set[str], **kwargs) -> ServedLlama:
+def _request_waiting() -> bool:
+    """Whether a request waits for the model (the server's outer lock is held by exactly such a one)."""
+    return server_app.llama_outer_lock.locked()
+
+
+def _served_llama(
+    options: EngineOptions, interrupt_when: Callable[[], bool] | None, explicit: set[str], **kwargs
+) -> ServedLlama:
     from moed.client import Client
 
     # The server passes every setting; only those the user set may warn.
@@ -180,18 +286,12 @@ def _served_llama(options: EngineOptions, explicit: set[str], **kwargs) -> Serve
         kwargs.pop("use_mmap")
     client = Client(options.socket_path, client_name="moectl serve", timeout_s=options.client_timeout_s)
     try:
-        llm = ServedLlama(
-            client=client,
-            acquire_timeout_s=options.acquire_timeout_s,
-            prefetch=options.prefetch,
-            prefetch_width=options.prefetch_width,
-            skeleton_dir=options.skeleton_dir,
-            **kwargs,
-        )
+        llm = ServedLlama(client=client, **options.streamed_kwargs(), **kwargs)
     except BaseException:
         client.close()
         raise
     llm._own_client = client  # closed with the model
+    llm.interrupt_when = interrupt_when
     return llm
 
 
@@ -240,19 +340,25 @@ class MoedAvailable:
         await self.app(scope, receive, send)
 
 
-def install(options: EngineOptions) -> None:
-    """Make the server build MoedLlamaProxy (with `options`) and map MoedUnavailable to 503."""
-    proxy = type("MoedLlamaProxy", (MoedLlamaProxy,), {"options": options})
+def install(options: EngineOptions, interrupt_requests: bool = False) -> None:
+    """Make the server build MoedLlamaProxy (with `options`) and answer errors through http_errors."""
+    attrs = {"options": options, "interrupt_requests": interrupt_requests}
+    proxy = type("MoedLlamaProxy", (MoedLlamaProxy,), attrs)
     setattr(server_app, "LlamaProxy", proxy)  # noqa: B010 - read by set_llama_proxy
-    RouteErrorHandler.pattern_and_formatters[re.compile("^" + re.escape(UNAVAILABLE_PREFIX) + "(.+)", re.S)] = (
-        _unavailable_formatter
-    )
+    http_errors.install()
 
 
-def create_app(options: EngineOptions, **create_kwargs):
-    """The server's app with moed's proxy and the availability middleware."""
-    install(options)
-    app = server_app.create_app(**create_kwargs)
+def create_app(options: EngineOptions, server_settings: ServerSettings, model_settings: list[ModelSettings]):
+    """The server's app with moed's proxy, the response guard and the availability middleware.
+
+    The server's own interruption stays off whatever the settings say: it cuts a
+    stream after any chunk with no finish_reason. `server_settings.interrupt_requests`
+    turns on ServedLlama's instead, which ends the cut stream with one.
+    """
+    install(options, interrupt_requests=server_settings.interrupt_requests)
+    quiet = server_settings.model_copy(update={"interrupt_requests": False})
+    app = server_app.create_app(server_settings=quiet, model_settings=model_settings)
+    app.add_middleware(ResponseGuard)
     app.add_middleware(MoedAvailable, probe=DaemonProbe(options.socket_path))
     return app
 

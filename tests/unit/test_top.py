@@ -197,3 +197,19 @@ def test_frame_says_when_the_guard_holds_the_store(pair):
     prev, cur = pair
     cur.update(mem_guard_active=True, effective_budget_bytes=16 * MIB)
     assert "GUARD ACTIVE: store held to 16.00 MiB" in render(prev, cur, 2.0)
+
+
+def test_tenant_names_are_shown_whole_on_one_line(pair):
+    prev, cur = pair
+    names = ["moectl serve", "moectl serve", "moectl serve probe", "moectl top", "a-long-engine-name-for-a-tenant"]
+    cur["tenants"][0]["names"] = names
+    prev["tenants"][0]["names"] = names
+    text = render(prev, cur, 2.0)
+    line = next(line for line in text.splitlines() if "moectl serve" in line)
+    assert "moectl serve x2, moectl serve probe, moectl top, a-long-engine-name-for-a-tenant" in line
+    assert "150.0" in line  # the same row as the tenant's rates: not wrapped onto lines of its own
+
+
+def test_the_connection_count_says_it_includes_the_view(pair):
+    prev, cur = pair
+    assert "2 connections (this view's included)" in render(prev, cur, 2.0)
