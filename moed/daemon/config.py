@@ -17,10 +17,9 @@ from typing import Any, Literal
 
 import msgspec
 
+from moed.cache.eviction import POLICIES
 from moed.protocol.paths import DEFAULT_SOCKET
 from moed.protocol.sizes import parse_size
-
-from .policy import POLICIES
 
 MAX_READER_THREADS = 256
 MAX_SOCKET_PATH_BYTES = 107  # sun_path is 108 bytes with its terminating NUL

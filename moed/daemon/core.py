@@ -39,8 +39,9 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from moed import __version__
+from moed.cache.eviction import make_policy
+from moed.cache.store import ExpertKey, Slot, SlotState, Store, Want
 from moed.protocol import errors
-from moed.protocol.layout import PAGE
 from moed.protocol.sizes import format_size
 
 from .access import Peer, check_open_files, check_readable, check_roots, world_readable
@@ -51,12 +52,10 @@ from .heat import Heat
 from .memguard import MemGuard
 from .models import LayerPlan, Model, file_identity, model_info, open_catalog
 from .opener import Opener
-from .policy import make_policy
 from .ramtier import RamTier
 from .reader import ModelFile, ReaderPool, ReadJob
 from .residency import Residency
 from .stats import Counters, Tenant
-from .store import ExpertKey, Slot, SlotState, Store, Want
 from .tasks import stop_task
 from .verify import Verifier, digest
 
@@ -953,4 +952,4 @@ class Daemon:
         self._maintain_task = None
 
 
-__all__ = ["Daemon", "Lease", "PendingAcquire", "PAGE"]
+__all__ = ["Daemon", "Lease", "PendingAcquire"]

@@ -1,67 +1,9 @@
-"""The few libc calls Python does not expose with raw addresses: mmap, mlock, madvise.
+"""moed.libc under its old name, for the one import not yet moved (reader.py's).
 
-ctypes releases the GIL around each call, so reader threads can lock and
-fill slots concurrently.
+The wrapper itself is `moed/libc.py`; import it from there. This module goes
+once reader.py imports `moed.libc` directly.
 """
 
-from __future__ import annotations
+from moed.libc import buffer_at
 
-import ctypes
-import ctypes.util
-import os
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-
-PROT_NONE, PROT_READ, PROT_WRITE = 0, 1, 2
-MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS = 0x01, 0x02, 0x10, 0x20
-MADV_DONTNEED, MADV_REMOVE = 4, 9
-MAP_FAILED = ctypes.c_void_p(-1).value
-
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-for _name in ("munmap", "mlock", "munlock", "mprotect"):
-    getattr(_libc, _name).argtypes = [ctypes.c_void_p, ctypes.c_size_t] + (
-        [ctypes.c_int] if _name == "mprotect" else []
-    )
-    getattr(_libc, _name).restype = ctypes.c_int
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.madvise.restype = ctypes.c_int
-
-
-def _check(rc: int, what: str) -> None:
-    if rc != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-
-
-def mmap(length: int, prot: int, flags: int, fd: int = -1, offset: int = 0, addr: int = 0) -> int:
-    ptr = _libc.mmap(addr or None, length, prot, flags, fd, offset)
-    if ptr in (None, MAP_FAILED):
-        err = ctypes.get_errno()
-        raise OSError(err, f"mmap: {os.strerror(err)}")
-    return ptr
-
-
-def munmap(addr: int, length: int) -> None:
-    _check(_libc.munmap(addr, length), "munmap")
-
-
-def mprotect(addr: int, length: int, prot: int) -> None:
-    _check(_libc.mprotect(addr, length, prot), "mprotect")
-
-
-def mlock(addr: int, length: int) -> None:
-    _check(_libc.mlock(addr, length), "mlock")
-
-
-def munlock(addr: int, length: int) -> None:
-    _check(_libc.munlock(addr, length), "munlock")
-
-
-def madvise(addr: int, length: int, advice: int) -> None:
-    _check(_libc.madvise(addr, length, advice), "madvise")
-
-
-def buffer_at(addr: int, length: int) -> memoryview:
-    """A writable memoryview over raw memory (caller keeps the mapping alive)."""
-    return memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
+__all__ = ["buffer_at"]

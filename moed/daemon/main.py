@@ -24,12 +24,12 @@ import sys
 import psutil
 import uvloop
 
+from moed.cache.eviction import POLICIES
 from moed.protocol.sizes import format_size, parse_size
 
 from .config import Config, ConfigError, load_config
 from .core import Daemon
 from .memlock import mlock_status
-from .policy import POLICIES
 from .ramtier import MlockUnavailable
 from .server import Session
 

@@ -24,10 +24,9 @@ import logging
 import os
 import threading
 
+from moed import libc
 from moed.protocol.layout import PAGE, slot_bytes, slot_layout
 from moed.protocol.messages import SegmentInfo
-
-from . import libc
 
 log = logging.getLogger("moed.ramtier")
 

@@ -22,9 +22,8 @@ import logging
 
 import xxhash
 
+from moed import libc
 from moed.protocol import errors
-
-from . import libc
 
 log = logging.getLogger("moed.verify")
 

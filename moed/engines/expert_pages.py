@@ -30,8 +30,9 @@ import ctypes
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from moed.engines import vm
-from moed.engines.vm import PAGE, PROT_NONE, PROT_READ, PROT_WRITE, page_ceil, page_floor
+from moed import libc
+from moed.engines.vm import PAGE, page_ceil, page_floor
+from moed.libc import PROT_NONE, PROT_READ, PROT_WRITE
 
 
 @dataclass(frozen=True)
@@ -138,9 +139,9 @@ class ExpertPages:
         saved = {p: ctypes.string_at(p, PAGE) for p in self._mixed_pages}
         for s, e in self._expert_runs:
             lo, hi = page_floor(s), page_ceil(e)
-            vm.map_fixed(lo, hi - lo, PROT_NONE)
+            libc.map_fixed(lo, hi - lo, PROT_NONE)
         for page, content in saved.items():
-            vm.mprotect(page, PAGE, PROT_READ | PROT_WRITE)
+            libc.mprotect(page, PAGE, PROT_READ | PROT_WRITE)
             ctypes.memmove(page, content, PAGE)
             for s, e in self._expert_runs:
                 lo, hi = max(s, page), min(e, page + PAGE)
@@ -168,10 +169,10 @@ class ExpertPages:
         key = (seg_key, offset)
         if state.key == key:
             if not state.visible:
-                vm.mprotect(addr, n, PROT_READ)
+                libc.mprotect(addr, n, PROT_READ)
                 self.stats.reprotects += 1
         else:
-            vm.map_fixed(addr, n, PROT_READ, fd, offset)
+            libc.map_fixed(addr, n, PROT_READ, fd, offset)
             state.key = key
             self.stats.maps += 1
         state.visible = True
@@ -186,7 +187,7 @@ class ExpertPages:
             if refs == 0 and page not in self._mixed_pages:
                 fresh.append(page)
         for lo, hi in merge([(p, p + PAGE) for p in fresh]):
-            vm.mprotect(lo, hi - lo, PROT_READ | PROT_WRITE)
+            libc.mprotect(lo, hi - lo, PROT_READ | PROT_WRITE)
         ctypes.memmove(addr, src_addr, n)
         self.stats.copies += 1
         self.stats.copy_bytes += n
@@ -201,7 +202,7 @@ class ExpertPages:
     def _hide_mapped(self, span: PartSpan, expert: int) -> None:
         state = self._zc.get((span.layer, span.part, expert))
         if self.strict and state is not None and state.visible:
-            vm.mprotect(span.expert_addr(expert), span.bytes_per_expert, PROT_NONE)
+            libc.mprotect(span.expert_addr(expert), span.bytes_per_expert, PROT_NONE)
             state.visible = False
 
     def _hide_copied(self, span: PartSpan, expert: int) -> None:
@@ -222,5 +223,5 @@ class ExpertPages:
             elif refs == 0:
                 dropped.append(page)
         for lo, hi in merge([(p, p + PAGE) for p in dropped]):
-            vm.madvise(lo, hi - lo, vm.MADV_DONTNEED)
-            vm.mprotect(lo, hi - lo, PROT_NONE)
+            libc.madvise(lo, hi - lo, libc.MADV_DONTNEED)
+            libc.mprotect(lo, hi - lo, PROT_NONE)

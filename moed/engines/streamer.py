@@ -45,6 +45,7 @@ from typing import Protocol
 
 import numpy as np
 
+from moed import libc
 from moed.engines import ggml_tensor, vm
 from moed.engines.expert_pages import ExpertPages, PartSpan
 from moed.engines.lookahead import Lookahead, PredictHook
@@ -244,7 +245,7 @@ class ExpertStreamer:
             vmas += vm.mapped_ranges(base, path)
         for lo, hi in self.pages.dense_runs(vmas):
             try:
-                vm.mlock(lo, hi - lo)
+                libc.mlock(lo, hi - lo)
                 self.stats.dense_locked_bytes += hi - lo
             except OSError as exc:
                 if not self.stats.dense_lock_error:

@@ -1,41 +1,18 @@
-"""Raw virtual-memory calls the engine needs on fixed addresses (mmap, mprotect, madvise, mlock).
+"""The process's own mappings: page arithmetic and /proc/self/maps.
 
-Python's `mmap` module cannot map at a given address, so these go through libc
-with ctypes. Every failure raises OSError with errno; nothing is silently ignored.
-The engine keeps its own copy rather than sharing the daemon's: an engine
-process never imports the daemon package.
+The engine finds the model file's mapping here (by device and inode, never by
+name); the calls that change mappings (mmap at a fixed address, mprotect,
+madvise, mlock) are the one libc wrapper, `moed.libc`.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 import re
 from collections.abc import Collection
 from dataclasses import dataclass
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
-PROT_NONE, PROT_READ, PROT_WRITE = 0, 1, 2
-MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS = 0x01, 0x02, 0x10, 0x20
-MADV_DONTNEED = 4
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-for _name in ("munmap", "mlock", "munlock"):
-    getattr(_libc, _name).argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    getattr(_libc, _name).restype = ctypes.c_int
-for _name in ("mprotect", "madvise"):
-    getattr(_libc, _name).argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    getattr(_libc, _name).restype = ctypes.c_int
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-
-def _check(rc: int, what: str) -> None:
-    if rc != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
 def page_floor(addr: int) -> int:
@@ -44,29 +21,6 @@ def page_floor(addr: int) -> int:
 
 def page_ceil(addr: int) -> int:
     return page_floor(addr + PAGE - 1)
-
-
-def map_fixed(addr: int, length: int, prot: int, fd: int = -1, offset: int = 0) -> None:
-    """Replace [addr, addr+length) with a new mapping: shared from `fd`, or private anonymous."""
-    flags = MAP_FIXED | (MAP_SHARED if fd >= 0 else MAP_PRIVATE | MAP_ANONYMOUS)
-    ptr = _libc.mmap(addr, length, prot, flags, fd, offset)
-    if ptr in (None, _MAP_FAILED):
-        err = ctypes.get_errno()
-        raise OSError(err, f"mmap({addr:#x}, {length}, fd={fd}, off={offset}): {os.strerror(err)}")
-    if ptr != addr:
-        raise OSError(0, f"MAP_FIXED returned {ptr:#x}, wanted {addr:#x}")
-
-
-def mprotect(addr: int, length: int, prot: int) -> None:
-    _check(_libc.mprotect(addr, length, prot), f"mprotect({addr:#x}, {length})")
-
-
-def madvise(addr: int, length: int, advice: int) -> None:
-    _check(_libc.madvise(addr, length, advice), f"madvise({addr:#x}, {length})")
-
-
-def mlock(addr: int, length: int) -> None:
-    _check(_libc.mlock(addr, length), f"mlock({addr:#x}, {length})")
 
 
 @dataclass(frozen=True)

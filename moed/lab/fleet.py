@@ -42,9 +42,9 @@ the box). Invariants: a one-engine fleet's shared and static replays are
 copies of one trace in lockstep (equal rates and phases) with budget 2B hit
 exactly as one copy with B (g-lru: every stack distance doubles plus one).
 
-Floors mirror `moed.daemon.store.Store` with quotas set (`set_quota`,
-`_quota_victims`, `_may_evict_for`), re-implemented here because the lab never
-imports the daemon:
+Floors are those of `moed.cache.store.Store` with quotas set (`set_quota`,
+`_quota_victims`): the floor rule is the store's own (`moed.cache.quota.keeps_floor`),
+and the walk is the store's, over one LRU order per group (see Speed, below):
   * every resident slot is charged to the engine whose access loaded it (a
     hit by another engine does not move the charge);
   * a miss needing b with free room >= b takes it; otherwise the walk goes
@@ -77,6 +77,7 @@ from typing import Any
 
 import numpy as np
 
+from moed.cache.quota import keeps_floor
 from moed.lab import policies
 from moed.lab.policies import Accesses
 from moed.lab.traces import Trace
@@ -434,7 +435,7 @@ class _QuotaLRU:
                 if use is None or (best >= 0 and use > best_use):
                     continue
                 q, b = self.g_owner[g], self.g_bytes[g]
-                if q != o and floors[q] and owned[q] - taken[q] - b < floors[q]:
+                if q != o and not keeps_floor(owned[q], taken[q], b, floors[q]):
                     heads[g] = None  # skipped once, skipped for good: taken only grows
                     continue
                 best, best_use = g, use

@@ -58,9 +58,10 @@ replay is the greedy optimum of the interval-packing problem "keep at most C
 reuse intervals open at once, maximise the counted ones", so no policy with the
 same slots gets more counted hits. Ties at infinity drop the most recent access.
 
-Speed: policies run as tight loops over Python ints from numpy arrays (g-lru on
-an OrderedDict, the heap policies on heapq with lazy deletion and periodic
-compaction); see bench/lab_replay_speed.py for the measured rates.
+Speed: policies run as tight loops over Python ints from numpy arrays (lru and
+g-lru on the daemon's own `moed.cache.eviction.LRU`, slru, g-arc and g-tlfu on OrderedDicts,
+the heap policies on heapq with lazy deletion and periodic compaction); see
+bench/lab_replay_speed.py for the measured rates.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ from typing import Any
 
 import numpy as np
 
+from moed.cache.eviction import LRU
 from moed.lab.traces import DECODE, Trace
 from moed.protocol.errors import BadRequest
 
@@ -165,19 +167,21 @@ def _stable_order(keys: np.ndarray) -> np.ndarray:
 
 
 def _lru(keys: list[int], cap: int, **_: Any) -> bytearray:
+    """The daemon's own LRU class, driven as the store drives it: a hit takes the
+    expert out of the policy (acquired) and puts it back at the recent end
+    (released); a miss with every slot full evicts the policy's victim."""
     hit = bytearray(len(keys))
     if cap <= 0:
         return hit
-    cache: OrderedDict[int, None] = OrderedDict()
-    touch, evict = cache.move_to_end, cache.popitem
+    lru = LRU()
+    add, remove, victim = lru.add, lru.remove, lru.victim
     for i, k in enumerate(keys):
-        if k in cache:
-            touch(k)
+        if k in lru:
+            remove(k)
             hit[i] = 1
-        else:
-            cache[k] = None
-            if len(cache) > cap:
-                evict(False)
+        elif len(lru) >= cap:
+            remove(victim())
+        add(k)
     return hit
 
 

@@ -12,8 +12,8 @@ import struct
 
 import pytest
 
+from moed import libc
 from moed.client import Client
-from moed.daemon import libc
 from moed.protocol import errors
 from moed.protocol import messages as m
 from tests.integration.peer import NOBODY, Outcome, as_peer

@@ -8,8 +8,8 @@ import pathlib
 import numpy as np
 import pytest
 
+from moed.cache.store import ExpertKey, Store, Want
 from moed.ctl import main
-from moed.daemon.store import ExpertKey, Store, Want
 from moed.lab import fleet, policies
 from moed.lab.traces import Trace, TraceWriter
 

@@ -48,8 +48,8 @@ def test_a_large_floor_with_a_small_budget_still_grows_back():
 
 
 def test_why_held_tells_the_truth_in_sizes():
+    from moed.cache.store import Store
     from moed.daemon.memguard import MemGuard
-    from moed.daemon.store import Store
 
     store = Store(1 << 30)
     guard = MemGuard(store, floor_bytes=int(22.6 * (1 << 30)), sample_s=1)

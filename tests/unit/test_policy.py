@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moed.daemon.policy import LRU, POLICIES, DecayingLFU, make_policy
-from moed.daemon.store import ExpertKey, Slot
+from moed.cache.eviction import LRU, POLICIES, DecayingLFU, make_policy
+from moed.cache.store import ExpertKey, Slot
 
 
 def slots(n: int) -> list[Slot]:
@@ -242,7 +242,7 @@ def test_make_policy_by_name():
 def test_lfu_forgets_keys_untouched_for_many_half_lives():
     from types import SimpleNamespace
 
-    from moed.daemon.policy import DecayingLFU
+    from moed.cache.eviction import DecayingLFU
 
     lfu = DecayingLFU(half_life=8)
     for i in range(50_000):  # every access a new expert: nothing is ever hot

@@ -6,8 +6,8 @@ import mmap
 import os
 
 from moed import _holds
+from moed.cache.store import ExpertKey, Slot, SlotState
 from moed.daemon.residency import Residency
-from moed.daemon.store import ExpertKey, Slot, SlotState
 from moed.protocol import residency as rz
 
 

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from moed.daemon.policy import LRU, DecayingLFU
-from moed.daemon.store import ExpertKey, Plan, SlotState, Store, Want
+from moed.cache.eviction import LRU, DecayingLFU
+from moed.cache.store import ExpertKey, Plan, SlotState, Store, Want
 
 SMALL, BIG = 1, 2  # class ids
 CLASS_BYTES = {SMALL: 100, BIG: 250}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from moed.daemon.store import ExpertKey, SlotState, Store, Want
+from moed.cache.store import ExpertKey, SlotState, Store, Want
 
 SLOT = 100
 

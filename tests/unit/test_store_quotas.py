@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from moed.daemon.policy import LRU, DecayingLFU
-from moed.daemon.store import ExpertKey, Store, Want
+from moed.cache.eviction import LRU, DecayingLFU
+from moed.cache.store import ExpertKey, Store, Want
 
 SLOT = 4096
 

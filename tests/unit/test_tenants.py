@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from moed.cache.store import ExpertKey
 from moed.daemon.config import TenantConfig, resolve_tenants, tenant_uid
 from moed.daemon.heat import Heat
-from moed.daemon.store import ExpertKey
 
 
 class S:

@@ -1,6 +1,6 @@
 """Verify mode's comparison: the first read of an expert is the reference for every later one."""
 
-from moed.daemon.store import ExpertKey
+from moed.cache.store import ExpertKey
 from moed.daemon.verify import Verifier
 from moed.protocol import errors
 

@@ -5,12 +5,18 @@ not pinned. The store adds a slot when it becomes evictable (its last lease is
 released, or a prefetch completes) and removes it when it is referenced again,
 so `victim()` never returns a slot someone holds. Policies are pure: no I/O,
 no clocks (time is the store's access counter).
+
+These are the classes the daemon runs (`eviction_policy` in its config) and the
+lab replays (`moed.lab.policies`: g-lru and lru are `LRU` itself), so a policy
+studied in the lab is the one the daemon would serve. `LRU` orders any hashable
+member; `DecayingLFU` scores members by their `.key` (a slot's expert).
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+from collections import OrderedDict
 from typing import Protocol
 
 
@@ -23,21 +29,24 @@ class EvictionPolicy(Protocol):
     def victim(self): ...
     def candidates(self): ...  # every member, best victim first (quotas walk it)
     def touch(self, slot) -> None: ...
+    def __contains__(self, slot) -> bool: ...
     def __len__(self) -> int: ...
 
 
 class LRU:
     """One least-recently-used order over every evictable slot of every model.
 
-    A dict keeps insertion order, so the first key is the least recently
-    released slot; add/remove/victim are O(1).
+    An OrderedDict keeps insertion order, so the first key is the least
+    recently released slot; add/remove/victim are O(1). (A plain dict's first
+    key is found by scanning past every entry deleted since its last resize:
+    139 us a victim at 100,000 slots, against 0.3 us here.)
     """
 
     name = "lru"
     wants_touch = False
 
     def __init__(self):
-        self._order: dict = {}
+        self._order: OrderedDict = OrderedDict()
 
     def add(self, slot) -> None:
         self._order[slot] = None
@@ -54,6 +63,9 @@ class LRU:
     def candidates(self):
         """Members in eviction order; the caller must not change the policy while iterating."""
         return iter(self._order)
+
+    def __contains__(self, slot) -> bool:
+        return slot in self._order
 
     def __len__(self) -> int:
         return len(self._order)
@@ -143,6 +155,9 @@ class DecayingLFU:
     def candidates(self):
         """Members in eviction order (sorted now: O(n log n), only walked under quotas)."""
         return iter(sorted(self._members, key=lambda s: self._score.get(s.key, 0.0)))
+
+    def __contains__(self, slot) -> bool:
+        return slot in self._members
 
     def __len__(self) -> int:
         return len(self._members)

@@ -1,7 +1,7 @@
 """The slot state machine and the one byte budget shared by every model and tenant.
 
-Pure: no I/O, no clocks, no asyncio. Core (moed.daemon.core) drives it and the RAM tier
-follows the page effects it reports (`take_dropped`).
+Pure: no I/O, no clocks, no asyncio. In the daemon, core (moed.daemon.core) drives it
+and the RAM tier follows the page effects it reports (`take_dropped`).
 
 Invariants, kept here:
 - A slot is EMPTY, LOADING or READY. Only LOADING and READY slots are in the
@@ -46,7 +46,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple, cast
 
-from .policy import LRU, EvictionPolicy
+from .eviction import LRU, EvictionPolicy
+from .quota import Quota, keeps_floor
 
 
 class ExpertKey(NamedTuple):
@@ -98,11 +99,6 @@ class SlotClass:
             return None
         slot = self.slots[len(self.slots)] = Slot(self.class_id, len(self.slots), self.slot_bytes)
         return slot
-
-
-class Quota(NamedTuple):
-    floor_bytes: int = 0  # not evicted for other owners below this
-    ceiling_bytes: int = 0  # never holds more than this; 0: no ceiling
 
 
 class Want(NamedTuple):
@@ -378,9 +374,9 @@ class Store:
     def _may_evict_for(self, s: Slot, owner: object, taken: dict) -> bool:
         o = s.owner
         q = self.quotas.get(o) if o is not owner else None
-        if q is None or not q.floor_bytes:
+        if q is None:
             return True
-        return self.owned_bytes.get(o, 0) - taken.get(o, 0) - s.slot_bytes >= q.floor_bytes
+        return keeps_floor(self.owned_bytes.get(o, 0), taken.get(o, 0), s.slot_bytes, q.floor_bytes)
 
     def _is_evictable(self, s: Slot) -> bool:
         return s.state is READY and s.refs == 0 and not s.pinned

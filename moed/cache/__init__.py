@@ -1,0 +1,14 @@
+"""The cache model: what the daemon serves and the lab replays, in one place.
+
+Pure (standard library only: no I/O, no clocks, no asyncio), and below both the
+daemon and the lab, which import it and never each other:
+
+- `store`: the slot state machine and the one byte budget shared by every model
+  and tenant (`Store`); the daemon drives it, the lab's tests replay through it;
+- `eviction`: the eviction policies behind one interface (`LRU`, `DecayingLFU`);
+  the daemon's `eviction_policy` names one, and the lab's g-lru and lru replays
+  run the same `LRU` class;
+- `quota`: a tenant's floor and ceiling, and the floor rule that decides whether
+  a slot may be evicted for another tenant (the store's quota walk and the lab's
+  fleet replay both ask it).
+"""
