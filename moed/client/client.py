@@ -17,7 +17,6 @@ import socket
 import struct
 import threading
 import time
-import warnings
 
 import msgspec
 import numpy as np
@@ -283,19 +282,11 @@ class ModelHandle:
     def segment(self, class_id: int) -> Segment:
         return self.client.segment(class_id)
 
-    def acquire(
-        self, layer: int, experts, timeout_s: float | None = None, release=(), *, timeout: float | None = None
-    ) -> Lease:
+    def acquire(self, layer: int, experts, timeout_s: float | None = None, release=()) -> Lease:
         """Hold `experts` of `layer`; blocks until they are resident. `release` piggybacks.
 
         `timeout_s`: how long the daemon may wait for room (None: its default).
-        `timeout` is the old name, kept as a deprecated alias.
         """
-        if timeout is not None:
-            warnings.warn(
-                "ModelHandle.acquire(timeout=) is deprecated; use timeout_s=", DeprecationWarning, stacklevel=2
-            )
-            timeout_s = timeout if timeout_s is None else timeout_s
         experts = list(map(int, experts))
         if self._table is not None:
             lease = self._acquire_locally(layer, experts)

@@ -1,6 +1,7 @@
 """Error codes on the wire and the exception types they become in Python.
 
-Invariant: a code is never reused or renumbered; new codes are appended.
+Invariant: a code is never reused or renumbered; new codes are appended, and a
+code that is retired stays in `RETIRED_CODES` so it is never handed out again.
 Every exception raised across the wire is a `MoedError` subclass whose `code`
 names it, so `error_for(code, message)` rebuilds the same type on the client.
 """
@@ -8,6 +9,11 @@ names it, so `error_for(code, message)` rebuilds the same type on the client.
 from __future__ import annotations
 
 import enum
+
+# Codes once assigned and since retired, with what they meant: never reused.
+RETIRED_CODES: dict[int, str] = {
+    15: "SHUTTING_DOWN: never raised (a stopping daemon closes its connections instead)",
+}
 
 
 class ErrorCode(enum.IntEnum):
@@ -25,7 +31,7 @@ class ErrorCode(enum.IntEnum):
     REQUEST_TOO_LARGE = 12  # can never fit in the budget
     READ_ERROR = 13  # the drive or file failed a read
     PERMISSION_DENIED = 14
-    SHUTTING_DOWN = 15
+    # 15 is retired (RETIRED_CODES): never reuse it.
     VERIFY_MISMATCH = 16  # verify mode: bytes read differ from the first read
     DAEMON_UNAVAILABLE = 17  # client side only: no daemon, or it went away
     MODEL_STALE = 18  # the file changed under an open model
@@ -130,12 +136,6 @@ class PermissionDenied(MoedError):
     code = ErrorCode.PERMISSION_DENIED
 
 
-class ShuttingDown(MoedError):
-    """The daemon is stopping."""
-
-    code = ErrorCode.SHUTTING_DOWN
-
-
 class VerifyMismatch(MoedError):
     """Expert bytes differ from their first read."""
 
@@ -194,4 +194,4 @@ def error_for(code: int, message: str) -> MoedError:
     return _BY_CODE.get(code, InternalError)(message)
 
 
-__all__ = ["ErrorCode", "MoedError", "error_for"] + [c.__name__ for c in _BY_CODE.values()]
+__all__ = ["RETIRED_CODES", "ErrorCode", "MoedError", "error_for"] + [c.__name__ for c in _BY_CODE.values()]

@@ -261,6 +261,11 @@ def test_error_codes_are_unique_and_each_has_one_exception_type():
     assert len({t.__name__ for t in types}) == len(types)
 
 
+def test_retired_codes_are_never_reused():
+    assert not set(errors.RETIRED_CODES) & {c.value for c in errors.ErrorCode}
+    assert type(errors.error_for(15, "old daemon")) is errors.InternalError
+
+
 @pytest.mark.parametrize("code", list(errors.ErrorCode), ids=lambda c: c.name)
 def test_error_for_rebuilds_the_exception_type(code):
     exc = errors.error_for(int(code), "what went wrong")
