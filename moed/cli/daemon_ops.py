@@ -151,7 +151,7 @@ def _print_models(console, models: list[dict]) -> None:
     from rich.table import Table
 
     t = Table(title="models")
-    for col in ("id", "path", "layers", "experts", "top-k", "resident", "io", "users"):
+    for col in ("id", "path", "layers", "experts", "top-k", "layout", "resident", "io", "users"):
         t.add_column(col)
     for r in models:
         t.add_row(
@@ -160,6 +160,7 @@ def _print_models(console, models: list[dict]) -> None:
             str(r["moe_layers"]),
             str(r["n_experts"]),
             str(r["n_expert_used"]),
+            r.get("expert_layout", "plain"),
             str(r["resident_experts"]),
             "direct" if r["direct_io"] else "buffered",
             ",".join(map(str, r["users"])),

@@ -74,6 +74,12 @@ def register(sub) -> None:
     p.add_argument("--alignment", type=int, default=4096, help=argparse.SUPPRESS)
     p.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     p.add_argument("--no-verify", action="store_true", help="skip comparing every tensor after writing")
+    p.add_argument(
+        "--repack",
+        action="store_true",
+        help="also write the experts in the layout this CPU's llama.cpp computes on (e.g. q4_0_8x8): "
+        "moed's engines then run stock llama.cpp's repacked kernels on them; for moed only",
+    )
     p.set_defaults(func=_align)
 
 
@@ -159,11 +165,32 @@ def _print_index(cat) -> None:
         console.print(f"  {f}")
 
 
+def _repack_transform(src: str):
+    from moed.engines import repack
+    from moed.gguf.header import read_split
+
+    try:
+        import llama_cpp._logger as llama_log
+
+        llama_log.set_verbose(False)  # ggml logs every repacked tensor otherwise
+    except (ImportError, AttributeError):
+        pass
+    return repack.file_transform(read_split(src))
+
+
+def _cpu(path: str) -> str:
+    from moed.gguf.header import read_header
+    from moed.gguf.layouts import KEY_CPU
+
+    return str(read_header(path).get(KEY_CPU, ""))
+
+
 def _align(args) -> int:
     from moed.gguf.align import align_gguf
     from moed.gguf.catalog import Catalog
 
     try:
+        transform = _repack_transform(args.src) if args.repack else None
         outs = align_gguf(
             args.src,
             args.dst,
@@ -171,6 +198,7 @@ def _align(args) -> int:
             overwrite=args.force,
             verify=not args.no_verify,
             progress=sys.stderr.isatty(),
+            transform=transform,
         )
     except MoedError:
         raise
@@ -184,6 +212,8 @@ def _align(args) -> int:
         cat = Catalog.open(outs[0])
     except MoedError:
         return 0  # not a MoE model: nothing more to say
+    if args.repack:
+        print(f"experts repacked: {cat.expert_layout} (for {cat.expert_layouts and _cpu(outs[0])})", file=sys.stderr)
     parts = [p for e in cat.layers.values() for p in e.parts.values()]
     aligned = sum(p.page_aligned for p in parts)
     print(

@@ -208,9 +208,11 @@ class Client:
     def models(self) -> list[dict]:
         return msgspec.to_builtins(self.request(m.ListModels()).models)
 
-    def open_model(self, path: str | os.PathLike) -> ModelHandle:
+    def open_model(self, path: str | os.PathLike, expert_layout: str = "") -> ModelHandle:
+        """Open a model; `expert_layout` ("plain", "q4_0_8x8", ...) is the layout the caller
+        computes on: a file in another raises LayoutUnavailable ("" takes it as it is)."""
         # the daemon resolves paths itself: never in its own working directory
-        info, fds = self.request(m.OpenModel(os.path.abspath(os.fspath(path))), fds=True)
+        info, fds = self.request(m.OpenModel(os.path.abspath(os.fspath(path)), expert_layout), fds=True)
         n = len(info.segments)
         want = 2 * n + 1 if info.residency else n
         if len(fds) != want:
@@ -271,6 +273,7 @@ class ModelHandle:
         self.n_experts = info.n_experts
         self.n_expert_used = info.n_expert_used
         self.parts = info.parts
+        self.expert_layout = info.expert_layout
         self._layers = {L.layer: L for L in info.layers}
 
     def layer(self, layer: int) -> m.LayerInfo:

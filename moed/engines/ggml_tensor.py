@@ -104,20 +104,31 @@ class PythonEvalCallback:
         params.cb_eval_user_data = None
 
 
-def ggml_base_library() -> ctypes.CDLL:
-    """libggml-base from the installed llama-cpp-python (it exports ggml_tensor_overhead)."""
+def loaded_library(stem: str) -> ctypes.CDLL:
+    """The copy of llama-cpp-python's `lib<stem>` that llama.cpp itself runs.
+
+    The wheel holds `libggml-cpu.so`, `.so.0` and `.so.0.25.3` as three separate files
+    (wheels keep no symlinks) and llama.cpp links the `.so.0` one: opening another
+    name would load a second ggml, with its own CPU device and buffer types.
+    So the path is taken from this process's mappings when the library is loaded.
+    """
     from pathlib import Path
 
     import llama_cpp  # noqa: F401  (loads the shared libraries)
 
     lib_dir = Path(llama_cpp.__file__).parent / "lib"
-    for name in ("libggml-base.so", "libggml.so", "libllama.so"):
-        path = lib_dir / name
-        if path.exists():
-            lib = ctypes.CDLL(str(path))
-            if hasattr(lib, "ggml_tensor_overhead"):
-                return lib
-    raise RuntimeError(f"no ggml library exporting ggml_tensor_overhead in {lib_dir}")
+    prefix = f"lib{stem}.so"
+    with open("/proc/self/maps") as f:
+        for line in f:
+            path = line.rstrip("\n").split(maxsplit=5)[-1]
+            if path.startswith(str(lib_dir)) and Path(path).name.startswith(prefix):
+                return ctypes.CDLL(path)
+    return ctypes.CDLL(str(lib_dir / prefix))
+
+
+def ggml_base_library() -> ctypes.CDLL:
+    """libggml-base from the installed llama-cpp-python (it exports ggml_tensor_overhead)."""
+    return loaded_library("ggml-base")
 
 
 def layout_matches() -> bool:

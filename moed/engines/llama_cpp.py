@@ -76,15 +76,30 @@ class _RouteCallback:
             return False
 
 
-def _unpacked_internals(route: _RouteCallback | None = None) -> types.ModuleType:
-    """llama_cpp's internals with weight repacking off (tensors stay at their file offsets)."""
+def _unpacked_internals(route: _RouteCallback | None = None, dense: list | None = None) -> types.ModuleType:
+    """llama_cpp's internals with weight repacking off (tensors stay at their file offsets);
+    with `dense` (a list), the dense weights go to CPU_REPACK after the load, as stock's do,
+    and the KernelSwitch is appended to it."""
     real = _llama_module.internals
     proxy = types.ModuleType(real.__name__)
     proxy.__dict__.update(real.__dict__)
 
     def load_model(*, path_model: str, params, verbose: bool = True):
         params.use_extra_bufts = False
-        return real.LlamaModel(path_model=path_model, params=params, verbose=verbose)
+        if dense is None:
+            return real.LlamaModel(path_model=path_model, params=params, verbose=verbose)
+        from moed.engines import repack, vm
+        from moed.gguf.header import read_split
+
+        headers = read_split(path_model)
+        before = snapshot_bases([h.path for h in headers])
+        model = real.LlamaModel(path_model=path_model, params=params, verbose=verbose)
+        bases = [vm.file_mapping_base(h.path, before) for h in headers]
+        if any(b is None for b in bases):
+            model.close()
+            raise ValueError("UnpackedLlama(repack='dense') needs use_mmap=True")
+        dense.append(repack.switch(headers, [b for b in bases if b is not None], repack.LayoutPlan(repack_dense=True)))
+        return model
 
     def new_context(*, model, params, verbose: bool = True):
         if route is not None:
@@ -96,19 +111,33 @@ def _unpacked_internals(route: _RouteCallback | None = None) -> types.ModuleType
 
 
 class UnpackedLlama(Llama):
-    """`llama_cpp.Llama`, resident, with weight repacking (`use_extra_bufts`) off.
+    """`llama_cpp.Llama`, resident, with the experts on llama.cpp's plain kernels.
 
-    StreamedLlama cannot repack (a repacked tensor leaves its file offset), and on
-    x86 llama.cpp repacks q4_0 into interleaved blocks whose kernels round
-    differently (about 1e-7 relative). This is the resident engine running the
-    same kernels: the reference for bit-exact comparisons and a fair baseline.
-    `route_hook` (benchmarks only) may rewrite the router's top-k ids in place.
+    llama.cpp repacks q4_0 (and q4_K, iq4_nl, mxfp4) weights into interleaved
+    blocks whose kernels round differently (about 1e-7 relative). This is the
+    resident engine running the same kernels as `StreamedLlama(repack="off")`
+    (`repack="off"`, the default: nothing repacked) or as StreamedLlama on a plain
+    file with `repack="auto"` (`repack="dense"`: the dense weights on CPU_REPACK
+    as stock puts them, the experts plain): the reference for bit-exact comparisons
+    and a fair baseline. With a file `moectl align --repack` made, the reference is
+    stock `llama_cpp.Llama` itself. `route_hook` (benchmarks only) may rewrite the
+    router's top-k ids in place.
     """
 
-    def __init__(self, model_path: str, *, route_hook: RouteHook | None = None, **llama_kwargs):
+    def __init__(self, model_path: str, *, route_hook: RouteHook | None = None, repack: str = "off", **llama_kwargs):
+        if repack not in ("off", "dense"):
+            raise ValueError(f"UnpackedLlama's repack is 'off' or 'dense', not {repack!r}")
         self._route = _RouteCallback(route_hook) if route_hook is not None else None
-        with _constructing(_unpacked_internals(self._route)):
+        self._kernels: list = [] if repack == "dense" else None  # type: ignore[assignment]
+        with _constructing(_unpacked_internals(self._route, self._kernels)):
             super().__init__(model_path=model_path, **llama_kwargs)
+
+    def close(self) -> None:
+        if hasattr(self, "_stack"):  # absent when __init__ failed before llama.cpp loaded
+            super().close()
+        for ks in getattr(self, "_kernels", None) or ():
+            ks.close()  # after the model: nothing computes with those tensors any more
+        self._kernels = []
 
 
 def _hooked_internals(streamer: ExpertStreamer) -> types.ModuleType:
@@ -184,6 +213,11 @@ class StreamedLlama(Llama):
     r times the missing one's (moed.engines.substitute; this changes the outputs:
     price it with `moectl kl`). `subst_rule`: "plain" (best-ranked) or "cooc"
     (most often routed together with the missing expert, learned online).
+    `repack`: "auto" (default) runs every weight on the CPU kernels stock llama.cpp
+    would use: the dense weights are repacked at load by ggml, and the experts run
+    on the layout their bytes are in (a file from `moectl align --repack` on a host
+    like this one: bit-exact with stock `llama_cpp.Llama`); "off" runs everything
+    on the plain kernels (bit-exact with `UnpackedLlama`). moed.engines.repack.
     """
 
     def __init__(
@@ -204,9 +238,14 @@ class StreamedLlama(Llama):
         subst: float | None = None,
         subst_rule: str = "plain",
         subst_window: int | None = None,
+        repack: str = "auto",
         **llama_kwargs,
     ):
         self._check_kwargs(llama_kwargs)
+        from moed.engines import repack as kernel_layout
+        from moed.gguf.header import read_split
+
+        layout = kernel_layout.plan(read_split(model_path), repack, model_path)
         if prefetch not in PREFETCH_MODES:
             raise ValueError(f"prefetch must be one of {', '.join(PREFETCH_MODES)}, not {prefetch!r}")
         if prefetch_width is not None and prefetch_width < 1:
@@ -224,7 +263,7 @@ class StreamedLlama(Llama):
                 from moed.client import Client
 
                 client = self._own_client = Client(socket_path, client_name=f"StreamedLlama[{os.getpid()}]")
-            source = MoedSource(client, model_path, timeout_s=acquire_timeout_s)
+            source = MoedSource(client, model_path, timeout_s=acquire_timeout_s, expert_layout=layout.expert_layout)
         self.moed_client = client
         substituter = None
         if subst is not None:
@@ -244,6 +283,7 @@ class StreamedLlama(Llama):
             prefetch_adapt=prefetch_adapt,
             predict_hook=predict_hook,
             substituter=substituter,
+            layout=layout,
         )
         try:
             if skeleton_dir is not None:
@@ -336,6 +376,11 @@ class StreamedLlama(Llama):
             out.update(self.streamer.lookahead.totals())
         if self.streamer.substituter is not None:
             out.update(self.streamer.substituter.totals(s.tokens))
+        k = self.streamer.kernels
+        out["expert_layout"] = k.done.expert_layout if k else "plain"
+        out["dense_repacked_tensors"] = k.done.dense_tensors if k else 0
+        out["dense_repacked_bytes"] = k.done.dense_bytes if k else 0
+        out["dense_layouts"] = list(k.done.dense_layouts) if k else []
         return out
 
     def _close_client(self) -> None:
@@ -346,6 +391,9 @@ class StreamedLlama(Llama):
     def close(self) -> None:
         if hasattr(self, "_stack"):  # absent when __init__ failed before llama.cpp loaded
             super().close()
+        streamer = getattr(self, "streamer", None)
+        if streamer is not None and streamer.kernels is not None:
+            streamer.kernels.close()  # after the model: nothing computes with those tensors any more
         self._close_client()
 
 

@@ -13,6 +13,10 @@ Invariants:
   the input: shards are written to `NAME.partial` and renamed at the end.
 - A split input keeps its shard count; OUT names the first shard and the others
   follow llama.cpp's `PREFIX-0000i-of-0000N.gguf` naming.
+- With a `Transform` (`moectl align --repack`), the tensors it names are rewritten
+  unit by unit (one expert at a time) into bytes of the same size, its keys are
+  added to every shard, and verification compares each rewritten unit with the
+  transform of the input's: everything else is still copied byte for byte.
 """
 
 from __future__ import annotations
@@ -20,11 +24,48 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from moed.gguf.header import KV, Header, read_split, shard_names
+from moed.gguf.header import KV, T_ARRAY, T_STRING, Header, TensorInfo, read_split, shard_names
 from moed.protocol.layout import round_up
 
 CHUNK_BYTES = 8 << 20
+
+UnitFn = Callable[[bytes], bytes]
+
+
+@dataclass(frozen=True)
+class Transform:
+    """Rewrite some tensors' bytes, one unit (an expert: n_bytes / ne2) at a time.
+
+    `unit_of(tensor)`: None copies the tensor as it is; a function maps each unit's
+    bytes to as many bytes. `kvs`: string or string-array keys added to every shard.
+    """
+
+    unit_of: Callable[[TensorInfo], UnitFn | None]
+    kvs: dict[str, str | list[str]] = field(default_factory=dict)
+
+    def unit(self, t: TensorInfo) -> tuple[int, UnitFn] | None:
+        fn = self.unit_of(t)
+        if fn is None:
+            return None
+        return t.n_bytes // t.dims[-1], fn
+
+    def kv_entries(self) -> list[bytes]:
+        return [_string_kv(k, v) for k, v in self.kvs.items()]
+
+
+def _gguf_string(s: str) -> bytes:
+    b = s.encode()
+    return struct.pack("<Q", len(b)) + b
+
+
+def _string_kv(key: str, value: str | list[str]) -> bytes:
+    if isinstance(value, str):
+        return _gguf_string(key) + struct.pack("<I", T_STRING) + _gguf_string(value)
+    items = b"".join(_gguf_string(v) for v in value)
+    return _gguf_string(key) + struct.pack("<IIQ", T_ARRAY, T_STRING, len(value)) + items
 
 
 def align_gguf(
@@ -35,6 +76,7 @@ def align_gguf(
     overwrite: bool = False,
     verify: bool = True,
     progress: bool = False,
+    transform: Transform | None = None,
 ) -> list[str]:
     """Write `src` realigned to `dst`; returns the output shard paths (first to load)."""
     if alignment < 8 or alignment & (alignment - 1) or alignment > 1 << 30:
@@ -46,9 +88,11 @@ def align_gguf(
     try:
         with _Progress(progress, total, verify) as bar:
             for h, part in zip(headers, partials):
-                _write_shard(h, part, alignment, bar.copied)
+                _write_shard(h, part, alignment, bar.copied, transform)
             if verify:
-                verify_aligned(headers, partials[0], alignment, on_bytes=bar.verified, names=partials)
+                verify_aligned(
+                    headers, partials[0], alignment, on_bytes=bar.verified, names=partials, transform=transform
+                )
         for part, out in zip(partials, outs):
             os.replace(part, out)
     finally:
@@ -79,10 +123,14 @@ def _alignment_kv(alignment: int) -> bytes:
     return struct.pack("<Q", len(key)) + key + struct.pack("<II", 4, alignment)
 
 
-def _kv_bytes(kvs: dict[str, KV], alignment: int) -> tuple[int, bytes]:
-    """(count, bytes) of the key/values with general.alignment set, in input order."""
+def _kv_bytes(kvs: dict[str, KV], alignment: int, transform: Transform | None = None) -> tuple[int, bytes]:
+    """(count, bytes) of the key/values with general.alignment set, in input order
+    (then the transform's keys)."""
     out, replaced = [], False
+    added = transform.kvs if transform else {}
     for key, kv in kvs.items():
+        if key in added:
+            continue
         if key == "general.alignment":
             out.append(_alignment_kv(alignment))
             replaced = True
@@ -90,12 +138,14 @@ def _kv_bytes(kvs: dict[str, KV], alignment: int) -> tuple[int, bytes]:
             out.append(kv.raw)
     if not replaced:
         out.append(_alignment_kv(alignment))
+    if transform:
+        out += transform.kv_entries()
     return len(out), b"".join(out)
 
 
-def _layout(h: Header, alignment: int) -> tuple[bytes, list[int]]:
+def _layout(h: Header, alignment: int, transform: Transform | None = None) -> tuple[bytes, list[int]]:
     """(header bytes padded to the data section, absolute offset of each tensor)."""
-    n_kv, kv = _kv_bytes(h.kvs, alignment)
+    n_kv, kv = _kv_bytes(h.kvs, alignment, transform)
     rel, infos = [], []
     pos = 0
     for t in h.tensors:
@@ -114,8 +164,8 @@ def _layout(h: Header, alignment: int) -> tuple[bytes, list[int]]:
     return head, [len(head) + r for r in rel]
 
 
-def _write_shard(h: Header, out: str, alignment: int, on_bytes) -> None:
-    head, offsets = _layout(h, alignment)
+def _write_shard(h: Header, out: str, alignment: int, on_bytes, transform: Transform | None = None) -> None:
+    head, offsets = _layout(h, alignment, transform)
     end = round_up(offsets[-1] + h.tensors[-1].n_bytes, alignment) if h.tensors else len(head)
     src = os.open(h.path, os.O_RDONLY)
     try:
@@ -124,7 +174,11 @@ def _write_shard(h: Header, out: str, alignment: int, on_bytes) -> None:
             os.pwrite(dst, head, 0)
             os.ftruncate(dst, end)  # padding reads back as zeros
             for t, off in zip(h.tensors, offsets):
-                _copy_range(src, t.offset, dst, off, t.n_bytes, on_bytes)
+                unit = transform.unit(t) if transform else None
+                if unit is None:
+                    _copy_range(src, t.offset, dst, off, t.n_bytes, on_bytes)
+                else:
+                    _transform_range(src, t, dst, off, unit, on_bytes)
             os.fsync(dst)
         finally:
             os.close(dst)
@@ -148,6 +202,19 @@ def _copy_range(src: int, src_off: int, dst: int, dst_off: int, n: int, on_bytes
         on_bytes(done)
 
 
+def _transform_range(src: int, t: TensorInfo, dst: int, dst_off: int, unit: tuple[int, UnitFn], on_bytes) -> None:
+    size, fn = unit
+    for k in range(t.n_bytes // size):
+        data = os.pread(src, size, t.offset + k * size)
+        if len(data) != size:
+            raise OSError(f"short read at byte {t.offset + k * size} of the input")
+        out = fn(data)
+        if len(out) != size:
+            raise ValueError(f"tensor {t.name}: the transform changed a unit's size ({size} -> {len(out)})")
+        os.pwrite(dst, out, dst_off + k * size)
+        on_bytes(size)
+
+
 # ---------------------------------------------------------------------- verification
 
 
@@ -158,6 +225,7 @@ def verify_aligned(
     *,
     on_bytes=lambda n: None,
     names: list[str] | None = None,
+    transform: Transform | None = None,
 ) -> None:
     """Raise ValueError unless the output has the input's metadata and tensor bytes."""
     if names is not None:
@@ -171,15 +239,30 @@ def verify_aligned(
     if len(out) != len(src_headers):
         raise ValueError(f"output has {len(out)} shards, input {len(src_headers)}")
     for a, b in zip(src_headers, out):
-        _verify_meta(a, b, alignment)
+        _verify_meta(a, b, alignment, transform)
         for ta, tb in zip(a.tensors, b.tensors):
-            _compare_bytes(a.path, ta.offset, b.path, tb.offset, ta.n_bytes, ta.name, on_bytes)
+            unit = transform.unit(ta) if transform else None
+            if unit is None:
+                _compare_bytes(a.path, ta.offset, b.path, tb.offset, ta.n_bytes, ta.name, on_bytes)
+            else:
+                _compare_units(a.path, ta, b.path, tb.offset, unit, on_bytes)
 
 
-def _verify_meta(a: Header, b: Header, alignment: int) -> None:
+def _compare_units(pa: str, ta: TensorInfo, pb: str, ob: int, unit: tuple[int, UnitFn], on_bytes) -> None:
+    size, fn = unit
+    with open(pa, "rb", buffering=0) as fa, open(pb, "rb", buffering=0) as fb:
+        for k in range(ta.n_bytes // size):
+            if fn(os.pread(fa.fileno(), size, ta.offset + k * size)) != os.pread(fb.fileno(), size, ob + k * size):
+                raise ValueError(f"tensor {ta.name} differs after writing (unit {k})")
+            on_bytes(size)
+
+
+def _verify_meta(a: Header, b: Header, alignment: int, transform: Transform | None = None) -> None:
     if b.alignment != alignment:
         raise ValueError(f"{b.path}: alignment {b.alignment}, wanted {alignment}")
-    keys_a = {k: kv.raw for k, kv in a.kvs.items() if k != "general.alignment"}
+    added = dict(zip(transform.kvs, transform.kv_entries())) if transform else {}
+    keys_a = {k: kv.raw for k, kv in a.kvs.items() if k != "general.alignment" and k not in added}
+    keys_a.update(added)
     keys_b = {k: kv.raw for k, kv in b.kvs.items() if k != "general.alignment"}
     if keys_a != keys_b:
         diff = sorted(set(keys_a) ^ set(keys_b)) or [k for k in keys_a if keys_a[k] != keys_b.get(k)]

@@ -17,6 +17,7 @@ API summary
     cat.size_class(l)                # the layer's SizeClass
     cat.page_aligned                 # every part of every layer page-aligned (also per layer/part)
     cat.expert_bytes(l)              # sum of the parts' bytes for one expert of layer l
+    cat.expert_layout                # "plain", or the repacked layout ("q4_0_8x8"; moed.gguf.layouts)
     cat.to_dict()                    # JSON-ready summary (moectl index --json)
 
 `Catalog.open` raises `moed.protocol.errors.BadModelFile` (clear message naming the
@@ -43,8 +44,9 @@ from __future__ import annotations
 import functools
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from moed.gguf import layouts
 from moed.gguf.header import FileIdentity, Header, check_split, read_header, split_files, type_name
 from moed.protocol.errors import BadModelFile, BadRequest, UnknownExpert, UnknownLayer
 from moed.protocol.layout import PAGE
@@ -107,6 +109,8 @@ class Catalog:
     parts: tuple[str, ...]
     layers: dict[int, LayerEntry]
     alignment: int  # general.alignment of the first shard
+    # {expert ggml type name: repacked layout} (moed.gguf.layouts); empty: plain
+    expert_layouts: dict[str, str] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ open
 
@@ -158,6 +162,15 @@ class Catalog:
     def expert_bytes_total(self) -> int:
         return sum(e.expert_bytes for e in self.layers.values()) * self.n_experts
 
+    @property
+    def expert_types(self) -> set[str]:
+        return {p.type_name for e in self.layers.values() for p in e.parts.values()}
+
+    @property
+    def expert_layout(self) -> str:
+        """"plain", or the repacked layout of the experts ("q4_0_8x8", "q4_K_8x8+plain")."""
+        return layouts.summary(self.expert_layouts, self.expert_types)
+
     def to_dict(self) -> dict:
         return {
             "path": self.path,
@@ -170,6 +183,8 @@ class Catalog:
             "parts": list(self.parts),
             "alignment": self.alignment,
             "page_aligned": self.page_aligned,
+            "expert_layout": self.expert_layout,
+            "expert_layouts": dict(self.expert_layouts),
             "expert_bytes_total": self.expert_bytes_total,
             "size_classes": [
                 {
@@ -231,6 +246,10 @@ def _build(path: str, files, identity, headers: list[Header]) -> Catalog:
         detail = "; ".join(f"layer {l}: {'+'.join(e.parts)}" for l, e in layers.items())
         raise BadModelFile(f"{path}: MoE layers have different expert parts ({detail})")
     n_layers = first.get(f"{arch}.block_count", max(layers) + 1)
+    try:
+        expert_layouts = layouts.parse_layouts(first.get(layouts.KEY_LAYOUTS))
+    except ValueError as exc:
+        raise BadModelFile(f"{path}: {exc}") from None
     return Catalog(
         path,
         tuple(files),
@@ -243,6 +262,7 @@ def _build(path: str, files, identity, headers: list[Header]) -> Catalog:
         part_sets.pop(),
         layers,
         first.alignment,
+        expert_layouts,
     )
 
 

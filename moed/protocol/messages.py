@@ -50,6 +50,9 @@ class Ping(Message, tag="ping"):
 
 class OpenModel(Message, tag="open_model"):
     path: Annotated[str, msgspec.Meta(max_length=MAX_PATH_CHARS)]
+    # The expert layout the engine will compute on ("plain", "q4_0_8x8", ...; see
+    # moed.gguf.layouts); "" takes the file as it is. A mismatch is LayoutUnavailable.
+    expert_layout: Annotated[str, msgspec.Meta(max_length=64)] = ""
 
 
 class Acquire(Message, tag="acquire"):
@@ -154,6 +157,7 @@ class ModelInfo(Message, tag="model_info"):
     # True: after the segments' descriptors come each segment's slot-state words
     # (same order) and then the model's residency table (moed.protocol.residency).
     residency: bool = False
+    expert_layout: str = "plain"  # the file's expert layout (moed.gguf.layouts)
 
 
 class Granted(Message, tag="granted"):

@@ -1,0 +1,158 @@
+"""Which CPU kernels a loaded model computes on: the engines' `repack` option.
+
+What this module owns: the decision, for each weight of a model llama.cpp has
+loaded with `use_extra_bufts=False` (every tensor at its file offset), of whether
+it runs on ggml's repacked kernels, and the refusals when the file's expert bytes
+cannot serve that decision. `moed.engines.kernels` does the switching.
+
+- `repack="auto"` (the default): every dense weight that stock llama.cpp would
+  put in CPU_REPACK goes there, by ggml's own repack; the experts compute on the
+  layout their bytes are in. A file repacked by `moectl align --repack` on a host
+  like this one computes everything as stock `llama_cpp.Llama` does (bit-exact);
+  a plain file's experts stay on the plain kernels (with a warning when this CPU
+  has faster ones), and its reference is `UnpackedLlama(repack="dense")`.
+- `repack="off"`: everything on the plain kernels, as before (reference:
+  `UnpackedLlama()`); a repacked file is refused.
+
+Invariants:
+- An expert tensor is switched to the repacked kernels only if the file records
+  that layout for its type and this CPU's ggml computes that type on that very
+  layout; anything else is `LayoutUnavailable` before the model serves a token.
+- The router weights are read by the look-ahead before anything is switched, and
+  a switched dense tensor's file range is no longer read by llama.cpp.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+from moed.engines import kernels
+from moed.gguf.catalog import EXPERT_RE
+from moed.gguf.header import Header, type_name
+from moed.gguf.layouts import KEY_CPU, PLAIN, layout_refusal, parse_layouts, summary
+from moed.protocol.errors import LayoutUnavailable
+
+MODES = ("auto", "off")
+
+
+@dataclass
+class LayoutPlan:
+    """What the engine computes on: the experts' layout, which expert tensors switch, dense on or off."""
+
+    expert_layout: str = PLAIN
+    expert_tensors: list[str] = field(default_factory=list)  # names switched to repacked kernels
+    repack_dense: bool = False
+
+
+def plan(headers: list[Header], mode: str, path: str) -> LayoutPlan:
+    """Check the file's expert layout against `mode` and this CPU; raise LayoutUnavailable."""
+    if mode not in MODES:
+        raise ValueError(f"repack must be one of {', '.join(MODES)}, not {mode!r}")
+    file_layouts = parse_layouts(headers[0].get("moed.repack.layouts"))
+    experts = [t for h in headers for t in h.tensors if EXPERT_RE.match(t.name)]
+    types = {type_name(t.ggml_type) for t in experts}
+    have = summary(file_layouts, types)
+    if mode == "off":
+        if file_layouts:
+            raise LayoutUnavailable(layout_refusal(path, have, PLAIN))
+        return LayoutPlan()
+    slower = set()
+    for t in experts:
+        name, cpu = type_name(t.ggml_type), kernels.layout_of(t.ggml_type, tuple(t.dims[:2]))
+        want = file_layouts.get(name, PLAIN)
+        if want != PLAIN and want != cpu:
+            made_for = headers[0].get(KEY_CPU, "another CPU")
+            raise LayoutUnavailable(
+                f"{layout_refusal(path, f'{want} (repacked for {made_for})', cpu)}; "
+                f"this host's llama.cpp computes {name} of shape {t.dims[0]}x{t.dims[1]} on {cpu}"
+            )
+        if want == PLAIN and cpu != PLAIN:
+            slower.add(f"{name} on {cpu}")
+    if slower:
+        warnings.warn(
+            f"moed: {path}'s experts are plain, so they run on llama.cpp's plain kernels; this CPU "
+            f"computes {', '.join(sorted(slower))}, about 1.2x faster: `moectl align --repack` makes "
+            "a copy whose experts are in that layout",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    switched = [t.name for t in experts if type_name(t.ggml_type) in file_layouts]
+    return LayoutPlan(have, switched, True)
+
+
+def switch(headers: list[Header], bases: list[int], layout: LayoutPlan) -> kernels.KernelSwitch:
+    """Apply `layout` to the model loaded from `headers`' files, mapped at `bases`."""
+    ks = kernels.KernelSwitch()
+    ks.done.expert_layout = layout.expert_layout
+    wanted = set(layout.expert_tensors)
+    expected: dict[bytes, int] = {}
+    for shard, h in enumerate(headers):
+        for t in h.tensors:
+            if t.name in wanted or (layout.repack_dense and _dense_candidate(t)):
+                expected[t.name.encode()] = bases[shard] + t.offset
+    if not expected:
+        return ks
+    found = kernels.find_tensors(expected)
+    experts = {n.encode() for n in wanted}
+    ks.repack_dense({n: a for n, a in found.items() if n not in experts})
+    ks.repack_experts(a for n, a in found.items() if n in experts)
+    return ks
+
+
+def _dense_candidate(t) -> bool:
+    """A dense weight stock llama.cpp would repack: a 2-D MUL_MAT weight of a type and shape this CPU repacks."""
+    dims = tuple(t.dims) + (1,) * (4 - len(t.dims))
+    if not kernels.DENSE_MATMUL.match(t.name.encode()) or dims[2] != 1 or dims[3] != 1:
+        return False
+    return kernels.layout_of(t.ggml_type, dims[:2]) != PLAIN
+
+
+def file_transform(headers: list[Header]):
+    """The `moed.gguf.align.Transform` of `moectl align --repack`: every routed expert
+    tensor whose type this CPU's llama.cpp repacks, expert by expert, by ggml's repack.
+
+    Raises ValueError when the file is repacked already or nothing in it would be.
+    """
+    import llama_cpp
+
+    from moed.gguf.align import Transform
+    from moed.gguf.layouts import KEY_BUILD, KEY_LAYOUTS, format_layouts
+
+    if headers[0].get(KEY_LAYOUTS) is not None:
+        raise ValueError(f"{headers[0].path} is repacked already ({KEY_LAYOUTS}); repack the original file")
+    repackers: dict[tuple[int, int, int], kernels.Repacker] = {}
+    found: dict[str, str] = {}
+    plain: set[str] = set()
+    for h in headers:
+        for t in h.tensors:
+            if not EXPERT_RE.match(t.name):
+                continue
+            layout = kernels.layout_of(t.ggml_type, tuple(t.dims[:2]))
+            if layout == PLAIN:
+                plain.add(type_name(t.ggml_type))
+                continue
+            key = (t.ggml_type, t.dims[0], t.dims[1])
+            if key not in repackers:
+                repackers[key] = kernels.Repacker(*key)
+            found[type_name(t.ggml_type)] = layout
+    if not found:
+        raise ValueError(
+            f"nothing to repack: this CPU's llama.cpp computes the experts' types "
+            f"({', '.join(sorted(plain))}) on its plain kernels"
+        )
+    mixed = set(found) & plain
+    if mixed:
+        raise ValueError(f"experts of type {', '.join(sorted(mixed))} would be repacked in some layers only")
+
+    def unit_of(t):
+        if not EXPERT_RE.match(t.name):
+            return None
+        return repackers.get((t.ggml_type, t.dims[0], t.dims[1]))
+
+    kvs: dict[str, str | list[str]] = {
+        KEY_LAYOUTS: format_layouts(found),
+        KEY_CPU: kernels.ggml().features(),
+        KEY_BUILD: llama_cpp.__version__,
+    }
+    return Transform(unit_of, kvs)
