@@ -39,6 +39,7 @@ from collections.abc import Callable, Coroutine
 
 import msgspec
 
+from moed.gguf.layouts import layout_refusal
 from moed.protocol import errors
 from moed.protocol import messages as m
 from moed.protocol.framing import MAX_REQUEST_FRAME_BYTES, FrameReader, decode, encode, request_decoder
@@ -350,9 +351,11 @@ class Session(asyncio.Protocol):
 
     async def on_open_model(self, msg: m.OpenModel):
         model = await self.daemon.open_model(msg.path, peer_identity(self.pid, self.uid, self.gid), self.tenant)
-        self.models.add(model.model_id)
         info = model.info
         assert info is not None  # set when the model was added
+        if msg.expert_layout and msg.expert_layout != info.expert_layout:
+            raise errors.LayoutUnavailable(layout_refusal(info.path, info.expert_layout, msg.expert_layout))
+        self.models.add(model.model_id)
         classes = [s.class_id for s in info.segments]
         d = self.daemon
 

@@ -48,8 +48,10 @@ import numpy as np
 from moed import libc
 from moed.engines import ggml_tensor, vm
 from moed.engines.expert_pages import ExpertPages, PartSpan
+from moed.engines.kernels import KernelSwitch
 from moed.engines.lookahead import Lookahead, PredictHook
 from moed.engines.predictor import GATING_SOFTMAX, gate
+from moed.engines.repack import LayoutPlan
 from moed.engines.skeleton import expert_ranges
 from moed.engines.sources import ExpertSource, Grant
 from moed.engines.substitute import Substituter
@@ -106,6 +108,7 @@ class ExpertStreamer:
         prefetch_adapt: bool = True,
         predict_hook: PredictHook | None = None,
         substituter: Substituter | None = None,
+        layout: LayoutPlan | None = None,
     ):
         if not ggml_tensor.layout_matches():
             raise RuntimeError(
@@ -141,6 +144,9 @@ class ExpertStreamer:
         # SOFTMAX_WEIGHT gating (gpt-oss): `ffn_moe_probs-L` holds the logits, so the
         # substituter is given their softmax, the probabilities its `r` compares.
         self.probs_are_logits = False
+        # Which weights run on ggml's repacked kernels (moed.engines.repack); None: all plain.
+        self.layout = layout
+        self.kernels: KernelSwitch | None = None
 
     # ---- install ---------------------------------------------------------
 
@@ -163,6 +169,22 @@ class ExpertStreamer:
         self._drop_expert_cache()
         self._lock_dense(bases)
         self._install_lookahead(bases)
+        if self.layout is not None:
+            self._switch_kernels(bases)
+
+    def _switch_kernels(self, bases: list[int]) -> None:
+        """Dense weights onto CPU_REPACK, repacked experts onto their kernels (after the
+        look-ahead read the routers); the moved dense ranges need not stay locked."""
+        from moed.engines.repack import switch
+        from moed.gguf.header import read_split
+
+        assert self.layout is not None
+        self.kernels = switch(read_split(self.mapped_files[0]), bases, self.layout)
+        for lo, hi in self.kernels.moved_ranges:
+            lo, hi = vm.page_ceil(lo), vm.page_floor(hi)
+            if hi > lo:
+                libc.munlock(lo, hi - lo)
+                self.stats.dense_locked_bytes -= hi - lo
 
     def _install_lookahead(self, bases: list[int]) -> None:
         """Read the routers from the (now locked) dense pages; fold nothing until first use."""

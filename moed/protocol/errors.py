@@ -40,6 +40,7 @@ class ErrorCode(enum.IntEnum):
     TIMED_OUT = 21  # the connection sent no Hello (or nothing) for too long; it is closed
     LEASE_LOST = 22  # client side only: a local lease's slot changed before its release
     READ_TIMEOUT = 23  # an acquire's reads did not finish before its timeout (a slow or stalled drive)
+    LAYOUT_UNAVAILABLE = 24  # the model's experts are not in the layout the engine asked for (repacked or plain)
 
 
 class MoedError(Exception):
@@ -184,6 +185,14 @@ class ReadTimeout(MoedError):
     or stalled. Nothing is held; the reads go on, and a later acquire may find them done."""
 
     code = ErrorCode.READ_TIMEOUT
+
+
+class LayoutUnavailable(MoedError):
+    """The model's expert bytes are not in the layout the engine computes on: a plain file
+    asked for repacked kernels, a repacked file for plain ones, or a file repacked for
+    another CPU's llama.cpp (`moectl align --repack` makes one for this CPU)."""
+
+    code = ErrorCode.LAYOUT_UNAVAILABLE
 
 
 _BY_CODE: dict[int, type[MoedError]] = {cls.code: cls for cls in MoedError.__subclasses__()}
