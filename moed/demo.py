@@ -3,7 +3,8 @@
 Without MODEL it runs the committed tiny trained MoE (`moed.data.TINY_MOE`:
 qwen3moe, byte-level, trained on the Python standard library's source by
 scripts/train-tiny-moe), so the engines write Python-looking text; `--random`
-generates a random-weight model instead (cached under .cache/demo/). It starts
+generates a random-weight model instead (cached in the user's cache directory,
+`cache_dir()`). It starts
 moed with a RAM budget smaller than the model's routed experts, runs two engine
 processes at once whose experts are served by the daemon (run as
 root, the second runs as user `nobody`, so stats show two tenants), prints
@@ -28,7 +29,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+
+def cache_dir() -> Path:
+    """Where the demo keeps what it generates: $XDG_CACHE_HOME/moed/demo, or
+    ~/.cache/moed/demo when that is unset or not absolute (the XDG rule); never
+    next to the package, which may be installed read-only."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(base) if os.path.isabs(base) else Path.home() / ".cache") / "moed" / "demo"
 
 
 def trained_model() -> Path:
@@ -40,7 +47,7 @@ def trained_model() -> Path:
 def random_model() -> Path:
     from moed.lab.makemodel import make_model
 
-    path = ROOT / ".cache" / "demo" / "demo-qwen3moe.gguf"
+    path = cache_dir() / "demo-qwen3moe.gguf"
     if not path.exists():
         print(f"demo: generating a small qwen3moe model at {path}", flush=True)
         tmp = path.with_suffix(".tmp.gguf")

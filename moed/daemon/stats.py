@@ -1,6 +1,6 @@
 """Counters, per-tenant accounting and the stats snapshot `moectl stats` prints.
 
-The snapshot's top-level keys are a contract (docs/design.md, and the brief): budget_bytes,
+The snapshot's top-level keys are a contract (`moed.protocol.stats.CONTRACT_KEYS`): budget_bytes,
 used_bytes, pinned_bytes, hits, misses, prefetch_hits, bytes_read, direct_io,
 mem_available_bytes, mem_floor_bytes, models, tenants. Keys are only added.
 """

@@ -1,9 +1,10 @@
 """The stats contract as code: what `moectl stats --json` and `Client.stats()` carry.
 
 `Stats` is the GetStats reply's payload and `ModelRow` the ListModels reply's
-rows. The brief's contract keys (budget_bytes, used_bytes, pinned_bytes, hits,
-misses, prefetch_hits, bytes_read, direct_io, mem_available_bytes,
-mem_floor_bytes, models, tenants) are fields here; fields are only appended,
+rows. The contract keys (`CONTRACT_KEYS`: budget_bytes, used_bytes, pinned_bytes,
+hits, misses, prefetch_hits, bytes_read, direct_io, mem_available_bytes,
+mem_floor_bytes, models, tenants: what tools reading `moectl stats --json` may
+rely on) are fields here; fields are only appended,
 with defaults, like every message. The daemon builds a snapshot and converts
 it through these types, so a key it forgets or mistypes fails loudly in the
 tests, and a key it adds without declaring it here is refused
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import msgspec
 
-# The brief's contract: `moectl stats --json` carries at least these keys.
+# The contract: `moectl stats --json` carries at least these keys, and always will.
 CONTRACT_KEYS = frozenset(
     {
         "budget_bytes",

@@ -103,3 +103,20 @@ def test_the_checker_sees_relative_imports():
     """The rules above would pass vacuously if imports were not found."""
     found = imports_of(ROOT / "moed" / "daemon" / "core.py")
     assert "moed.daemon.config" in found and "moed.protocol" in found
+
+
+def test_unit_tests_run_no_llama_cpp():
+    """tests/unit is the fast loop: a test that runs real llama.cpp (imports llama_cpp or
+    takes the `llama_cpp` fixture) lives in tests/e2e."""
+    found = []
+    for path in modules("tests/unit"):
+        tree = ast.parse(path.read_text(), str(path))
+        takes = any(
+            a.arg == "llama_cpp"
+            for n in ast.walk(tree)
+            if isinstance(n, ast.FunctionDef) and n.name.startswith("test")
+            for a in n.args.args
+        )
+        if takes or any(top(n) == "llama_cpp" for n in imports_of(path)):
+            found.append(str(path.relative_to(ROOT)))
+    assert found == []

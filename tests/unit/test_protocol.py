@@ -109,7 +109,7 @@ def test_stats_refuse_undeclared_or_missing_keys():
     with pytest.raises(msgspec.ValidationError, match="budget_bytes"):
         msgspec.convert({k: v for k, v in good.items() if k != "budget_bytes"}, Stats)
     for key in CONTRACT_KEYS:
-        assert key in good  # the brief's contract keys
+        assert key in good  # the contract keys (CONTRACT_KEYS)
 
 
 def test_tags_are_unique_across_requests_and_replies():
