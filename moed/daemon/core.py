@@ -932,6 +932,8 @@ class Daemon:
             if n % 25 == 0:
                 try:
                     self.faults.watch()  # reads that do not return (twice a second is plenty)
+                    if self.faults.behind():  # queued read-ahead would only deepen the stall
+                        self._drop_queued_prefetches()
                 except Exception:  # noqa: BLE001 - the next period tries again; never lose the loop
                     log.exception("read watch failed")
             try:

@@ -115,6 +115,7 @@ class DriveFaults:
 
     def stats(self) -> dict:
         self.quarantine.expire(time.monotonic())
+        self.behind()  # judged now, so `drive_behind` is the state at this snapshot
         return {
             "read_retries": self.reader.retried,
             "quarantined_experts": self.quarantine.count(),
