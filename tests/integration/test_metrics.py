@@ -107,6 +107,11 @@ def test_metrics_equal_moectl_stats(start_daemon, tiny_model):
         "moed_connections": s["connections"] - 1,
         "moed_verify_mismatches_total": s["verify_mismatches"],
         "moed_read_errors_total": s["read_errors"],
+        "moed_read_retries_total": s["read_retries"],
+        "moed_prefetch_dropped_total": s["prefetch_dropped"],
+        "moed_quarantined_experts": s["quarantined_experts"],
+        "moed_stalled_reads_total": s["stalled_reads"],
+        "moed_drive_behind": s["drive_behind"],
         "moed_effective_budget_bytes": s["effective_budget_bytes"],
     }
     for name, value in expected.items():
