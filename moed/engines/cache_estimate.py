@@ -8,8 +8,9 @@ once warm, and a wrong prediction of a resident expert costs no message.
 
 How: the daemon's default policy is one LRU over a size class's slots, so for a
 single engine a key is resident exactly when fewer than the class's capacity of
-distinct keys were touched since its last touch. The estimate is that LRU,
-replayed on this engine's own touches.
+distinct keys were touched since its last touch. The estimate is that LRU (the
+daemon's own class, `moed.cache.eviction.LRU`), replayed on this engine's own
+touches.
 
 Invariants: the estimate only ever suppresses a prefetch; it never changes what
 is acquired, so an error costs a demand read, never a wrong byte. It is wrong
@@ -20,7 +21,7 @@ those experts, no worse than prefetch off.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from moed.cache.eviction import LRU
 
 
 class CacheEstimate:
@@ -28,14 +29,14 @@ class CacheEstimate:
         """`capacity_of(layer)`: slots of the layer's class (None: unknown); `class_of(layer)`: its class key."""
         self._capacity_of = capacity_of
         self._class_of = class_of
-        self._lru: dict[object, OrderedDict] = {}
+        self._lru: dict[object, LRU] = {}
         self._cap: dict[object, int | None] = {}
 
-    def _class(self, layer: int) -> tuple[OrderedDict, int | None]:
+    def _class(self, layer: int) -> tuple[LRU, int | None]:
         key = self._class_of(layer)
         lru = self._lru.get(key)
         if lru is None:
-            lru = self._lru[key] = OrderedDict()
+            lru = self._lru[key] = LRU()
             self._cap[key] = self._capacity_of(layer)
         return lru, self._cap[key]
 
@@ -46,12 +47,10 @@ class CacheEstimate:
             return
         for e in experts:
             k = (layer, int(e))
-            if k in lru:
-                lru.move_to_end(k)
-            else:
-                lru[k] = None
+            lru.remove(k)  # acquired (a no-op for a key it does not hold), then released
+            lru.add(k)
         while len(lru) > cap:
-            lru.popitem(last=False)
+            lru.remove(lru.victim())
 
     def missing(self, layer: int, experts):
         """The experts of `layer` (in their order) that the estimate does not hold."""

@@ -61,7 +61,7 @@ and the walk is the store's, over one LRU order per group (see Speed, below):
 With all floors zero the floors replay is the shared g-lru replay exactly.
 
 Speed: the shared and static replays are `moed.lab.policies`' loops (unit
-slots) or a byte-counting OrderedDict LRU; the floors replay keeps one LRU
+slots) or the daemon's LRU class counting bytes; the floors replay keeps one LRU
 order per (engine, slot size), so finding a victim looks at a handful of
 group heads, never at the protected slots (bench/fleet_shared_vs_static.py
 prints the rates).
@@ -77,6 +77,7 @@ from typing import Any
 
 import numpy as np
 
+from moed.cache.eviction import LRU
 from moed.cache.quota import keeps_floor
 from moed.lab import policies
 from moed.lab.policies import Accesses
@@ -346,25 +347,29 @@ def _fleet_tokens(token_start: np.ndarray, owner: np.ndarray, tokens: list[np.nd
 
 
 def _byte_lru(keys: list[int], key_bytes: list[int], budget: int) -> tuple[bytearray, int]:
-    """LRU over a byte budget (the store's `_reserve`: evict the LRU end until it fits).
-    Returns (hit mask, refused: accesses larger than the whole budget)."""
+    """The daemon's LRU (moed.cache.eviction.LRU) over a byte budget, as the store's
+    `_reserve` drives it: evict the victim until the miss fits. Returns (hit mask,
+    refused: accesses larger than the whole budget)."""
     hit = bytearray(len(keys))
-    cache: OrderedDict[int, int] = OrderedDict()
-    touch, evict = cache.move_to_end, cache.popitem
+    lru = LRU()
+    add, remove, victim = lru.add, lru.remove, lru.victim
     used = refused = 0
     for i, k in enumerate(keys):
-        if k in cache:
-            touch(k)
+        if k in lru:
+            remove(k)
+            add(k)
             hit[i] = 1
             continue
         b = key_bytes[k]
         if b > budget:
             refused += 1
             continue
-        cache[k] = b
         used += b
         while used > budget:
-            used -= evict(False)[1]
+            v = victim()
+            remove(v)
+            used -= key_bytes[v]
+        add(k)
     return hit, refused
 
 
