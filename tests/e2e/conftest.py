@@ -28,20 +28,33 @@ def assert_bit_equal(a: np.ndarray, b: np.ndarray) -> None:
     )
 
 
-@pytest.fixture(scope="session")
-def reference_logits(llama_cpp):
-    """`reference_logits(path)`: resident llama.cpp (same kernels), cached per model."""
+def resident_logits(path, repack: str) -> tuple[list[int], np.ndarray]:
     from moed.engines.llama_cpp import UnpackedLlama
 
+    llm = UnpackedLlama(str(path), repack=repack, **LLAMA_KW)
+    try:
+        tokens = llm.tokenize(PROMPT)
+        return tokens, greedy_logits(llm, tokens)
+    finally:
+        llm.close()
+
+
+def plain_reference_logits(path) -> tuple[list[int], np.ndarray]:
+    """Resident llama.cpp on the plain kernels: the reference of StreamedLlama(repack="off")."""
+    return resident_logits(path, "off")
+
+
+@pytest.fixture(scope="session")
+def reference_logits(llama_cpp):
+    """`reference_logits(path)`: resident llama.cpp on the same kernels as StreamedLlama's
+    default on a plain file (dense weights on CPU_REPACK as stock puts them, experts
+    plain: UnpackedLlama(repack="dense")), cached per model."""
     cache: dict[str, tuple[list[int], np.ndarray]] = {}
 
     def get(path) -> tuple[list[int], np.ndarray]:
         key = str(path)
         if key not in cache:
-            llm = UnpackedLlama(key, **LLAMA_KW)
-            tokens = llm.tokenize(PROMPT)
-            cache[key] = (tokens, greedy_logits(llm, tokens))
-            llm.close()
+            cache[key] = resident_logits(key, "dense")
         return cache[key]
 
     return get

@@ -1,0 +1,196 @@
+"""StreamedLlama on stock llama.cpp's repacked CPU kernels, bit for bit against stock.
+
+A file made by `moectl align --repack` holds its experts in the layout this CPU's
+llama.cpp computes on; StreamedLlama(repack="auto") then runs every weight on the
+kernels stock `llama_cpp.Llama` picks for the original file, so the logits of a
+prompt batch and greedy steps must equal stock's exactly, at budgets that evict.
+Types this CPU does not repack are skipped with the reason (ggml repacks Q4_0,
+Q4_K, IQ4_NL and MXFP4 on AVX2 and NEON hosts; the test names which ran).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.e2e.conftest import LLAMA_KW, PROMPT, assert_bit_equal, greedy_logits
+
+pytestmark = pytest.mark.e2e
+pytest.importorskip("llama_cpp")
+
+
+def repacked(path, out_dir) -> str:
+    """`moectl align --repack path OUT`, through the CLI a user runs; the first shard's path."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "moed.ctl", "align", "--repack", str(path), os.path.join(out_dir, "repacked.gguf")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "experts repacked:" in proc.stderr
+    return proc.stdout.splitlines()[0]
+
+
+def stock_logits(path) -> tuple[list[int], np.ndarray]:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(path), **LLAMA_KW)
+    try:
+        tokens = llm.tokenize(PROMPT)
+        return tokens, greedy_logits(llm, tokens)
+    finally:
+        llm.close()
+
+
+def streamed_logits(daemon, path, tokens, **kw) -> tuple[np.ndarray, dict, dict]:
+    from moed.engines.llama_cpp import StreamedLlama
+
+    client = daemon.client("e2e")
+    llm = StreamedLlama(str(path), client=client, **{**LLAMA_KW, **kw})
+    try:
+        return greedy_logits(llm, tokens), llm.stream_stats(), client.stats()
+    finally:
+        llm.close()
+        client.close()
+
+
+def need_repack(path) -> str:
+    """The file's expert layout after --repack on this host; skip when nothing repacks here."""
+    from moed.engines import kernels
+    from moed.gguf.catalog import Catalog
+
+    cat = Catalog.open(path)
+    types = {(p.ggml_type, p.shape[0], p.shape[1]) for e in cat.layers.values() for p in e.parts.values()}
+    layouts = {kernels.layout_of(t, (a, b)) for t, a, b in types}
+    if layouts == {kernels.PLAIN}:
+        pytest.skip(f"this CPU's llama.cpp repacks none of {sorted(cat.expert_types)} ({kernels.ggml().features()})")
+    return "+".join(sorted(layouts))
+
+
+MODELS = {
+    # name: (make_model kwargs, budget, which path the experts take)
+    "q4_0-copy": (dict(quant="q4_0"), "96KiB", "copy"),  # 2304-byte parts: the copy path, evicting
+    "q4_0-zero-copy": (dict(quant="q4_0", embd=256, ff=256), "1MiB", "zero_copy"),  # 9-page parts
+    "q4_0-split": (dict(quant="q4_0", split=3), "96KiB", "copy"),
+    "q4_k_m": (dict(embd=256, ff=256, recipe="q4_k_m"), "1MiB", "mixed"),  # Q4_K gate/up, Q6_K down, Q4_K attention
+    "gpt-oss-mxfp4": (dict(arch="gpt-oss", embd=256, ff=512), "2MiB", "zero_copy"),
+    "olmoe-q4_0": (dict(arch="olmoe", quant="q4_0"), "96KiB", "copy"),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_repacked_file_is_bit_exact_with_stock(name, model_factory, tmp_path, start_daemon):
+    kwargs, budget, path_kind = MODELS[name]
+    src = model_factory(**kwargs)
+    need_repack(src)
+    tokens, want = stock_logits(src)
+    got, engine, stats = streamed_logits(start_daemon(budget), repacked(src, tmp_path), tokens)
+    assert_bit_equal(got, want)
+    assert engine["expert_layout"] != "plain"
+    assert stats["evictions"] > 0, "the budget must force eviction"
+    if path_kind == "zero_copy":
+        assert engine["pages_maps"] > 0 and engine["pages_copies"] == 0
+    if path_kind == "copy":
+        assert engine["pages_copies"] > 0
+    if name == "q4_k_m":
+        assert engine["expert_layout"].endswith("+plain")  # Q6_K down stays plain on x86
+        assert engine["dense_repacked_tensors"] > 0  # the Q4_K attention goes to CPU_REPACK, as stock's
+
+
+def test_plain_file_auto_repacks_the_dense_weights_like_stock(q4_k_m_model, start_daemon):
+    """A plain file: dense weights as stock places them, experts plain; same as UnpackedLlama(repack="dense")."""
+    from moed.engines.llama_cpp import UnpackedLlama
+
+    ref = UnpackedLlama(str(q4_k_m_model), repack="dense", **LLAMA_KW)
+    tokens = ref.tokenize(PROMPT)
+    want = greedy_logits(ref, tokens)
+    ref.close()
+    with pytest.warns(RuntimeWarning, match="align --repack"):
+        got, engine, _ = streamed_logits(start_daemon("1MiB"), q4_k_m_model, tokens)
+    assert_bit_equal(got, want)
+    assert engine["expert_layout"] == "plain"
+    from moed.engines import kernels
+
+    if kernels.layout_of(kernels.Q4_K, (256, 256)) != kernels.PLAIN:
+        assert engine["dense_repacked_tensors"] > 0 and "q4_K_8x8" in engine["dense_layouts"]
+
+
+def test_repack_off_is_still_the_plain_kernels(q4_k_m_model, reference_logits, start_daemon):
+    from tests.e2e.conftest import plain_reference_logits
+
+    tokens, want = plain_reference_logits(q4_k_m_model)
+    got, engine, _ = streamed_logits(start_daemon("1MiB"), q4_k_m_model, tokens, repack="off")
+    assert_bit_equal(got, want)
+    assert engine["expert_layout"] == "plain" and engine["dense_repacked_tensors"] == 0
+
+
+def test_two_engine_processes_share_the_repacked_slots(model_factory, tmp_path, start_daemon):
+    """Two engines on one repacked file: one copy of each expert serves both, both exact."""
+    src = model_factory(quant="q4_0", embd=256, ff=256)
+    need_repack(src)
+    path = repacked(src, tmp_path)
+    tokens, want = stock_logits(src)
+    d = start_daemon("64MiB")
+    code = (
+        "import sys, numpy as np\n"
+        "from tests.e2e.conftest import LLAMA_KW, greedy_logits\n"
+        "from moed.engines.llama_cpp import StreamedLlama\n"
+        "from moed.client import Client\n"
+        f"c = Client({d.socket!r}, 'worker')\n"
+        f"llm = StreamedLlama({path!r}, client=c, **LLAMA_KW)\n"
+        f"np.save(sys.argv[1], greedy_logits(llm, {tokens!r}))\n"
+        "assert llm.stream_stats()['expert_layout'] != 'plain'\n"
+        "llm.close(); c.close()\n"
+    )
+    outs = [str(tmp_path / f"w{k}.npy") for k in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", code, o], cwd=os.getcwd()) for o in outs]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    for o in outs:
+        assert_bit_equal(np.load(o), want)
+    with d.client("check") as c:
+        s = c.stats()
+        assert len(s["models"]) == 1 and s["models"][0]["expert_layout"] != "plain"
+        # one copy: the two engines read no more experts than the model has
+        n_experts = 8 * 4
+        assert s["models"][0]["resident_experts"] <= n_experts
+
+
+def test_a_file_repacked_for_another_layout_is_refused(model_factory, tmp_path, start_daemon):
+    """Metadata naming a layout this CPU does not compute on: LayoutUnavailable, nothing served."""
+    from moed.engines.llama_cpp import StreamedLlama
+    from moed.gguf.align import Transform, align_gguf
+    from moed.gguf.layouts import KEY_CPU, KEY_LAYOUTS
+    from moed.protocol.errors import LayoutUnavailable
+
+    src = model_factory(quant="q4_0")
+    foreign = str(tmp_path / "foreign.gguf")
+    # An ARM host's layout for Q4_0 with i8mm; bytes left as they are (never read).
+    align_gguf(src, foreign, transform=Transform(lambda t: None, {KEY_LAYOUTS: ["Q4_0=q4_0_4x8"], KEY_CPU: "aarch64"}))
+    d = start_daemon("1MiB")
+    with d.client("e2e") as client:
+        with pytest.raises(LayoutUnavailable, match="q4_0_4x8.*aarch64"):
+            StreamedLlama(foreign, client=client, **LLAMA_KW)
+        with pytest.raises(LayoutUnavailable, match="repack='auto'"):
+            StreamedLlama(foreign, client=client, repack="off", **LLAMA_KW)
+        # the daemon refuses a layout it cannot give, whoever asks
+        with pytest.raises(LayoutUnavailable, match="its experts are plain"):
+            client.open_model(src, expert_layout="q4_0_8x8")
+        assert client.stats()["tenants"][0]["leases"] == 0
+
+
+def test_a_repacked_file_cannot_be_repacked_again(model_factory, tmp_path):
+    src = model_factory(quant="q4_0")
+    need_repack(src)
+    once = repacked(src, tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "moed.ctl", "align", "--repack", once, str(tmp_path / "twice.gguf")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0 and "repacked already" in proc.stderr
