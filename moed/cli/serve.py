@@ -1,21 +1,30 @@
 """moectl serve: llama-cpp-python's OpenAI-compatible server on models streamed by moed.
 
-What this module owns: the command line. The server is llama-cpp-python's own
-(`llama_cpp.server`, the `[server]` extra) with `StreamedLlama` as its model class
-(moed.engines.server). One model from the arguments, or several from the server's
-own config file (`--config F`: JSON or YAML, `{"host": ..., "port": ..., "models":
-[{"model": PATH, "model_alias": NAME, "n_ctx": N, ...}]}`); `--host`/`--port`
-override the file's. `--prefetch` and `--prefetch-width` apply to every model.
-Several `moectl serve` processes can share one daemon.
+What this module owns: the command line, turned into one `ServePlan`
+(moed.serve.lifecycle). The server is llama-cpp-python's own (`llama_cpp.server`,
+the `[server]` extra) with `StreamedLlama` as its model class (moed.engines.server),
+run in `--workers N` engine processes per model behind one port (moed.serve): every
+worker maps the daemon's one copy of each expert, so a worker costs its KV cache and
+its private memory, not another copy of the experts.
+
+One model from the arguments, or several from the server's own config file
+(`--config F`: JSON or YAML, `{"host": ..., "port": ..., "models": [{"model": PATH,
+"model_alias": NAME, "n_ctx": N, "workers": W, ...}]}`; `workers` is moed's, the rest
+the server's); `--host`/`--port` override the file's, `--workers` sets every model's
+that the file leaves unset. Engine flags (`--prefetch`, ...) apply to every model.
+Requests queue for a free worker (`--queue` of them a model, then 503 with
+Retry-After); `--interrupt-requests` lets a new request cut the running stream instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import sys
 
 from moed.cli import fail
+
+DEFAULT_QUEUE = 16
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,10 +34,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=None, help="listen port (default 8000)")
     p.add_argument("--config", help="llama_cpp.server config file (JSON or YAML) naming one or more models")
     p.add_argument("--alias", default=None, help="the model's name in the API (default: its path)")
-    p.add_argument("--ctx", type=int, default=2048, help="context length (default 2048)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: the server's)")
+    p.add_argument("--ctx", type=int, default=2048, help="context length in tokens, exactly (default 2048)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads of each worker (default: the server's)")
     p.add_argument("--chat-format", default=None, help="chat template name (default: the model's own)")
     p.add_argument("--api-key", default=None, help="require this bearer token")
+    p.add_argument("--workers", type=int, default=None, help="engine processes per model (default 1)")
+    p.add_argument(
+        "--queue",
+        type=int,
+        default=DEFAULT_QUEUE,
+        help=f"requests that may wait for a busy model's workers; more get 503 (default {DEFAULT_QUEUE})",
+    )
+    p.add_argument("--grace", type=float, default=10.0, help="seconds SIGTERM lets requests finish (default 10)")
+    p.add_argument("--metrics-listen", default=None, metavar="HOST:PORT", help="serve Prometheus metrics here")
     p.add_argument(
         "--interrupt-requests",
         action="store_true",
@@ -36,6 +54,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a new request cuts the running stream (which ends with finish_reason 'interrupted'); "
         "default: requests queue",
     )
+    _engine_flags(p)
+    p.add_argument("--verbose", action="store_true", help="llama.cpp's load log and uvicorn's access log")
+    p.set_defaults(func=cmd_serve)
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    """StreamedLlama's options (moed.engines.server.EngineOptions), for every model."""
     p.add_argument(
         "--prefetch",
         choices=("gate", "gate2", "off"),
@@ -50,42 +75,61 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="seconds an acquire may wait for budget (default: the daemon's)",
     )
-    p.add_argument("--verbose", action="store_true", help="llama.cpp's load log and uvicorn's access log")
-    p.set_defaults(func=cmd_serve)
+
+
+def _engine_options(args: argparse.Namespace) -> dict:
+    from moed.engines.server import EngineOptions
+
+    options = EngineOptions(
+        socket_path=args.socket,
+        prefetch=args.prefetch,
+        prefetch_width=args.prefetch_width,
+        skeleton_dir=args.skeleton_dir,
+        acquire_timeout_s=args.acquire_timeout,
+    )
+    import dataclasses
+
+    return dataclasses.asdict(options)
+
+
+def _read_config(path: str) -> dict:
+    with open(path, "rb") as f:
+        text = f.read()
+    if path.endswith((".yaml", ".yml")):
+        import yaml
+
+        data = yaml.safe_load(text)
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a mapping")
+    return data
 
 
 def _settings(args: argparse.Namespace):
-    """(server settings, model settings) from the arguments or the config file."""
+    """(server settings, [(model settings, workers)]) from the arguments or the config file."""
     from llama_cpp.server.settings import ConfigFileSettings, ModelSettings, ServerSettings
 
     if args.config:
-        with open(args.config, "rb") as f:
-            text = f.read()
-        if args.config.endswith((".yaml", ".yml")):
-            import json
-
-            import yaml
-
-            text = json.dumps(yaml.safe_load(text)).encode()
-        file_settings = ConfigFileSettings.model_validate_json(text)
+        data = _read_config(args.config)
+        models = data.get("models") or []
+        # `workers` is moed's: the server's own settings would refuse it.
+        counts = [m.pop("workers", None) if isinstance(m, dict) else None for m in models]
+        file_settings = ConfigFileSettings.model_validate(data)
         server = ServerSettings.model_validate(file_settings.model_dump(exclude={"models"}))
         if "interrupt_requests" not in file_settings.model_fields_set:
             # llama_cpp.server's default cuts a running stream for every new request.
             server = server.model_copy(update={"interrupt_requests": False})
-        models = file_settings.models
-        if not models:
+        if not file_settings.models:
             raise ValueError(f"{args.config}: no models")
+        pairs = [(m, n if n is not None else args.workers or 1) for m, n in zip(file_settings.models, counts)]
     else:
         server = ServerSettings(host="127.0.0.1", port=8000, interrupt_requests=False)
         given = {"n_threads": args.threads, "chat_format": args.chat_format, "model_alias": args.alias}
-        models = [
-            ModelSettings(
-                model=args.model,
-                n_ctx=args.ctx,
-                verbose=args.verbose,
-                **{k: v for k, v in given.items() if v is not None},
-            )
-        ]
+        model = ModelSettings(
+            model=args.model, n_ctx=args.ctx, verbose=args.verbose, **{k: v for k, v in given.items() if v is not None}
+        )
+        pairs = [(model, args.workers or 1)]
     updates = {
         "host": args.host,
         "port": args.port,
@@ -93,7 +137,48 @@ def _settings(args: argparse.Namespace):
         "interrupt_requests": args.interrupt_requests,
     }
     server = server.model_copy(update={k: v for k, v in updates.items() if v is not None})
-    return server, models
+    for m, n in pairs:
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"model {m.model_alias or m.model}: workers must be a whole number >= 1, not {n!r}")
+    return server, pairs
+
+
+def _metrics_listen(value: str | None) -> tuple[str, int] | None:
+    if not value:
+        return None
+    host, _, port = value.rpartition(":")
+    return (host or "127.0.0.1", int(port))
+
+
+def _plan(args: argparse.Namespace):
+    from moed.serve.lifecycle import ServedModel, ServePlan
+
+    server, pairs = _settings(args)
+    models = []
+    for settings, workers in pairs:
+        if not os.path.exists(settings.model):
+            raise FileNotFoundError(f"no such model file: {settings.model}")
+        alias = settings.model_alias or settings.model
+        data = settings.model_dump(mode="json") | {"model_alias": alias}
+        models.append(ServedModel(alias, data, workers))
+    if len({m.alias for m in models}) != len(models):
+        raise ValueError("two models have the same alias")
+    # Workers listen only on their private sockets: the front checks the API key.
+    worker_server = server.model_dump(mode="json") | {"api_key": None}
+    return ServePlan(
+        host=server.host,
+        port=server.port,
+        models=models,
+        engine=_engine_options(args),
+        server=worker_server,
+        queue_bound=args.queue,
+        grace_s=args.grace,
+        api_key=server.api_key,
+        metrics_listen=_metrics_listen(args.metrics_listen),
+        ssl_keyfile=server.ssl_keyfile,
+        ssl_certfile=server.ssl_certfile,
+        verbose=args.verbose,
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -103,38 +188,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if path and not os.path.exists(path):
             return fail(f"no such file: {path}")
     try:
-        import uvicorn
+        import llama_cpp.server.app  # noqa: F401 - the [server] extra
 
-        from moed.engines.server import EngineOptions, create_app
+        from moed.serve import lifecycle
     except ImportError as exc:
         return fail(f"moectl serve needs llama-cpp-python's server: pip install 'moed[server]' ({exc})")
     try:
-        server, models = _settings(args)
+        plan = _plan(args)
     except (ValueError, OSError) as exc:  # pydantic's ValidationError is a ValueError
         return fail(f"bad server settings: {exc}")
-    for m in models:
-        if not os.path.exists(m.model):
-            return fail(f"no such model file: {m.model}")
-    options = EngineOptions(
-        socket_path=args.socket,
-        prefetch=args.prefetch,
-        prefetch_width=args.prefetch_width,
-        skeleton_dir=args.skeleton_dir,
-        acquire_timeout_s=args.acquire_timeout,
-    )
-    app = create_app(options, server_settings=server, model_settings=models)
-    names = ", ".join(m.model_alias or m.model for m in models)
-    print(
-        f"moectl serve: {names} on http://{server.host}:{server.port}/v1 (moed at {args.socket})",
-        file=sys.stderr,
-        flush=True,
-    )
-    uvicorn.run(
-        app,
-        host=server.host,
-        port=server.port,
-        ssl_keyfile=server.ssl_keyfile,
-        ssl_certfile=server.ssl_certfile,
-        log_level="info" if args.verbose else "warning",
-    )
-    return 0
+    return lifecycle.run(plan)

@@ -1,0 +1,147 @@
+"""The life of `moectl serve`: start the workers, serve on one port, drain, stop.
+
+What this module owns: the order of things in the front process.
+
+1. startup: a private run directory (0700) for the workers' specs and sockets;
+   every model's workers started (moed.serve.supervisor) and every one answering
+   before the port is bound, so a client that can connect is served; a worker
+   that cannot start fails the server with its exit status (its log is above it);
+2. serve: the front (moed.serve.front) on uvicorn, on the one listening socket;
+   metrics on their own port if asked;
+3. shutdown on SIGTERM or SIGINT: uvicorn stops accepting and lets in-flight
+   requests finish for `grace_s` (then cancels them), the pools refuse what still
+   waits, every worker gets SIGTERM (SIGKILL after the grace), the run directory
+   is removed, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import uvicorn
+
+from moed.serve.front import Front
+from moed.serve.metrics import ServeMetrics
+from moed.serve.pool import WorkerPool, WorkerSlot
+from moed.serve.supervisor import Backoff, WorkerFailed, WorkerSupervisor
+from moed.serve.worker import WorkerSpec
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """One model of the server: its alias, its llama_cpp.server settings (JSON) and its worker count."""
+
+    alias: str
+    settings: dict
+    workers: int = 1
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    host: str
+    port: int
+    models: list[ServedModel]
+    engine: dict  # EngineOptions fields
+    server: dict  # llama_cpp.server ServerSettings, as JSON (what every worker runs)
+    queue_bound: int = 16
+    grace_s: float = 10.0
+    api_key: str | None = None
+    metrics_listen: tuple[str, int] | None = None
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    verbose: bool = False
+    backoff: Backoff = Backoff()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, but a SIGTERM it drained for ends in exit 0, not in the signal re-raised."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        saved = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
+
+
+def _pools(plan: ServePlan, run_dir: str) -> tuple[dict[str, WorkerPool], list[WorkerSupervisor]]:
+    interrupting = bool(plan.server.get("interrupt_requests"))
+    pools, supervisors = {}, []
+    for m_index, model in enumerate(plan.models):
+        sockets = [os.path.join(run_dir, f"m{m_index}-w{i}.sock") for i in range(model.workers)]
+        spec_path = os.path.join(run_dir, f"m{m_index}.json")
+        WorkerSpec(plan.engine, plan.server, model.settings, sockets, plan.verbose).write(spec_path)
+        slots = [WorkerSlot(i, path) for i, path in enumerate(sockets)]
+        pool = pools[model.alias] = WorkerPool(model.alias, slots, plan.queue_bound, interrupting)
+        supervisors += [WorkerSupervisor(pool, slot, spec_path, plan.backoff) for slot in slots]
+    return pools, supervisors
+
+
+async def _serve(plan: ServePlan, run_dir: str) -> int:
+    pools, supervisors = _pools(plan, run_dir)
+    for s in supervisors:
+        s.start()
+    try:
+        try:
+            await asyncio.gather(*(s.ready() for s in supervisors))
+        except WorkerFailed as exc:
+            print(f"moectl serve: {exc}", file=sys.stderr, flush=True)
+            return 1
+        metrics = ServeMetrics(pools)
+        metrics_server = metrics.serve(*plan.metrics_listen) if plan.metrics_listen else None
+        front = Front(pools, metrics, plan.api_key)
+        config = uvicorn.Config(
+            front,
+            host=plan.host,
+            port=plan.port,
+            ssl_keyfile=plan.ssl_keyfile,
+            ssl_certfile=plan.ssl_certfile,
+            log_level="info" if plan.verbose else "warning",
+            access_log=plan.verbose,
+            timeout_graceful_shutdown=int(plan.grace_s),
+            lifespan="on",
+        )
+        _announce(plan)
+        await _Server(config).serve()
+        if metrics_server is not None:
+            metrics_server.shutdown()
+        for pool in pools.values():
+            pool.close()
+        return 0
+    finally:
+        await asyncio.gather(*(s.stop(plan.grace_s) for s in supervisors))
+
+
+def _announce(plan: ServePlan) -> None:
+    names = ", ".join(f"{m.alias} ({m.workers} worker{'s' if m.workers != 1 else ''})" for m in plan.models)
+    metrics = (
+        f"; metrics on http://{plan.metrics_listen[0]}:{plan.metrics_listen[1]}/metrics" if plan.metrics_listen else ""
+    )
+    socket_path = plan.engine.get("socket_path")
+    print(
+        f"moectl serve: {names} on http://{plan.host}:{plan.port}/v1 (moed at {socket_path}){metrics}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def run(plan: ServePlan) -> int:
+    """Serve until SIGTERM or SIGINT (see module); the exit status."""
+    run_dir = tempfile.mkdtemp(prefix="moectl-serve-")
+    try:
+        return asyncio.run(_serve(plan, run_dir))
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+__all__ = ["ServePlan", "ServedModel", "run"]
