@@ -17,6 +17,7 @@ import socket
 import struct
 import threading
 import time
+import warnings
 
 import msgspec
 import numpy as np
@@ -285,11 +286,20 @@ class ModelHandle:
     def segment(self, class_id: int) -> Segment:
         return self.client.segment(class_id)
 
-    def acquire(self, layer: int, experts, timeout_s: float | None = None, release=()) -> Lease:
+    def acquire(
+        self, layer: int, experts, timeout_s: float | None = None, release=(), *, timeout: float | None = None
+    ) -> Lease:
         """Hold `experts` of `layer`; blocks until they are resident. `release` piggybacks.
 
         `timeout_s`: how long the daemon may wait for room (None: its default).
+        `timeout` is the first interface's name (`m.acquire(layer, experts, timeout=None)`),
+        which callers outside this repository are promised: kept, with a DeprecationWarning.
         """
+        if timeout is not None:
+            warnings.warn(
+                "ModelHandle.acquire(timeout=) is deprecated; use timeout_s=", DeprecationWarning, stacklevel=2
+            )
+            timeout_s = timeout if timeout_s is None else timeout_s
         experts = list(map(int, experts))
         if self._table is not None:
             lease = self._acquire_locally(layer, experts)

@@ -328,3 +328,13 @@ def test_concurrent_acquires_of_one_missing_expert_share_one_read(daemon, model_
     assert s["bytes_read"] == Catalog.open(model).expert_bytes(1)
     for c in clients:
         c.close()
+
+
+def test_acquire_timeout_keeps_its_old_name_as_a_deprecated_alias(daemon, tiny_model):
+    with daemon.client() as c:
+        m = c.open_model(tiny_model)
+        with pytest.warns(DeprecationWarning, match="timeout_s"):
+            lease = m.acquire(0, [1], timeout=5)
+        lease.release()
+        with m.acquire(0, [1], timeout_s=5):
+            pass
