@@ -6,8 +6,9 @@ daemon and the lab, which import it and never each other:
 - `store`: the slot state machine and the one byte budget shared by every model
   and tenant (`Store`); the daemon drives it, the lab's tests replay through it;
 - `eviction`: the eviction policies behind one interface (`LRU`, `DecayingLFU`);
-  the daemon's `eviction_policy` names one, and the lab's g-lru and lru replays
-  run the same `LRU` class;
+  the daemon's `eviction_policy` names one, and the lab's g-lru and lru replays,
+  the fleet's byte-budget replay and the engines' estimate of the daemon's cache
+  (moed.engines.cache_estimate) run the same `LRU` class;
 - `quota`: a tenant's floor and ceiling, and the floor rule that decides whether
   a slot may be evicted for another tenant (the store's quota walk and the lab's
   fleet replay both ask it).

@@ -10,6 +10,7 @@
 - the model-file layer (moed.gguf) imports only the protocol, gguf-py and numpy
   (and rich, for align's progress bar);
 - the lab never imports the daemon;
+- the engines (in the inference processes) never import the daemon;
 - benchmarks import nothing from tests.
 """
 
@@ -92,6 +93,7 @@ STDLIB = set(sys.stdlib_module_names) | {"__future__"}
             lambda n: top(n) in STDLIB | {"gguf", "numpy", "rich"} or n.startswith(("moed.protocol", "moed.gguf")),
         ),
         ("moed/lab", "never the daemon", lambda n: not n.startswith("moed.daemon")),
+        ("moed/engines", "never the daemon", lambda n: not n.startswith("moed.daemon")),
         ("bench", "nothing from tests", lambda n: top(n) != "tests"),
     ],
 )
