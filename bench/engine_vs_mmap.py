@@ -8,7 +8,15 @@ One script, one memory cap, one model, one routing trace:
             engine together), RAM budget BUDGET;
   resident  llama.cpp with the whole model read into RAM, no cap;
   moed-fit  StreamedLlama, no cap, a budget and a pinned partition that hold every
-            expert (the daemon mirrors the model at open, as resident reads it at load).
+            expert (the daemon mirrors the model at open, as resident reads it at load);
+  stock     stock llama_cpp.Llama, resident, no cap: every repacked CPU kernel
+            (CPU_REPACK), the engine users compare with.
+
+The moed engines run `repack="auto"` on the file `moectl align --repack` makes of
+the model (`--repacked`, made once next to it): stock's kernels for every weight.
+`moed-off` and `moed-fit-off` run `repack="off"` on the plain model: the plain
+kernels, as `resident` (UnpackedLlama) does. Every engine takes the trace's routes,
+stock included (StockLlama: stock's load plus the route hook).
 
 The routes follow a real trace (OLMoE-1B-7B, 16 layers x 64 experts, top-8, from
 ../shared/traces/nvmoe): the eval callback overwrites the router's top-k ids
@@ -164,8 +172,10 @@ def run_engine(
     )
     t0 = time.perf_counter()
     if kind.startswith("moed"):
+        plain = kind.endswith("-off")
         llm = StreamedLlama(
-            model,
+            model if plain else repacked_path(model),
+            repack="off" if plain else "auto",
             socket_path=socket,
             route_hook=routes,
             skeleton_dir=SKELETON_DIR,
@@ -175,12 +185,10 @@ def run_engine(
             **kw,
         )
     elif kind == "stock":
-        # stock llama_cpp.Llama, resident: its repacked x86 kernels (about 20% faster than the
-        # same-kernel engine) and its own routes (it cannot take forced ones; the work a token
-        # does is the same top-k either way)
-        import llama_cpp
+        # stock llama_cpp.Llama, resident: its repacked kernels, on the trace's routes
+        from moed.engines.llama_cpp import StockLlama
 
-        llm = llama_cpp.Llama(model, use_mmap=False, **kw)
+        llm = StockLlama(model, use_mmap=False, route_hook=routes, **kw)
     else:
         llm = UnpackedLlama(model, use_mmap=(kind == "mmap"), route_hook=routes, **kw)
     load_s = time.perf_counter() - t0
@@ -396,13 +404,21 @@ def with_daemon(args, budget: str, cgroup: Cgroup | None, fn, extra: tuple = ())
         shutil.rmtree(sock_dir, ignore_errors=True)
 
 
-def ensure_model(path: str) -> None:
+def repacked_path(model: str) -> str:
+    return model[: -len(".gguf")] + "-repacked.gguf" if model.endswith(".gguf") else model + "-repacked"
+
+
+def ensure_model(path: str, recipe: str | None = None) -> None:
     if not os.path.exists(path):
         sys.path.insert(0, str(ROOT / "bench"))
         import engine_model
 
         print(f"writing {path} ...", file=sys.stderr)
-        engine_model.write(path)
+        engine_model.write(path, recipe=recipe)
+    out = repacked_path(path)
+    if not os.path.exists(out):
+        print(f"moectl align --repack {path} {out} ...", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "moed.ctl", "align", "--repack", path, out], check=True)
 
 
 def main() -> int:
@@ -420,7 +436,8 @@ def main() -> int:
         default=1,
         help="llama.cpp threads (1: ggml's spinning barriers collapse when the box is shared)",
     )
-    ap.add_argument("--engines", default="mmap,moed,resident,moed-fit")
+    ap.add_argument("--engines", default="mmap,moed-off,moed,resident,stock,moed-fit")
+    ap.add_argument("--recipe", choices=("q4_k_m",), default=None, help="how a missing --model is written")
     ap.add_argument("--policy", default="lru", choices=["lru", "lfu"], help="the daemon's eviction policy")
     ap.add_argument("--prefetch", default="off", help="moed engines: comma-separated modes (off,gate,gate2)")
     ap.add_argument("--recall", default="0.86", help="emulated predictor recall(s), comma-separated")
@@ -457,7 +474,7 @@ def main() -> int:
         )
         return 0
 
-    ensure_model(args.model)
+    ensure_model(args.model, args.recipe)
     cap = _cap_bytes(args.cap)
     size = os.path.getsize(args.model)
     print(
@@ -501,16 +518,17 @@ def plan(args) -> list[tuple[str, str, dict]]:
 
 def one_run(args, kind: str, run: dict, cap: int | None, size: int) -> dict:
     drop_page_cache(args.model)
-    capped = kind in ("mmap", "moed") and cap is not None
+    capped = kind in ("mmap", "moed", "moed-off") and cap is not None
     group = Cgroup(f"moed-bench-{os.getpid()}-{kind}", cap) if capped else None
     warmup = 4 if kind == "mmap" else args.warmup
     tokens = args.mmap_tokens if kind == "mmap" else args.tokens
     try:
         if kind.startswith("moed"):
-            budget = _budget(args.budget, args.model) if kind == "moed" else f"{int(size * 1.1)}"
+            fit = kind.startswith("moed-fit")
+            budget = f"{int(size * 1.1)}" if fit else _budget(args.budget, args.model)
             # Everything fits: the daemon mirrors the whole model in its pinned
             # partition at open (as the resident engine reads it all at load).
-            extra = ("--pin-budget", f"{int(size * 1.1)}") if kind == "moed-fit" else ()
+            extra = ("--pin-budget", f"{int(size * 1.1)}") if fit else ()
             extra += ("--policy", args.policy)
             res = with_daemon(
                 args, budget, group, lambda sock: child(args, kind, group, sock, tokens, warmup, run), extra
@@ -555,6 +573,9 @@ def ratios(results: dict[str, list[dict]]) -> dict[str, float]:
         for base in ("mmap", "resident", "stock"):
             if med.get(base):
                 out[f"{label} vs {base}"] = round(rate / med[base], 3)
+        plain = label.replace(kind, kind + "-off", 1)
+        if not kind.endswith("-off") and med.get(plain):
+            out[f"{label} vs {plain}"] = round(rate / med[plain], 3)
         off = results.get(f"{kind}/off")
         if off and label != f"{kind}/off":
             per_round = [

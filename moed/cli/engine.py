@@ -104,7 +104,19 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         help="which stand-in: the best-ranked (plain, default) or the one most often routed together "
         "with the missing expert (cooc, learned online)",
     )
+    add_repack_arg(p)
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's load log")
+
+
+def add_repack_arg(p: argparse.ArgumentParser) -> None:
+    """`--repack auto|off`, StreamedLlama's `repack` (shared with `moectl serve`)."""
+    p.add_argument(
+        "--repack",
+        choices=("auto", "off"),
+        default="auto",
+        help="CPU kernels: stock llama.cpp's repacked ones where the file and this CPU allow (auto, "
+        "default; `moectl align --repack` makes a file whose experts use them too), or the plain ones (off)",
+    )
 
 
 # ---- shared --------------------------------------------------------------
@@ -130,6 +142,7 @@ class _Session:
                 prefetch_width=args.prefetch_width,
                 subst=args.subst,
                 subst_rule=args.subst_rule,
+                repack=args.repack,
                 **llama_kwargs,
             )
         except ValueError as exc:  # llama.cpp refused the file
@@ -344,10 +357,25 @@ def cmd_kl(args: argparse.Namespace) -> int:
         sessions.append(s)
         return s.llm
 
+    def exact():
+        """The same kernels without the option: resident, or streamed exactly for a repacked file
+        (plain llama.cpp cannot read its experts; streaming is bit-exact with resident)."""
+        from moed.gguf.catalog import Catalog
+
+        if Catalog.open(args.model).expert_layouts:
+            s = _Session(
+                argparse.Namespace(**{**vars(args), "subst": None}),
+                socket=daemon.socket if daemon else None,
+                logits_all=True,
+            )
+            sessions.append(s)
+            return s.llm
+        return UnpackedLlama(args.model, repack="dense" if args.repack == "auto" else "off", **kw)
+
     try:
         try:
             report = kl.compare(
-                lambda: UnpackedLlama(args.model, **kw),
+                exact,
                 approx,
                 texts,
                 kw["n_ctx"],

@@ -75,6 +75,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="seconds an acquire may wait for budget (default: the daemon's)",
     )
+    from moed.cli.engine import add_repack_arg
+
+    add_repack_arg(p)
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
@@ -86,6 +89,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
         prefetch_width=args.prefetch_width,
         skeleton_dir=args.skeleton_dir,
         acquire_timeout_s=args.acquire_timeout,
+        repack=args.repack,
     )
     import dataclasses
 

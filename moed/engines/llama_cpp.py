@@ -76,15 +76,19 @@ class _RouteCallback:
             return False
 
 
-def _unpacked_internals(route: _RouteCallback | None = None, dense: list | None = None) -> types.ModuleType:
+def _unpacked_internals(
+    route: _RouteCallback | None = None, dense: list | None = None, stock: bool = False
+) -> types.ModuleType:
     """llama_cpp's internals with weight repacking off (tensors stay at their file offsets);
     with `dense` (a list), the dense weights go to CPU_REPACK after the load, as stock's do,
-    and the KernelSwitch is appended to it."""
+    and the KernelSwitch is appended to it; `stock`: the load left as it is (route hook only)."""
     real = _llama_module.internals
     proxy = types.ModuleType(real.__name__)
     proxy.__dict__.update(real.__dict__)
 
     def load_model(*, path_model: str, params, verbose: bool = True):
+        if stock:
+            return real.LlamaModel(path_model=path_model, params=params, verbose=verbose)
         params.use_extra_bufts = False
         if dense is None:
             return real.LlamaModel(path_model=path_model, params=params, verbose=verbose)
@@ -138,6 +142,17 @@ class UnpackedLlama(Llama):
         for ks in getattr(self, "_kernels", None) or ():
             ks.close()  # after the model: nothing computes with those tensors any more
         self._kernels = []
+
+
+class StockLlama(Llama):
+    """`llama_cpp.Llama` loaded as stock loads it (every repacked kernel), plus an optional
+    `route_hook` that may rewrite the router's top-k ids: benchmarks run stock on the same
+    forced routes as the other engines."""
+
+    def __init__(self, model_path: str, *, route_hook: RouteHook | None = None, **llama_kwargs):
+        self._route = _RouteCallback(route_hook) if route_hook is not None else None
+        with _constructing(_unpacked_internals(self._route, stock=True)):
+            super().__init__(model_path=model_path, **llama_kwargs)
 
 
 def _hooked_internals(streamer: ExpertStreamer) -> types.ModuleType:
@@ -397,4 +412,4 @@ class StreamedLlama(Llama):
         self._close_client()
 
 
-__all__ = ["StreamedLlama", "UnpackedLlama", "LLAMA_CPP_PYTHON_VERSION"]
+__all__ = ["StreamedLlama", "UnpackedLlama", "StockLlama", "LLAMA_CPP_PYTHON_VERSION"]

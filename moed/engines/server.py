@@ -90,10 +90,12 @@ class EngineOptions:
     skeleton_dir: str | None = None
     acquire_timeout_s: float | None = None
     client_timeout_s: float = 30.0
+    repack: str = "auto"
 
     def streamed_kwargs(self) -> dict[str, Any]:
         """StreamedLlama's keyword arguments (the connection's are the factory's)."""
         return {
+            "repack": self.repack,
             "acquire_timeout_s": self.acquire_timeout_s,
             "prefetch": self.prefetch,
             "prefetch_width": self.prefetch_width,
