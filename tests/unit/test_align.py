@@ -123,3 +123,38 @@ def test_moectl_align(split_model, tmp_path, capsys):
     assert "exists" in capsys.readouterr().err
     assert moectl(["align", str(tmp_path / "none.gguf"), str(tmp_path / "o.gguf")]) == 2
     assert not any(p.name.endswith(".partial") for p in tmp_path.iterdir())
+
+
+def test_a_transform_rewrites_expert_units_and_records_its_keys(model_factory, tmp_path):
+    """align's Transform (what --repack uses): named tensors rewritten unit by unit, keys added,
+    everything else byte for byte, and verification repeats the transform."""
+    from moed.gguf.align import Transform
+    from moed.gguf.catalog import EXPERT_RE
+    from moed.gguf.layouts import KEY_LAYOUTS
+
+    src = model_factory(split=2)
+
+    def unit_of(t):
+        return (lambda b: b[::-1]) if EXPERT_RE.match(t.name) else None
+
+    tr = Transform(unit_of, {KEY_LAYOUTS: ["Q8_0=reversed"], "moed.repack.cpu": "test"})
+    outs = align_gguf(src, tmp_path / "t.gguf", transform=tr)
+    cat = Catalog.open(outs[0])
+    assert cat.expert_layouts == {"Q8_0": "reversed"} and cat.expert_layout == "reversed"
+    ins = read_split(src)
+    for h_in, h_out in zip(ins, read_split(outs[0])):
+        assert h_out.get("moed.repack.cpu") == "test"
+        for a, b in zip(h_in.tensors, h_out.tensors):
+            with open(h_in.path, "rb") as fa, open(h_out.path, "rb") as fb:
+                fa.seek(a.offset)
+                fb.seek(b.offset)
+                x, y = fa.read(a.n_bytes), fb.read(b.n_bytes)
+            if EXPERT_RE.match(a.name):
+                unit = a.n_bytes // a.dims[-1]
+                assert y == b"".join(x[k : k + unit][::-1] for k in range(0, len(x), unit))
+            else:
+                assert x == y
+    # the output verified against a different transform fails
+    other = Transform(lambda t: None, tr.kvs)
+    with pytest.raises(ValueError, match="differs"):
+        verify_aligned(ins, outs[0], 4096, transform=other)
