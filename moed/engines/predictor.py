@@ -12,7 +12,7 @@ The math. llama.cpp computes, at MoE layer L with residual stream h_L:
     chosen   = top_k(gating(logits_L) + b_L)    (`ffn_moe_topk-L`; b: `exp_probs_b`)
 
 Architectures differ in where the router's input is normed and in the gating
-(`ROUTER_INPUTS`, `ARCH_GATING`): gpt-oss norms it with `post_attention_norm`
+(the architecture table, `moed.gguf.archs`): gpt-oss norms it with `post_attention_norm`
 (the graph's `attn_post_norm-L`; there is no ffn_norm; glm4moe's is
 `post_attn_norm-L`, from the same weight name), adds a router bias
 `ffn_gate_inp.bias` to the logits, and gates with SOFTMAX_WEIGHT: it selects on the
@@ -46,44 +46,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-GATING_SOFTMAX = 1
-GATING_SIGMOID = 2
-GATING_SOFTMAX_WEIGHT = 3  # llama.cpp's SOFTMAX_WEIGHT: select on the logits, softmax over the chosen k
+from moed.gguf.archs import (
+    GATING_SIGMOID,
+    GATING_SOFTMAX,
+    GATING_SOFTMAX_WEIGHT,
+    ROUTER_BIAS,
+    ROUTER_WEIGHT,
+    SELECTION_BIAS,
+    gating_of,
+    router_input,
+)
+
 _TINY_NORM = 1e-12
-
-
-@dataclass(frozen=True)
-class RouterInput:
-    """Where an architecture's router reads its input: the graph node `<node>-L` and the
-    norm weight `blk.L.<norm>.weight` that made it."""
-
-    node: str
-    norm: str
-
-    @property
-    def prefix(self) -> bytes:
-        """The node's name up to the layer number, as the eval callback matches it."""
-        return self.node.encode() + b"-"
-
-
-FFN_NORM = RouterInput("ffn_norm", "ffn_norm")
-ROUTER_INPUTS = {  # others: FFN_NORM
-    "gpt-oss": RouterInput("attn_post_norm", "post_attention_norm"),
-    "glm4moe": RouterInput("post_attn_norm", "post_attention_norm"),
-}
-# Gating an architecture's graph fixes in llama.cpp (its files carry no expert_gating_func).
-ARCH_GATING = {"gpt-oss": GATING_SOFTMAX_WEIGHT}
-
-
-def router_input(arch: str) -> RouterInput:
-    return ROUTER_INPUTS.get(arch, FFN_NORM)
-
-
-def gating_of(header) -> int:
-    """The router's gating: fixed by the architecture's graph, else the file's
-    `expert_gating_func` (softmax when it names none)."""
-    arch = str(header.get("general.architecture", ""))
-    return ARCH_GATING.get(arch) or int(header.get(f"{arch}.expert_gating_func", GATING_SOFTMAX) or GATING_SOFTMAX)
 
 
 def graph_moe_layers(header, moe_layers) -> list[int]:
@@ -204,14 +178,14 @@ def load_routers(headers, bases: list[int], moe_layers: list[int]) -> tuple[dict
 
     routers = {}
     for layer in moe_layers:
-        w = read(f"blk.{layer}.ffn_gate_inp.weight")
+        w = read(f"blk.{layer}.{ROUTER_WEIGHT}")
         norm = read(f"blk.{layer}.{norm_name}.weight")
         if w is None or norm is None:
             raise ValueError(
                 f"layer {layer} has no ffn_gate_inp/{norm_name} weight: gate-ahead prediction "
                 "needs both (this architecture is not supported for prefetch)"
             )
-        bias, logit_bias = read(f"blk.{layer}.exp_probs_b.bias"), read(f"blk.{layer}.ffn_gate_inp.bias")
+        bias, logit_bias = read(f"blk.{layer}.{SELECTION_BIAS}"), read(f"blk.{layer}.{ROUTER_BIAS}")
         routers[layer] = Router(w, norm.reshape(-1), bias, None if logit_bias is None else logit_bias.reshape(-1))
     return routers, gating
 

@@ -22,7 +22,7 @@ API summary
 
 `Catalog.open` raises `moed.protocol.errors.BadModelFile` (clear message naming the
 file) for: a missing file, not GGUF, a truncated file (header or tensor data past
-EOF), an architecture not in `SERVED_ARCHS` (named in the message), no routed experts, a missing shard, shards that disagree (split keys, expert
+EOF), an architecture not in `SERVED_ARCHS` (moed.gguf.archs; named in the message), no routed experts, a missing shard, shards that disagree (split keys, expert
 counts, part sets). Lookups raise UnknownLayer / UnknownExpert / BadRequest.
 
 Invariants:
@@ -47,14 +47,12 @@ import re
 from dataclasses import dataclass, field
 
 from moed.gguf import layouts
+from moed.gguf.archs import SERVED_ARCHS
 from moed.gguf.header import FileIdentity, Header, check_split, read_header, split_files, type_name
 from moed.protocol.errors import BadModelFile, BadRequest, UnknownExpert, UnknownLayer
 from moed.protocol.layout import PAGE
 
 PART_ORDER = ("gate", "up", "gate_up", "down")  # slot layout order
-# Architectures whose routed experts moed serves: the ones llama.cpp runs and the
-# streamed engine is checked bit-exact on (tests/e2e). Any other is refused at open.
-SERVED_ARCHS = ("qwen3moe", "olmoe", "qwen2moe", "deepseek2", "llama", "gpt-oss", "glm4moe")
 EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.weight$")
 
 SizeClass = tuple[tuple[str, int], ...]  # ((part, bytes_per_expert), ...) in part order
@@ -168,7 +166,7 @@ class Catalog:
 
     @property
     def expert_layout(self) -> str:
-        """"plain", or the repacked layout of the experts ("q4_0_8x8", "q4_K_8x8+plain")."""
+        """ "plain", or the repacked layout of the experts ("q4_0_8x8", "q4_K_8x8+plain")."""
         return layouts.summary(self.expert_layouts, self.expert_types)
 
     def to_dict(self) -> dict:

@@ -5,7 +5,9 @@
 tokenizes any text. Nothing but this generator is checked in; tests and the demo
 make their models with it.
 
-Architectures (`arch`, see `ARCHS`: one layer plan and its own keys each):
+Architectures (`arch`, see `ARCHS`: one layer plan and its own keys each; the facts
+moed relies on, the router's input norm and the router-side biases, are read from
+the architecture table `moed.gguf.archs`):
 - `qwen3moe` (the default): per-head q/k norms.
 - `olmoe`: q/k norms over the whole projection; llama.cpp wants kv_heads == heads,
   so `kv_heads` is ignored.
@@ -60,6 +62,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
 from gguf.constants import Keys, TokenType
 
+from moed.gguf.archs import GATING_SIGMOID, ROUTER_BIAS, ROUTER_WEIGHT, SELECTION_BIAS, Arch, arch_of
 from moed.gguf.header import shard_names
 from moed.lab import quantmix
 
@@ -389,15 +392,29 @@ def _attention(g: Geometry, p: str, *, qk_norm: str = "", bias: bool = False) ->
 _Quants = tuple[GGMLQuantizationType, GGMLQuantizationType, GGMLQuantizationType]  # (gate, up, down)
 
 
-def _routed(g: Geometry, p: str, qt: _Quants) -> list[_Spec]:
-    """The FFN norm, the router and the routed experts: the only tensors moed serves."""
-    return [
-        _Spec(p + "ffn_norm.weight", (g.embd,), "norm"),
-        _Spec(p + "ffn_gate_inp.weight", (g.experts, g.embd), "router"),
-        _Spec(p + "ffn_gate_exps.weight", (g.experts, g.ff, g.embd), "experts", qt[0]),
-        _Spec(p + "ffn_up_exps.weight", (g.experts, g.ff, g.embd), "experts", qt[1]),
-        _Spec(p + "ffn_down_exps.weight", (g.experts, g.embd, g.ff), "experts", qt[2]),
-    ]
+def _router_norm(g: Geometry, p: str, facts: Arch) -> _Spec:
+    """The FFN input's norm, which the router reads: `ffn_norm`, or the architecture's own."""
+    return _Spec(p + facts.router_input.norm + ".weight", (g.embd,), "norm")
+
+
+def _routed(g: Geometry, p: str, qt: _Quants, facts: Arch, selection_bias: bool = False) -> list[_Spec]:
+    """The router's input norm, the router (with the biases its architecture carries, and
+    V3's selection bias when `selection_bias`) and the routed experts, each part followed
+    by its bias rows where the architecture has them: the experts are what moed serves."""
+    specs = [_router_norm(g, p, facts), _Spec(p + ROUTER_WEIGHT, (g.experts, g.embd), "router")]
+    if facts.router_bias:
+        specs.append(_Spec(p + ROUTER_BIAS, (g.experts,), "router_bias"))
+    if selection_bias:
+        specs.append(_Spec(p + SELECTION_BIAS, (g.experts,), "bias"))
+    for name, shape, q in (
+        ("gate", (g.experts, g.ff, g.embd), qt[0]),
+        ("up", (g.experts, g.ff, g.embd), qt[1]),
+        ("down", (g.experts, g.embd, g.ff), qt[2]),
+    ):
+        specs.append(_Spec(p + f"ffn_{name}_exps.weight", shape, "experts", q))
+        if facts.expert_bias:
+            specs.append(_Spec(p + f"ffn_{name}_exps.bias", shape[:2], "bias"))
+    return specs
 
 
 def _shared_expert(g: Geometry, p: str, gated: bool) -> list[_Spec]:
@@ -410,26 +427,26 @@ def _shared_expert(g: Geometry, p: str, gated: bool) -> list[_Spec]:
     ]
 
 
-def _layer_qwen3moe(g: Geometry, i: int, qt: _Quants) -> list[_Spec]:
+def _layer_qwen3moe(g: Geometry, i: int, qt: _Quants, facts: Arch) -> list[_Spec]:
     p = f"blk.{i}."
-    return _attention(g, p, qk_norm="head") + _routed(g, p, qt)
+    return _attention(g, p, qk_norm="head") + _routed(g, p, qt, facts)
 
 
-def _layer_olmoe(g: Geometry, i: int, qt: _Quants) -> list[_Spec]:
+def _layer_olmoe(g: Geometry, i: int, qt: _Quants, facts: Arch) -> list[_Spec]:
     # OLMoE normalizes the whole q and k projections (n_embd wide), not each head.
     p = f"blk.{i}."
-    return _attention(g, p, qk_norm="full") + _routed(g, p, qt)
+    return _attention(g, p, qk_norm="full") + _routed(g, p, qt, facts)
 
 
-def _layer_llama(g: Geometry, i: int, qt: _Quants) -> list[_Spec]:
+def _layer_llama(g: Geometry, i: int, qt: _Quants, facts: Arch) -> list[_Spec]:
     # Mixtral: llama's attention (no q/k norms, no biases) and routed experts only.
     p = f"blk.{i}."
-    return _attention(g, p) + _routed(g, p, qt)
+    return _attention(g, p) + _routed(g, p, qt, facts)
 
 
-def _layer_qwen2moe(g: Geometry, i: int, qt: _Quants) -> list[_Spec]:
+def _layer_qwen2moe(g: Geometry, i: int, qt: _Quants, facts: Arch) -> list[_Spec]:
     p = f"blk.{i}."
-    return _attention(g, p, bias=True) + _routed(g, p, qt) + _shared_expert(g, p, gated=True)
+    return _attention(g, p, bias=True) + _routed(g, p, qt, facts) + _shared_expert(g, p, gated=True)
 
 
 # DeepSeek-V2/V3-style MLA: q and kv compressed to latents of _MLA_RANK, rope and
@@ -437,7 +454,7 @@ def _layer_qwen2moe(g: Geometry, i: int, qt: _Quants) -> list[_Spec]:
 _MLA_RANK, _MLA_ROPE = 32, 16
 
 
-def _layer_deepseek2(g: Geometry, i: int, qt: _Quants) -> list[_Spec]:
+def _layer_deepseek2(g: Geometry, i: int, qt: _Quants, facts: Arch) -> list[_Spec]:
     p, hd, nope = f"blk.{i}.", g.head_dim, _MLA_ROPE
     specs = [
         _Spec(p + "attn_norm.weight", (g.embd,), "norm"),
@@ -450,36 +467,33 @@ def _layer_deepseek2(g: Geometry, i: int, qt: _Quants) -> list[_Spec]:
         _Spec(p + "attn_v_b.weight", (g.heads, hd, _MLA_RANK), "f16"),
         _Spec(p + "attn_output.weight", (g.embd, g.heads * hd), "f16"),
     ]
-    if i < _DENSE_LEAD:  # leading dense layers: a plain FFN, no experts
-        return specs + [_Spec(p + "ffn_norm.weight", (g.embd,), "norm")] + _dense_ffn(g, p)
-    routed = _routed(g, p, qt)
-    bias = _Spec(p + "exp_probs_b.bias", (g.experts,), "bias")  # the selection bias (V3's)
-    return specs + routed[:2] + [bias] + routed[2:] + _shared_expert(g, p, gated=False)
+    return specs + _moe_or_dense_ffn(g, i, p, qt, facts)
 
 
 _DENSE_LEAD = 1
 
 
-def _dense_ffn(g: Geometry, p: str) -> list[_Spec]:
-    """A leading dense layer's plain FFN (F16, resident): no experts."""
-    return [
-        _Spec(p + "ffn_gate.weight", (g.ff, g.embd), "f16"),
-        _Spec(p + "ffn_up.weight", (g.ff, g.embd), "f16"),
-        _Spec(p + "ffn_down.weight", (g.embd, g.ff), "f16"),
-    ]
-
-
-def _layer_glm4moe(g: Geometry, i: int, qt: _Quants) -> list[_Spec]:
-    # GLM-4.5: q/k/v biases, per-head q/k norms (the 355B's; optional in llama.cpp),
-    # the FFN input normed by post_attention_norm (no ffn_norm), a leading dense layer,
-    # then sigmoid routing with the selection bias exp_probs_b and an ungated shared expert.
-    p = f"blk.{i}."
-    specs = _attention(g, p, qk_norm="head", bias=True) + [_Spec(p + "post_attention_norm.weight", (g.embd,), "norm")]
+def _moe_or_dense_ffn(g: Geometry, i: int, p: str, qt: _Quants, facts: Arch) -> list[_Spec]:
+    """DeepSeek-V3's and GLM-4.5's FFN: a plain F16 one (resident, no experts) in the
+    leading dense layers, else V3-style routing with the selection bias and an ungated
+    shared expert."""
     if i < _DENSE_LEAD:
-        return specs + _dense_ffn(g, p)
-    _, router, *experts = _routed(g, p, qt)
-    bias = _Spec(p + "exp_probs_b.bias", (g.experts,), "bias")
-    return specs + [router, bias] + experts + _shared_expert(g, p, gated=False)
+        return [
+            _router_norm(g, p, facts),
+            _Spec(p + "ffn_gate.weight", (g.ff, g.embd), "f16"),
+            _Spec(p + "ffn_up.weight", (g.ff, g.embd), "f16"),
+            _Spec(p + "ffn_down.weight", (g.embd, g.ff), "f16"),
+        ]
+    return _routed(g, p, qt, facts, selection_bias=True) + _shared_expert(g, p, gated=False)
+
+
+def _layer_glm4moe(g: Geometry, i: int, qt: _Quants, facts: Arch) -> list[_Spec]:
+    # GLM-4.5: q/k/v biases, per-head q/k norms (the 355B's; optional in llama.cpp),
+    # the FFN input normed by post_attention_norm (no ffn_norm: the architecture table's
+    # router input), a leading dense layer, then sigmoid routing with the selection bias
+    # exp_probs_b and an ungated shared expert.
+    p = f"blk.{i}."
+    return _attention(g, p, qk_norm="head", bias=True) + _moe_or_dense_ffn(g, i, p, qt, facts)
 
 
 def _kv_glm4moe(g: Geometry) -> dict[str, int | float | bool]:
@@ -489,29 +503,24 @@ def _kv_glm4moe(g: Geometry) -> dict[str, int | float | bool]:
         "expert_shared_count": 1,
         "expert_weights_scale": 2.5,  # GLM-4.5's routed_scaling_factor
         "expert_weights_norm": True,
-        "expert_gating_func": 2,  # sigmoid
+        "expert_gating_func": GATING_SIGMOID,
         "nextn_predict_layers": 0,  # no multi-token-prediction layer
     }
 
 
-def _layer_gpt_oss(g: Geometry, i: int, qt: _Quants) -> list[_Spec]:
+def _layer_gpt_oss(g: Geometry, i: int, qt: _Quants, facts: Arch) -> list[_Spec]:
     # llama.cpp's OPENAI_MOE: biases on q/k/v and the output, one attention sink per
-    # head, the FFN input normed by post_attention_norm (there is no ffn_norm), a
-    # router with a bias, and a bias row per routed expert and part. The expert biases
-    # stay dense (see the module docstring): llama.cpp adds them with add_id from the
-    # whole [experts, rows] tensor, and they are 0.26% of the expert bytes (gpt-oss-20b).
+    # head, then (the architecture table's facts) the FFN input normed by
+    # post_attention_norm (there is no ffn_norm), a router with a bias, and a bias row
+    # per routed expert and part. The expert biases stay dense (see the module
+    # docstring): llama.cpp adds them with add_id from the whole [experts, rows] tensor,
+    # and they are 0.26% of the expert bytes (gpt-oss-20b).
     p = f"blk.{i}."
     attention = _attention(g, p, bias=True) + [
         _Spec(p + "attn_output.bias", (g.embd,), "bias"),
         _Spec(p + "attn_sinks.weight", (g.heads,), "bias"),
     ]
-    _, router, *experts = _routed(g, p, qt)
-    return (
-        attention
-        + [_Spec(p + "post_attention_norm.weight", (g.embd,), "norm"), router]
-        + [_Spec(p + "ffn_gate_inp.bias", (g.experts,), "router_bias")]
-        + [s for e in experts for s in (e, _Spec(e.name.replace(".weight", ".bias"), e.shape[:2], "bias"))]
-    )
+    return attention + _routed(g, p, qt, facts)
 
 
 # gpt-oss's sliding window (128 in the real models): short enough here that the
@@ -533,15 +542,17 @@ def _kv_deepseek2(g: Geometry) -> dict[str, int | float | bool]:
         "expert_shared_count": 1,
         "expert_weights_scale": 2.5,
         "expert_weights_norm": True,
-        "expert_gating_func": 2,  # sigmoid, as V3
+        "expert_gating_func": GATING_SIGMOID,  # as V3
     }
 
 
 @dataclass(frozen=True)
 class _Arch:
-    """One architecture: its per-layer tensor plan and the metadata keys only it has."""
+    """How to write one architecture: its per-layer tensor plan and the metadata keys only
+    it has. What moed relies on about it (router input, biases) is `moed.gguf.archs`'s,
+    handed to the plan."""
 
-    layer: Callable[[Geometry, int, _Quants], list[_Spec]]
+    layer: Callable[[Geometry, int, _Quants, Arch], list[_Spec]]
     extra_kv: Callable[[Geometry], dict[str, int | float | bool]] = lambda g: {}
     kv_heads: Callable[[int, int], int] = lambda heads, kv_heads: kv_heads  # what llama.cpp wants of it
     expert_quant: str = "q8_0"  # the routed experts' quant when the caller names none
@@ -562,11 +573,11 @@ def _plan(
     g: Geometry, part_quants: list[PartQuants], vocab_size: int, arch: str = ARCH, recipe: str | None = None
 ) -> list[_Spec]:
     """Every tensor of the model, in file order; a `recipe` then picks every weight matrix's type."""
-    layer = ARCHS[arch].layer
+    layer, facts = ARCHS[arch].layer, arch_of(arch)
     specs = [_Spec("token_embd.weight", (vocab_size, g.embd), "embd")]
     for i in range(g.layers):
         gate, up, down = part_quants[i]
-        specs += layer(g, i, (QUANTS[gate], QUANTS[up], QUANTS[down]))
+        specs += layer(g, i, (QUANTS[gate], QUANTS[up], QUANTS[down]), facts)
     specs += [_Spec("output_norm.weight", (g.embd,), "norm"), _Spec("output.weight", (vocab_size, g.embd), "f16")]
     if recipe is None:
         return specs

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from moed.ctl import main as moectl
-from moed.gguf.catalog import SERVED_ARCHS, Catalog
+from moed.gguf.archs import SERVED_ARCHS
+from moed.gguf.catalog import Catalog
 from moed.gguf.header import identity_of, read_header
 from moed.protocol.errors import BadModelFile, BadRequest, UnknownExpert, UnknownLayer
 

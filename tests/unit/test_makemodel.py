@@ -95,6 +95,27 @@ def test_arch_tensors_are_llama_cpps(model_factory, arch):
         assert shared == []
 
 
+@pytest.mark.parametrize("arch", ["qwen3moe", "olmoe", "qwen2moe", "deepseek2", "llama", "gpt-oss", "glm4moe"])
+def test_generated_models_agree_with_the_architecture_table(model_factory, arch):
+    """Every MoE layer has the router input norm, router bias and expert bias rows the
+    architecture table (moed.gguf.archs) says, and the gating the predictor will read."""
+    from moed.gguf.archs import arch_of, gating_of
+    from moed.gguf.header import read_header
+
+    facts = arch_of(arch)
+    h = read_header(model_factory(arch=arch))
+    names = {t.name for t in h.tensors}
+    moe = sorted({int(n.split(".")[1]) for n in names if n.endswith("_exps.weight")})
+    assert moe
+    for layer in moe:
+        p = f"blk.{layer}."
+        assert p + facts.router_input.norm + ".weight" in names
+        assert (p + "ffn_norm.weight" in names) == (facts.router_input.norm == "ffn_norm")
+        assert (p + "ffn_gate_inp.bias" in names) == facts.router_bias
+        assert all((p + f"ffn_{part}_exps.bias" in names) == facts.expert_bias for part in ("gate", "up", "down"))
+    assert gating_of(h) == (facts.gating or h.get(f"{arch}.expert_gating_func", 1))
+
+
 def test_expert_tensors(tiny_model):
     r = gguf.GGUFReader(tiny_model)
     t = {x.name: x for x in r.tensors}

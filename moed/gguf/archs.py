@@ -1,0 +1,104 @@
+"""The architecture table: what moed knows about each llama.cpp architecture, in one place.
+
+What this module owns: which architectures moed serves (`ARCHS`; the catalog refuses
+any other at open), where each one's router reads its input (the graph node the
+eval callback stops at and the norm weight that made it), the gating its graph
+fixes, and which router-side tensors it carries beside the routed experts (their
+names are here too). Its readers: the catalog (served or not), the engine's
+gate-ahead predictor (router input, gating, bias names) and the test-model
+generator (which norm and biases it writes for an architecture). Pure data, no I/O.
+
+Invariants:
+- An architecture is served only if llama.cpp runs it and the streamed engine is
+  checked bit-exact on it (tests/e2e/test_arch_matrix.py makes one model of every
+  architecture here); the generator writes every one of them
+  (tests/unit/test_catalog.py checks the two sets are equal).
+- `gating` is set only where llama.cpp's graph fixes it (the file then carries no
+  `expert_gating_func`); otherwise the file's key decides (`gating_of`).
+- The selection bias `exp_probs_b` is a fact of the file, not of the architecture
+  (DeepSeek-V3 has it, V2 does not): readers look for it by name in any file.
+- Expert bias rows (`ffn_*_exps.bias`) are dense and resident, never parts: the
+  catalog's parts are the `.weight` tensors only (see moed.gguf.catalog).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+# llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE values (the `<arch>.expert_gating_func` key).
+GATING_SOFTMAX = 1
+GATING_SIGMOID = 2
+GATING_SOFTMAX_WEIGHT = 3  # llama.cpp's SOFTMAX_WEIGHT: select on the logits, softmax over the chosen k
+
+# Router-side tensors of an MoE layer, as `blk.L.<name>`.
+ROUTER_WEIGHT = "ffn_gate_inp.weight"
+ROUTER_BIAS = "ffn_gate_inp.bias"  # added to the logits (llama.cpp's ffn_moe_logits_biased)
+SELECTION_BIAS = "exp_probs_b.bias"  # added to gating(logits) for selection only
+
+
+@dataclass(frozen=True)
+class RouterInput:
+    """Where an architecture's router reads its input: the graph node `<node>-L` and the
+    norm weight `blk.L.<norm>.weight` that made it."""
+
+    node: str
+    norm: str
+
+    @property
+    def prefix(self) -> bytes:
+        """The node's name up to the layer number, as the eval callback matches it."""
+        return self.node.encode() + b"-"
+
+
+FFN_NORM = RouterInput("ffn_norm", "ffn_norm")
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One architecture's facts. `gating`: fixed by llama.cpp's graph, or None (the file's
+    key decides); `router_bias`: the router carries `ffn_gate_inp.bias`; `expert_bias`:
+    each routed part has a bias row per expert (`ffn_{gate,up,down}_exps.bias`)."""
+
+    router_input: RouterInput = FFN_NORM
+    gating: int | None = None
+    router_bias: bool = False
+    expert_bias: bool = False
+
+
+# The architectures moed serves. gpt-oss norms the router's input with
+# post_attention_norm (the graph's attn_post_norm-L; there is no ffn_norm); glm4moe's
+# node is post_attn_norm-L, from the same weight name.
+ARCHS: Mapping[str, Arch] = {
+    "qwen3moe": Arch(),
+    "olmoe": Arch(),
+    "qwen2moe": Arch(),
+    "deepseek2": Arch(),
+    "llama": Arch(),  # Mixtral-style: llama with ffn_*_exps
+    "gpt-oss": Arch(
+        RouterInput("attn_post_norm", "post_attention_norm"),
+        gating=GATING_SOFTMAX_WEIGHT,
+        router_bias=True,
+        expert_bias=True,
+    ),
+    "glm4moe": Arch(RouterInput("post_attn_norm", "post_attention_norm")),
+}
+SERVED_ARCHS = tuple(ARCHS)
+_OTHER = Arch()  # what an architecture not in the table is taken to be
+
+
+def arch_of(name: str) -> Arch:
+    """The facts of architecture `name`; one not in the table gets the common case
+    (ffn_norm input, the file's gating, no biases)."""
+    return ARCHS.get(name, _OTHER)
+
+
+def router_input(arch: str) -> RouterInput:
+    return arch_of(arch).router_input
+
+
+def gating_of(header) -> int:
+    """The router's gating: fixed by the architecture's graph, else the file's
+    `expert_gating_func` (softmax when it names none)."""
+    arch = str(header.get("general.architecture", ""))
+    return arch_of(arch).gating or int(header.get(f"{arch}.expert_gating_func", GATING_SOFTMAX) or GATING_SOFTMAX)
