@@ -6,8 +6,11 @@ rendering them (`frame`). Shown: hits/s, misses/s, hit % and MiB/s read over the
 interval, evictions/s, prefetches issued/s and the share of them wasted, the
 mean acquire service time, reads in flight, memory (the RAM tier against its
 budget, MemAvailable against the floor, bytes given back), and one row per
-tenant and per model. q or Ctrl-C quits; `--once` prints one frame (rates over
-one `--interval`) for scripts.
+tenant and per model. With `--serve URL` (a `moectl serve --metrics-listen`
+endpoint, repeatable), one row per server and model too: requests/s, errors/s,
+tokens/s, mean time to first token over the interval, in flight, queued, workers
+ready (`serve_snapshot`, `serve_rows`: pure). q or Ctrl-C quits; `--once` prints
+one frame (rates over one `--interval`) for scripts.
 """
 
 from __future__ import annotations
@@ -32,6 +35,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("top", help="live view: rates, tenants, models, memory (q quits)")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between snapshots (default 1)")
+    p.add_argument(
+        "--serve",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a moectl serve metrics address (http://HOST:PORT/metrics); repeat for several servers",
+    )
     p.set_defaults(func=cmd_top)
 
 
@@ -94,6 +104,62 @@ def model_rows(prev: dict, cur: dict, dt: float) -> list[dict]:
     return [{**m, **_row_rates(before.get(m["model_id"]), m, dt)} for m in cur["models"]]
 
 
+def serve_snapshot(text: str) -> dict[str, dict[str, float]]:
+    """Per model, the front's metrics that top shows, from their Prometheus text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    rows: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            model = sample.labels.get("model")
+            if model is None:
+                continue
+            row = rows.setdefault(model, {})
+            name = sample.name
+            if name == "moed_serve_requests_total":
+                key = "requests" if int(sample.labels.get("status", "0")) < 400 else "errors"
+                row[key] = row.get(key, 0.0) + sample.value
+                row.setdefault("errors" if key == "requests" else "requests", 0.0)
+            elif name in _SERVE_KEYS:
+                row[_SERVE_KEYS[name]] = sample.value
+    return rows
+
+
+_SERVE_KEYS = {
+    "moed_serve_tokens_generated_total": "tokens",
+    "moed_serve_time_to_first_token_seconds_sum": "ttft_sum_s",
+    "moed_serve_time_to_first_token_seconds_count": "ttft_count",
+    "moed_serve_requests_in_flight": "in_flight",
+    "moed_serve_requests_queued": "queued",
+    "moed_serve_workers": "workers",
+    "moed_serve_workers_ready": "ready",
+}
+
+
+def serve_rows(server: str, prev: dict, cur: dict, dt: float) -> list[dict]:
+    """One row per model of one server: its rates over the interval and its state now."""
+    out = []
+    for model, row in cur.items():
+        before = prev.get(model, {})
+        ttfts = row.get("ttft_count", 0) - before.get("ttft_count", 0)
+        ttft_s = row.get("ttft_sum_s", 0) - before.get("ttft_sum_s", 0)
+        out.append(
+            {
+                "server": server,
+                "model": model,
+                "requests_s": _per_s(before, row, "requests", dt),
+                "errors_s": _per_s(before, row, "errors", dt),
+                "tokens_s": _per_s(before, row, "tokens", dt),
+                "ttft_mean_s": ttft_s / ttfts if ttfts > 0 else None,
+                "in_flight": int(row.get("in_flight", 0)),
+                "queued": int(row.get("queued", 0)),
+                "ready": int(row.get("ready", 0)),
+                "workers": int(row.get("workers", 0)),
+            }
+        )
+    return out
+
+
 # ---- rendering ---------------------------------------------------------------
 
 
@@ -121,8 +187,22 @@ def _memory(s: dict) -> Text:
     return line
 
 
-def frame(prev: dict, cur: dict, dt: float):
-    """One screen: header, rates, memory, tenants, models."""
+def _servers(rows: list[dict]) -> Table:
+    t = Table(
+        "server", "model", "req/s", "err/s", "tok/s", "ttft", "in flight", "queued", "workers",
+        title="servers", title_justify="left",
+    )  # fmt: skip
+    for r in rows:
+        ttft = "-" if r["ttft_mean_s"] is None else f"{r['ttft_mean_s'] * 1e3:.0f} ms"
+        t.add_row(
+            r["server"], r["model"], _n(r["requests_s"]), _n(r["errors_s"]), _n(r["tokens_s"]), ttft,
+            str(r["in_flight"]), str(r["queued"]), f"{r['ready']}/{r['workers']}",
+        )  # fmt: skip
+    return t
+
+
+def frame(prev: dict, cur: dict, dt: float, servers: list[dict] | None = None):
+    """One screen: header, rates, memory, tenants, models (and servers, when watched)."""
     r = rates(prev, cur, dt)
     head = Text(
         f"moed {cur['version']}  pid {cur['pid']}  up {cur['uptime_s']:.0f} s  "
@@ -186,7 +266,10 @@ def frame(prev: dict, cur: dict, dt: float):
             format_size(row["pinned_bytes"]),
             str(row["leases"]),
         )
-    return Group(head, t, _memory(cur), tenants, models)
+    parts: list[Text | Table] = [head, t, _memory(cur), tenants, models]
+    if servers is not None:
+        parts.append(_servers(servers))
+    return Group(*parts)
 
 
 # ---- the live loop -------------------------------------------------------------
@@ -219,27 +302,69 @@ def _keys():
         termios.tcsetattr(fd, termios.TCSADRAIN, saved)
 
 
+class _Servers:
+    """The watched servers' metrics, fetched at each frame (an unreachable one shows as such)."""
+
+    def __init__(self, urls: list[str]):
+        self.urls = urls
+        self.prev: dict[str, dict] = {url: {} for url in urls}
+
+    @staticmethod
+    def _fetch(url: str) -> dict | None:
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                return serve_snapshot(r.read().decode())
+        except OSError:
+            return None
+
+    def rows(self, dt: float) -> list[dict] | None:
+        if not self.urls:
+            return None
+        out = []
+        for url in self.urls:
+            cur = self._fetch(url)
+            if cur is None:
+                out.append(_unreachable(url))
+                continue
+            out += serve_rows(url, self.prev[url], cur, dt)
+            self.prev[url] = cur
+        return out
+
+
+def _unreachable(url: str) -> dict:
+    return {
+        "server": url, "model": "(unreachable)", "requests_s": 0.0, "errors_s": 0.0, "tokens_s": 0.0,
+        "ttft_mean_s": None, "in_flight": 0, "queued": 0, "ready": 0, "workers": 0,
+    }  # fmt: skip
+
+
 def cmd_top(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
     from moed.client import Client
 
+    servers = _Servers(args.serve)
     with Client(args.socket, "moectl top") as c:
         prev, t_prev = c.stats(), time.monotonic()
+        servers.rows(0.0)
         if args.once:
             time.sleep(args.interval)
-            shown = frame(prev, c.stats(), time.monotonic() - t_prev)
+            dt = time.monotonic() - t_prev
+            shown = frame(prev, c.stats(), dt, servers.rows(dt))
             console = Console()
             # A script reads the whole frame: as wide as it needs, never cut or wrapped.
-            console.width = max(console.width, console.measure(shown).maximum)
+            wide = console.options.update_width(1 << 12)
+            console.width = max(console.width, console.measure(shown, options=wide).maximum)
             console.print(shown)
             return 0
         try:
             with _keys() as wait, Live(frame(prev, prev, 0.0), refresh_per_second=4) as live:
                 while not wait(args.interval):
                     cur, now = c.stats(), time.monotonic()
-                    live.update(frame(prev, cur, now - t_prev))
+                    live.update(frame(prev, cur, now - t_prev, servers.rows(now - t_prev)))
                     prev, t_prev = cur, now
         except KeyboardInterrupt:
             pass

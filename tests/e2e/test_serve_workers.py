@@ -136,6 +136,18 @@ def test_metrics_count_requests_tokens_and_first_tokens(two):
     assert 'moed_serve_requests_queued{model="m"}' in samples
 
 
+def test_top_shows_the_server_next_to_the_daemon(daemon, two):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "moed.ctl", "--socket", daemon.socket, "top", "--once", "--interval", "0.5"]
+    r = subprocess.run([*cmd, "--serve", two.metrics_url], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    line = next(line for line in r.stdout.splitlines() if two.metrics_url in line)
+    assert " m " in line and "2/2" in line
+    assert "moectl serve" in r.stdout  # the workers' daemon connections, in the tenants table
+
+
 def test_past_the_queue_bound_is_a_503_with_retry_after(daemon, tiny_model, tmp_path):
     s = ServeProcess(daemon.socket, tiny_model, "--queue", "1", log_dir=tmp_path)
     try:

@@ -213,3 +213,37 @@ def test_tenant_names_are_shown_whole_on_one_line(pair):
 def test_the_connection_count_says_it_includes_the_view(pair):
     prev, cur = pair
     assert "2 connections (this view's included)" in render(prev, cur, 2.0)
+
+
+SERVE_METRICS_T0 = """
+moed_serve_requests_total{model="m",status="200"} 10.0
+moed_serve_requests_total{model="m",status="400"} 1.0
+moed_serve_tokens_generated_total{model="m"} 100.0
+moed_serve_time_to_first_token_seconds_sum{model="m"} 1.0
+moed_serve_time_to_first_token_seconds_count{model="m"} 10.0
+moed_serve_requests_in_flight{model="m"} 1.0
+moed_serve_requests_queued{model="m"} 0.0
+moed_serve_workers{model="m"} 2.0
+moed_serve_workers_ready{model="m"} 2.0
+"""
+
+
+def test_server_rows_are_rates_over_the_interval(pair):
+    from moed.cli.top import serve_rows, serve_snapshot
+
+    before = serve_snapshot(SERVE_METRICS_T0)
+    later = SERVE_METRICS_T0.replace('status="200"} 10.0', 'status="200"} 14.0')
+    later = later.replace('{model="m"} 100.0', '{model="m"} 180.0').replace('status="400"} 1.0', 'status="400"} 3.0')
+    later = later.replace('_sum{model="m"} 1.0', '_sum{model="m"} 1.4').replace(
+        '_count{model="m"} 10.0', '_count{model="m"} 14.0'
+    )
+    later = later.replace('queued{model="m"} 0.0', 'queued{model="m"} 3.0')
+    (row,) = serve_rows("http://s:9478/metrics", before, serve_snapshot(later), 2.0)
+    assert row["requests_s"] == 2 and row["errors_s"] == 1 and row["tokens_s"] == 40
+    assert row["ttft_mean_s"] == pytest.approx(0.1)
+    assert (row["in_flight"], row["queued"], row["ready"], row["workers"]) == (1, 3, 2, 2)
+    prev, cur = pair
+    text = Console(record=True, width=200, color_system=None)
+    text.print(frame(prev, cur, 2.0, [row]))
+    line = next(line for line in text.export_text().splitlines() if "s:9478" in line)
+    assert "100 ms" in line and "2/2" in line and "40.0" in line
