@@ -301,18 +301,26 @@ def find_tensors(expected: dict[bytes, int]) -> dict[bytes, int]:
 
 
 def _search(regions: list[tuple[int, int]], name: bytes, data: int) -> int | None:
+    """The first `ggml_tensor` named `name` whose data is `data`: smallest regions first
+    (a model's ggml context is small), read in 4 MiB windows so the search never holds
+    more than that (engines load inside memory caps)."""
     needle = name + b"\0"
-    for lo, hi in regions:
-        try:
-            blob = ctypes.string_at(lo, hi - lo)
-        except (OSError, ValueError):
-            continue
-        at = blob.find(needle)
-        while at >= 0:
-            t = lo + at - NAME_OFFSET
-            if at >= NAME_OFFSET and GgmlTensor.from_address(t).data == data:
-                return t
-            at = blob.find(needle, at + 1)
+    window = 4 << 20
+    for lo, hi in sorted(regions, key=lambda r: r[1] - r[0]):
+        start = lo
+        while start < hi:
+            end = min(hi, start + window + NAME_OFFSET + len(needle))
+            try:
+                blob = ctypes.string_at(start, end - start)
+            except (OSError, ValueError):
+                break
+            at = blob.find(needle)
+            while at >= 0:
+                t = start + at - NAME_OFFSET
+                if t >= lo and GgmlTensor.from_address(t).data == data:
+                    return t
+                at = blob.find(needle, at + 1)
+            start += window
     return None
 
 
