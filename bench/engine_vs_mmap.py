@@ -82,7 +82,7 @@ class TraceRoutes:
     """
 
     def __init__(self, trace_path: str, recall: float = 1.0, seed: int = 0):
-        from moed.lab.traces import Trace
+        from moed.traces import Trace
 
         trace = Trace.load(trace_path)
         self.ids = np.asarray(trace.ids, dtype=np.int32)  # (tokens, layers, k), layers 0..L-1

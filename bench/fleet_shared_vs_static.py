@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from moed.lab import fleet
-from moed.lab.traces import Trace
+from moed.traces import Trace
 
 DEFAULT_DIR = Path(__file__).resolve().parents[2] / "shared" / "traces"
 SHARES = (0.25, 0.5, 0.75)

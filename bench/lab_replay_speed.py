@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from moed.lab import mrc, policies
-from moed.lab.traces import Trace, TraceWriter
+from moed.traces import Trace, TraceWriter
 
 DEFAULT_DIR = Path(__file__).resolve().parents[2] / "shared" / "traces"
 SIZES = (0.25, 0.5, 0.75)

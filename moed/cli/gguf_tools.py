@@ -91,7 +91,7 @@ def _make_model(args) -> int:
         return fail(f"make-model: output directory {out_dir} does not exist")
     if args.like:  # the trace's routing geometry wins
         from moed.lab.replay import like_trace
-        from moed.lab.traces import Trace
+        from moed.traces import Trace
 
         vars(args).update(like_trace(Trace.load(args.like)))
     try:

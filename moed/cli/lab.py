@@ -1,6 +1,6 @@
 """moectl verbs of the trace and policy lab: trace-info, policy, mrc.
 
-They read any trace format (`moed.lab.traces`), need no daemon, and print rich
+They read any trace format (`moed.traces`), need no daemon, and print rich
 tables by default or JSON with `--json`. Bad input (a missing or malformed trace,
 an unknown policy, a size outside [0, 1]) is a MoedError: moectl prints one line
 and exits 2.
@@ -110,7 +110,7 @@ def trace_info(trace: Any, warm: int = 0) -> dict[str, Any]:
 
 def cmd_trace_info(args: argparse.Namespace) -> int:
     from moed.lab import predictors
-    from moed.lab.traces import Trace
+    from moed.traces import Trace
 
     trace = Trace.load(args.trace)
     info = trace_info(trace, args.warm)
@@ -207,7 +207,7 @@ def parse_slots(values: list[str] | None) -> list[int]:
 
 def cmd_policy(args: argparse.Namespace) -> int:
     from moed.lab import ceilings, policies
-    from moed.lab.traces import Trace
+    from moed.traces import Trace
 
     names = policies.check_policies(args.policies.split(","))
     slots = parse_slots(args.slots)
@@ -358,7 +358,7 @@ def _pyplot() -> Any:
 
 def cmd_mrc(args: argparse.Namespace) -> int:
     from moed.lab import mrc, policies
-    from moed.lab.traces import Trace
+    from moed.traces import Trace
 
     if args.points < 1:
         raise BadRequest("--points must be >= 1")

@@ -7,7 +7,7 @@ misbehaves").
 
 `moectl pin MODEL` takes its hotness profile from one of: `--all`, `--from-stats`
 (the daemon's own decayed access counts), `--trace FILE` (a routing trace in any
-format `moed.lab.traces` reads: experts ranked by how often the trace routed to
+format `moed.traces` reads: experts ranked by how often the trace routed to
 them) or `--experts L:E,L:E-F,...` (a list, hottest first). The daemon pins in
 that order until the pin budget is full, and pins everything when the whole
 model fits.
@@ -76,7 +76,7 @@ def trace_profile(path: str, moe_layers: list[int]) -> list[tuple[int, int]]:
     """
     import numpy as np
 
-    from moed.lab.traces import Trace
+    from moed.traces import Trace
 
     trace = Trace.load(path)
     ids = trace.ids

@@ -48,7 +48,7 @@ def register(sub) -> None:
 
 def cmd_replay(args) -> int:
     from moed.lab import replay as rp
-    from moed.lab.traces import Trace
+    from moed.traces import Trace
 
     try:
         trace = Trace.load(args.trace)
@@ -236,7 +236,7 @@ def _register_plan(sub) -> None:
 
 def cmd_plan(args) -> int:
     from moed.lab import plan as pl
-    from moed.lab.traces import Trace
+    from moed.traces import Trace
 
     if args.fleet:
         from moed.cli.fleet import cmd_plan_fleet

@@ -1,7 +1,7 @@
 """Recording routing traces from a running StreamedLlama (`moectl trace`).
 
 What this module owns: turning the eval callback's per-layer ids into steps of
-`moed.lab.traces` (one step per llama_decode: 'P' for prompt batches, 'D' for
+`moed.traces` (one step per llama_decode: 'P' for prompt batches, 'D' for
 generated tokens), with the engine's own gate-ahead predictions (`ahead1[t, l]`:
 layer l predicted at layer l-1's ffn_norm; `ahead2[t, l]`: at layer l-2's; 2 x
 top-k wide, best first), and driving greedy generation over a list of prompts.
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moed.lab.traces import DECODE, PROMPT, TraceWriter
+from moed.traces import DECODE, PROMPT, TraceWriter
 
 
 class TraceRecorder:

@@ -30,8 +30,8 @@ import numpy as np
 
 from moed.lab import policies
 from moed.lab.policies import Accesses, ReplayResult
-from moed.lab.traces import Trace
 from moed.protocol.errors import BadRequest
+from moed.traces import Trace
 
 
 @dataclass(frozen=True)

@@ -81,9 +81,9 @@ from moed.cache.eviction import LRU
 from moed.cache.quota import keeps_floor
 from moed.lab import policies
 from moed.lab.policies import Accesses
-from moed.lab.traces import Trace
 from moed.protocol.errors import BadRequest
 from moed.protocol.sizes import parse_size
+from moed.traces import Trace
 
 MODES = ("shared", "static", "floors")
 PLOT_FRACTIONS = tuple(round(0.05 * i, 2) for i in range(1, 21))

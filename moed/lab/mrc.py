@@ -27,7 +27,7 @@ import numpy as np
 
 from moed.lab import policies
 from moed.lab.policies import Accesses
-from moed.lab.traces import Trace
+from moed.traces import Trace
 
 COLD = np.iinfo(np.int64).max  # distance of a first access: a miss at every size
 

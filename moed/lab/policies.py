@@ -75,8 +75,8 @@ from typing import Any
 import numpy as np
 
 from moed.cache.eviction import LRU
-from moed.lab.traces import DECODE, Trace
 from moed.protocol.errors import BadRequest
+from moed.traces import DECODE, Trace
 
 PER_LAYER = ("lru", "lfu", "slru", "opt")
 SHARED = ("g-lru", "g-lfu", "g-hot", "g-arc", "g-lru2", "g-tlfu1", "g-tlfu10", "g-opt")

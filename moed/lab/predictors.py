@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from moed.lab import policies
-from moed.lab.traces import Trace
+from moed.traces import Trace
 
 COOCCURRENCE_PER_EXPERT = 2
 

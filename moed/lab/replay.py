@@ -388,7 +388,7 @@ def _add_delta(totals: dict, before: dict | None, after: dict) -> None:
 def replay(
     client, model_path, trace, opts: ReplayOptions | None = None, progress: Callable[[int, int], None] | None = None
 ) -> ReplayResult:
-    """Replay `trace` (a `moed.lab.traces.Trace`) through `client`'s daemon."""
+    """Replay `trace` (a `moed.traces.Trace`) through `client`'s daemon."""
     return Replayer(client, model_path, trace, opts or ReplayOptions()).run(progress)
 
 

@@ -58,7 +58,7 @@ def test_chat_answers_each_line(start_daemon, tiny_model):
 
 @pytest.mark.parametrize("chat", [False, True])
 def test_trace_records_prompt_and_decode_steps(start_daemon, mixed_model, tmp_path, chat):
-    from moed.lab.traces import Trace
+    from moed.traces import Trace
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("hello world\n\nthe expert model reads pages\n")
@@ -87,7 +87,7 @@ def test_trace_records_prompt_and_decode_steps(start_daemon, mixed_model, tmp_pa
 
 
 def test_a_recorded_trace_carries_predictions_and_replays_with_gate(start_daemon, tiny_model, tmp_path):
-    from moed.lab.traces import Trace
+    from moed.traces import Trace
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("hello world, the model reads\nthe expert model reads pages\n")

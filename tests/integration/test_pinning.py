@@ -8,10 +8,10 @@ import sys
 import pytest
 
 from moed.gguf.catalog import Catalog
-from moed.lab.traces import TraceWriter
 from moed.protocol import errors
 from moed.protocol import messages as m
 from moed.testing import wait_for
+from moed.traces import TraceWriter
 from tests.integration.test_daemon import check_lease, expert_bytes
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from moed.gguf.catalog import Catalog
 from moed.lab import replay as rp
-from moed.lab.traces import Trace, TraceWriter
+from moed.traces import Trace, TraceWriter
 
 LAYERS, EXPERTS, TOP_K = 4, 16, 2
 

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from moed.lab.traces import Trace
+from moed.traces import Trace
 
 TRACE = pathlib.Path(__file__).resolve().parent.parent / "data" / "tiny-stdlib-moe-trace.npz"
 PROMPTS = 10

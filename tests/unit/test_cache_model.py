@@ -9,7 +9,7 @@ import pytest
 
 from moed.cache.store import ExpertKey, Store, Want
 from moed.lab.policies import accesses, replay
-from moed.lab.traces import Trace
+from moed.traces import Trace
 
 NVMOE_SMOKE = Path(__file__).resolve().parents[1] / "data/olmoe-smoke.jsonl"  # MIT, from nvmoe
 SLOT_BYTES = 4096

@@ -7,8 +7,8 @@ import pytest
 
 from moed.lab import ceilings
 from moed.lab.policies import ReplayResult, accesses, replay
-from moed.lab.traces import TraceWriter
 from moed.protocol.errors import BadRequest
+from moed.traces import TraceWriter
 
 
 def test_ceiling_arithmetic():

@@ -9,7 +9,7 @@ import pytest
 
 from moed.ctl import main
 from moed.lab.policies import POLICIES
-from moed.lab.traces import TraceWriter
+from moed.traces import TraceWriter
 
 
 @pytest.fixture

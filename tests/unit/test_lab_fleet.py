@@ -11,7 +11,7 @@ import pytest
 from moed.cache.store import ExpertKey, Store, Want
 from moed.ctl import main
 from moed.lab import fleet, policies
-from moed.lab.traces import Trace, TraceWriter
+from moed.traces import Trace, TraceWriter
 
 SMOKE = pathlib.Path(__file__).resolve().parents[1] / "data" / "olmoe-smoke.jsonl"
 

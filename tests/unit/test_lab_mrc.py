@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from moed.lab import mrc
 from moed.lab.policies import accesses, replay
-from moed.lab.traces import Trace, TraceWriter
+from moed.traces import Trace, TraceWriter
 
 NVMOE_SMOKE = Path(__file__).resolve().parents[1] / "data/olmoe-smoke.jsonl"  # MIT, from nvmoe
 

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from moed.lab import policies
 from moed.lab.policies import PER_LAYER, POLICIES, accesses, replay, simulate
-from moed.lab.traces import TraceWriter
 from moed.protocol.errors import BadRequest
+from moed.traces import TraceWriter
 
 A, B, C, D, E, F = range(6)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from moed.lab.predictors import coverage
-from moed.lab.traces import TraceWriter
+from moed.traces import TraceWriter
 
 
 def by_name(cov):

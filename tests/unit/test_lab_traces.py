@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moed.lab.traces import BadTrace, Geometry, Trace, TraceWriter
+from moed.traces import BadTrace, Geometry, Trace, TraceWriter
 
 NVMOE_SMOKE = Path(__file__).resolve().parents[1] / "data/olmoe-smoke.jsonl"  # MIT, from nvmoe
 

@@ -10,7 +10,8 @@
 - the model-file layer (moed.gguf) imports only the protocol, gguf-py and numpy
   (and rich, for align's progress bar);
 - the lab never imports the daemon;
-- the engines (in the inference processes) never import the daemon;
+- the engines (in the inference processes) never import the daemon, nor the lab
+  (the trace format they record in is moed/traces.py, below both);
 - benchmarks import nothing from tests.
 """
 
@@ -94,6 +95,7 @@ STDLIB = set(sys.stdlib_module_names) | {"__future__"}
         ),
         ("moed/lab", "never the daemon", lambda n: not n.startswith("moed.daemon")),
         ("moed/engines", "never the daemon", lambda n: not n.startswith("moed.daemon")),
+        ("moed/engines", "never the lab", lambda n: not n.startswith("moed.lab")),
         ("bench", "nothing from tests", lambda n: top(n) != "tests"),
     ],
 )

@@ -7,8 +7,8 @@ import pytest
 
 from moed.lab import policies
 from moed.lab.plan import ModelCost, Planner, make_plan
-from moed.lab.traces import TraceWriter
 from moed.protocol.errors import BadRequest
+from moed.traces import TraceWriter
 
 LAYERS, EXPERTS, TOP_K = 4, 16, 2
 

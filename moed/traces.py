@@ -1,5 +1,8 @@
 """Routing traces: one in-memory form, one native file format, two importers.
 
+This module sits below the engines (which record traces, moed.engines.tracing) and
+the lab (which studies them), so neither imports the other for the format.
+
 A trace records, for every token an engine ran, which routed experts the router
 chose in every MoE layer. Tokens come in steps: a prompt step ('P') is one batch
 of prompt tokens, a decode step ('D') is usually one generated token. A trace may
