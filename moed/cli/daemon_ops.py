@@ -135,7 +135,10 @@ def _connections_line(s: dict) -> str:
     clients, lim = s.get("clients", []), s.get("limits", {})
     queued = max((c["queued_bytes"] for c in clients), default=0)
     out = max((c["buffered_out_bytes"] for c in clients), default=0)
-    line = f"{s['connections']} (max {lim.get('max_clients', '?')}, {lim.get('max_clients_per_tenant', '?')} a tenant)"
+    line = (
+        f"{s['connections']}, this one included "
+        f"(max {lim.get('max_clients', '?')}, {lim.get('max_clients_per_tenant', '?')} a tenant)"
+    )
     if clients:
         line += (
             f"; most buffered by one: {format_size(queued)} of requests "

@@ -80,7 +80,8 @@ GAUGES = [
     ("stuck_reads", "stuck_reads", "Reads running past read_stall_warn_s now"),
     ("drive_behind", "drive_behind", "1 while read-ahead is held back (the drive is behind)"),
     ("drive_latency_ratio", "drive_latency_ratio", "Recent read latency over the drive's own baseline"),
-    ("connections", "connections", "Open client connections"),
+    # A scrape opens no connection (the collector asks the loop); moectl stats and top count their own.
+    ("connections", "connections", "Open client connections, a scrape opening none"),
     ("locked", "locked", "1 if the RAM tier is locked in memory"),
     ("uptime_s", "uptime_seconds", "Seconds since the daemon started"),
 ]
