@@ -5,8 +5,8 @@ sent whole to one worker of its model (moed.serve.pool decides which, or makes i
 wait), over that worker's Unix socket, and the worker's answer is relayed back as
 it comes (a stream chunk by chunk). The front answers itself only what needs no
 engine: GET /v1/models (every model's alias), GET /moed/workers (dispatch state,
-JSON), 401 for a missing API key, 404 `model_not_found`, and 503 with Retry-After
-when the model's queue is full.
+JSON), 401 for a missing API key, 404 `model_not_found`, 413 for a body over
+MAX_BODY_BYTES, and 503 with Retry-After when the model's queue is full.
 
 Why a front and not N processes accepting on one shared socket: the kernel hands a
 connection to whichever process accepts it, busy or not, and a keep-alive
@@ -38,6 +38,7 @@ from moed.serve.metrics import ServeMetrics
 from moed.serve.pool import NoWorker, QueueFull, WorkerPool, WorkerSlot
 
 RETRY_AFTER_S = 1
+MAX_BODY_BYTES = 16 << 20  # a request is read whole before a worker is chosen: bounded
 _HOP_BY_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade", b"host", b"content-length"}
 _TOKEN_CHUNK = re.compile(rb'"finish_reason": null')
 _ROLE_CHUNK = re.compile(rb'"delta": \{"role": "assistant"\}')
@@ -53,13 +54,21 @@ async def _answer(send, status: int, body: bytes, headers: list[tuple[bytes, byt
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+class BodyTooLarge(Exception):
+    pass
+
+
 async def _read_body(receive) -> bytes:
-    chunks = []
+    chunks, size = [], 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ConnectionResetError("the client left before its request arrived")
-        chunks.append(message.get("body", b""))
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise BodyTooLarge(f"the request body is over {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
 
@@ -194,6 +203,9 @@ class Front:
             body = await _read_body(receive)
         except ConnectionResetError:
             return
+        except BodyTooLarge as exc:
+            await _answer(send, 413, _error(str(exc), "invalid_request_error", "request_too_large"))
+            return
         await self._dispatch(scope, receive, send, body)
 
     async def _dispatch(self, scope, receive, send, body: bytes) -> None:
@@ -216,7 +228,8 @@ class Front:
             await _answer(send, 503, busy, [(b"retry-after", str(RETRY_AFTER_S).encode())])
         except NoWorker as exc:
             relay.status = 503
-            await _answer(send, 503, _error(str(exc), "service_unavailable", "server_stopping"))
+            stopping = _error(str(exc), "service_unavailable", "server_stopping")
+            await _answer(send, 503, stopping, [(b"retry-after", str(RETRY_AFTER_S).encode())])
         relay.count()
 
     async def _relay(self, slot: WorkerSlot, scope, receive, body: bytes, relay: _Relay) -> None:

@@ -40,9 +40,8 @@ class ServeProcess:
         what = ["--config", str(config)] if config else [str(model), "--alias", "m", "--ctx", "1024", "--threads", "1"]
         cmd = [sys.executable, "-m", "moed.ctl", "--socket", socket_path, "serve", *what, "--port", str(self.port)]
         self.proc = subprocess.Popen([*cmd, *args], stdout=self._log, stderr=subprocess.STDOUT)
-        self.client = openai.OpenAI(
-            base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0, timeout=60
-        )
+        key = args[args.index("--api-key") + 1] if "--api-key" in args else "none"
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=key, max_retries=0, timeout=60)
         wait_for(self._ready, timeout_s=60, interval_s=0.1, what=f"moectl serve on port {self.port}")
 
     def _ready(self) -> bool:

@@ -243,3 +243,27 @@ def test_config_file_sets_workers_per_model(daemon, model_factory, tmp_path):
             assert r.model == name and r.usage.completion_tokens == 4
     finally:
         s.stop()
+
+
+def test_the_api_key_is_checked_at_the_front(daemon, tiny_model, tmp_path):
+    s = ServeProcess(daemon.socket, tiny_model, "--api-key", "sekrit", log_dir=tmp_path)
+    try:
+        body = {"model": "m", "prompt": PROMPT, "max_tokens": 2, "logit_bias": BANNED}
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 401
+        ok = httpx.post(s.url + "/v1/completions", json=body, headers={"Authorization": "Bearer sekrit"}, timeout=30)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    finally:
+        s.stop()
+
+
+def test_a_model_that_cannot_load_fails_the_server_at_start(daemon, tmp_path):
+    import subprocess
+    import sys
+
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file" * 100)
+    cmd = [sys.executable, "-m", "moed.ctl", "--socket", daemon.socket, "serve", str(junk), "--port", str(free_port())]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert "ended before it was ready" in r.stderr
