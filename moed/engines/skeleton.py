@@ -20,6 +20,7 @@ Invariants:
 
 from __future__ import annotations
 
+import errno
 import os
 import pathlib
 
@@ -81,7 +82,27 @@ def _write(real: str, dst: str, holes: list[tuple[int, int]]) -> None:
 def _copy(src_fd: int, dst_fd: int, offset: int, length: int) -> None:
     done = 0
     while done < length:
-        n = os.copy_file_range(src_fd, dst_fd, length - done, offset + done, offset + done)
+        try:
+            n = os.copy_file_range(src_fd, dst_fd, length - done, offset + done, offset + done)
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                raise
+            # A skeleton on another filesystem than the model (btrfs to ext4 answers
+            # EXDEV): copy through memory instead.
+            _copy_plain(src_fd, dst_fd, offset + done, length - done)
+            return
         if n <= 0:
             raise OSError(f"copy_file_range stopped at {offset + done} of {offset + length}")
         done += n
+
+
+def _copy_plain(src_fd: int, dst_fd: int, offset: int, length: int, step: int = 8 << 20) -> None:
+    pos, end = offset, offset + length
+    while pos < end:
+        data = os.pread(src_fd, min(step, end - pos), pos)
+        if not data:
+            raise OSError(f"the model ends at {pos}, before {end}")
+        written = 0
+        while written < len(data):
+            written += os.pwrite(dst_fd, data[written:], pos + written)
+        pos += len(data)
