@@ -16,7 +16,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tempfile  # noqa: E402
 
-from moed.lab.makemodel import make_model  # noqa: E402
+from moed.modelgen.makemodel import make_model  # noqa: E402
 from moed.spawn import DaemonProcess  # noqa: E402
 
 d = DaemonProcess("256MiB")

@@ -144,7 +144,7 @@ def main() -> int:
     ap.add_argument("--strace", action="store_true", help="count syscalls of 1,000 local hits")
     args = ap.parse_args()
 
-    from moed.lab.makemodel import make_model
+    from moed.modelgen.makemodel import make_model
     from moed.testing import DaemonProcess
 
     tmp = tempfile.mkdtemp(prefix="moedbench-", dir="/tmp")

@@ -4,7 +4,7 @@ The daemon parses a model's header on every first `open_model` (in its opener
 thread: `moed.daemon.models.open_catalog`), so that must stay fast for the big
 models people run. Goal: at most 100 ms for each header. This writes two sparse
 GGUFs with the real header (metadata, tokenizer, tensor table, Q4_K_M types) of
-Qwen3-30B-A3B and of DeepSeek-V3 (`moed.lab.headers`; 18.6 GB and 404 GB
+Qwen3-30B-A3B and of DeepSeek-V3 (`moed.modelgen.sparse_headers`; 18.6 GB and 404 GB
 apparent, a few MB on disk) and times, on each:
 
 - `open_catalog(path)`: `--repeat` times, median and p90;
@@ -33,7 +33,7 @@ from collections.abc import Callable
 import gguf
 
 from moed.daemon.models import open_catalog
-from moed.lab.headers import HeaderSpec, deepseek_v3, qwen3_30b_a3b, write_sparse
+from moed.modelgen.sparse_headers import HeaderSpec, deepseek_v3, qwen3_30b_a3b, write_sparse
 
 GOAL_MS = 100.0
 MODELS: dict[str, Callable[[], HeaderSpec]] = {"Qwen3-30B-A3B": qwen3_30b_a3b, "DeepSeek-V3": deepseek_v3}

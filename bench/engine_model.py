@@ -1,6 +1,6 @@
 """A large benchmark model with a real model's geometry, written fast.
 
-`moed.lab.makemodel` quantizes real random weights, which takes minutes for
+`moed.modelgen.makemodel` quantizes real random weights, which takes minutes for
 gigabytes on two cores. Routed experts here are random Q4_0 blocks written
 directly (a sane f16 scale and random nibbles): the numbers are as arbitrary as
 any random model's and cost nothing to make. The dense weights, vocabulary and
@@ -27,7 +27,7 @@ import pathlib
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
 
-from moed.lab import makemodel as mk
+from moed.modelgen import makemodel as mk
 
 
 def random_q4_0(rng: np.random.Generator, n_experts: int, rows: int, cols: int) -> np.ndarray:

@@ -31,7 +31,7 @@ import threading
 import time
 
 from moed.client import Client
-from moed.lab.makemodel import make_model
+from moed.modelgen.makemodel import make_model
 from moed.protocol import messages as m
 from moed.protocol.framing import encode
 from moed.spawn import DaemonProcess

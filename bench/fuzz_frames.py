@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from moed.lab.makemodel import make_model  # noqa: E402
+from moed.modelgen.makemodel import make_model  # noqa: E402
 from moed.protocol import messages as m  # noqa: E402
 from moed.testing import DaemonProcess, good_client, proc_status_bytes  # noqa: E402
 from moed.testing.frames import RawConnection, frames  # noqa: E402

@@ -104,7 +104,7 @@ class Cgroup:
 
 
 def make_bench_model(root: str) -> str:
-    from moed.lab.makemodel import make_model
+    from moed.modelgen.makemodel import make_model
 
     path = os.path.join(root, "memguard-model.gguf")
     if not os.path.exists(path):

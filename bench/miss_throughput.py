@@ -35,7 +35,7 @@ CHUNK = 256 << 10
 
 
 def default_model() -> str:
-    from moed.lab.makemodel import make_model
+    from moed.modelgen.makemodel import make_model
 
     path = "/tmp/moed-bench/big-q4_0-aligned.gguf"
     if not os.path.exists(path):

@@ -127,7 +127,7 @@ def measure(model: str, tokens: int, eps: float) -> dict:
 
 
 def main() -> int:
-    from moed.lab.makemodel import make_model
+    from moed.modelgen.makemodel import make_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for key, default in (("layers", 8), ("experts", 32), ("used", 4), ("embd", 512), ("ff", 256)):

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from moed.lab import policies  # noqa: E402
 from moed.lab import replay as rp  # noqa: E402
-from moed.lab.makemodel import make_model  # noqa: E402
+from moed.modelgen.makemodel import make_model  # noqa: E402
 from moed.traces import Trace  # noqa: E402
 
 

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from moed.client import Client  # noqa: E402
 from moed.gguf.catalog import Catalog  # noqa: E402
 from moed.lab import replay as rp  # noqa: E402
-from moed.lab.makemodel import make_model  # noqa: E402
+from moed.modelgen.makemodel import make_model  # noqa: E402
 from moed.protocol import errors  # noqa: E402
 from moed.testing import DaemonProcess  # noqa: E402
 

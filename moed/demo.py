@@ -45,7 +45,7 @@ def trained_model() -> Path:
 
 
 def random_model() -> Path:
-    from moed.lab.makemodel import make_model
+    from moed.modelgen.makemodel import make_model
 
     path = cache_dir() / "demo-qwen3moe.gguf"
     if not path.exists():

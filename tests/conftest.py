@@ -4,7 +4,7 @@ Fixtures (all session-scoped; the files are shared, so never modify them: copy
 into `tmp_path` first if a test needs to damage a model):
 
 - `model_factory(**make_model_kwargs) -> Path`: the first shard of a model made
-  with `moed.lab.makemodel.make_model`, cached by its arguments;
+  with `moed.modelgen.makemodel.make_model`, cached by its arguments;
   `model_factory.shards(**kwargs) -> list[Path]` gives every shard.
 - `tiny_model`: 4 layers, 8 experts, top-2, q8_0, embd 64 (unaligned: copy path).
 - `aligned_model`: 4 layers, 8 experts, top-2, q8_0, embd=ff=256, alignment 4096, so
@@ -38,7 +38,7 @@ import pathlib
 
 import pytest
 
-from moed.lab.makemodel import make_model
+from moed.modelgen.makemodel import make_model
 
 
 class ModelFactory:
@@ -121,7 +121,7 @@ def glm4moe_model(model_factory) -> pathlib.Path:
 
 @pytest.fixture(scope="session")
 def gpt_oss_aligned_model(model_factory) -> pathlib.Path:
-    from moed.lab.makemodel import aligned_geometry
+    from moed.modelgen.makemodel import aligned_geometry
 
     return model_factory(arch="gpt-oss", **aligned_geometry(arch="gpt-oss"))
 

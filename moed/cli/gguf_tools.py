@@ -18,7 +18,7 @@ from moed.protocol.sizes import format_size
 def register(sub) -> None:
     p = sub.add_parser("make-model", help="write a tiny MoE test model (GGUF; qwen3moe unless --arch)")
     p.add_argument("out", metavar="OUT.gguf")
-    # checked by make_model (moed.lab.makemodel.ARCHS): importing it here would slow every moectl start
+    # checked by make_model (moed.modelgen.makemodel.ARCHS): importing it here would slow every moectl start
     p.add_argument(
         "--arch",
         default="qwen3moe",
@@ -84,7 +84,7 @@ def register(sub) -> None:
 
 
 def _make_model(args) -> int:
-    from moed.lab.makemodel import make_model
+    from moed.modelgen.makemodel import make_model
 
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):  # as align: a typo in OUT makes no directories

@@ -20,7 +20,7 @@ import sysconfig
 
 import numpy as np
 
-from moed.lab import makemodel
+from moed.modelgen import makemodel
 
 SPACE_ID = 259
 VOCAB = 260

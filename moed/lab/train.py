@@ -2,7 +2,7 @@
 
 `scripts/train-tiny-moe` drives this module; it needs PyTorch (the optional extra
 `train`), which the daemon, the client and the engines never import. The model is
-written as GGUF with the project's own generator (`moed.lab.makemodel`: its tensor
+written as GGUF with the project's own generator (`moed.modelgen.makemodel`: its tensor
 plan, metadata and vocabulary), so llama.cpp loads it exactly like a generated test
 model, only with learned weights.
 
@@ -30,8 +30,8 @@ from gguf import GGUFWriter
 from gguf.constants import Keys
 from torch import nn
 
-from moed.lab import makemodel
 from moed.lab.tinydata import VOCAB, corpus, decode, encode, eval_windows, vocab
+from moed.modelgen import makemodel
 
 __all__ = ["VOCAB", "corpus", "decode", "encode", "eval_windows", "vocab"]
 

@@ -30,7 +30,7 @@ import gguf
 import numpy as np
 import pytest
 
-from moed.lab import makemodel
+from moed.modelgen import makemodel
 from tests.e2e.conftest import LLAMA_KW, PROMPT, assert_bit_equal, greedy_logits
 
 pytestmark = pytest.mark.e2e

@@ -81,7 +81,7 @@ def test_logits_bit_exact(request, start_daemon, reference_logits, model, budget
 @pytest.mark.parametrize("arch", ["qwen3moe", "olmoe", "qwen2moe", "deepseek2", "llama", "gpt-oss", "glm4moe"])
 def test_aligned_copy_of_a_model_gives_identical_logits(start_daemon, reference_logits, model_factory, tmp_path, arch):
     from moed.gguf.align import align_gguf
-    from moed.lab.makemodel import aligned_geometry
+    from moed.modelgen.makemodel import aligned_geometry
 
     g = aligned_geometry(arch=arch)  # whole-page parts (gpt-oss's MXFP4: 256 x 512), at 32-byte alignment
     original = model_factory(embd=g["embd"], ff=g["ff"], **({} if arch == "qwen3moe" else {"arch": arch}))
@@ -196,7 +196,7 @@ def test_daemon_gone_mid_generation_is_a_typed_error(start_daemon, aligned_model
 
 def test_an_architecture_moed_does_not_serve_is_a_typed_error(start_daemon, tmp_path, monkeypatch):
     """The daemon refuses it at open (BadModelFile naming it), before llama.cpp is asked to load it."""
-    from moed.lab import makemodel
+    from moed.modelgen import makemodel
     from moed.protocol.errors import BadModelFile
 
     monkeypatch.setitem(makemodel.ARCHS, "foomoe", makemodel.ARCHS["qwen3moe"])  # a name llama.cpp does not know

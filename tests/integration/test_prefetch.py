@@ -24,7 +24,7 @@ def slot_bytes(model) -> int:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from moed.lab.makemodel import make_model
+    from moed.modelgen.makemodel import make_model
 
     return make_model(
         tmp_path_factory.mktemp("pf") / "m.gguf", layers=2, experts=16, used=2, embd=256, ff=256, align=4096

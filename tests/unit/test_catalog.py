@@ -345,7 +345,7 @@ def test_an_architecture_moed_does_not_serve_is_named(tmp_path):
 
 
 def test_every_generated_architecture_is_served():
-    from moed.lab.makemodel import ARCHS
+    from moed.modelgen.makemodel import ARCHS
 
     assert set(ARCHS) == set(SERVED_ARCHS)
 

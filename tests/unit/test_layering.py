@@ -10,6 +10,8 @@
 - the model-file layer (moed.gguf) imports only the protocol, gguf-py and numpy
   (and rich, for align's progress bar);
 - the lab never imports the daemon;
+- the model maker (moed.modelgen) imports only the model-file layer, gguf-py and
+  numpy (tests, the demo and the benches import it; it imports none of them);
 - the engines (in the inference processes) never import the daemon, nor the lab
   (the trace format they record in is moed/traces.py, below both);
 - benchmarks import nothing from tests.
@@ -94,6 +96,11 @@ STDLIB = set(sys.stdlib_module_names) | {"__future__"}
             lambda n: top(n) in STDLIB | {"gguf", "numpy", "rich"} or n.startswith(("moed.protocol", "moed.gguf")),
         ),
         ("moed/lab", "never the daemon", lambda n: not n.startswith("moed.daemon")),
+        (
+            "moed/modelgen",
+            "the model-file layer, gguf-py and numpy",
+            lambda n: top(n) in STDLIB | {"gguf", "numpy"} or n.startswith(("moed.gguf", "moed.modelgen")),
+        ),
         ("moed/engines", "never the daemon", lambda n: not n.startswith("moed.daemon")),
         ("moed/engines", "never the lab", lambda n: not n.startswith("moed.lab")),
         ("bench", "nothing from tests", lambda n: top(n) != "tests"),

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from moed.ctl import main as moectl
-from moed.lab.makemodel import aligned_geometry, build_vocab, make_model, quantize, random_blocks
-from moed.lab.quantmix import use_more_bits
+from moed.modelgen.makemodel import aligned_geometry, build_vocab, make_model, quantize, random_blocks
+from moed.modelgen.quantmix import use_more_bits
 
 Q = gguf.GGMLQuantizationType
 

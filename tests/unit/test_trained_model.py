@@ -7,7 +7,7 @@ import hashlib
 from moed.data import TINY_MOE, expected_sha256, tiny_moe
 from moed.gguf.catalog import Catalog
 from moed.gguf.header import read_header
-from moed.lab.makemodel import build_vocab
+from moed.modelgen.makemodel import build_vocab
 
 
 def test_the_committed_file_matches_its_sha256_and_stays_small():

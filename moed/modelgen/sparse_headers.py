@@ -17,7 +17,7 @@ model's):
   rank 1536, kv rank 512, split `attn_k_b`/`attn_v_b`), the selection bias
   `exp_probs_b`, 129,280 tokens and 127,741 merges.
 
-Quant types follow llama.cpp's Q4_K_M (`q4_k_m_type`, the rule in moed.lab.quantmix): Q4_K by default; Q6_K for
+Quant types follow llama.cpp's Q4_K_M (`q4_k_m_type`, the rule in moed.modelgen.quantmix): Q4_K by default; Q6_K for
 `output.weight`, and for `ffn_down*` and `attn_v` in the layers llama.cpp's
 `use_more_bits` picks (the first and last eighth, and every third between);
 norms, biases and routers F32; a row that is not whole 256-blocks falls back as
@@ -41,7 +41,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf.constants import TokenType
 
-from moed.lab import quantmix
+from moed.modelgen import quantmix
 
 Q = GGMLQuantizationType
 V = GGUFValueType
@@ -150,6 +150,7 @@ _TEMPLATE = (_TEMPLATE + "\n") * 40
 def _spec(arch: str, kv, tensors: list[Tensor], moe_layers, n_experts: int, vocab: int) -> HeaderSpec:
     head = [
         ("general.type", "model", V.STRING, None),
+        # the module's first name, kept: the header's bytes (and so its measured sizes) stay the same
         ("general.name", f"{arch} header (moed.lab.headers)", V.STRING, None),
         ("general.file_type", 15, V.UINT32, None),  # LLAMA_FTYPE_MOSTLY_Q4_K_M
         ("general.quantization_version", 2, V.UINT32, None),

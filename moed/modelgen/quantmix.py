@@ -1,7 +1,7 @@
-"""llama.cpp's quant mixes, as its quantizer picks them per tensor (one copy for the lab).
+"""llama.cpp's quant mixes, as its quantizer picks them per tensor (one copy for the model maker).
 
 `q4_k_m_type` is LLAMA_FTYPE_MOSTLY_Q4_K_M in `llama_tensor_get_type`, for the
-tensors MoE GGUFs have. makemodel (tiny real models) and headers (real-sized
+tensors MoE GGUFs have. makemodel (tiny real models) and sparse_headers (real-sized
 sparse headers) both take their types from here, so the two agree with each
 other and with llama.cpp.
 

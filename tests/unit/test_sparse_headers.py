@@ -1,4 +1,4 @@
-"""Real models' headers (moed.lab.headers) over sparse files: the catalog reads them as GGUFReader does."""
+"""Real models' headers (moed.modelgen.sparse_headers) over sparse files: the catalog reads them as GGUFReader does."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import gguf
 import pytest
 
 from moed.gguf.catalog import Catalog
-from moed.lab.headers import deepseek_v3, qwen3_30b_a3b, write_sparse
-from moed.lab.quantmix import use_more_bits
+from moed.modelgen.quantmix import use_more_bits
+from moed.modelgen.sparse_headers import deepseek_v3, qwen3_30b_a3b, write_sparse
 
 EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(\w+)_exps\.weight$")
 

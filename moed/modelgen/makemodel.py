@@ -64,7 +64,7 @@ from gguf.constants import Keys, TokenType
 
 from moed.gguf.archs import GATING_SIGMOID, ROUTER_BIAS, ROUTER_WEIGHT, SELECTION_BIAS, Arch, arch_of
 from moed.gguf.header import shard_names
-from moed.lab import quantmix
+from moed.modelgen import quantmix
 
 ARCH = "qwen3moe"
 QUANTS = {
@@ -80,7 +80,7 @@ Q = GGMLQuantizationType
 
 
 def _q4_k_m(name: str, row: int, g: Geometry) -> GGMLQuantizationType | None:
-    """llama.cpp's Q4_K_M type for one weight matrix (moed.lab.quantmix); None: F16."""
+    """llama.cpp's Q4_K_M type for one weight matrix (moed.modelgen.quantmix); None: F16."""
     qtype = quantmix.q4_k_m_type(name, row, g.layers, g.experts)
     return None if qtype == Q.F16 else qtype
 
