@@ -21,6 +21,7 @@ from moed.testing import file_bytes, wait_for
 from moed.testing.faultfs import LoopBtrfs, unavailable
 
 from .peer import NOBODY, as_peer
+from .test_daemon import no_direct_dir  # noqa: F401, F811 - a fixture: a filesystem that refuses O_DIRECT
 
 BAD_LAYER, BAD_EXPERT, BAD_PART = 1, 5, "down"
 
@@ -220,3 +221,45 @@ def test_metrics_count_read_errors_overall_and_per_model(start_daemon, bad_drive
     assert m[("moed_prefetch_dropped_total", ())] == s["prefetch_dropped"]
     labels = (("model", model), ("model_id", str(h.model_id)))
     assert m[("moed_model_read_errors_total", labels)] == 1
+
+
+def test_a_model_split_over_btrfs_and_a_filesystem_without_o_direct(start_daemon, model_factory, no_direct_dir):  # noqa: F811
+    """One shard on btrfs (O_DIRECT, one block corrupted), the other where O_DIRECT is refused
+    (read buffered): the same error for the bad expert, exact bytes from both filesystems."""
+    import shutil
+
+    shards = model_factory.shards(embd=256, ff=256, align=4096, split=2)
+    with LoopBtrfs() as fs:
+        first = fs.copy_in(shards[0], shards[0].name)
+        second = os.path.join(no_direct_dir, shards[1].name)
+        shutil.copyfile(shards[1], second)
+        os.symlink(second, fs.mnt / shards[1].name)  # the reader opens the file it resolves to
+        cat = Catalog.open(str(first))
+        on = {
+            s: [
+                (layer, e)
+                for layer in cat.moe_layers
+                for e in range(cat.n_experts)
+                if os.path.realpath(cat.extent(layer, e, BAD_PART)[0]) == s
+            ]
+            for s in (str(first), os.path.realpath(second))
+        }
+        assert all(on.values()), "both shards hold experts"
+        bad_layer, bad_expert = on[str(first)][-1]
+        fs.corrupt(first, cat.extent(bad_layer, bad_expert, BAD_PART)[1] + 4096)
+        d = start_daemon("64MiB")
+        with d.client("engine") as c:
+            h = c.open_model(str(first))
+            with pytest.raises(errors.ReadError) as info:
+                h.acquire(bad_layer, [bad_expert])
+            assert f"layer {bad_layer} expert {bad_expert} part {BAD_PART}" in str(info.value)
+            assert "[Errno 5] EIO" in str(info.value)
+            for layer, e in [on[str(first)][0], on[os.path.realpath(second)][0]]:
+                with h.acquire(layer, [e]) as lease:
+                    for part in h.parts:
+                        path, off, length = cat.extent(layer, e, part)
+                        src = shards[0] if os.path.realpath(path) == str(first) else shards[1]
+                        assert lease.view(e, part).tobytes() == file_bytes(str(src), off, length)
+            (row,) = c.stats()["models"]
+            assert row["direct_io"] is False and row["read_errors"] == 1
+        d.stop()  # before the filesystem goes
