@@ -546,7 +546,7 @@ def one_run(args, kind: str, run: dict, cap: int | None, size: int) -> dict:
 def _budget(spec: str, model: str) -> str:
     if not spec.endswith("%"):
         return spec
-    from moed.lab.replay import parse_budget
+    from moed.gguf.budget import parse_budget
 
     return str(parse_budget(spec, model))
 

@@ -27,15 +27,15 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from moed.client import Client  # noqa: E402
+from moed.gguf import budget  # noqa: E402
 from moed.gguf.catalog import Catalog  # noqa: E402
-from moed.lab import replay as rp  # noqa: E402
 from moed.modelgen.makemodel import make_model  # noqa: E402
 from moed.testing import DaemonProcess  # noqa: E402
 
 
 def slot_bytes(model: str) -> int:
     cat = Catalog.open(model)
-    return rp.slot_bytes(cat.layers[0])
+    return budget.slot_bytes(cat.layers[0])
 
 
 def spawn_holder(sock: str, model: str, layer: int) -> tuple[int, int, int]:

@@ -89,11 +89,11 @@ def raw(cat, layers, threads: int) -> float:
 
 def through_moed(model: str, cat, layers, clients: int, threads: int) -> float:
     """Steady state: the tier is full after the first layer, so every miss evicts."""
-    from moed.lab import replay as rp
+    from moed.gguf.budget import slot_bytes
     from moed.testing import DaemonProcess
 
     warm, layers = layers[:1], layers[1:]
-    one_layer = cat.n_experts * rp.slot_bytes(cat.layers[warm[0]])
+    one_layer = cat.n_experts * slot_bytes(cat.layers[warm[0]])
     d = DaemonProcess(str(one_layer), "--reader-threads", str(threads))
     try:
         conns = [d.client(f"c{i}") for i in range(clients)]

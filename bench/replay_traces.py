@@ -25,6 +25,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from moed.gguf.budget import all_experts_bytes  # noqa: E402
 from moed.lab import policies  # noqa: E402
 from moed.lab import replay as rp  # noqa: E402
 from moed.modelgen.makemodel import make_model  # noqa: E402
@@ -66,7 +67,7 @@ def main() -> int:
         trace = Trace.load(path)
         model = model_for(trace, name, args.workdir, args.embd, args.ff)
         warm = min(args.warm, trace.n_decode_tokens // 4)  # a short trace keeps most tokens counted
-        all_bytes = rp.all_experts_bytes(model)
+        all_bytes = all_experts_bytes(model)
         for pct in (int(x) for x in args.budgets.split(",")):
             budget = int(pct / 100 * all_bytes)
             ref = policies.replay(trace, "g-lru", size=pct / 100, warm=warm)

@@ -53,8 +53,8 @@ def exact_run(model: str, steps: int, out: str) -> None:
 
 def worker(model: str, budget: str, mode: str, rule: str, ref: str, warmup: int) -> dict:
     from moed.engines.llama_cpp import StreamedLlama
+    from moed.gguf.budget import parse_budget
     from moed.lab.kl import Scored, summarize
-    from moed.lab.replay import parse_budget
     from moed.spawn import DaemonProcess
 
     data = np.load(ref)
@@ -133,7 +133,7 @@ def main() -> int:
     sys.path.insert(0, str(ROOT / "bench"))
     from engine_vs_mmap import Cgroup, _cap_bytes
 
-    from moed.lab.replay import all_experts_bytes
+    from moed.gguf.budget import all_experts_bytes
 
     cap = _cap_bytes(args.cap)
     experts = all_experts_bytes(args.model)

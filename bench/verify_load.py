@@ -29,8 +29,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from moed.client import Client  # noqa: E402
+from moed.gguf.budget import slot_bytes  # noqa: E402
 from moed.gguf.catalog import Catalog  # noqa: E402
-from moed.lab import replay as rp  # noqa: E402
 from moed.modelgen.makemodel import make_model  # noqa: E402
 from moed.protocol import errors  # noqa: E402
 from moed.testing import DaemonProcess  # noqa: E402
@@ -118,7 +118,7 @@ def main() -> int:
     atexit.register(shutil.rmtree, tmp, True)
     model = str(make_model(os.path.join(tmp, "m.gguf"), layers=8, experts=32, used=4)[0])
     cat = Catalog.open(model)
-    slot = rp.slot_bytes(cat.layers[0])
+    slot = slot_bytes(cat.layers[0])
     budget = slot * len(cat.layers) * cat.n_experts // 2
     runs = []
     for _ in range(args.repeat):

@@ -346,7 +346,7 @@ def cmd_kl(args: argparse.Namespace) -> int:
     kw = dict(_llama_settings(args), logits_all=True)
     daemon = None
     if args.budget is not None:
-        from moed.lab.replay import parse_budget
+        from moed.gguf.budget import parse_budget
         from moed.spawn import DaemonProcess
 
         daemon = DaemonProcess(parse_budget(args.budget, args.model))

@@ -47,6 +47,7 @@ def register(sub) -> None:
 
 
 def cmd_replay(args) -> int:
+    from moed.gguf.budget import parse_budget
     from moed.lab import replay as rp
     from moed.traces import Trace
 
@@ -55,7 +56,7 @@ def cmd_replay(args) -> int:
         opts = rp.ReplayOptions(
             args.compute_ms, args.attn_frac, args.prefetch, args.warm, args.tokens, prefetch_width=args.prefetch_width
         )
-        budget = None if args.budget is None else rp.parse_budget(args.budget, args.model)
+        budget = None if args.budget is None else parse_budget(args.budget, args.model)
     except MoedError as exc:
         return fail(f"replay: {exc}")
     with _progress(enabled=not args.json and sys.stderr.isatty()) as progress:

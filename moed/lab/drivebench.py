@@ -144,8 +144,8 @@ def moed_reads(
     model_path: str, size: int = 1 << 20, depth: int = 8, seconds: float = 10.0, tick: Tick | None = None, seed: int = 0
 ) -> DriveRun:
     from moed.client import Client
+    from moed.gguf.budget import slot_bytes_by_layer
     from moed.gguf.catalog import Catalog
-    from moed.lab.replay import slot_bytes_by_layer
     from moed.spawn import DaemonProcess
 
     _check(size, depth, seconds)

@@ -16,7 +16,7 @@ What it owns: the interleaving (`interleave`), the budget arithmetic of a fleet
 aggregate hit rates (`replay_fleet`, `FleetReport`).
 
 Units. With a MODEL, a member's slots are that model's real RAM-tier bytes per
-expert (`moed.lab.replay.slot_bytes`: every part page-rounded), per layer, so a
+expert (`moed.gguf.budget.slot_bytes`: every part page-rounded), per layer, so a
 model with mixed quantisations has several size classes; budgets and floors are
 bytes. Without a MODEL every expert is one slot, and budgets are slot counts.
 A fleet is all one or all the other.
@@ -160,8 +160,8 @@ def load_member(spec: str, name: str | None = None) -> Member:
     label = name or os.path.basename(trace_path).split(".")[0]
     if model_path is None:
         return Member(label, trace, rate)
+    from moed.gguf.budget import slot_bytes
     from moed.gguf.catalog import Catalog
-    from moed.lab.replay import slot_bytes
 
     cat = Catalog.open(model_path)
     if trace.moe_layers != len(cat.moe_layers) or trace.n_experts > cat.n_experts:

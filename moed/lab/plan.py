@@ -56,8 +56,8 @@ class ModelCost:
 
     @classmethod
     def of(cls, model_path: str | os.PathLike) -> ModelCost:
+        from moed.gguf.budget import slot_bytes
         from moed.gguf.catalog import Catalog
-        from moed.lab.replay import slot_bytes
 
         cat = Catalog.open(model_path)
         entries = [cat.layers[l] for l in cat.moe_layers]

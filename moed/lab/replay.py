@@ -51,10 +51,8 @@ from typing import Any
 
 import numpy as np
 
-from moed.protocol import layout
 from moed.protocol.errors import BadRequest, RequestTooLarge
-from moed.protocol.layout import PAGE
-from moed.protocol.sizes import format_size, parse_size
+from moed.protocol.sizes import format_size
 from moed.spawn import DaemonProcess
 
 PREFETCH_MODES = ("none", "gate", "gate2", "oracle")
@@ -113,46 +111,6 @@ class ReplayResult:
     def to_json(self) -> dict[str, Any]:
         """Plain JSON: an unbounded rate (no compute time) becomes null, not Infinity."""
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
-
-
-# ---- the model and the budget ------------------------------------------------
-
-
-def slot_bytes(entry) -> int:
-    """Bytes one expert of a catalog `LayerEntry` takes in the RAM tier (parts page-rounded)."""
-    return layout.slot_bytes(p.bytes_per_expert for p in entry.parts.values())
-
-
-def slot_bytes_by_layer(model_path: str | os.PathLike) -> dict[int, int]:
-    """`slot_bytes` per MoE layer of the model."""
-    from moed.gguf.catalog import Catalog
-
-    return {l: slot_bytes(e) for l, e in Catalog.open(model_path).layers.items()}
-
-
-def all_experts_bytes(model_path: str | os.PathLike) -> int:
-    """The RAM tier bytes that would hold every routed expert of the model."""
-    from moed.gguf.catalog import Catalog
-
-    cat = Catalog.open(model_path)
-    return cat.n_experts * sum(slot_bytes(e) for e in cat.layers.values())
-
-
-def parse_budget(spec: str, model_path: str | os.PathLike) -> int:
-    """`50%` of every expert's slot bytes, or a size (`512MiB`, plain bytes)."""
-    spec = str(spec).strip()
-    if spec.endswith("%"):
-        try:
-            frac = float(spec[:-1]) / 100
-        except ValueError:
-            raise BadRequest(f"not a budget: {spec!r} (use e.g. 50% or 512MiB)") from None
-        if not 0 < frac <= 1:
-            raise BadRequest(f"a budget share must be in (0%, 100%], not {spec}")
-        return max(PAGE, int(frac * all_experts_bytes(model_path)))
-    try:
-        return parse_size(spec)
-    except ValueError as exc:
-        raise BadRequest(str(exc)) from None
 
 
 # ---- the token schedule --------------------------------------------------------

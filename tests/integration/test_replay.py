@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 
+from moed.gguf.budget import slot_bytes_by_layer
 from moed.gguf.catalog import Catalog
 from moed.lab import replay as rp
 from moed.traces import Trace, TraceWriter
@@ -74,7 +75,7 @@ def setup(tmp_path_factory):
 
 
 def slot(model) -> int:
-    return rp.slot_bytes_by_layer(model)[0]
+    return slot_bytes_by_layer(model)[0]
 
 
 def test_make_model_like_has_the_trace_geometry(setup):
