@@ -59,6 +59,8 @@ class DriveFaults:
 
     def refuse_marked(self, wants) -> None:
         """ReadError at once if any wanted expert is quarantined (no read is sent)."""
+        if not self.quarantine:  # the hit path: nothing marked, nothing to look up
+            return
         now = time.monotonic()
         for want in wants:
             message = self.quarantine.check(want.key, now)
@@ -68,6 +70,8 @@ class DriveFaults:
 
     def unmarked(self, wants) -> list:
         """The wants a prefetch may read: quarantined experts are skipped."""
+        if not self.quarantine:
+            return wants
         now = time.monotonic()
         return [w for w in wants if self.quarantine.check(w.key, now) is None]
 

@@ -32,6 +32,9 @@ class Quarantine:
         self.quarantine_s = quarantine_s
         self._marks: dict = {}
 
+    def __len__(self) -> int:
+        return len(self._marks)
+
     def mark(self, key, message: str, now: float) -> None:
         """`key`'s read failed: refuse it for `quarantine_s` from now (0: never marked)."""
         if self.quarantine_s <= 0:
