@@ -45,6 +45,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=DEFAULT_QUEUE,
         help=f"requests that may wait for a busy model's workers; more get 503 (default {DEFAULT_QUEUE})",
     )
+    p.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a request may wait for a worker before a 503 (default 300)",
+    )
     p.add_argument("--grace", type=float, default=10.0, help="seconds SIGTERM lets requests finish (default 10)")
     p.add_argument("--metrics-listen", default=None, metavar="HOST:PORT", help="serve Prometheus metrics here")
     p.add_argument(
@@ -176,6 +182,7 @@ def _plan(args: argparse.Namespace):
         engine=_engine_options(args),
         server=worker_server,
         queue_bound=args.queue,
+        queue_timeout_s=args.queue_timeout,
         grace_s=args.grace,
         api_key=server.api_key,
         metrics_listen=_metrics_listen(args.metrics_listen),

@@ -52,6 +52,7 @@ class ServePlan:
     engine: dict  # EngineOptions fields
     server: dict  # llama_cpp.server ServerSettings, as JSON (what every worker runs)
     queue_bound: int = 16
+    queue_timeout_s: float | None = 300.0
     grace_s: float = 10.0
     api_key: str | None = None
     metrics_listen: tuple[str, int] | None = None
@@ -82,7 +83,8 @@ def _pools(plan: ServePlan, run_dir: str) -> tuple[dict[str, WorkerPool], list[W
         spec_path = os.path.join(run_dir, f"m{m_index}.json")
         WorkerSpec(plan.engine, plan.server, model.settings, sockets, plan.verbose).write(spec_path)
         slots = [WorkerSlot(i, path) for i, path in enumerate(sockets)]
-        pool = pools[model.alias] = WorkerPool(model.alias, slots, plan.queue_bound, interrupting)
+        pool = WorkerPool(model.alias, slots, plan.queue_bound, interrupting, plan.queue_timeout_s)
+        pools[model.alias] = pool
         supervisors += [WorkerSupervisor(pool, slot, spec_path, plan.backoff) for slot in slots]
     return pools, supervisors
 

@@ -8,8 +8,10 @@ Invariants:
   one at a time per model; a second would only wait behind the first's locks,
   where no other worker could take it);
 - requests wait in arrival order, at most `queue_bound` of them; one more is
-  refused at once (`QueueFull`: the front answers 503 with Retry-After), so a
-  request never hangs behind an unbounded queue;
+  refused at once (`QueueFull`: the front answers 503 with Retry-After), and one
+  that waited `queue_timeout_s` is refused then (`QueueTimeout`), so a request
+  never hangs: not behind an unbounded queue, nor on a model whose workers keep
+  failing to start;
 - with `interrupting` (the operator's `interrupt_requests`), nothing waits here:
   a request goes to the least busy ready worker, whose server cuts its running
   stream (ending it with finish_reason "interrupted");
@@ -28,6 +30,10 @@ from dataclasses import dataclass
 
 class QueueFull(Exception):
     """Every worker is busy and `queue_bound` requests already wait."""
+
+
+class QueueTimeout(QueueFull):
+    """A request waited `queue_timeout_s` for a worker (all busy, or none alive: a model that keeps failing)."""
 
 
 class NoWorker(Exception):
@@ -52,8 +58,16 @@ class WorkerSlot:
 class WorkerPool:
     """One model's workers, its wait queue and its bound (see module)."""
 
-    def __init__(self, model: str, slots: list[WorkerSlot], queue_bound: int, interrupting: bool = False):
+    def __init__(
+        self,
+        model: str,
+        slots: list[WorkerSlot],
+        queue_bound: int,
+        interrupting: bool = False,
+        queue_timeout_s: float | None = None,
+    ):
         self.model, self.slots, self.queue_bound, self.interrupting = model, slots, queue_bound, interrupting
+        self.queue_timeout_s = queue_timeout_s
         self._waiters: deque[asyncio.Future[WorkerSlot]] = deque()
         self.closed = False
 
@@ -91,10 +105,20 @@ class WorkerPool:
         waiter: asyncio.Future[WorkerSlot] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:
-            return await waiter
+            return await asyncio.wait_for(asyncio.shield(waiter), self.queue_timeout_s)
+        except TimeoutError:
+            if waiter.done():
+                return waiter.result()  # granted at the deadline
+            waiter.cancel()
+            raise QueueTimeout(
+                f"waited {self.queue_timeout_s:g} s for a worker of model {self.model} "
+                f"({sum(s.ready for s in self.slots)} of {len(self.slots)} ready)"
+            ) from None
         except asyncio.CancelledError:
             if waiter.done() and not waiter.cancelled():
                 self.give_back(waiter.result())  # granted as the request left: pass it on
+            else:
+                waiter.cancel()
             raise
 
     def give_back(self, slot: WorkerSlot) -> None:
@@ -138,4 +162,4 @@ class WorkerPool:
                 self.give_back(slot)
 
 
-__all__ = ["NoWorker", "QueueFull", "WorkerPool", "WorkerSlot"]
+__all__ = ["NoWorker", "QueueFull", "QueueTimeout", "WorkerPool", "WorkerSlot"]

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from moed.serve.pool import NoWorker, QueueFull, WorkerPool, WorkerSlot
+from moed.serve.pool import NoWorker, QueueFull, QueueTimeout, WorkerPool, WorkerSlot
 
 
 def pool_of(n: int, queue_bound: int = 2, interrupting: bool = False) -> WorkerPool:
@@ -90,5 +90,17 @@ def test_closing_fails_the_waiters():
             await waiter
         with pytest.raises(NoWorker):
             await pool.take()
+
+    run(scenario())
+
+
+def test_a_request_waits_at_most_the_queue_timeout():
+    async def scenario():
+        pool = WorkerPool("m", [WorkerSlot(0, "/w0")], queue_bound=4, queue_timeout_s=0.05)  # never ready
+        with pytest.raises(QueueTimeout, match="0 of 1 ready"):
+            await pool.take()
+        assert pool.queued == 0
+        pool.set_ready(pool.slots[0], True)
+        assert (await pool.take()) is pool.slots[0]  # the timed-out waiter got nothing
 
     run(scenario())
