@@ -13,6 +13,7 @@ import pkgutil
 import sys
 
 import moed.cli
+from moed.badinput import BadInput
 from moed.protocol.errors import MoedError
 from moed.protocol.paths import default_socket_path
 
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except MoedError as exc:
+    except (MoedError, BadInput) as exc:  # a daemon's answer, or a tool's input: one line
         print(f"moectl: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -68,7 +68,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from moed.protocol.errors import BadRequest
+from moed.badinput import BadInput
 
 FORMAT_NAME = "moed-trace"
 FORMAT_VERSION = 1
@@ -78,7 +78,7 @@ _KIND_CODE = {PROMPT: ord(PROMPT), DECODE: ord(DECODE)}
 _ZIP_MAGIC = b"PK\x03\x04"
 
 
-class BadTrace(BadRequest):
+class BadTrace(BadInput):
     """A trace file or a step handed to TraceWriter is malformed."""
 
 

@@ -3,8 +3,8 @@
 What this module owns: the terminal side of `StreamedLlama` (streaming tokens as
 they come; at the end, the daemon's hit rate for this run and the engine's
 look-ahead: prediction recall, prefetches issued / hit / wasted, stall per
-token) and recording routing traces (with the engine's predictions). Errors print one line and exit 2 (moed.ctl does that for MoedError; bad
-files and llama.cpp failures are turned into the same here).
+token) and recording routing traces (with the engine's predictions). Errors print one line and exit 2 (moed.ctl does that for MoedError and
+BadInput; bad files and llama.cpp failures are turned into the same here).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The replay is `moed.lab.fleet`'s; this module parses the member specs and the
 budget, and prints a table (default), one JSON object (`--json`) or a plot of
 aggregate hit rate against budget (`--plot`). `moectl plan --fleet` (the sizing
 recommendation) is wired in `moed.cli.replay` next to `plan` and printed here.
-Bad input is a MoedError: one line, exit 2.
+Bad input is a `BadInput` (moed.badinput): one line, exit 2.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import argparse
 import json
 from typing import Any
 
-from moed.protocol.errors import BadRequest
+from moed.badinput import BadInput
 
 SPEC = "TRACE[:MODEL.gguf][@RATE]"
 
@@ -59,7 +59,7 @@ def parse_floors(text: str | None, unit: str, budget: int, mean_slot: float) -> 
         return None
     items = [x.strip() for x in text.split(",") if x.strip()]
     if not items:
-        raise BadRequest("--floors needs one floor per trace, e.g. 30%,0")
+        raise BadInput("--floors needs one floor per trace, e.g. 30%,0")
     return [parse_amount(x, unit, budget, mean_slot, "--floors") for x in items]
 
 
@@ -155,7 +155,7 @@ def cmd_plan_fleet(args: argparse.Namespace) -> int:
     from moed.lab import fleetplan
 
     if args.model is not None or args.trace is not None:
-        raise BadRequest("plan --fleet takes its models and traces as TRACE:MODEL.gguf[@RATE], not MODEL --trace")
+        raise BadInput("plan --fleet takes its models and traces as TRACE:MODEL.gguf[@RATE], not MODEL --trace")
     result = fleetplan.make_fleet_plan(
         load(args.fleet),
         target_tok_s=args.target_tok_s,

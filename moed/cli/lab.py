@@ -2,8 +2,8 @@
 
 They read any trace format (`moed.traces`), need no daemon, and print rich
 tables by default or JSON with `--json`. Bad input (a missing or malformed trace,
-an unknown policy, a size outside [0, 1]) is a MoedError: moectl prints one line
-and exits 2.
+an unknown policy, a size outside [0, 1]) is a `BadInput` (moed.badinput): moectl
+prints one line and exits 2.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 import math
 from typing import Any
 
-from moed.protocol.errors import BadRequest
+from moed.badinput import BadInput
 
 DEFAULT_MRC_POINTS = 16
 
@@ -180,7 +180,7 @@ def _print_info(path: str, info: dict[str, Any]) -> None:
 
 def _check_fraction(x: float) -> float:
     if not (0 <= x <= 1) or math.isnan(x):
-        raise BadRequest(f"size must be a fraction in [0, 1], not {x}")
+        raise BadInput(f"size must be a fraction in [0, 1], not {x}")
     return x
 
 
@@ -192,16 +192,16 @@ def parse_sizes(text: str | None) -> list[float]:
     try:
         return [_check_fraction(float(x)) for x in text.split(",") if x.strip()]
     except ValueError as exc:
-        raise BadRequest(f"--sizes takes comma-separated fractions like 0.25,0.5: {text!r}") from exc
+        raise BadInput(f"--sizes takes comma-separated fractions like 0.25,0.5: {text!r}") from exc
 
 
 def parse_slots(values: list[str] | None) -> list[int]:
     try:
         slots = [int(x) for v in values or () for x in v.split(",") if x.strip()]
     except ValueError as exc:
-        raise BadRequest(f"--slots takes whole numbers: {values}") from exc
+        raise BadInput(f"--slots takes whole numbers: {values}") from exc
     if any(n < 0 for n in slots):
-        raise BadRequest(f"--slots must be >= 0: {slots}")
+        raise BadInput(f"--slots must be >= 0: {slots}")
     return slots
 
 
@@ -213,9 +213,9 @@ def cmd_policy(args: argparse.Namespace) -> int:
     slots = parse_slots(args.slots)
     sizes = None if slots else parse_sizes(args.sizes)
     if (args.drive_gbps is None) != (args.compute_ms is None):
-        raise BadRequest("ceilings need both --drive-gbps and --compute-ms")
+        raise BadInput("ceilings need both --drive-gbps and --compute-ms")
     if (args.mtp is None) != (args.accept is None):
-        raise BadRequest("MTP grouping needs both --mtp N and --accept A")
+        raise BadInput("MTP grouping needs both --mtp N and --accept A")
     trace = Trace.load(args.trace)
     acc = policies.accesses(trace, args.warm)
     points: list[tuple[float | None, int | None]] = (
@@ -255,10 +255,10 @@ def cmd_policy(args: argparse.Namespace) -> int:
 def _bytes_per_expert(trace: Any, expert_mib: float | None) -> float:
     if expert_mib is not None:
         if expert_mib <= 0:
-            raise BadRequest("--expert-mib must be > 0")
+            raise BadInput("--expert-mib must be > 0")
         return expert_mib * (1 << 20)
     if not trace.bytes_per_expert:
-        raise BadRequest("the trace does not know its bytes per expert: give --expert-mib")
+        raise BadInput("the trace does not know its bytes per expert: give --expert-mib")
     return float(trace.bytes_per_expert)
 
 
@@ -346,7 +346,7 @@ def _pyplot() -> Any:
     try:
         import matplotlib
     except ImportError as exc:
-        raise BadRequest("--plot needs matplotlib (pip install 'moed[lab]')") from exc
+        raise BadInput("--plot needs matplotlib (pip install 'moed[lab]')") from exc
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -361,7 +361,7 @@ def cmd_mrc(args: argparse.Namespace) -> int:
     from moed.traces import Trace
 
     if args.points < 1:
-        raise BadRequest("--points must be >= 1")
+        raise BadInput("--points must be >= 1")
     trace = Trace.load(args.trace)
     acc = policies.accesses(trace, args.warm)
     curve = mrc.lru_curve(acc)

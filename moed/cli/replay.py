@@ -11,6 +11,7 @@ import json
 import sys
 from typing import Any
 
+from moed.badinput import BadInput
 from moed.cli import fail
 from moed.protocol.errors import MoedError
 
@@ -57,7 +58,7 @@ def cmd_replay(args) -> int:
             args.compute_ms, args.attn_frac, args.prefetch, args.warm, args.tokens, prefetch_width=args.prefetch_width
         )
         budget = None if args.budget is None else parse_budget(args.budget, args.model)
-    except MoedError as exc:
+    except (MoedError, BadInput) as exc:
         return fail(f"replay: {exc}")
     with _progress(enabled=not args.json and sys.stderr.isatty()) as progress:
         if budget is not None:
@@ -260,7 +261,7 @@ def cmd_plan(args) -> int:
             measure_s=args.measure_seconds,
             trace_path=args.trace,
         )
-    except MoedError as exc:
+    except (MoedError, BadInput) as exc:
         return fail(f"plan: {exc}")
     if args.plot not in (None, "-"):
         pl.plot(result, args.plot)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import os
 
+from moed.badinput import BadInput
 from moed.protocol import layout
-from moed.protocol.errors import BadRequest
 from moed.protocol.layout import PAGE
 from moed.protocol.sizes import parse_size
 
@@ -47,11 +47,11 @@ def parse_budget(spec: str, model_path: str | os.PathLike) -> int:
         try:
             frac = float(spec[:-1]) / 100
         except ValueError:
-            raise BadRequest(f"not a budget: {spec!r} (use e.g. 50% or 512MiB)") from None
+            raise BadInput(f"not a budget: {spec!r} (use e.g. 50% or 512MiB)") from None
         if not 0 < frac <= 1:
-            raise BadRequest(f"a budget share must be in (0%, 100%], not {spec}")
+            raise BadInput(f"a budget share must be in (0%, 100%], not {spec}")
         return max(PAGE, int(frac * all_experts_bytes(model_path)))
     try:
         return parse_size(spec)
     except ValueError as exc:
-        raise BadRequest(str(exc)) from None
+        raise BadInput(str(exc)) from None

@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
+from moed.badinput import BadInput
 from moed.lab import policies
 from moed.lab.policies import Accesses, ReplayResult
-from moed.protocol.errors import BadRequest
 from moed.traces import Trace
 
 
@@ -54,7 +54,7 @@ def ceiling(
     result: ReplayResult, counted_tokens: int, bytes_per_expert: float, drive_gbps: float, compute_ms: float
 ) -> Ceiling:
     if drive_gbps <= 0 or compute_ms < 0 or bytes_per_expert <= 0:
-        raise BadRequest("drive rate and bytes per expert must be > 0, compute time >= 0")
+        raise BadInput("drive rate and bytes per expert must be > 0, compute time >= 0")
     reads = (result.accesses - result.hits) / counted_tokens if counted_tokens else 0.0
     per_token = reads * bytes_per_expert
     io_ms = per_token / (drive_gbps * 1e9) * 1e3
@@ -66,7 +66,7 @@ def ceiling(
 def mtp_accesses(trace: Trace, n_draft: int, accept: float, warm: int = 0) -> tuple[Accesses, int]:
     """(access stream with decode tokens grouped into verification steps, steps)."""
     if n_draft < 0 or not 0 < accept <= n_draft + 1:
-        raise BadRequest(f"--mtp must be >= 0 and --accept in (0, n+1], not {n_draft}, {accept}")
+        raise BadInput(f"--mtp must be >= 0 and --accept in (0, n+1], not {n_draft}, {accept}")
     acc = policies.accesses(trace, warm)
     counted_tok = policies.counted_tokens(trace, warm)
     starts = np.searchsorted(acc.token, np.arange(trace.n_tokens + 1))

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from moed.protocol.errors import BadRequest
+from moed.badinput import BadInput
 
 ALIGN = 4096
 Tick = Callable[[float, int], None]  # (elapsed_s, bytes so far)
@@ -73,9 +73,9 @@ def _percentiles(lat_s: list[float]) -> dict[str, float]:
 
 def _check(size: int, depth: int, seconds: float) -> None:
     if size < ALIGN or size % ALIGN:
-        raise BadRequest(f"--size must be a positive multiple of {ALIGN} bytes, not {size}")
+        raise BadInput(f"--size must be a positive multiple of {ALIGN} bytes, not {size}")
     if depth < 1 or seconds <= 0:
-        raise BadRequest("--depth must be >= 1 and --seconds > 0")
+        raise BadInput("--depth must be >= 1 and --seconds > 0")
 
 
 def _open(path: str) -> tuple[int, bool]:
@@ -83,7 +83,7 @@ def _open(path: str) -> tuple[int, bool]:
         return os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC), True
     except OSError as exc:
         if exc.errno != errno.EINVAL:
-            raise BadRequest(f"cannot open {path}: {exc.strerror}") from None
+            raise BadInput(f"cannot open {path}: {exc.strerror}") from None
     return os.open(path, os.O_RDONLY | os.O_CLOEXEC), False
 
 
@@ -113,7 +113,7 @@ def raw_reads(
     try:
         file_bytes = os.fstat(fd).st_size
         if file_bytes < size:
-            raise BadRequest(f"{path} is {file_bytes} bytes, smaller than one {size}-byte read")
+            raise BadInput(f"{path} is {file_bytes} bytes, smaller than one {size}-byte read")
         blocks = (file_bytes - size) // ALIGN
         stop_at = time.perf_counter() + seconds
         lat: list[list[float]] = [[] for _ in range(depth)]
@@ -154,7 +154,7 @@ def moed_reads(
     keys = [(l, e) for l in cat.moe_layers for e in range(cat.n_experts)]
     budget = 2 * depth * slot  # every thread's lease, and as much again
     if len(keys) < 2 * (budget // slot):  # an expert comes back only after the LRU dropped it
-        raise BadRequest(
+        raise BadInput(
             f"{model_path} is too small for a drive benchmark: it holds {len(keys)} experts, "
             f"and {depth} readers need at least {2 * (budget // slot)} to keep missing"
         )
@@ -243,13 +243,13 @@ def write_bench_model(
     from gguf import GGUFWriter
 
     if part_bytes % ALIGN or part_bytes < ALIGN:
-        raise BadRequest(f"part size must be a multiple of {ALIGN}")
+        raise BadInput(f"part size must be a multiple of {ALIGN}")
     expert_bytes = 3 * part_bytes
     layers = max(1, round(size_bytes / (experts * expert_bytes)))
     ne0 = 1024
     ne1 = part_bytes // (2 * ne0)
     if ne1 * ne0 * 2 != part_bytes:
-        raise BadRequest(f"part size must be a multiple of {2 * ne0} bytes")
+        raise BadInput(f"part size must be a multiple of {2 * ne0} bytes")
     path = os.fspath(path)
     tmp = f"{path}.tmp{os.getpid()}"
     w = GGUFWriter(tmp, "qwen3moe")

@@ -77,11 +77,11 @@ from typing import Any
 
 import numpy as np
 
+from moed.badinput import BadInput
 from moed.cache.eviction import LRU
 from moed.cache.quota import keeps_floor
 from moed.lab import policies
 from moed.lab.policies import Accesses
-from moed.protocol.errors import BadRequest
 from moed.protocol.sizes import parse_size
 from moed.traces import Trace
 
@@ -110,9 +110,9 @@ class Member:
 
     def __post_init__(self) -> None:
         if not (self.rate > 0 and np.isfinite(self.rate)):
-            raise BadRequest(f"{self.name}: a rate must be a positive number, not {self.rate}")
+            raise BadInput(f"{self.name}: a rate must be a positive number, not {self.rate}")
         if self.slot_bytes is not None and len(self.slot_bytes) != self.trace.moe_layers:
-            raise BadRequest(
+            raise BadInput(
                 f"{self.name}: {len(self.slot_bytes)} layers of slot bytes for a "
                 f"trace of {self.trace.moe_layers} MoE layers"
             )
@@ -145,7 +145,7 @@ def parse_spec(spec: str) -> tuple[str, str | None, float]:
         try:
             rate = float(tail)
         except ValueError:
-            raise BadRequest(f"{spec!r}: the rate after @ must be a number (e.g. trace.jsonl@0.25)") from None
+            raise BadInput(f"{spec!r}: the rate after @ must be a number (e.g. trace.jsonl@0.25)") from None
         spec = body
     trace, colon, model = spec.rpartition(":")
     if colon and model.lower().endswith(".gguf") and trace:
@@ -165,7 +165,7 @@ def load_member(spec: str, name: str | None = None) -> Member:
 
     cat = Catalog.open(model_path)
     if trace.moe_layers != len(cat.moe_layers) or trace.n_experts > cat.n_experts:
-        raise BadRequest(
+        raise BadInput(
             f"{trace_path}: trace geometry ({trace.moe_layers} MoE layers, {trace.n_experts} "
             f"experts) does not match {model_path} ({len(cat.moe_layers)} MoE layers, "
             f"{cat.n_experts} experts)"
@@ -191,12 +191,12 @@ def unit_of(members: Sequence[Member]) -> str:
     """'bytes' when every member has a model, 'slots' when none has; a mix is an error."""
     with_model = [m.slot_bytes is not None for m in members]
     if not members:
-        raise BadRequest("a fleet needs at least one trace")
+        raise BadInput("a fleet needs at least one trace")
     if all(with_model):
         return "bytes"
     if not any(with_model):
         return "slots"
-    raise BadRequest("give a MODEL for every trace or for none (slots in bytes and in experts do not mix)")
+    raise BadInput("give a MODEL for every trace or for none (slots in bytes and in experts do not mix)")
 
 
 # ---- budgets ------------------------------------------------------------------
@@ -214,16 +214,16 @@ def parse_amount(spec: str, unit: str, whole: int, mean_slot: float = 1.0, what:
         if text.endswith("%"):
             frac = float(text[:-1]) / 100
             if not 0 <= frac <= 1:
-                raise BadRequest(f"{what}: a share must be in [0%, 100%], not {spec}")
+                raise BadInput(f"{what}: a share must be in [0%, 100%], not {spec}")
             return int(round(frac * whole))
         count = text[:-5].strip() if text.endswith("slots") else text
         if count.isdigit():
             return int(count) if unit == "slots" else int(round(int(count) * mean_slot))
         if unit == "slots":
-            raise BadRequest(f"{what} {spec}: a size needs a MODEL for every trace; give slots or a share (25%)")
+            raise BadInput(f"{what} {spec}: a size needs a MODEL for every trace; give slots or a share (25%)")
         return parse_size(spec)
     except ValueError:
-        raise BadRequest(f"{what}: not a size, slot count or share: {spec!r}") from None
+        raise BadInput(f"{what}: not a size, slot count or share: {spec!r}") from None
 
 
 def static_split(members: Sequence[Member], budget: int) -> list[int]:
@@ -271,7 +271,7 @@ def interleave(
     """The fleet's access stream (see the module docstring for the rules)."""
     phases = tuple(phases) if phases is not None else phases_for(len(members), seed)
     if len(phases) != len(members) or any(not 0 <= p < 1 for p in phases):
-        raise BadRequest("one phase in [0, 1) per member")
+        raise BadInput("one phase in [0, 1) per member")
     horizon = min((m.trace.n_tokens + p) / m.rate for m, p in zip(members, phases))
     offsets, key_bytes = _key_space(members)
     parts: list[tuple[np.ndarray, ...]] = []
@@ -503,7 +503,7 @@ def _cache_hits(
         acc = Accesses(keys, token, counted, 1, max(int(keys.max(initial=0)) + 1, 1), 0)
         return policies.hit_mask(policy, acc, int(budget // used[0])), 0
     if policy != "g-lru":
-        raise BadRequest(f"slots of several sizes replay with g-lru only, not {policy}")
+        raise BadInput(f"slots of several sizes replay with g-lru only, not {policy}")
     hit, refused = _byte_lru(keys.tolist(), key_bytes.tolist(), budget)
     return np.frombuffer(hit, np.uint8).astype(bool), refused
 
@@ -604,20 +604,20 @@ def _by_owner(
 def check_floors(floors: Sequence[int], budget: int, n: int) -> None:
     """The daemon's config rules: one floor per tenant, none negative, their sum within the budget."""
     if len(floors) != n:
-        raise BadRequest(f"--floors needs one floor per trace ({n}), not {len(floors)}")
+        raise BadInput(f"--floors needs one floor per trace ({n}), not {len(floors)}")
     if any(f < 0 for f in floors):
-        raise BadRequest("floors must not be negative")
+        raise BadInput("floors must not be negative")
     if sum(floors) > budget:
-        raise BadRequest(f"floors add up to {sum(floors)}, more than the budget {budget}")
+        raise BadInput(f"floors add up to {sum(floors)}, more than the budget {budget}")
 
 
 def check_policy(policy: str, unit: str, floors: bool) -> str:
     if policy not in policies.SHARED:
-        raise BadRequest(
+        raise BadInput(
             f"a fleet shares one budget: choose a shared policy ({', '.join(policies.SHARED)}), not {policy!r}"
         )
     if floors and policy != "g-lru":
-        raise BadRequest(f"floors replay as the daemon keeps them, over its LRU: --policy g-lru, not {policy}")
+        raise BadInput(f"floors replay as the daemon keeps them, over its LRU: --policy g-lru, not {policy}")
     return policy
 
 
@@ -678,7 +678,7 @@ def replay_fleet(
     unit = unit_of(members)
     check_policy(policy, unit, floors is not None)
     if budget < 0:
-        raise BadRequest("the budget must not be negative")
+        raise BadInput("the budget must not be negative")
     stream = interleave(members, warm, seed, phases)
     names = [m.name for m in members]
     total = all_size(members)

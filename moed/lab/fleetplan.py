@@ -41,10 +41,10 @@ from typing import Any
 
 import numpy as np
 
+from moed.badinput import BadInput
 from moed.lab import fleet
 from moed.lab.fleet import Member, Stream
 from moed.lab.plan import PIN_SHARES, ModelCost
-from moed.protocol.errors import BadRequest
 from moed.protocol.sizes import format_size
 
 
@@ -83,9 +83,9 @@ class FleetPlanner:
         self, members: Sequence[Member], drive_gbps: float, compute_ms: float = 0.0, warm: int = 0, seed: int = 0
     ):
         if fleet.unit_of(members) != "bytes":
-            raise BadRequest("plan --fleet needs TRACE:MODEL.gguf for every engine (its real expert bytes)")
+            raise BadInput("plan --fleet needs TRACE:MODEL.gguf for every engine (its real expert bytes)")
         if drive_gbps <= 0 or compute_ms < 0:
-            raise BadRequest("--drive-gbps must be > 0 and --compute-ms >= 0")
+            raise BadInput("--drive-gbps must be > 0 and --compute-ms >= 0")
         self.members = fleet.unique_names(members)
         self.drive_gbps, self.compute_ms = drive_gbps, compute_ms
         self.stream: Stream = fleet.interleave(self.members, warm, seed)
@@ -93,7 +93,7 @@ class FleetPlanner:
         self.read_bytes = self._read_bytes()
         self.counted_tokens = sum(a.n_counted_tokens for a in self.stream.members)
         if self.counted_tokens == 0:
-            raise BadRequest("the traces have no counted decode tokens (after --warm)")
+            raise BadInput("the traces have no counted decode tokens (after --warm)")
         self.all_bytes = fleet.all_size(self.members)
         self.mean_slot = fleet.mean_slot(self.members)
 
@@ -178,7 +178,7 @@ def make_fleet_plan(
 
         first = next((m.model_path for m in members if m.model_path), None)
         if first is None:
-            raise BadRequest("plan --fleet needs TRACE:MODEL.gguf for every engine")
+            raise BadInput("plan --fleet needs TRACE:MODEL.gguf for every engine")
         drive_gbps = raw_reads(os.fspath(first), 1 << 20, 8, measure_s).gbps
     planner = FleetPlanner(members, drive_gbps, compute_ms, warm, seed)
     if ram_bytes is None:

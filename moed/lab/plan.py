@@ -35,9 +35,9 @@ from typing import Any
 
 import numpy as np
 
+from moed.badinput import BadInput
 from moed.lab import policies
 from moed.lab.policies import Accesses
-from moed.protocol.errors import BadRequest
 from moed.protocol.sizes import format_size
 
 DEFAULT_SIZES = tuple(round(0.05 * i, 2) for i in range(21))
@@ -132,21 +132,21 @@ class Planner:
         compute_ms: float = 0.0,
     ):
         if policy not in policies.SHARED:
-            raise BadRequest(f"plan needs a shared-budget policy ({', '.join(policies.SHARED)}), not {policy!r}")
+            raise BadInput(f"plan needs a shared-budget policy ({', '.join(policies.SHARED)}), not {policy!r}")
         if trace.moe_layers != cost.layers or trace.n_experts > cost.n_experts:
-            raise BadRequest(
+            raise BadInput(
                 f"trace geometry ({trace.moe_layers} MoE layers, {trace.n_experts} experts) does "
                 f"not match the model ({cost.layers} MoE layers, {cost.n_experts} experts)"
             )
         if drive_gbps <= 0 or compute_ms < 0:
-            raise BadRequest("--drive-gbps must be > 0 and --compute-ms >= 0")
+            raise BadInput("--drive-gbps must be > 0 and --compute-ms >= 0")
         self.cost, self.policy = cost, policy
         self.drive_gbps, self.compute_ms = drive_gbps, compute_ms
         if trace.n_experts != cost.n_experts:  # an importer only saw the ids that were used
             trace = trace.with_geometry(n_experts=cost.n_experts)
         self.acc = policies.accesses(trace, warm)
         if self.acc.n_counted_tokens == 0:
-            raise BadRequest("the trace has no counted decode tokens (after --warm)")
+            raise BadInput("the trace has no counted decode tokens (after --warm)")
         self._bytes = cost.read_bytes[self.acc.layer]  # bytes per access if missed
         self._cache: dict[tuple[int, int], np.ndarray] = {}
 

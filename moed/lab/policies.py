@@ -74,8 +74,8 @@ from typing import Any
 
 import numpy as np
 
+from moed.badinput import BadInput
 from moed.cache.eviction import LRU
-from moed.protocol.errors import BadRequest
 from moed.traces import DECODE, Trace
 
 PER_LAYER = ("lru", "lfu", "slru", "opt")
@@ -120,7 +120,7 @@ class Accesses:
 def counted_tokens(trace: Trace, warm: int = 0) -> np.ndarray:
     """Bool per token: a decode token after the first `warm` decode tokens."""
     if warm < 0:
-        raise BadRequest(f"--warm must be >= 0, not {warm}")
+        raise BadInput(f"--warm must be >= 0, not {warm}")
     decode = trace.token_kinds == ord(DECODE)
     return decode & (np.cumsum(decode) > warm)
 
@@ -491,18 +491,18 @@ def check_policies(names: Iterable[str]) -> list[str]:
     names = [n.strip() for n in names if n.strip()]
     unknown = [n for n in names if n not in POLICIES]
     if unknown or not names:
-        raise BadRequest(f"unknown policy {', '.join(unknown) or '(none)'}; choose from {', '.join(POLICIES)}")
+        raise BadInput(f"unknown policy {', '.join(unknown) or '(none)'}; choose from {', '.join(POLICIES)}")
     return names
 
 
 def capacity(policy: str, acc: Accesses, size: float | None = None, slots: int | None = None) -> tuple[int, int]:
     """(capacity of each cache, total slots) for a policy at a size or slot count."""
     if (size is None) == (slots is None):
-        raise BadRequest("give exactly one of size (a fraction) or slots")
+        raise BadInput("give exactly one of size (a fraction) or slots")
     if size is not None and not 0 <= size <= 1:
-        raise BadRequest(f"size must be a fraction in [0, 1], not {size}")
+        raise BadInput(f"size must be a fraction in [0, 1], not {size}")
     if slots is not None and slots < 0:
-        raise BadRequest(f"slots must be >= 0, not {slots}")
+        raise BadInput(f"slots must be >= 0, not {slots}")
     per_layer = policy in PER_LAYER
     if size is not None:
         cap = round(size * acc.n_experts * (1 if per_layer else acc.moe_layers))

@@ -51,7 +51,8 @@ from typing import Any
 
 import numpy as np
 
-from moed.protocol.errors import BadRequest, RequestTooLarge
+from moed.badinput import BadInput
+from moed.protocol.errors import RequestTooLarge
 from moed.protocol.sizes import format_size
 from moed.spawn import DaemonProcess
 
@@ -71,13 +72,13 @@ class ReplayOptions:
 
     def __post_init__(self) -> None:
         if self.prefetch not in PREFETCH_MODES:
-            raise BadRequest(f"--prefetch must be one of {', '.join(PREFETCH_MODES)}, not {self.prefetch!r}")
+            raise BadInput(f"--prefetch must be one of {', '.join(PREFETCH_MODES)}, not {self.prefetch!r}")
         if self.compute_ms < 0 or not 0 <= self.attn_frac <= 1:
-            raise BadRequest("--compute-ms must be >= 0 and --attn-frac in [0, 1]")
+            raise BadInput("--compute-ms must be >= 0 and --attn-frac in [0, 1]")
         if self.warm < 0 or (self.tokens is not None and self.tokens < 1):
-            raise BadRequest("--warm must be >= 0 and --tokens >= 1")
+            raise BadInput("--warm must be >= 0 and --tokens >= 1")
         if self.prefetch_width is not None and self.prefetch_width < 1:
-            raise BadRequest("--prefetch-width must be >= 1")
+            raise BadInput("--prefetch-width must be >= 1")
 
 
 @dataclass
@@ -121,7 +122,7 @@ def schedule(trace, warm: int, tokens: int | None) -> list[tuple[int, bool]]:
     kinds = trace.token_kinds
     decode = np.flatnonzero(kinds == ord("D"))
     if not len(decode):
-        raise BadRequest("the trace has no decode tokens to replay")
+        raise BadInput("the trace has no decode tokens to replay")
     d0 = int(decode[0])
     if d0 > 0:  # warm with the prompt's last tokens
         warm_ids = list(range(max(0, d0 - warm), d0))
@@ -132,7 +133,7 @@ def schedule(trace, warm: int, tokens: int | None) -> list[tuple[int, bool]]:
     if tokens is not None:
         counted = counted[:tokens]
     if not len(counted):
-        raise BadRequest(f"no decode tokens left to count after --warm {warm}")
+        raise BadInput(f"no decode tokens left to count after --warm {warm}")
     out = [(t, False) for t in warm_ids]
     last = int(counted[-1])
     counted_set = set(int(t) for t in counted)
@@ -176,7 +177,7 @@ class Replayer:
         self.layer_ids = sorted(self.model.moe_layers)
         need = {"gate": "ahead1", "gate2": "ahead2"}.get(opts.prefetch)
         if need and getattr(trace, need) is None:
-            raise BadRequest(
+            raise BadInput(
                 f"--prefetch {opts.prefetch} needs the trace's {need} predictions, "
                 f"and this trace has none (use oracle or none)"
             )
@@ -184,7 +185,7 @@ class Replayer:
     def _check_geometry(self) -> None:
         t, m = self.trace, self.model
         if t.moe_layers != len(m.moe_layers) or t.n_experts > m.n_experts:
-            raise BadRequest(
+            raise BadInput(
                 f"trace geometry ({t.moe_layers} MoE layers, {t.n_experts} experts) does not "
                 f"fit the model ({len(m.moe_layers)} MoE layers, {m.n_experts} experts); "
                 f"make one with `moectl make-model --like TRACE`"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from moed.badinput import BadInput
 from moed.lab import ceilings
 from moed.lab.policies import ReplayResult, accesses, replay
-from moed.protocol.errors import BadRequest
 from moed.traces import TraceWriter
 
 
@@ -20,7 +20,7 @@ def test_ceiling_arithmetic():
     assert c.overlapped_tok_s == pytest.approx(125.0)  # 1000 / max(8, 2)
     slow = ceilings.ceiling(r, 100, 1e6, 0.1, 8.0)  # 20 ms of reads: the drive sets the pace
     assert slow.overlapped_tok_s == pytest.approx(50.0)
-    with pytest.raises(BadRequest):
+    with pytest.raises(BadInput):
         ceilings.ceiling(r, 100, 1e6, 0.0, 8.0)
 
 
@@ -62,7 +62,7 @@ def test_mtp_reads_equal_plain_when_every_expert_fits():
 
 def test_mtp_rejects_bad_parameters():
     t = one_layer_trace([[0, 1]])
-    with pytest.raises(BadRequest):
+    with pytest.raises(BadInput):
         ceilings.mtp_accesses(t, 2, 0)
-    with pytest.raises(BadRequest):
+    with pytest.raises(BadInput):
         ceilings.mtp_accesses(t, 2, 4)

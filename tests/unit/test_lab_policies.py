@@ -10,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from moed.badinput import BadInput
 from moed.lab import policies
 from moed.lab.policies import PER_LAYER, POLICIES, accesses, replay, simulate
-from moed.protocol.errors import BadRequest
 from moed.traces import TraceWriter
 
 A, B, C, D, E, F = range(6)
@@ -143,11 +143,11 @@ def test_sizes_and_slots():
     assert replay(t, "g-lru", size=0.5).slots == 4  # 0.5 x 4 experts x 2 layers
     assert replay(t, "lru", slots=5).slots == 4  # per layer: 5 // 2 = 2 each
     assert replay(t, "g-lru", slots=5).slots == 5
-    with pytest.raises(BadRequest):
+    with pytest.raises(BadInput):
         replay(t, "g-lru", size=1.5)
-    with pytest.raises(BadRequest):
+    with pytest.raises(BadInput):
         replay(t, "g-lru")
-    with pytest.raises(BadRequest):
+    with pytest.raises(BadInput):
         replay(t, "nope", size=0.5)
 
 

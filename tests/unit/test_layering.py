@@ -8,8 +8,12 @@
 - the libc wrapper (moed/libc.py), shared by the daemon and the engines, imports
   only the standard library;
 - the model-file layer (moed.gguf) imports only the protocol, gguf-py and numpy
-  (and rich, for align's progress bar);
+  (and rich, for align's progress bar; and moed.badinput, for budget specs);
 - the lab never imports the daemon;
+- the trace format (moed/traces.py) imports only the standard library, numpy,
+  msgspec and the tools' input error (moed/badinput.py, itself standard library
+  only), so the engines and the lab both may import it;
+- the lab validates its input with BadInput, never the wire's BadRequest;
 - the model maker (moed.modelgen) imports only the model-file layer, gguf-py and
   numpy (tests, the demo and the benches import it; it imports none of them);
 - the engines (in the inference processes) never import the daemon, nor the lab
@@ -92,10 +96,20 @@ STDLIB = set(sys.stdlib_module_names) | {"__future__"}
         ("moed/libc.py", "the standard library only", lambda n: top(n) in STDLIB),
         (
             "moed/gguf",
-            "the protocol, gguf-py and numpy",
-            lambda n: top(n) in STDLIB | {"gguf", "numpy", "rich"} or n.startswith(("moed.protocol", "moed.gguf")),
+            "the protocol, gguf-py, numpy and moed.badinput",
+            lambda n: (
+                top(n) in STDLIB | {"gguf", "numpy", "rich"}
+                or n.startswith(("moed.protocol", "moed.gguf"))
+                or n == "moed.badinput"
+            ),
         ),
         ("moed/lab", "never the daemon", lambda n: not n.startswith("moed.daemon")),
+        (
+            "moed/traces.py",
+            "the standard library, numpy, msgspec and moed.badinput",
+            lambda n: top(n) in STDLIB | {"numpy", "msgspec"} or n == "moed.badinput",
+        ),
+        ("moed/badinput.py", "the standard library only", lambda n: top(n) in STDLIB),
         (
             "moed/modelgen",
             "the model-file layer, gguf-py and numpy",
@@ -108,6 +122,18 @@ STDLIB = set(sys.stdlib_module_names) | {"__future__"}
 )
 def test_layering(where, rule, allowed):
     assert offending(where, allowed) == {}, f"{where} must import {rule}"
+
+
+def test_the_lab_raises_no_wire_error_for_its_input():
+    """BadRequest is what a daemon answers; the lab's (and its verbs') input errors are BadInput."""
+    found = []
+    for path in modules("moed/lab") + modules("moed/cli/lab.py") + modules("moed/cli/fleet.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and any(a.name == "BadRequest" for a in node.names):
+                found.append(str(path.relative_to(ROOT)))
+            elif isinstance(node, ast.Attribute) and node.attr == "BadRequest":
+                found.append(str(path.relative_to(ROOT)))
+    assert found == []
 
 
 def test_the_checker_sees_relative_imports():

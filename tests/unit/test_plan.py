@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from moed.badinput import BadInput
 from moed.lab import policies
 from moed.lab.plan import ModelCost, Planner, make_plan
-from moed.protocol.errors import BadRequest
 from moed.traces import TraceWriter
 
 LAYERS, EXPERTS, TOP_K = 4, 16, 2
@@ -84,9 +84,9 @@ def test_bad_input(model, trace):
     cost = ModelCost.of(model)
     other = TraceWriter(LAYERS + 1, EXPERTS, TOP_K)
     other.append_step("D", [[0, 1]] * (LAYERS + 1))
-    with pytest.raises(BadRequest):
+    with pytest.raises(BadInput):
         Planner(cost, other.finish())
-    with pytest.raises(BadRequest):
+    with pytest.raises(BadInput):
         Planner(cost, trace, policy="lru")
-    with pytest.raises(BadRequest):
+    with pytest.raises(BadInput):
         Planner(cost, trace, drive_gbps=0)
