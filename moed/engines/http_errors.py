@@ -115,6 +115,14 @@ def error_response(exc: BaseException, body: Any = None) -> tuple[int, ErrorResp
         return 400, ErrorResponse(
             message=f"the request body is not JSON: {exc}", type="invalid_request_error", param=None, code=None
         )
+    if isinstance(exc, AssertionError) and isinstance(body, CreateCompletionRequest) and isinstance(body.prompt, list):
+        # The server's route asserts one prompt a request.
+        return 400, ErrorResponse(
+            message=f"one prompt a request: {len(body.prompt)} were given",
+            type="invalid_request_error",
+            param="prompt",
+            code=None,
+        )
     if isinstance(exc, HTTPException):
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return exc.status_code, ErrorResponse(message=str(exc.detail), type=kind, param=None, code=None)

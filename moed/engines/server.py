@@ -143,6 +143,7 @@ class ServedLlama(StreamedLlama):
                 f"max_tokens must be at least 1, or 0 or null for up to the end of the context; got {max_tokens}",
                 "max_tokens",
             )
+        _check_logit_bias(bound.arguments.get("logit_bias"), self.n_vocab())
         self._wanted_tokens = max_tokens or 0  # checked against the prompt by generate(), which resets it
         with _served_errors(self):
             result = super().create_completion(*args, **kwargs)
@@ -165,6 +166,17 @@ class ServedLlama(StreamedLlama):
                     chunks.close()  # type: ignore[attr-defined]
                     yield _interrupted(chunk)
                     return
+
+
+def _check_logit_bias(bias: dict | None, n_vocab: int) -> None:
+    """logit_bias keys are token ids of this model (llama-cpp-python would fail inside with a 500)."""
+    for key in bias or {}:
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise BadRequest(f"logit_bias keys are token ids; got {key!r}", "logit_bias") from None
+        if not 0 <= token < n_vocab:
+            raise BadRequest(f"logit_bias token {token} is not in this model's vocabulary of {n_vocab}", "logit_bias")
 
 
 def _interrupted(last: dict) -> dict:
@@ -229,6 +241,8 @@ class MoedLlamaProxy(LlamaProxy):
             self._current_model_alias = None
 
     def __call__(self, model: str | None = None) -> llama_cpp.Llama:
+        if model == "copilot-codex" and model not in self._model_settings_dict:
+            model = None  # the server's own /v1/engines/copilot-codex route names no model of ours
         if model is not None and model not in self._model_settings_dict:
             # llama-cpp-python answers with its default model; a client would believe another one answered.
             raise ModelNotFound(model, list(self._model_settings_dict))

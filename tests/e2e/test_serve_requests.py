@@ -116,6 +116,9 @@ BAD_COMPLETIONS = [
     ({"prompt": PROMPT, "max_tokens": -1}, 400, None, "max_tokens"),
     ({"prompt": PROMPT, "max_tokens": 10**9}, 400, "context_length_exceeded", "1000000000 for the completion"),
     ({"prompt": PROMPT, "model": "gpt-4"}, 404, "model_not_found", "`gpt-4` does not exist"),
+    ({"prompt": PROMPT, "logit_bias": {"abc": 1}}, 400, None, "logit_bias keys are token ids"),
+    ({"prompt": PROMPT, "logit_bias": {"99999": 1}}, 400, None, "not in this model's vocabulary"),
+    ({"prompt": [PROMPT, PROMPT]}, 400, None, "one prompt a request"),
 ]
 BAD_CHATS = [
     ({"messages": [{"role": "user", "content": LONG_PROMPT}]}, 400, "context_length_exceeded", "128"),
