@@ -38,6 +38,20 @@ def cmd_ping(args) -> int:
     return 0
 
 
+def _drive_line(s: dict) -> str:
+    """How the drive does: behind or not, quarantined experts, stuck reads (docs/design.md §12)."""
+    parts = [
+        f"BEHIND (latency {s.get('drive_latency_ratio', 0):.1f}x its own baseline): no read-ahead"
+        if s.get("drive_behind")
+        else "keeping up",
+        f"{s.get('read_retries', 0)} retried reads",
+        f"{s.get('quarantined_experts', 0)} experts quarantined (moectl clear-errors)",
+    ]
+    if s.get("stuck_reads"):
+        parts.append(f"{s['stuck_reads']} READS STUCK now")
+    return ", ".join(parts)
+
+
 def cmd_stats(args) -> int:
     with Client(args.socket, "moectl") as c:
         stats = c.stats()
@@ -74,12 +88,17 @@ def print_stats(s: dict) -> None:
             f"{s['hits']} / {s['misses']} (hit rate {pct(s['hits'], s['hits'] + s['misses'])}), "
             f"{s['shared_hits']} hits on experts another tenant read in",
         ),
-        ("prefetch", f"{s['prefetches']} issued, {s['prefetch_hits']} hit, {s['wasted_prefetches']} wasted"),
+        (
+            "prefetch",
+            f"{s['prefetches']} issued, {s['prefetch_hits']} hit, {s['wasted_prefetches']} wasted, "
+            f"{s.get('prefetch_dropped', 0)} dropped (drive behind)",
+        ),
         (
             "read",
             f"{format_size(s['bytes_read'])}, {s['read_errors']} errors, "
             f"{'O_DIRECT' if s['direct_io'] else 'buffered'}, {s['reads_in_flight']} in flight",
         ),
+        ("drive", _drive_line(s)),
         ("evictions", str(s["evictions"])),
         (
             "memory",
