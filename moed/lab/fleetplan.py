@@ -34,7 +34,6 @@ The recommendation:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -44,21 +43,12 @@ import numpy as np
 from moed.badinput import BadInput
 from moed.lab import fleet
 from moed.lab.fleet import Member, Stream
-from moed.lab.plan import PIN_SHARES, ModelCost
+from moed.lab.plan import PIN_SHARES, ModelCost, Sizing, drive_rate
 from moed.protocol.sizes import format_size
 
 
 @dataclass
-class FleetPlan:
-    drive_gbps: float
-    drive_measured: bool
-    compute_ms: float
-    ram_bytes: int
-    dense_bytes: int
-    reserve_bytes: int
-    usable_bytes: int
-    all_experts_bytes: int
-    target_tok_s: float | None
+class FleetPlan(Sizing):
     budget_bytes: int  # RAM budget (the LRU) + pin budget
     ram_budget_bytes: int
     pin_budget_bytes: int
@@ -172,23 +162,13 @@ def make_fleet_plan(
     seed: int = 0,
     measure_s: float = 3.0,
 ) -> FleetPlan:
-    measured = drive_gbps is None
-    if drive_gbps is None:
-        from moed.lab.drivebench import raw_reads
-
-        first = next((m.model_path for m in members if m.model_path), None)
-        if first is None:
-            raise BadInput("plan --fleet needs TRACE:MODEL.gguf for every engine")
-        drive_gbps = raw_reads(os.fspath(first), 1 << 20, 8, measure_s).gbps
-    planner = FleetPlanner(members, drive_gbps, compute_ms, warm, seed)
-    if ram_bytes is None:
-        import psutil
-
-        ram_bytes = int(psutil.virtual_memory().total)
-    if reserve_bytes is None:
-        reserve_bytes = max(1 << 30, ram_bytes // 10)
-    dense = _dense_bytes(planner)
-    usable = max(0, ram_bytes - dense - reserve_bytes)
+    first = next((m.model_path for m in members if m.model_path), None)
+    if drive_gbps is None and first is None:
+        raise BadInput("plan --fleet needs TRACE:MODEL.gguf for every engine")
+    drive = drive_rate(drive_gbps, first, measure_s)
+    planner = FleetPlanner(members, drive[0], compute_ms, warm, seed)
+    box = Sizing.of(drive, compute_ms, ram_bytes, reserve_bytes, _dense_bytes(planner), planner.all_bytes, target_tok_s)
+    usable = box.usable_bytes
     max_bytes = min(usable, planner.all_bytes)
     notes: list[str] = []
     budget = max_bytes
@@ -203,7 +183,7 @@ def make_fleet_plan(
         else:
             budget = found
     pins = planner.best_pins(budget) if budget else 0
-    return _assemble(planner, budget, pins, measured, ram_bytes, dense, reserve_bytes, usable, target_tok_s, notes)
+    return _assemble(planner, box, budget, pins, notes)
 
 
 def _dense_bytes(planner: FleetPlanner) -> int:
@@ -214,18 +194,7 @@ def _dense_bytes(planner: FleetPlanner) -> int:
     return sum(seen.values())
 
 
-def _assemble(
-    planner: FleetPlanner,
-    budget: int,
-    pins: int,
-    measured: bool,
-    ram_bytes: int,
-    dense: int,
-    reserve: int,
-    usable: int,
-    target: float | None,
-    notes: list[str],
-) -> FleetPlan:
+def _assemble(planner: FleetPlanner, box: Sizing, budget: int, pins: int, notes: list[str]) -> FleetPlan:
     s = planner.stream
     hit = planner.hits(budget, pins)
     lru_budget = max(0, budget - pins)
@@ -263,31 +232,23 @@ def _assemble(
     )
     if pins:
         notes.append("pins are the fleet's most used experts, scored on the same traces: an upper estimate")
-    if measured:
-        notes.append(f"drive rate measured on the first model file: {planner.drive_gbps:.2f} GB/s")
+    if box.drive_measured:
+        notes.append(f"drive rate measured on the first model file: {box.drive_gbps:.2f} GB/s")
     tok_s = planner.tok_s(hit)
     return FleetPlan(
-        planner.drive_gbps,
-        measured,
-        planner.compute_ms,
-        ram_bytes,
-        dense,
-        reserve,
-        usable,
-        planner.all_bytes,
-        target,
-        budget,
-        lru_budget,
-        pins,
-        tok_s,
-        planner.hit_rate(hit),
-        planner.hit_rate(planner.hits(budget)),
-        planner.hit_rate(floor_all),
-        static.hit_rate,
-        target is None or tok_s >= target,
-        per_model,
-        commands,
-        notes,
+        **asdict(box),
+        budget_bytes=budget,
+        ram_budget_bytes=lru_budget,
+        pin_budget_bytes=pins,
+        tok_s=tok_s,
+        hit_rate=planner.hit_rate(hit),
+        unpinned_hit_rate=planner.hit_rate(planner.hits(budget)),
+        floors_hit_rate=planner.hit_rate(floor_all),
+        static_hit_rate=static.hit_rate,
+        meets_target=box.target_tok_s is None or tok_s >= box.target_tok_s,
+        per_model=per_model,
+        commands=commands,
+        notes=notes,
     )
 
 
@@ -322,12 +283,7 @@ def _pins_of(pinned: np.ndarray, i: int, planner: FleetPlanner) -> list[tuple[in
 
 
 def describe(plan: FleetPlan) -> list[str]:
-    lines = [
-        f"drive {plan.drive_gbps:.2f} GB/s{' (measured)' if plan.drive_measured else ''}, compute "
-        f"{plan.compute_ms:g} ms/token, RAM {format_size(plan.ram_bytes)} (dense "
-        f"{format_size(plan.dense_bytes)}, reserve {format_size(plan.reserve_bytes)}, usable "
-        f"{format_size(plan.usable_bytes)}); all experts {format_size(plan.all_experts_bytes)}"
-    ]
+    lines = [f"{plan.describe_box()}; all experts {format_size(plan.all_experts_bytes)}"]
     target = f" for {plan.target_tok_s:g} tok/s" if plan.target_tok_s is not None else ""
     lines.append(
         f"recommended{target}: RAM budget {format_size(plan.ram_budget_bytes)} + pin budget "

@@ -97,17 +97,68 @@ def _finite(v: Any) -> Any:
 
 
 @dataclass
-class Plan:
-    policy: str
+class Sizing:
+    """What a plan sizes against, for one model (`Plan`) or a fleet (`fleetplan.FleetPlan`):
+    the drive's rate (given, or measured on a model file), the compute time per token,
+    the machine's RAM and what of it is spoken for, every expert's bytes, the target."""
+
     drive_gbps: float
     drive_measured: bool
     compute_ms: float
     ram_bytes: int
     dense_bytes: int
     reserve_bytes: int
-    usable_bytes: int  # what the RAM and pin budgets together may take
+    usable_bytes: int  # what the RAM and pin budgets together may take: ram - dense - reserve
     all_experts_bytes: int
     target_tok_s: float | None
+
+    @classmethod
+    def of(
+        cls,
+        drive: tuple[float, bool],
+        compute_ms: float,
+        ram_bytes: int | None,
+        reserve_bytes: int | None,
+        dense_bytes: int,
+        all_experts_bytes: int,
+        target_tok_s: float | None,
+    ) -> Sizing:
+        """The sizing, with this machine's RAM when none is given and a default reserve."""
+        if ram_bytes is None:
+            import psutil
+
+            ram_bytes = int(psutil.virtual_memory().total)
+        if reserve_bytes is None:  # the OS, the engine's own buffers, the page cache
+            reserve_bytes = max(1 << 30, ram_bytes // 10)
+        usable = max(0, ram_bytes - dense_bytes - reserve_bytes)
+        gbps, measured = drive
+        return cls(
+            gbps, measured, compute_ms, ram_bytes, dense_bytes, reserve_bytes, usable, all_experts_bytes, target_tok_s
+        )
+
+    def describe_box(self) -> str:
+        """The drive, the compute time and the RAM, as a plan's description opens."""
+        return (
+            f"drive {self.drive_gbps:.2f} GB/s{' (measured)' if self.drive_measured else ''}, compute "
+            f"{self.compute_ms:g} ms/token, RAM {format_size(self.ram_bytes)} (dense "
+            f"{format_size(self.dense_bytes)}, reserve {format_size(self.reserve_bytes)}, usable "
+            f"{format_size(self.usable_bytes)})"
+        )
+
+
+def drive_rate(drive_gbps: float | None, model_path, measure_s: float) -> tuple[float, bool]:
+    """The drive's rate in GB/s, and whether it was measured: when none is given, 1 MiB
+    random reads 8 deep on the model file for `measure_s`."""
+    if drive_gbps is not None:
+        return drive_gbps, False
+    from moed.lab.drivebench import raw_reads
+
+    return raw_reads(os.fspath(model_path), 1 << 20, 8, measure_s).gbps, True
+
+
+@dataclass
+class Plan(Sizing):
+    policy: str
     curve: list[Point]
     recommended: dict[str, Any]
     notes: list[str] = field(default_factory=list)
@@ -249,19 +300,18 @@ def make_plan(
     trace_path: str | None = None,
 ) -> Plan:
     cost = ModelCost.of(model_path)
-    measured = drive_gbps is None
-    if drive_gbps is None:  # not given: measure it
-        from moed.lab.drivebench import raw_reads
-
-        drive_gbps = raw_reads(os.fspath(model_path), 1 << 20, 8, measure_s).gbps
-    if ram_bytes is None:
-        import psutil
-
-        ram_bytes = psutil.virtual_memory().total
-    if reserve_bytes is None:  # the OS, the engine's own buffers, the page cache
-        reserve_bytes = max(1 << 30, ram_bytes // 10)
-    usable = max(0, ram_bytes - cost.dense_bytes - reserve_bytes)
-    planner = Planner(cost, trace, policy, warm, drive_gbps, compute_ms)
+    drive = drive_rate(drive_gbps, model_path, measure_s)
+    planner = Planner(cost, trace, policy, warm, drive[0], compute_ms)
+    box = Sizing.of(
+        drive,
+        compute_ms,
+        ram_bytes,
+        reserve_bytes,
+        cost.dense_bytes,
+        planner.budget_bytes(cost.all_slots),
+        target_tok_s,
+    )
+    usable = box.usable_bytes
     curve = planner.curve(sizes)
     max_slots = planner.slots_for_bytes(usable)
     notes = []
@@ -297,25 +347,11 @@ def make_plan(
         # the operator's pin verb ranks a trace's experts by routing count, as `hottest` does
         "pin_command": (f"moectl pin {os.fspath(model_path)} --trace {trace_path or 'TRACE'}" if pins else ""),
     }
-    if measured:
-        notes.append(f"drive rate measured on the model file: {drive_gbps:.2f} GB/s (1 MiB random reads, 8 deep)")
+    if box.drive_measured:
+        notes.append(f"drive rate measured on the model file: {box.drive_gbps:.2f} GB/s (1 MiB random reads, 8 deep)")
     if pins:
         notes.append("pins are the trace's most used experts, scored on the same trace: an upper estimate")
-    return Plan(
-        policy,
-        drive_gbps,
-        measured,
-        compute_ms,
-        ram_bytes,
-        cost.dense_bytes,
-        reserve_bytes,
-        usable,
-        planner.budget_bytes(cost.all_slots),
-        target_tok_s,
-        curve,
-        rec,
-        notes,
-    )
+    return Plan(**asdict(box), policy=policy, curve=curve, recommended=rec, notes=notes)
 
 
 def describe(plan: Plan, bars: bool = False) -> list[str]:
@@ -323,10 +359,7 @@ def describe(plan: Plan, bars: bool = False) -> list[str]:
     width = 40
     top = max((p.tok_s for p in plan.curve if np.isfinite(p.tok_s)), default=1.0) or 1.0
     lines = [
-        f"drive {plan.drive_gbps:.2f} GB/s{' (measured)' if plan.drive_measured else ''}, compute "
-        f"{plan.compute_ms:g} ms/token, RAM {format_size(plan.ram_bytes)} (dense "
-        f"{format_size(plan.dense_bytes)}, reserve {format_size(plan.reserve_bytes)}, usable "
-        f"{format_size(plan.usable_bytes)}), policy {plan.policy}",
+        f"{plan.describe_box()}, policy {plan.policy}",
         f"{'budget':>11} {'share':>6} {'hit %':>6} {'MB/tok':>8} {'tok/s':>8}",
     ]
     for p in plan.curve:
