@@ -41,7 +41,7 @@ class DriveFaults:
         self.prefetch_dropped = 0  # prefetched experts held back or dropped while the drive was behind
         self.quarantine_refusals = 0  # acquires and prefetches refused at once by a mark
         self.stalled_reads = 0  # reads that ran past read_stall_warn_s (each counted once)
-        self._warned: set[int] = set()  # id()s of the jobs whose stuck read was logged
+        self._warned: set[tuple] = set()  # (id(job), offset) of every stuck read logged (one each)
 
     # ---- failed reads -----------------------------------------------------
 
@@ -87,13 +87,14 @@ class DriveFaults:
     # ---- reads that do not return -------------------------------------------------
 
     def watch(self) -> None:
-        """Log each read running past `read_stall_warn_s` once; give the pool a spare reader."""
+        """Log each read running past `read_stall_warn_s` once, and give the pool a spare
+        reader for each (a job's other chunks may be stuck too: every stuck read counts)."""
         if self.stall_warn_s <= 0:
             return
         for age_s, job, path, offset, length in self.reader.in_progress_jobs(time.monotonic()):
-            if age_s < self.stall_warn_s or id(job) in self._warned:
+            if age_s < self.stall_warn_s or (id(job), offset) in self._warned:
                 continue
-            self._warned.add(id(job))
+            self._warned.add((id(job), offset))
             self.stalled_reads += 1
             spare = self.reader.add_spare()
             log.warning(
@@ -106,7 +107,7 @@ class DriveFaults:
                 ", a spare reader thread serves meanwhile" if spare else "",
             )
         if len(self._warned) > 4096:  # ids of finished jobs may be reused; keep only the running ones
-            running = {id(job) for _, job, *_ in self.reader.in_progress_jobs(time.monotonic())}
+            running = {(id(job), off) for _, job, _, off, _ in self.reader.in_progress_jobs(time.monotonic())}
             self._warned &= running
 
     def stuck_now(self) -> int:

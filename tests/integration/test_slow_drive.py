@@ -145,10 +145,14 @@ def test_throughput_recovers_once_the_throttle_lifts(throttled, slow_fs):
         h = c.open_model(model)
         _warm(h, 0, range(16))
         throttle.read_bps(2 * MiB)
-        for e in range(3):
-            with h.acquire(1, [e], timeout_s=30):
+        slow = iter(range(32))
+
+        def behind() -> bool:  # the throttle lets a first burst through: read until it bites
+            with h.acquire(1, [next(slow)], timeout_s=30):
                 pass
-        assert c.stats()["drive_behind"]
+            return c.stats()["drive_behind"]
+
+        wait_for(behind, timeout_s=20, what="the throttled drive to be seen behind")
         throttle.read_bps(0)
         lifted = time.monotonic()
         expert = iter(range(3, 32))
@@ -167,3 +171,24 @@ def test_throughput_recovers_once_the_throttle_lifts(throttled, slow_fs):
         with h.acquire(3, [30, 31], timeout_s=30):
             pass
         assert time.monotonic() - t0 < 0.5
+
+
+def test_a_spare_reader_serves_another_drive_while_reads_are_stuck(throttled, slow_fs, tiny_model):
+    """Both readers stuck on a stalled drive: spares take their place, so a model on another
+    (healthy) drive is still served."""
+    _, model = slow_fs
+    d, throttle = throttled(reader_threads=2, read_stall_warn_s=0.5)
+    with d.client("engine") as c:
+        h = c.open_model(model)
+        other = c.open_model(str(tiny_model))  # on the box's own disk: not throttled
+        _warm(h, 0, range(2))
+        throttle.read_bps(4 << 10)  # one expert's three 68 KiB parts: ~50 s
+        with pytest.raises(errors.ReadTimeout):
+            h.acquire(1, [9], timeout_s=1.0)  # both readers now sit in a read that does not return
+        t0 = time.monotonic()
+        with other.acquire(2, [3, 4], timeout_s=10):
+            served_s = time.monotonic() - t0
+        assert served_s < 5, served_s
+        assert c.stats()["stalled_reads"] >= 2
+        throttle.read_bps(0)
+        wait_for(lambda: c.stats()["reads_in_flight"] == 0, timeout_s=20, what="the stalled reads to return")
