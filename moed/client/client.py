@@ -127,7 +127,7 @@ class Client:
         if isinstance(reply, m.Error):
             for fd in got_fds:
                 os.close(fd)
-            raise errors.error_for(reply.code, reply.message)
+            raise errors.error_for(reply.code, reply.message, reply.detail)
         return (reply, got_fds) if fds else reply
 
     def send(self, msg) -> None:
@@ -157,7 +157,7 @@ class Client:
         if sock is not None:
             sock.close()
         if reason is not None:
-            raise errors.error_for(reason.code, reason.message)
+            raise errors.error_for(reason.code, reason.message, reason.detail)
         if isinstance(exc, (TimeoutError, BlockingIOError)):  # SO_RCVTIMEO expired
             raise errors.DaemonUnavailable(f"moed did not answer within {self.timeout_s}s") from None
         raise errors.DaemonUnavailable(f"connection to moed lost: {exc or 'closed'}") from None

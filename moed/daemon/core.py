@@ -601,7 +601,8 @@ class Daemon:
             model = self.models.get(key.model_id)
             if model is not None:
                 model.read_errors += 1
-            failure = self.faults.failed(key, job.what, err, self.ramtier.segments[slot.class_id].part_names)
+            parts = self.ramtier.segments[slot.class_id].part_names
+            failure = self.faults.failed(key, job.what, err, parts, model.path if model is not None else "")
             log.error("%s", failure)
             self.store.failed(slot)  # back to the free list before any waiter hears of it
             self.settle()

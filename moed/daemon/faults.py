@@ -45,17 +45,21 @@ class DriveFaults:
 
     # ---- failed reads -----------------------------------------------------
 
-    def failed(self, key, what: str, err: BaseException, part_names: list[str]) -> errors.MoedError:
+    def failed(self, key, what: str, err: BaseException, part_names: list[str], path: str = "") -> errors.MoedError:
         """The error a failed read of `key` raises in its waiters; quarantines the expert."""
         if isinstance(err, errors.MoedError):
             return err  # ModelStale, VerifyMismatch: already what happened
+        detail: dict = {"model": path, "model_id": key.model_id, "layer": key.layer, "expert": key.expert}
         part = ""
-        if isinstance(err, ReadFailure) and 0 <= err.piece < len(part_names):
-            part = f" part {part_names[err.piece]}"
+        if isinstance(err, ReadFailure):
+            detail["errno"] = err.errno
+            if 0 <= err.piece < len(part_names):
+                detail["part"] = part_names[err.piece]
+                part = f" part {detail['part']}"
         message = f"reading {what}{part} failed: {err}"
         if isinstance(err, ReadFailure) and err.errno:  # end of file is a changed file, not a bad extent
-            self.quarantine.mark(key, message, time.monotonic())
-        return errors.ReadError(message)
+            self.quarantine.mark(key, message, time.monotonic(), detail)
+        return errors.ReadError(message, **detail)
 
     def refuse_marked(self, wants) -> None:
         """ReadError at once if any wanted expert is quarantined (no read is sent)."""
@@ -66,7 +70,7 @@ class DriveFaults:
             message = self.quarantine.check(want.key, now)
             if message is not None:
                 self.quarantine_refusals += 1
-                raise errors.ReadError(message)
+                raise errors.ReadError(message, **self.quarantine.detail(want.key))
 
     def unmarked(self, wants) -> list:
         """The wants a prefetch may read: quarantined experts are skipped."""

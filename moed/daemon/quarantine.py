@@ -24,7 +24,10 @@ from dataclasses import dataclass
 class Mark:
     until_s: float  # monotonic time the mark ends
     message: str  # what the failed read said (the error the acquires get)
-    failures: int = 1  # failed reads (each after its retries) while marked or just before
+    failures: int = 1
+    detail: dict | None = (
+        None  # the error's facts (which expert, which errno), given back with it  # failed reads (each after its retries) while marked or just before
+    )
 
 
 class Quarantine:
@@ -35,12 +38,16 @@ class Quarantine:
     def __len__(self) -> int:
         return len(self._marks)
 
-    def mark(self, key, message: str, now: float) -> None:
+    def mark(self, key, message: str, now: float, detail: dict | None = None) -> None:
         """`key`'s read failed: refuse it for `quarantine_s` from now (0: never marked)."""
         if self.quarantine_s <= 0:
             return
         old = self._marks.get(key)
-        self._marks[key] = Mark(now + self.quarantine_s, message, old.failures + 1 if old else 1)
+        self._marks[key] = Mark(now + self.quarantine_s, message, old.failures + 1 if old else 1, detail)
+
+    def detail(self, key) -> dict:
+        mark = self._marks.get(key)
+        return dict(mark.detail or {}) if mark is not None else {}
 
     def check(self, key, now: float) -> str | None:
         """The error message if `key` is marked now, else None (and an ended mark goes)."""

@@ -322,7 +322,7 @@ class Session(asyncio.Protocol):
     def _reply_error(self, msg, exc: errors.MoedError) -> None:
         self.daemon.counters.errors_sent += 1
         if m.wants_reply(msg):
-            self._send(m.Error(int(exc.code), exc.message or str(exc)))
+            self._send(m.Error(int(exc.code), exc.message or str(exc), exc.detail))
         else:
             log.info("%s from pid %d failed (no reply wanted): %s", type(msg).__name__, self.pid, exc)
         if isinstance(exc, (errors.NotHello, errors.VersionMismatch)):

@@ -47,10 +47,16 @@ class MoedError(Exception):
     """Base of every moed error; `code` is its wire code."""
 
     code: ErrorCode = ErrorCode.INTERNAL
+    # The facts an error of this type may carry besides its message: they travel in the
+    # Error reply's `detail` and are attributes on the client (None when not sent).
+    DETAIL: tuple[str, ...] = ()
 
-    def __init__(self, message: str = ""):
+    def __init__(self, message: str = "", **detail: int | str):
         super().__init__(message or self.__class__.__name__)
         self.message = message
+        self.detail = {k: v for k, v in detail.items() if k in self.DETAIL}
+        for name in self.DETAIL:
+            setattr(self, name, self.detail.get(name))
 
 
 class InternalError(MoedError):
@@ -126,9 +132,13 @@ class RequestTooLarge(MoedError):
 
 
 class ReadError(MoedError):
-    """Reading expert bytes from the model file failed."""
+    """Reading expert bytes from the model file failed (or failed recently: quarantined).
+
+    `model` (its path), `model_id`, `layer`, `expert`, `part` and `errno` say which read
+    and what the kernel answered, when the daemon knows."""
 
     code = ErrorCode.READ_ERROR
+    DETAIL = ("model", "model_id", "layer", "expert", "part", "errno")
 
 
 class PermissionDenied(MoedError):
@@ -198,9 +208,11 @@ class LayoutUnavailable(MoedError):
 _BY_CODE: dict[int, type[MoedError]] = {cls.code: cls for cls in MoedError.__subclasses__()}
 
 
-def error_for(code: int, message: str) -> MoedError:
-    """The exception for a wire code; unknown codes become InternalError."""
-    return _BY_CODE.get(code, InternalError)(message)
+def error_for(code: int, message: str, detail: dict | None = None) -> MoedError:
+    """The exception for a wire code (with the facts its type carries); unknown codes
+    become InternalError."""
+    cls = _BY_CODE.get(code, InternalError)
+    return cls(message, **{k: v for k, v in (detail or {}).items() if k in cls.DETAIL})
 
 
 __all__ = ["RETIRED_CODES", "ErrorCode", "MoedError", "error_for"] + [c.__name__ for c in _BY_CODE.values()]

@@ -95,6 +95,9 @@ class ListModels(Message, tag="models"):
 class Error(Message, tag="error"):
     code: int
     message: str
+    # what the error's type carries besides the message (errors.MoedError.DETAIL), e.g. a
+    # ReadError's model, layer, expert, part and errno
+    detail: Annotated[dict[str, int | str], msgspec.Meta(max_length=16)] = {}
 
 
 class HelloReply(Message, tag="hello_reply"):

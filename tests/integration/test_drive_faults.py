@@ -43,6 +43,9 @@ def _assert_names_the_bad_expert(exc: BaseException) -> None:
     text = str(exc)
     assert f"layer {BAD_LAYER} expert {BAD_EXPERT} part {BAD_PART}" in text, text
     assert "[Errno 5] EIO" in text and "short read" not in text, text
+    assert isinstance(exc, errors.ReadError)  # and the same facts as attributes, for servers
+    assert (exc.layer, exc.expert, exc.part, exc.errno) == (BAD_LAYER, BAD_EXPERT, BAD_PART, 5)
+    assert str(exc.model).endswith("model.gguf") and exc.model_id == 1
 
 
 def _exact(h, cat: Catalog, pristine: str, layer: int, experts: list[int]) -> None:

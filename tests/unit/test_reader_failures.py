@@ -50,3 +50,19 @@ def test_a_range_past_the_end_fails_with_end_of_file_naming_the_piece(tmp_path):
 def test_the_message_names_the_errno_and_the_attempts():
     err = ReadFailure(5, "/m.gguf", 8192, 69632, piece=2, attempts=3)
     assert str(err) == "[Errno 5] EIO (Input/output error) reading 69632 bytes at offset 8192 of /m.gguf, 3 attempts"
+
+
+def test_a_read_errors_facts_travel_in_the_error_reply():
+    import msgspec
+
+    from moed.protocol import errors
+    from moed.protocol import messages as m
+
+    exc = errors.ReadError("reading ... failed", model="/m.gguf", model_id=1, layer=1, expert=5, part="down", errno=5)
+    wire = msgspec.msgpack.encode(m.Error(int(exc.code), exc.message, exc.detail))
+    reply = msgspec.msgpack.decode(wire, type=m.Reply)
+    again = errors.error_for(reply.code, reply.message, reply.detail)
+    assert type(again) is errors.ReadError and again.detail == exc.detail
+    assert (again.layer, again.expert, again.part, again.errno) == (1, 5, "down", 5)
+    assert errors.error_for(reply.code, "no detail").expert is None  # an older daemon sends none
+    assert errors.error_for(int(errors.ErrorCode.BAD_REQUEST), "x", {"expert": 5}).detail == {}
