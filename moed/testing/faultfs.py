@@ -23,6 +23,7 @@ installs btrfs-progs where apt is available.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -33,8 +34,27 @@ BLOCK = 4096
 BLKIO_ROOT = Path("/sys/fs/cgroup/blkio")
 
 
+@functools.cache
 def unavailable(throttle: bool = False) -> str:
-    """'' if a loop btrfs (and, with `throttle`, a blkio throttle) can be made here, else why not."""
+    """'' if a loop btrfs (and, with `throttle`, a blkio throttle) can be made here, else why not.
+
+    After the quick checks, one real trial (an image, a loop device, a mount; a blkio
+    group), once per process: a container may have the tools but not the permission.
+    """
+    why = _missing(throttle)
+    if why:
+        return why
+    try:
+        LoopBtrfs().close()
+        if throttle:
+            os.rmdir(tempfile.mkdtemp(prefix="moed-probe-", dir=BLKIO_ROOT))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        return f"a btrfs loop image{' and a blkio group' if throttle else ''} cannot be set up here: {detail}"
+    return ""
+
+
+def _missing(throttle: bool) -> str:
     if os.geteuid() != 0:
         return "needs root (loop devices, mount, cgroups)"
     if shutil.which("mkfs.btrfs") is None:
