@@ -236,12 +236,15 @@ class ReaderPool:
         t.start()
         return True
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the readers; wait `timeout_s` in all (a thread stuck in a read of a hung drive
+        cannot be interrupted: it is a daemon thread and goes with the process)."""
         with self._cv:
             self._stop = True
             self._cv.notify_all()
+        deadline = time.monotonic() + timeout_s
         for t in self._threads:
-            t.join(timeout=5)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
 
     # ---- reader threads --------------------------------------------------
 
