@@ -208,4 +208,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
         plan = _plan(args)
     except (ValueError, OSError) as exc:  # pydantic's ValidationError is a ValueError
         return fail(f"bad server settings: {exc}")
-    return lifecycle.run(plan)
+    lifecycle.exec_front(plan)  # the front starts over without llama.cpp (same pid)
+    return 0

@@ -2,6 +2,8 @@
 
 What this module owns: the order of things in the front process.
 
+0. the command line (moed.cli.serve) validates the settings and `exec_front`s a
+   fresh interpreter for the front (same pid), without llama.cpp loaded;
 1. startup: a private run directory (0700) for the workers' specs and sockets;
    every model's workers started (moed.serve.supervisor) and every one answering
    before the port is bound, so a client that can connect is served; a worker
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -25,6 +29,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NoReturn
 
 import uvicorn
 
@@ -146,4 +151,35 @@ def run(plan: ServePlan) -> int:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-__all__ = ["ServePlan", "ServedModel", "run"]
+def exec_front(plan: ServePlan) -> NoReturn:
+    """Become a fresh `python -m moed.serve.lifecycle PLAN` (same pid), never returning.
+
+    The command line validated the settings with llama-cpp-python's own classes,
+    which load llama.cpp (~26 MiB private); the front needs none of it, so it
+    starts over without it. The plan travels as a JSON file (0600: it may hold
+    the API key) that the new image reads and removes.
+    """
+    fd, path = tempfile.mkstemp(prefix="moectl-serve-plan-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(dataclasses.asdict(plan), f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "moed.serve.lifecycle", path])
+
+
+def _read_plan(path: str) -> ServePlan:
+    with open(path) as f:
+        data = json.load(f)
+    os.unlink(path)
+    data["models"] = [ServedModel(**m) for m in data["models"]]
+    data["backoff"] = Backoff(**data["backoff"])
+    if data["metrics_listen"] is not None:
+        data["metrics_listen"] = tuple(data["metrics_listen"])
+    return ServePlan(**data)
+
+
+if __name__ == "__main__":
+    sys.exit(run(_read_plan(sys.argv[1])))
+
+
+__all__ = ["ServePlan", "ServedModel", "exec_front", "run"]
