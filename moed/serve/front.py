@@ -20,7 +20,9 @@ Invariants:
   OpenAI error event (the openai client raises it); never a silent short stream;
 - a client that goes away closes the worker's response, so the worker's server
   stops generating for it and the worker is free again;
-- the request a dead worker held is never sent again elsewhere (it may have run).
+- the request a dead worker held is never sent again elsewhere (it may have run);
+  one that could not even be connected to it (the worker died a moment before,
+  and its supervisor has not yet seen the exit) is, up to UNDELIVERED_TRIES.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from moed.serve.metrics import ServeMetrics
 from moed.serve.pool import NoWorker, QueueFull, WorkerPool, WorkerSlot
 
 RETRY_AFTER_S = 1
+UNDELIVERED_TRIES, UNDELIVERED_PAUSE_S = 3, 0.1  # a worker that died a moment ago is not yet out of dispatch
 MAX_BODY_BYTES = 16 << 20  # a request is read whole before a worker is chosen: bounded
 _HOP_BY_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade", b"host", b"content-length"}
 _TOKEN_CHUNK = re.compile(rb'"finish_reason": null')
@@ -56,6 +59,10 @@ async def _answer(send, status: int, body: bytes, headers: list[tuple[bytes, byt
 
 class BodyTooLarge(Exception):
     pass
+
+
+class _Undelivered(Exception):
+    """The worker could not be connected to: the request never reached it, so another may serve it."""
 
 
 async def _read_body(receive) -> bytes:
@@ -220,8 +227,13 @@ class Front:
             return
         relay = _Relay(send, self.metrics, name, arrived)
         try:
-            async with pool.worker() as slot:
-                await self._relay(slot, scope, receive, body, relay)
+            for attempt in range(UNDELIVERED_TRIES):
+                try:
+                    async with pool.worker() as slot:
+                        await self._relay(slot, scope, receive, body, relay, last=attempt == UNDELIVERED_TRIES - 1)
+                    break
+                except _Undelivered:
+                    await asyncio.sleep(UNDELIVERED_PAUSE_S)  # its supervisor sees the exit meanwhile
         except QueueFull as exc:
             relay.status = 503
             busy = _error(str(exc), "service_unavailable", "server_busy")
@@ -232,9 +244,9 @@ class Front:
             await _answer(send, 503, stopping, [(b"retry-after", str(RETRY_AFTER_S).encode())])
         relay.count()
 
-    async def _relay(self, slot: WorkerSlot, scope, receive, body: bytes, relay: _Relay) -> None:
+    async def _relay(self, slot: WorkerSlot, scope, receive, body: bytes, relay: _Relay, last: bool) -> None:
         """Send the request to `slot`'s worker and its answer to the client, until either side ends."""
-        relaying = asyncio.create_task(self._forward(slot, scope, body, relay))
+        relaying = asyncio.create_task(self._forward(slot, scope, body, relay, last))
         leaving = asyncio.create_task(_disconnected(receive))
         await asyncio.wait({relaying, leaving}, return_when=asyncio.FIRST_COMPLETED)
         for task in (relaying, leaving):
@@ -244,7 +256,7 @@ class Front:
         if relaying.done() and not relaying.cancelled() and relaying.exception() is not None:
             raise relaying.exception()  # type: ignore[misc]
 
-    async def _forward(self, slot: WorkerSlot, scope, body: bytes, relay: _Relay) -> None:
+    async def _forward(self, slot: WorkerSlot, scope, body: bytes, relay: _Relay, last: bool) -> None:
         client = self._client(slot)
         query = scope.get("query_string", b"").decode()
         url = "http://worker" + scope["path"] + (f"?{query}" if query else "")
@@ -253,6 +265,11 @@ class Front:
         who = f"worker {slot.index} of model {relay.model} (pid {slot.pid})"
         try:
             response = await client.send(request, stream=True)
+        except httpx.ConnectError as exc:
+            if not last:  # nothing reached the worker (it is gone): another may take the request
+                raise _Undelivered from exc
+            await relay.fail(502, f"{who} cannot be reached: {exc or type(exc).__name__}", "worker_failed")
+            return
         except httpx.TransportError as exc:
             await relay.fail(502, f"{who} failed before answering: {exc or type(exc).__name__}", "worker_failed")
             return
