@@ -7,7 +7,7 @@ reads the routed ids, releases the previous layer's grant, acquires this layer's
 distinct experts and makes them visible. When the look-ahead is on (prefetch or
 a trace recording predictions), the callback also stops at `ffn_norm-<layer>`
 (the router's input; gpt-oss's is `attn_post_norm-<layer>`, glm4moe's
-`post_attn_norm-<layer>`: `predictor.ROUTER_INPUTS`) and hands the normed hidden state to `moed.engines.lookahead`, which predicts
+`post_attn_norm-<layer>`: `moed.gguf.archs`) and hands the normed hidden state to `moed.engines.lookahead`, which predicts
 later layers and, after this layer's acquire, prefetches them.
 
 Invariants (what must happen before what):

@@ -17,7 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 def isolation_args() -> list[str]:
     text = (ROOT / "scripts" / "test").read_text()
-    m = re.search(r'^isolation=\((.*)\)$', text, re.M)
+    m = re.search(r"^isolation=\((.*)\)$", text, re.M)
     assert m, "scripts/test defines isolation=(...)"
     return m.group(1).split()
 
