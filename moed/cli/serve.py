@@ -132,14 +132,15 @@ def _settings(args: argparse.Namespace):
             server = server.model_copy(update={"interrupt_requests": False})
         if not file_settings.models:
             raise ValueError(f"{args.config}: no models")
-        pairs = [(m, n if n is not None else args.workers or 1) for m, n in zip(file_settings.models, counts)]
+        default = args.workers if args.workers is not None else 1
+        pairs = [(m, n if n is not None else default) for m, n in zip(file_settings.models, counts)]
     else:
         server = ServerSettings(host="127.0.0.1", port=8000, interrupt_requests=False)
         given = {"n_threads": args.threads, "chat_format": args.chat_format, "model_alias": args.alias}
         model = ModelSettings(
             model=args.model, n_ctx=args.ctx, verbose=args.verbose, **{k: v for k, v in given.items() if v is not None}
         )
-        pairs = [(model, args.workers or 1)]
+        pairs = [(model, args.workers if args.workers is not None else 1)]
     updates = {
         "host": args.host,
         "port": args.port,
@@ -147,6 +148,8 @@ def _settings(args: argparse.Namespace):
         "interrupt_requests": args.interrupt_requests,
     }
     server = server.model_copy(update={k: v for k, v in updates.items() if v is not None})
+    if args.queue < 0 or args.queue_timeout <= 0 or args.grace < 0:
+        raise ValueError("--queue must be >= 0, --queue-timeout > 0 and --grace >= 0")
     for m, n in pairs:
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"model {m.model_alias or m.model}: workers must be a whole number >= 1, not {n!r}")

@@ -85,8 +85,10 @@ class WorkerSupervisor:
             self.slot.restarts += 1
 
     async def _one_life(self) -> int:
+        # A session of its own: a terminal's Ctrl-C (or a group kill) reaches the front,
+        # which drains and then stops its workers; not the workers under their requests.
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "moed.serve.worker", self.spec_path, str(self.slot.index)
+            sys.executable, "-m", "moed.serve.worker", self.spec_path, str(self.slot.index), start_new_session=True
         )
         self.slot.pid = self.proc.pid
         waiting = asyncio.create_task(self.proc.wait())

@@ -33,13 +33,15 @@ def free_port() -> int:
 class ServeProcess:
     """`moectl --socket S serve MODEL --port P` (or `serve --config F`), ready once /v1/models answers."""
 
-    def __init__(self, socket_path: str, model, *args: str, log_dir, config=None):
+    def __init__(self, socket_path: str, model, *args: str, log_dir, config=None, new_session: bool = False):
         self.port = free_port()
         self.log_path = log_dir / f"serve-{self.port}.log"
         self._log = open(self.log_path, "wb")
         what = ["--config", str(config)] if config else [str(model), "--alias", "m", "--ctx", "1024", "--threads", "1"]
         cmd = [sys.executable, "-m", "moed.ctl", "--socket", socket_path, "serve", *what, "--port", str(self.port)]
-        self.proc = subprocess.Popen([*cmd, *args], stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [*cmd, *args], stdout=self._log, stderr=subprocess.STDOUT, start_new_session=new_session
+        )
         key = args[args.index("--api-key") + 1] if "--api-key" in args else "none"
         self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=key, max_retries=0, timeout=60)
         wait_for(self._ready, timeout_s=60, interval_s=0.1, what=f"moectl serve on port {self.port}")

@@ -183,16 +183,18 @@ def test_past_the_queue_bound_is_a_503_with_retry_after(daemon, tiny_model, tmp_
         s.stop()
 
 
-def test_sigterm_drains_the_request_and_exits_0_with_no_leases_left(tiny_model, tmp_path):
+@pytest.mark.parametrize("to_group", [False, True], ids=["sigterm-to-the-front", "sigint-to-its-group"])
+def test_a_stop_drains_the_request_and_exits_0_with_no_leases_left(tiny_model, tmp_path, to_group):
+    """SIGTERM to the front (systemd, KillMode=mixed), or Ctrl-C's SIGINT to the whole process group."""
     daemon = DaemonProcess("1MiB")  # its own: no other server's clients on it
     try:
-        _drain_and_exit(daemon, tiny_model, tmp_path)
+        _drain_and_exit(daemon, tiny_model, tmp_path, to_group)
     finally:
         daemon.kill()
 
 
-def _drain_and_exit(daemon: DaemonProcess, tiny_model, tmp_path) -> None:
-    s = ServeProcess(daemon.socket, tiny_model, "--workers", "2", log_dir=tmp_path)
+def _drain_and_exit(daemon: DaemonProcess, tiny_model, tmp_path, to_group: bool) -> None:
+    s = ServeProcess(daemon.socket, tiny_model, "--workers", "2", log_dir=tmp_path, new_session=to_group)
     outcome: dict = {}
     started = threading.Event()
 
@@ -207,10 +209,14 @@ def _drain_and_exit(daemon: DaemonProcess, tiny_model, tmp_path) -> None:
     t = threading.Thread(target=long_stream)
     t.start()
     assert started.wait(60)
-    s.proc.send_signal(signal.SIGTERM)
+    if to_group:
+        os.killpg(s.proc.pid, signal.SIGINT)  # its own session: the front's pid is the group's id
+    else:
+        s.proc.send_signal(signal.SIGTERM)
     t.join(60)
     assert outcome.get("text"), "the request in flight was finished"
     assert s.proc.wait(30) == 0, s.log()
+    assert "restarting" not in s.log()  # no worker ended under the drain
     s.stop()
 
     def no_serve_clients() -> bool:
