@@ -68,7 +68,17 @@ class ServePlan:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, but a SIGTERM it drained for ends in exit 0, not in the signal re-raised."""
+    """uvicorn's server, but a SIGTERM it drained for ends in exit 0, not in the signal re-raised;
+    `on_exit` runs at the first stop signal (the drain starts)."""
+
+    def __init__(self, config: uvicorn.Config, on_exit):
+        super().__init__(config)
+        self.on_exit = on_exit
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit:
+            self.on_exit()
+        super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -94,32 +104,46 @@ def _pools(plan: ServePlan, run_dir: str) -> tuple[dict[str, WorkerPool], list[W
     return pools, supervisors
 
 
+async def _all_ready(supervisors: list[WorkerSupervisor]) -> bool:
+    try:
+        await asyncio.gather(*(s.ready() for s in supervisors))
+        return True
+    except WorkerFailed as exc:
+        print(f"moectl serve: {exc}", file=sys.stderr, flush=True)
+        return False
+
+
+def _front_server(plan: ServePlan, front: Front, supervisors: list[WorkerSupervisor]) -> _Server:
+    config = uvicorn.Config(
+        front,
+        host=plan.host,
+        port=plan.port,
+        ssl_keyfile=plan.ssl_keyfile,
+        ssl_certfile=plan.ssl_certfile,
+        log_level="info" if plan.verbose else "warning",
+        access_log=plan.verbose,
+        timeout_graceful_shutdown=int(plan.grace_s),
+        lifespan="on",
+    )
+
+    def drain() -> None:  # a worker that ends during the drain is not restarted
+        for s in supervisors:
+            s.drain()
+
+    return _Server(config, on_exit=drain)
+
+
 async def _serve(plan: ServePlan, run_dir: str) -> int:
     pools, supervisors = _pools(plan, run_dir)
     for s in supervisors:
         s.start()
     try:
-        try:
-            await asyncio.gather(*(s.ready() for s in supervisors))
-        except WorkerFailed as exc:
-            print(f"moectl serve: {exc}", file=sys.stderr, flush=True)
+        if not await _all_ready(supervisors):
             return 1
         metrics = ServeMetrics(pools)
         metrics_server = metrics.serve(*plan.metrics_listen) if plan.metrics_listen else None
-        front = Front(pools, metrics, plan.api_key)
-        config = uvicorn.Config(
-            front,
-            host=plan.host,
-            port=plan.port,
-            ssl_keyfile=plan.ssl_keyfile,
-            ssl_certfile=plan.ssl_certfile,
-            log_level="info" if plan.verbose else "warning",
-            access_log=plan.verbose,
-            timeout_graceful_shutdown=int(plan.grace_s),
-            lifespan="on",
-        )
         _announce(plan)
-        await _Server(config).serve()
+        await _front_server(plan, Front(pools, metrics, plan.api_key), supervisors).serve()
         if metrics_server is not None:
             metrics_server.shutdown()
         for pool in pools.values():

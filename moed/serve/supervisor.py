@@ -118,6 +118,10 @@ class WorkerSupervisor:
                         return
                 await asyncio.sleep(0.05)
 
+    def drain(self) -> None:
+        """The server stops: this worker finishes what it serves, and is not restarted if it ends."""
+        self.stopping = True
+
     async def stop(self, grace_s: float) -> None:
         """SIGTERM, then SIGKILL after `grace_s`; returns once the process is gone."""
         self.stopping = True
