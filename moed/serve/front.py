@@ -95,7 +95,7 @@ class _Relay:
     def __init__(self, send, metrics: ServeMetrics, model: str, arrived: float):
         self.send, self.metrics, self.model, self.arrived = send, metrics, model, arrived
         self.status = 0
-        self.started = self.completed = self.streaming = False
+        self.started = self.completed = self.streaming = self.first_event = False
         self.tokens = 0
         self.json_tail = bytearray()  # a plain answer's body, for its usage
 
@@ -108,7 +108,8 @@ class _Relay:
 
     async def body(self, chunk: bytes) -> None:
         if self.streaming:
-            if self.tokens == 0 and chunk.startswith(b"data: {"):
+            if not self.first_event and chunk.startswith(b"data: {"):
+                self.first_event = True  # the worker's guard sends nothing before the first token
                 self.metrics.ttft.labels(self.model).observe(time.monotonic() - self.arrived)
             self.tokens += len(_TOKEN_CHUNK.findall(chunk)) - len(_ROLE_CHUNK.findall(chunk))
         elif len(self.json_tail) < 1 << 20:

@@ -120,15 +120,26 @@ def test_a_killed_worker_fails_its_request_and_comes_back(two):
     assert "SIGKILL" in back["last_exit"]
 
 
-def test_metrics_count_requests_tokens_and_first_tokens(two):
-    complete(two, 5)
-    list(complete(two, 5, stream=True))
-    text = httpx.get(two.metrics_url, timeout=10).text
+def scrape(url: str) -> dict[str, float]:
     samples = {}
-    for line in text.splitlines():
+    for line in httpx.get(url, timeout=10).text.splitlines():
         if line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
             samples[name] = float(value)
+    return samples
+
+
+def test_metrics_count_requests_tokens_and_first_tokens(two):
+    complete(two, 5)
+    list(complete(two, 5, stream=True))
+    before = scrape(two.metrics_url)
+    chat = two.client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True
+    )
+    list(chat)
+    samples = scrape(two.metrics_url)
+    first_tokens = 'moed_serve_time_to_first_token_seconds_count{model="m"}'
+    assert samples[first_tokens] == before[first_tokens] + 1  # once a stream (a chat's role chunk is not a token)
     assert samples['moed_serve_requests_total{model="m",status="200"}'] >= 2
     assert samples['moed_serve_tokens_generated_total{model="m"}'] >= 10
     assert samples['moed_serve_time_to_first_token_seconds_count{model="m"}'] >= 1
