@@ -64,3 +64,13 @@ def test_an_unexpected_error_is_a_500_without_a_traceback(capsys):
     status, body = error_response(RuntimeError("boom"))
     assert status == 500 and body["message"] == "internal error: boom"
     assert "RuntimeError: boom" in capsys.readouterr().err  # the log has it (with its traceback when raised)
+
+
+def test_a_read_error_with_its_facts_names_them_first():
+    exc = errors.ReadError("[Errno 5] EIO (3 attempts)", model="/m/bad.gguf", layer=1, expert=5, part="down", errno=5)
+    with pytest.raises(ExpertReadFailed) as mapped:
+        with server._served_errors(None):  # type: ignore[arg-type]
+            raise exc
+    assert (
+        str(mapped.value) == "moed could not read expert 5 of layer 1 (down) of /m/bad.gguf: [Errno 5] EIO (3 attempts)"
+    )
