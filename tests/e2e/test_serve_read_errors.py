@@ -7,17 +7,14 @@ expert is one prompt A's batch routes to and prompt B's does not (found on the
 pristine model), and max_tokens=1 evaluates only the prompt, so A gets the 502 and
 B, next on the same worker, is served. Root only, like the daemon's drive-fault tests.
 
-Skipped for now: StreamedLlama's load never returns on such a file. llama.cpp maps
-the model with MAP_POPULATE, and the kernel retries the unreadable page inside
-mmap (seen in /proc/PID/stack: populate_vma_page_range -> filemap_fault); the
-engine's own test_streamed_read_errors.py hangs the same way. The mapping itself
-is unit-tested (tests/unit/test_serve_errors.py).
+The server loads a skeleton (`--skeleton-dir`, the file with holes for the
+experts), as the engine's own drive-fault test does: llama.cpp maps a model with
+MAP_POPULATE, and populating a mapping over the bad block does not return.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 from collections import defaultdict
 
 import pytest
@@ -25,10 +22,7 @@ import pytest
 from moed.gguf.catalog import Catalog
 from moed.testing import DaemonProcess
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skip(reason="StreamedLlama's load hangs in MAP_POPULATE on a file with an EIO block (see module)"),
-]
+pytestmark = pytest.mark.e2e
 pytest.importorskip("llama_cpp")
 pytest.importorskip("llama_cpp.server.app")  # the [server] extra
 openai = pytest.importorskip("openai")
@@ -50,7 +44,9 @@ def _prompt_routes(path) -> dict[str, dict[int, set[int]]]:
 
     out = {}
     with DaemonProcess("64MiB") as d, d.client("routes") as c:
-        llm = StreamedLlama(str(path), client=c, route_hook=hook, prefetch="off", n_ctx=256, verbose=False)
+        llm = StreamedLlama(
+            str(path), client=c, route_hook=hook, prefetch="off", repack="off", n_ctx=256, verbose=False
+        )
         try:
             for text in TEXTS:
                 seen.clear()
@@ -87,14 +83,12 @@ def bad_case(model_factory):
 
 def test_a_failed_expert_read_is_a_502_naming_it_and_the_next_request_is_served(bad_case, tmp_path):
     path, a, b, (layer, expert) = bad_case
-    config = tmp_path / "serve.json"
-    config.write_text(
-        json.dumps({"models": [{"model": str(path), "model_alias": "m", "n_ctx": 256, "verbose": False}]})
-    )
     d = DaemonProcess("64MiB")
     server = None
     try:
-        server = ServeProcess(d.socket, None, log_dir=tmp_path, config=config)
+        # The same kernels and no prefetch, as the routes were found with.
+        engine = ["--skeleton-dir", str(tmp_path / "skeletons"), "--repack", "off", "--prefetch", "off"]
+        server = ServeProcess(d.socket, path, *engine, log_dir=tmp_path)
 
         def ask(prompt: str, **kw):
             return server.client.completions.create(
@@ -105,7 +99,9 @@ def test_a_failed_expert_read_is_a_502_naming_it_and_the_next_request_is_served(
             with pytest.raises(openai.APIStatusError) as failed:
                 ask(a, stream=stream)
             assert failed.value.status_code == 502 and failed.value.code == "moed_read_error"
-            assert f"layer {layer} expert {expert} part down" in str(failed.value.message)
+            message = str(failed.value.message)
+            assert f"moed could not read expert {expert} of layer {layer} (down) of {path}: " in message, message
+            assert "[Errno 5] EIO" in message
             assert ask(b).usage.completion_tokens == 1  # the same worker goes on
         assert server.proc.poll() is None and "Traceback" not in server.log()
     finally:
