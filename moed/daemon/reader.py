@@ -42,11 +42,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from moed import libc
 from moed.gguf.header import FileIdentity, identity_of, open_regular
 from moed.protocol.errors import BadModelFile
 from moed.protocol.layout import PAGE
 
-from . import libc
 from .drivehealth import DriveHealth
 
 log = logging.getLogger("moed.reader")
