@@ -178,13 +178,6 @@ def _repack_transform(src: str):
     return repack.file_transform(read_split(src))
 
 
-def _cpu(path: str) -> str:
-    from moed.gguf.header import read_header
-    from moed.gguf.layouts import KEY_CPU
-
-    return str(read_header(path).get(KEY_CPU, ""))
-
-
 def _align(args) -> int:
     from moed.gguf.align import align_gguf
     from moed.gguf.catalog import Catalog
@@ -212,8 +205,10 @@ def _align(args) -> int:
         cat = Catalog.open(outs[0])
     except MoedError:
         return 0  # not a MoE model: nothing more to say
-    if args.repack:
-        print(f"experts repacked: {cat.expert_layout} (for {cat.expert_layouts and _cpu(outs[0])})", file=sys.stderr)
+    if transform is not None:
+        from moed.gguf.layouts import KEY_CPU
+
+        print(f"experts repacked: {cat.expert_layout} (for {transform.kvs[KEY_CPU]})", file=sys.stderr)
     parts = [p for e in cat.layers.values() for p in e.parts.values()]
     aligned = sum(p.page_aligned for p in parts)
     print(

@@ -338,13 +338,22 @@ class Switched:
     expert_layout: str = PLAIN
 
 
+def stock_repacks_dense(name: bytes, ggml_type: int, ne: tuple[int, ...]) -> bool:
+    """Whether stock llama.cpp puts this dense weight in CPU_REPACK: a 2-D MUL_MAT weight
+    (DENSE_MATMUL) of a type and shape this CPU repacks (llama.cpp's select_weight_buft)."""
+    dims = tuple(ne) + (1,) * (4 - len(ne))
+    if not DENSE_MATMUL.match(name) or dims[2] != 1 or dims[3] != 1:
+        return False
+    return layout_of(ggml_type, dims[:2]) != PLAIN
+
+
 class KernelSwitch:
     """Put a loaded model's weights on the kernels stock llama.cpp would use.
 
-    `dense`: struct addresses of dense weights; those stock would repack (a
-    MUL_MAT weight of two dimensions whose type and shape this CPU repacks) are
-    copied into one CPU_REPACK buffer by ggml's repack and switched to it; their
-    old ranges are returned by `moved_ranges` (the file bytes, no longer read).
+    `repack_dense`: struct addresses of dense weights stock would repack
+    (`stock_repacks_dense`), copied into one CPU_REPACK buffer by ggml's repack and
+    switched to it; their old ranges are returned by `moved_ranges` (the file
+    bytes, no longer read).
     `experts`: struct addresses of expert tensors whose bytes will be served in
     this CPU's repacked layout: they keep their `data` (the expert pages) and get
     a CPU_REPACK `buffer` and the repack traits in `extra`.
@@ -355,16 +364,11 @@ class KernelSwitch:
         self.done = Switched()
         self.moved_ranges: list[tuple[int, int]] = []
 
-    def repack_dense(self, tensors: dict[bytes, int]) -> None:
-        picked = []
-        for name, addr in tensors.items():
-            t = GgmlTensor.from_address(addr)
-            two_d = t.ne[2] == 1 and t.ne[3] == 1
-            if DENSE_MATMUL.match(name) and two_d and layout_of(t.type, (t.ne[0], t.ne[1])) != PLAIN:
-                picked.append(addr)
-        if not picked:
+    def repack_dense(self, tensors: Iterable[int]) -> None:
+        """Move these dense weights (each one `stock_repacks_dense` picked) into CPU_REPACK."""
+        views = [GgmlTensor.from_address(a) for a in tensors]
+        if not views:
             return
-        views = [GgmlTensor.from_address(a) for a in picked]
         ctx = _Context([(v.type, tuple(v.ne)) for v in views])
         self._contexts.append(ctx)
         layouts = set()

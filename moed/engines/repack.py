@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from moed.engines import kernels
 from moed.gguf.catalog import EXPERT_RE
 from moed.gguf.header import Header, type_name
-from moed.gguf.layouts import KEY_CPU, PLAIN, layout_refusal, parse_layouts, summary
+from moed.gguf.layouts import KEY_CPU, KEY_LAYOUTS, PLAIN, layout_refusal, parse_layouts, summary
 from moed.protocol.errors import LayoutUnavailable
 
 MODES = ("auto", "off")
@@ -49,7 +49,7 @@ def plan(headers: list[Header], mode: str, path: str) -> LayoutPlan:
     """Check the file's expert layout against `mode` and this CPU; raise LayoutUnavailable."""
     if mode not in MODES:
         raise ValueError(f"repack must be one of {', '.join(MODES)}, not {mode!r}")
-    file_layouts = parse_layouts(headers[0].get("moed.repack.layouts"))
+    file_layouts = parse_layouts(headers[0].get(KEY_LAYOUTS))
     experts = [t for h in headers for t in h.tensors if EXPERT_RE.match(t.name)]
     types = {type_name(t.ggml_type) for t in experts}
     have = summary(file_layouts, types)
@@ -89,23 +89,16 @@ def switch(headers: list[Header], bases: list[int], layout: LayoutPlan) -> kerne
     expected: dict[bytes, int] = {}
     for shard, h in enumerate(headers):
         for t in h.tensors:
-            if t.name in wanted or (layout.repack_dense and _dense_candidate(t)):
+            dense = layout.repack_dense and kernels.stock_repacks_dense(t.name.encode(), t.ggml_type, tuple(t.dims))
+            if t.name in wanted or dense:
                 expected[t.name.encode()] = bases[shard] + t.offset
     if not expected:
         return ks
     found = kernels.find_tensors(expected)
     experts = {n.encode() for n in wanted}
-    ks.repack_dense({n: a for n, a in found.items() if n not in experts})
+    ks.repack_dense(a for n, a in found.items() if n not in experts)
     ks.repack_experts(a for n, a in found.items() if n in experts)
     return ks
-
-
-def _dense_candidate(t) -> bool:
-    """A dense weight stock llama.cpp would repack: a 2-D MUL_MAT weight of a type and shape this CPU repacks."""
-    dims = tuple(t.dims) + (1,) * (4 - len(t.dims))
-    if not kernels.DENSE_MATMUL.match(t.name.encode()) or dims[2] != 1 or dims[3] != 1:
-        return False
-    return kernels.layout_of(t.ggml_type, dims[:2]) != PLAIN
 
 
 def file_transform(headers: list[Header]):
@@ -117,7 +110,7 @@ def file_transform(headers: list[Header]):
     import llama_cpp
 
     from moed.gguf.align import Transform
-    from moed.gguf.layouts import KEY_BUILD, KEY_LAYOUTS, format_layouts
+    from moed.gguf.layouts import KEY_BUILD, format_layouts
 
     if headers[0].get(KEY_LAYOUTS) is not None:
         raise ValueError(f"{headers[0].path} is repacked already ({KEY_LAYOUTS}); repack the original file")

@@ -168,25 +168,27 @@ class ExpertStreamer:
             self._zero_copy_layers = {layer for layer, ss in self._parts.items() if all(s.zero_copy for s in ss)}
         self._drop_expert_cache()
         self._lock_dense(bases)
-        self._install_lookahead(bases)
-        if self.layout is not None:
-            self._switch_kernels(bases)
+        from moed.gguf.header import read_split
 
-    def _switch_kernels(self, bases: list[int]) -> None:
+        headers = read_split(self.mapped_files[0])  # one header read serves both steps below
+        self._install_lookahead(headers, bases)
+        if self.layout is not None:
+            self._switch_kernels(headers, bases)
+
+    def _switch_kernels(self, headers: list, bases: list[int]) -> None:
         """Dense weights onto CPU_REPACK, repacked experts onto their kernels (after the
         look-ahead read the routers); the moved dense ranges need not stay locked."""
         from moed.engines.repack import switch
-        from moed.gguf.header import read_split
 
         assert self.layout is not None
-        self.kernels = switch(read_split(self.mapped_files[0]), bases, self.layout)
+        self.kernels = switch(headers, bases, self.layout)
         for lo, hi in self.kernels.moved_ranges:
             lo, hi = vm.page_ceil(lo), vm.page_floor(hi)
             if hi > lo:
                 libc.munlock(lo, hi - lo)
                 self.stats.dense_locked_bytes -= hi - lo
 
-    def _install_lookahead(self, bases: list[int]) -> None:
+    def _install_lookahead(self, headers: list, bases: list[int]) -> None:
         """Read the routers from the (now locked) dense pages; fold nothing until first use."""
         from moed.engines.predictor import (
             GATING_SOFTMAX_WEIGHT,
@@ -196,9 +198,7 @@ class ExpertStreamer:
             load_routers,
             router_input,
         )
-        from moed.gguf.header import read_split
 
-        headers = read_split(self.mapped_files[0])
         arch = str(headers[0].get("general.architecture", ""))
         self.norm_prefix = router_input(arch).prefix
         self.probs_are_logits = gating_of(headers[0]) == GATING_SOFTMAX_WEIGHT
