@@ -1,18 +1,36 @@
-"""moed's lifecycle: start up, serve, shut down.
+"""moed's lifecycle: start up, serve, shut down, as named phases over one exit stack.
 
-Startup: read and validate the configuration, probe mlock, create the daemon,
-bind the socket (refusing to steal one a live daemon answers on), and only
-then report readiness (a log line, and READY=1 to systemd when run under it).
-Serve until SIGTERM or SIGINT. Shutdown: stop accepting, give sessions a
-bounded grace period to finish in-flight requests, close every connection
-(releasing its leases), stop the readers, unmap the segments, remove the
-socket, exit 0.
+`Lifecycle.startup` runs the phases in order; each phase that makes a resource
+pushes its undo on the one `AsyncExitStack` before the next phase runs:
+
+1. `lock_memory`: probe mlock for the whole budget (refuse, exit 1, when told
+   to require it; else warn and serve unlocked);
+2. `make_daemon`: the daemon with its RAM tier, readers and store (undo: close
+   them, unmapping the segments);
+3. `handle_signals`: SIGTERM and SIGINT end the main loop (undo: the handlers go);
+4. `bind`: the socket, never over anything but a stale one (undo: close it and
+   remove the path);
+5. `accept`: sessions on the socket (undo: stop accepting, give busy sessions a
+   bounded grace period to answer, close every connection, releasing its leases);
+6. `serve_metrics`: the Prometheus endpoint when `metrics_listen` is set (undo:
+   stop it);
+7. `report_ready`: the ready line and READY=1 to systemd (undo: STOPPING=1 and
+   the stopping line);
+8. `start_background`: the memory guard's and the daemon's periodic tasks
+   (undo: stop them).
+
+Shutdown is the stack unwinding, the phases' undos in reverse; the same
+unwinding runs when a phase fails (a `StartupError`, exit 2), so an error
+anywhere leaves behind exactly nothing that was started: no socket file, no
+mapped segments, no threads. Invariant: readiness is reported only after the
+memory probe and the bind, and nothing is served before the daemon exists.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import grp
 import logging
 import os
@@ -34,6 +52,8 @@ from .ramtier import MlockUnavailable
 from .server import Session
 
 log = logging.getLogger("moed")
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def _size(text: str) -> int:
@@ -127,6 +147,13 @@ def _clear_stale_socket(path: str) -> None:
         probe.close()
 
 
+def _remove_socket(listener: socket.socket, path: str) -> None:
+    """Close our listening socket and remove its path (ours: `bind_socket` made it)."""
+    listener.close()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
 def warn_about_sizes(config: Config) -> None:
     """Sizes the box cannot honour are legal (the guard copes) but almost surely a mistake."""
     total = psutil.virtual_memory().total
@@ -153,77 +180,126 @@ def sd_notify(state: str) -> None:
             log.warning("sd_notify failed: %s", exc)
 
 
+class Lifecycle:
+    """One daemon process's life: `startup`, `main_loop`, and shutdown as `stack` unwinding.
+
+    Every resource a phase makes is owned by `stack` from the moment it exists;
+    no phase cleans up by hand.
+    """
+
+    def __init__(self, config: Config, stack: contextlib.AsyncExitStack):
+        self.config = config
+        self.stack = stack
+        self.loop = asyncio.get_running_loop()
+        self.should_exit = asyncio.Event()
+        self.locked, self.lock_error = True, ""
+        self.daemon: Daemon
+
+    async def startup(self) -> None:
+        self.lock_memory()
+        self.make_daemon()
+        self.handle_signals()
+        listener = self.bind()
+        await self.accept(listener)
+        self.serve_metrics()
+        self.report_ready()
+        self.start_background()
+
+    async def main_loop(self) -> None:
+        await self.should_exit.wait()
+
+    # ---- the phases, each pushing its undo ------------------------------------
+
+    def lock_memory(self) -> None:
+        """Can the whole budget be locked? Raises MlockUnavailable if required and not."""
+        config = self.config
+        self.locked, self.lock_error = mlock_status(
+            config.ram_budget_bytes + config.pin_budget_bytes, config.require_mlock
+        )
+
+    def make_daemon(self) -> None:
+        self.daemon = Daemon(self.config, self.loop)
+        self.stack.callback(self.daemon.close)
+        if not self.locked:
+            self.daemon.ramtier.locked = False
+            self.daemon.ramtier.lock_error = self.lock_error
+            log.warning("expert memory will NOT be locked: %s", self.lock_error)
+        warn_about_sizes(self.config)
+
+    def handle_signals(self) -> None:
+        # Installed before anything is served and kept until the very end, so a
+        # second signal during the grace period cannot cut the shutdown short.
+        for sig in STOP_SIGNALS:
+            self.loop.add_signal_handler(sig, self.should_exit.set)
+            self.stack.callback(self.loop.remove_signal_handler, sig)
+
+    def bind(self) -> socket.socket:
+        listener = bind_socket(self.config)
+        self.stack.callback(_remove_socket, listener, self.config.socket_path)
+        return listener
+
+    async def accept(self, listener: socket.socket) -> None:
+        daemon = self.daemon
+        server = await self.loop.create_unix_server(lambda: Session(daemon), sock=listener)
+        self.stack.push_async_callback(self._close_sessions, server)
+
+    def serve_metrics(self) -> None:
+        """The Prometheus endpoint if `metrics_listen` is set (moed.daemon.metrics)."""
+        if not self.config.metrics_listen:
+            return
+        try:
+            from .metrics import MetricsServer
+
+            metrics = MetricsServer(self.daemon, self.loop, self.config.metrics_listen)
+        except (ImportError, OSError) as exc:
+            raise StartupError(f"cannot serve metrics on {self.config.metrics_listen}: {exc}") from None
+        self.stack.callback(metrics.close)
+
+    def report_ready(self) -> None:
+        config = self.config
+        log.info(
+            "moed %s ready on %s: budget %s, mem floor %s, locked=%s, policy=%s",
+            self.daemon.version,
+            config.socket_path,
+            format_size(config.ram_budget_bytes),
+            format_size(config.mem_floor_bytes),
+            self.daemon.ramtier.locked,
+            config.policy,
+        )
+        sd_notify("READY=1")
+        self.stack.callback(self._report_stopping)
+
+    def start_background(self) -> None:
+        self.daemon.memguard.start()
+        self.stack.push_async_callback(self.daemon.memguard.stop)
+        self.daemon.start()
+        self.stack.push_async_callback(self.daemon.stop)
+
+    # ---- undos that are more than one call ------------------------------------
+
+    @staticmethod
+    def _report_stopping() -> None:
+        sd_notify("STOPPING=1")
+        log.info("stopping")
+
+    async def _close_sessions(self, server: asyncio.AbstractServer) -> None:
+        """Stop accepting; wait (bounded) for busy sessions to answer; close every connection."""
+        server.close()
+        loop = self.loop
+        deadline = loop.time() + self.config.shutdown_grace_s
+        while any(s.busy for s in self.daemon.sessions) and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        for session in list(self.daemon.sessions):
+            session.transport.abort()
+        await asyncio.sleep(0)  # let connection_lost run and release leases
+
+
 async def serve(config: Config) -> None:
-    loop = asyncio.get_running_loop()
-    locked, why = mlock_status(config.ram_budget_bytes + config.pin_budget_bytes, config.require_mlock)
-    daemon = Daemon(config, loop)
-    if not locked:
-        daemon.ramtier.locked = False
-        daemon.ramtier.lock_error = why
-        log.warning("expert memory will NOT be locked: %s", why)
-    warn_about_sizes(config)
-    try:
-        listener = bind_socket(config)
-    except StartupError:
-        daemon.close()
-        raise
-    metrics = start_metrics(daemon, loop, config, listener)
-    server = await loop.create_unix_server(lambda: Session(daemon), sock=listener)
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    log.info(
-        "moed %s ready on %s: budget %s, mem floor %s, locked=%s, policy=%s",
-        daemon.version,
-        config.socket_path,
-        format_size(config.ram_budget_bytes),
-        format_size(config.mem_floor_bytes),
-        daemon.ramtier.locked,
-        config.policy,
-    )
-    sd_notify("READY=1")
-    daemon.memguard.start()
-    daemon.start()
-    await stop.wait()
-    await daemon.memguard.stop()
-    await daemon.stop()
-    sd_notify("STOPPING=1")
-    log.info("stopping")
-    server.close()
-    if metrics is not None:
-        metrics.close()
-    await _drain(daemon, config.shutdown_grace_s)
-    for session in list(daemon.sessions):
-        session.transport.abort()
-    await asyncio.sleep(0)  # let connection_lost run and release leases
-    try:
-        os.unlink(config.socket_path)
-    except FileNotFoundError:
-        pass
-    daemon.close()
+    async with contextlib.AsyncExitStack() as stack:
+        life = Lifecycle(config, stack)
+        await life.startup()
+        await life.main_loop()
     log.info("stopped")
-
-
-def start_metrics(daemon: Daemon, loop: asyncio.AbstractEventLoop, config: Config, listener: socket.socket):
-    """The Prometheus endpoint if `metrics_listen` is set (moed.daemon.metrics), else None."""
-    if not config.metrics_listen:
-        return None
-    try:
-        from .metrics import MetricsServer
-
-        return MetricsServer(daemon, loop, config.metrics_listen)
-    except (ImportError, OSError) as exc:
-        listener.close()
-        os.unlink(config.socket_path)  # ours, just bound: leave nothing behind
-        daemon.close()
-        raise StartupError(f"cannot serve metrics on {config.metrics_listen}: {exc}") from None
-
-
-async def _drain(daemon: Daemon, grace_s: float) -> None:
-    """Wait (bounded) for sessions busy with a request to answer it."""
-    deadline = asyncio.get_running_loop().time() + grace_s
-    while any(s.busy for s in daemon.sessions) and asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(0.02)
 
 
 def main(argv: list[str] | None = None) -> int:
