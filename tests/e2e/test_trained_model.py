@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from moed.lab import tinydata
+from moed.modelgen import tinydata
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("llama_cpp")  # e2e needs the real llama.cpp (pyproject extra "llama")

@@ -16,6 +16,10 @@
 - the lab validates its input with BadInput, never the wire's BadRequest;
 - the model maker (moed.modelgen) imports only the model-file layer, gguf-py and
   numpy (tests, the demo and the benches import it; it imports none of them);
+  its trainer (moed/modelgen/train.py) may also import torch, llama_cpp (to check
+  the trained file through llama.cpp) and matplotlib (the loss plot), and no other
+  module of moed imports the trainer (torch is an optional extra, never the
+  daemon's, the client's or the engines');
 - the engines (in the inference processes) never import the daemon, nor the lab
   (the trace format they record in is moed/traces.py, below both);
 - benchmarks import nothing from tests.
@@ -48,9 +52,15 @@ def imports_of(path: pathlib.Path) -> set[str]:
     return found
 
 
+TRAINER = "moed/modelgen/train.py"
+OWN_RULE = {TRAINER}  # files with a rule of their own, left out of their directory's
+
+
 def modules(where: str) -> list[pathlib.Path]:
     path = ROOT / where
-    return [path] if path.is_file() else sorted(path.rglob("*.py"))
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.rglob("*.py") if str(p.relative_to(ROOT)) not in OWN_RULE)
 
 
 def top(name: str) -> str:
@@ -115,6 +125,14 @@ STDLIB = set(sys.stdlib_module_names) | {"__future__"}
             "the model-file layer, gguf-py and numpy",
             lambda n: top(n) in STDLIB | {"gguf", "numpy"} or n.startswith(("moed.gguf", "moed.modelgen")),
         ),
+        (
+            TRAINER,
+            "the model maker's imports, torch, llama_cpp and matplotlib",
+            lambda n: (
+                top(n) in STDLIB | {"gguf", "numpy", "torch", "llama_cpp", "matplotlib"}
+                or n.startswith(("moed.gguf", "moed.modelgen"))
+            ),
+        ),
         ("moed/engines", "never the daemon", lambda n: not n.startswith("moed.daemon")),
         ("moed/engines", "never the lab", lambda n: not n.startswith("moed.lab")),
         ("bench", "nothing from tests", lambda n: top(n) != "tests"),
@@ -122,6 +140,24 @@ STDLIB = set(sys.stdlib_module_names) | {"__future__"}
 )
 def test_layering(where, rule, allowed):
     assert offending(where, allowed) == {}, f"{where} must import {rule}"
+
+
+def test_nothing_in_moed_imports_the_trainer():
+    """torch is an optional extra: only scripts/train-tiny-moe imports the trainer."""
+    found = [
+        str(path.relative_to(ROOT))
+        for path in sorted((ROOT / "moed").rglob("*.py"))
+        if "moed.modelgen.train" in imports_of(path) or _imports_name(path, "moed.modelgen", "train")
+    ]
+    assert found == []
+
+
+def _imports_name(path: pathlib.Path, module: str, name: str) -> bool:
+    """Does `path` do `from module import name`?"""
+    return any(
+        isinstance(node, ast.ImportFrom) and node.module == module and any(a.name == name for a in node.names)
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+    )
 
 
 def test_the_lab_raises_no_wire_error_for_its_input():

@@ -1,13 +1,13 @@
 """The tiny trained MoE's data: a byte-level vocabulary and the standard library's source.
 
-Torch-free (the tests and the engines' checks use it; moed.lab.train trains on it).
+Torch-free (the tests and the engines' checks use it; moed.modelgen.train trains on it).
 
 Invariants:
 - The vocabulary is makemodel's byte-fallback vocabulary cut after its first piece:
   `<unk> <s> </s>`, the 256 byte tokens `<0xXX>` (id 3 + byte) and `\u2581` (id 259).
   With `add_space_prefix` off, llama.cpp's SentencePiece tokenizer turns every space
   into `\u2581` and every other byte into its byte token, so `encode` is llama.cpp's
-  tokenization of UTF-8 text (checked by moed.lab.train.check_tokenizer and the e2e tests).
+  tokenization of UTF-8 text (checked by moed.modelgen.train.check_tokenizer and the e2e tests).
 - The held-out split is by file, one in `every` by a hash of the path under the
   stdlib directory, so it is the same on every machine with the same Python.
 """

@@ -7,7 +7,7 @@ plan, metadata and vocabulary), so llama.cpp loads it exactly like a generated t
 model, only with learned weights.
 
 Invariants:
-- The data and the byte-level vocabulary are moed.lab.tinydata's (torch-free).
+- The data and the byte-level vocabulary are moed.modelgen.tinydata's (torch-free).
 - The torch model is qwen3moe as llama.cpp computes it: RMSNorm (eps 1e-6), per-head
   RMSNorm on q and k, NeoX rope (theta 10000), grouped-query attention, SwiGLU
   experts, a softmax router whose top-k weights are renormalised (norm_topk_prob).
@@ -30,8 +30,8 @@ from gguf import GGUFWriter
 from gguf.constants import Keys
 from torch import nn
 
-from moed.lab.tinydata import VOCAB, corpus, decode, encode, eval_windows, vocab
 from moed.modelgen import makemodel
+from moed.modelgen.tinydata import VOCAB, corpus, decode, encode, eval_windows, vocab
 
 __all__ = ["VOCAB", "corpus", "decode", "encode", "eval_windows", "vocab"]
 
