@@ -1,7 +1,10 @@
 """The slot state machine and the one byte budget shared by every model and tenant.
 
 Pure: no I/O, no clocks, no asyncio. In the daemon, core (moed.daemon.core) drives it
-and the RAM tier follows the page effects it reports (`take_dropped`).
+and the RAM tier follows the page effects it reports (`take_dropped`). The records
+it works on (`Slot`, `SlotClass`, `ExpertKey`, `Want`, `Plan`) are moed.cache.slots';
+which slots give way to new bytes is its `RoomSearch`'s (moed.cache.room), which
+chooses and claims victims without changing anything; the store evicts them.
 
 Invariants, kept here:
 - A slot is EMPTY, LOADING or READY. Only LOADING and READY slots are in the
@@ -34,88 +37,22 @@ Invariants, kept here:
   holds, moed.daemon.residency), and `claim` is how the store asks. A refused
   slot is adopted: it takes a reference (`adopted`), leaves the policy, and is
   given back by `release_adopted` once nobody holds it locally. Victims are
-  chosen and claimed before anything is changed, so an acquire either finds
-  all the room it needs or changes nothing; claimed slots that end up not
-  evicted are handed back with `unclaim`.
+  chosen and claimed before anything is changed (moed.cache.room), so an
+  acquire either finds all the room it needs or changes nothing; claimed
+  slots that end up not evicted are handed back with `unclaim`.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import NamedTuple, cast
+from typing import cast
 
 from .eviction import LRU, EvictionPolicy
-from .quota import Quota, keeps_floor
+from .quota import Quota
+from .room import RoomSearch
+from .slots import READY, ExpertKey, Plan, Slot, SlotClass, SlotState, Want
 
-
-class ExpertKey(NamedTuple):
-    model_id: int
-    layer: int
-    expert: int
-
-
-class SlotState(enum.IntEnum):
-    EMPTY = 0
-    LOADING = 1
-    READY = 2
-
-
-READY = SlotState.READY
-
-
-@dataclass(eq=False, slots=True)
-class Slot:
-    class_id: int
-    index: int
-    slot_bytes: int
-    state: SlotState = SlotState.EMPTY
-    key: ExpertKey | None = None
-    refs: int = 0
-    pinned: bool = False
-    unpin_pending: bool = False  # unpinned while held or loading: leaves the partition when free
-    adopted: bool = False  # held locally when eviction was tried: one reference is the store's
-    generation: int = 0
-    prefetched: bool = False  # loaded by a prefetch, not yet used by a lease
-    owner: object = None  # tenant charged for the residency (quotas, stats)
-
-
-@dataclass(eq=False)
-class SlotClass:
-    class_id: int
-    slot_bytes: int
-    capacity: int
-    # Slots are made on first use: a class's capacity is what the whole budget
-    # could hold of it (millions for tiny experts), not what it ever holds.
-    slots: dict[int, Slot] = field(default_factory=dict)
-    free: list[int] = field(default_factory=list)  # indexes of made slots that are EMPTY
-
-    def take_free(self) -> Slot | None:
-        """An EMPTY slot (index 0 first), or None when every index is in use."""
-        if self.free:
-            return self.slots[self.free.pop()]
-        if len(self.slots) >= self.capacity:
-            return None
-        slot = self.slots[len(self.slots)] = Slot(self.class_id, len(self.slots), self.slot_bytes)
-        return slot
-
-
-class Want(NamedTuple):
-    key: ExpertKey
-    class_id: int
-
-
-@dataclass(slots=True)
-class Plan:
-    """The outcome of a successful acquire: one slot per wanted key, in order."""
-
-    slots: list[Slot]
-    generations: list[int]
-    to_load: list[Slot]  # this acquire must start their reads
-    loading: list[Slot]  # someone else's read is in flight; wait for it
-    hits: int
-    misses: int
+__all__ = ["READY", "ExpertKey", "Plan", "Slot", "SlotClass", "SlotState", "Store", "Want"]
 
 
 class Store:
@@ -140,7 +77,7 @@ class Store:
         self.claim: Callable[[Slot], bool] = lambda slot: True
         self.unclaim: Callable[[Slot], None] = lambda slot: None
         self.adopted: set[Slot] = set()
-        self._claims: list[Slot] = []  # claimed by _claim_room during one operation
+        self.room = RoomSearch(self, self._adopt)
 
     # ---- classes --------------------------------------------------------
 
@@ -178,10 +115,7 @@ class Store:
             whole = need + sum(s.slot_bytes for s in slots if s is not None and not s.pinned)
             if whole > self.budget_bytes:
                 raise ValueError(f"request needs {whole} bytes, the budget is {self.budget_bytes}")
-            if self.quotas:
-                if not self._make_room_for(owner, need, slots):
-                    return None
-            elif not self._claim_room(need, slots):
+            if not self._find_room(owner, need, slots):
                 return None
         # The hit path: take a reference on every resident slot (inlined: it runs
         # for every expert of every acquire).
@@ -207,7 +141,7 @@ class Store:
                 if s is None:
                     s = slots[i] = self._reserve(wants[i], owner)
                     to_load.append(s)
-        self._settle_claims()
+        self.room.settle()
         granted = cast(list[Slot], slots)  # every None was reserved above
         return Plan(granted, [s.generation for s in granted], to_load, loading, hits, len(to_load))
 
@@ -225,14 +159,10 @@ class Store:
                 self.policy.remove(resident)
                 self.policy.add(resident)
             return None
-        cls = self.classes[want.class_id]
-        if self.quotas:
-            if not self._make_room_for(owner, cls.slot_bytes, ()):
-                return None
-        elif not self._claim_room(cls.slot_bytes, ()):
+        if not self._find_room(owner, self.classes[want.class_id].slot_bytes, ()):
             return None
         slot = self._reserve(want, owner)
-        self._settle_claims()
+        self.room.settle()
         slot.refs = 0
         slot.prefetched = True
         return slot
@@ -254,106 +184,21 @@ class Store:
         else:
             self.quotas.pop(owner, None)
 
-    def _make_room_for(self, owner: object, need: int, present) -> bool:
-        """Evict what `owner` may evict so `need` new bytes fit; False (nothing changed) if they cannot."""
-        victims = self._quota_victims(owner, need, present)
+    def _find_room(self, owner: object, need: int, present) -> bool:
+        """Make room for `need` new bytes of `owner`'s; False (nothing evicted) if there is none now.
+
+        Without quotas the claimed victims stay first in the policy for `_reserve`
+        to evict (`_evict_one`); with quotas they are evicted here.
+        """
+        if not self.quotas:
+            return self.room.claim_room(need, present)
+        victims = self.room.quota_victims(owner, need, present)
         if victims is None:
             return False
         for v in victims:
             self._evict(v)
             self._drop(v)
         return True
-
-    def _quota_victims(self, owner: object, need: int, present) -> list[Slot] | None:
-        """The slots to evict so `need` new bytes fit for `owner`, or None if they cannot now.
-
-        First its own least recently used slots down to its ceiling, then any
-        slot in policy order whose owner stays at or above its floor without it.
-        `present` (this request's resident slots) are about to be referenced,
-        so they are never chosen. Raises ValueError if `need` exceeds the ceiling.
-        """
-        q = self.quotas.get(owner)
-        ceiling = q.ceiling_bytes if q is not None else 0
-        if ceiling and need > ceiling:
-            raise ValueError(f"request needs {need} bytes, the tenant's ceiling is {ceiling}")
-        short = need - (self.effective_budget_bytes - self.used_bytes)
-        over = self.owned_bytes.get(owner, 0) + need - ceiling if ceiling else 0
-        if short <= 0 and over <= 0:
-            return []
-        skip = {s for s in present if s is not None}
-        taken: dict = {}
-        victims: list[Slot] = []
-        refused: list[Slot] = []
-        for s in self.policy.candidates():
-            if over <= 0:
-                break
-            if s.owner is owner and s not in skip:
-                skip.add(s)
-                if not self.claim(s):
-                    refused.append(s)
-                    continue
-                victims.append(s)
-                over -= s.slot_bytes
-                short -= s.slot_bytes
-        if over <= 0:
-            for s in self.policy.candidates():
-                if short <= 0:
-                    break
-                if s in skip or not self._may_evict_for(s, owner, taken):
-                    continue
-                skip.add(s)
-                if not self.claim(s):
-                    refused.append(s)
-                    continue
-                victims.append(s)
-                taken[s.owner] = taken.get(s.owner, 0) + s.slot_bytes
-                short -= s.slot_bytes
-        for s in refused:
-            self._adopt(s)
-        if over > 0 or short > 0:
-            self._unclaim_all(victims)
-            return None
-        return victims
-
-    def _claim_room(self, need: int, present) -> bool:
-        """Claim, in policy order, evictable slots enough for `need` new bytes; False
-        (nothing claimed, though locally held candidates are adopted) if there are not.
-
-        The claimed slots stay first in the policy, so the evictions that follow
-        (`_evict_one`) take exactly them.
-        """
-        short = need - (self.effective_budget_bytes - self.used_bytes)
-        if short <= 0:
-            return True
-        skip = {s for s in present if s is not None}
-        claimed: list[Slot] = []
-        refused: list[Slot] = []
-        for s in self.policy.candidates():
-            if short <= 0:
-                break
-            if s in skip:
-                continue
-            if self.claim(s):
-                claimed.append(s)
-                short -= s.slot_bytes
-            else:
-                refused.append(s)
-        for s in refused:
-            self._adopt(s)
-        if short > 0:
-            self._unclaim_all(claimed)
-            return False
-        self._claims += claimed
-        return True
-
-    def _settle_claims(self) -> None:
-        """Claimed slots the operation did not evict after all are handed back."""
-        claims, self._claims = self._claims, []
-        self._unclaim_all(s for s in claims if s.state is READY)
-
-    def _unclaim_all(self, slots) -> None:
-        for s in slots:
-            self.unclaim(s)
 
     def _adopt(self, slot: Slot) -> None:
         """A READY slot someone holds locally: the store takes a reference on their behalf."""
@@ -370,13 +215,6 @@ class Store:
             self.adopted.discard(slot)
             slot.adopted = False
             self.release(slot, slot.generation)
-
-    def _may_evict_for(self, s: Slot, owner: object, taken: dict) -> bool:
-        o = s.owner
-        q = self.quotas.get(o) if o is not owner else None
-        if q is None:
-            return True
-        return keeps_floor(self.owned_bytes.get(o, 0), taken.get(o, 0), s.slot_bytes, q.floor_bytes)
 
     def _is_evictable(self, s: Slot) -> bool:
         return s.state is READY and s.refs == 0 and not s.pinned
@@ -414,13 +252,11 @@ class Store:
         self.table[key] = slot
 
     def _evict_one(self) -> Slot | None:
-        """Evict the policy's first claimable slot (adopting the locally held); None if none is."""
-        while (victim := self.policy.victim()) is not None:
-            if self.claim(victim):
-                self._evict(victim)
-                return victim
-            self._adopt(victim)
-        return None
+        """Evict the policy's first claimable slot (the search adopts the locally held); None if none is."""
+        victim = self.room.next_victim()
+        if victim is not None:
+            self._evict(victim)
+        return victim
 
     def _evict(self, victim: Slot) -> None:
         """Take an evictable slot out of the table (it becomes EMPTY, its index kept)."""
