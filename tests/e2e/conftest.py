@@ -1,6 +1,15 @@
-"""e2e fixtures: the real daemon (moed.testing.DaemonProcess) and llama.cpp reference runs."""
+"""e2e fixtures: the real daemon (moed.testing.DaemonProcess), llama.cpp reference runs,
+and a model with one expert the drive cannot read (`bad_expert`, for the read-error tests).
+"""
 
 from __future__ import annotations
+
+import contextlib
+import itertools
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -58,3 +67,78 @@ def reference_logits(llama_cpp):
         return cache[key]
 
     return get
+
+
+# ---- one expert the drive cannot read ------------------------------------------------
+
+ROUTE_TEXTS = [b"the expert model", b"one token at a time", b"reads memory pages", b"from the drive", b"zq", b"xv"]
+
+
+class BadExpert(NamedTuple):
+    """A model on btrfs with one expert's `down` block unreadable (EIO), and two prompts."""
+
+    path: Path  # the copy on the loop btrfs, one 4 KiB block of the expert corrupted
+    pristine: Path  # the same model, readable
+    a: bytes  # a prompt whose batch routes to the bad expert
+    b: bytes  # one whose batch does not
+    a_tokens: list[int]
+    b_tokens: list[int]
+    layer: int
+    expert: int
+
+
+def prompt_routes(path, texts) -> dict[bytes, tuple[list[int], dict[int, set[int]]]]:
+    """text -> (its tokens, layer -> experts its prompt batch routed to), on the pristine model."""
+    from moed.engines.llama_cpp import StreamedLlama
+    from moed.testing import DaemonProcess
+
+    seen: dict[int, set[int]] = defaultdict(set)
+
+    def hook(layer, ids) -> None:
+        seen[layer].update(int(e) for e in ids.ravel() if e >= 0)
+
+    out = {}
+    with DaemonProcess("64MiB") as d, d.client("routes") as c:
+        llm = StreamedLlama(str(path), client=c, route_hook=hook, prefetch="off", repack="off", **LLAMA_KW)
+        try:
+            for text in texts:
+                tokens = llm.tokenize(text)
+                seen.clear()
+                llm.reset()
+                llm.eval(tokens)
+                out[text] = (tokens, {k: set(v) for k, v in seen.items()})
+        finally:
+            llm.close()
+    return out
+
+
+@contextlib.contextmanager
+def bad_expert(model_factory, texts=ROUTE_TEXTS) -> Iterator[BadExpert]:
+    """A model whose one expert only prompt A's batch routes to reads EIO (root, btrfs).
+
+    The routes are found on the pristine model with no prefetch and the plain
+    kernels (so the engines under test must run that way too); the model's parts
+    are page-aligned, so the 4 KiB overwritten under the filesystem
+    (moed.testing.faultfs) are that expert's alone. Skips where a loop btrfs
+    cannot be made; the filesystem goes when the context ends.
+    """
+    from moed.gguf.catalog import Catalog
+    from moed.testing import faultfs
+
+    if why := faultfs.unavailable():
+        pytest.skip(f"real EIO needs a loop btrfs: {why}")
+    src = model_factory(embd=256, ff=256, align=4096)  # page-aligned parts: one block is one expert's
+    routes = prompt_routes(src, texts)
+    for a, b in itertools.permutations(texts, 2):
+        (ta, ra), (tb, rb) = routes[a], routes[b]
+        only_a = [(layer, e) for layer in sorted(ra) for e in sorted(ra[layer] - rb.get(layer, set()))]
+        if only_a:
+            break
+    else:
+        pytest.fail("no prompt pair routes apart: every prompt uses every expert")
+    layer, expert = only_a[0]
+    with faultfs.LoopBtrfs() as fs:
+        path = fs.copy_in(src, "bad.gguf")
+        _, off, _ = Catalog.open(str(path)).extent(layer, expert, "down")
+        fs.corrupt(path, off + 2 * 4096)
+        yield BadExpert(path, Path(src), a, b, ta, tb, layer, expert)
