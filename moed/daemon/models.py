@@ -59,6 +59,13 @@ class Model:
     def direct_io(self) -> bool:
         return all(f.direct for f in self.files)
 
+    def changed_file(self) -> ModelFile | None:
+        """The first shard no longer the file opened (one fstat each), or None.
+
+        Only a question: what a changed file means (the model retires) is the
+        registry's to decide, and its caller's to ask for."""
+        return next((f for f in self.files if f.changed()), None)
+
     def close(self) -> None:
         for f in self.files:
             f.close()

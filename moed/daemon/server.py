@@ -22,20 +22,20 @@ connection in `moectl stats`, key `clients`):
   the peer has read them down to WRITE_LOW_BYTES;
 - requests in flight: one handler at a time per connection;
 - descriptors passed with `open_model` go out with a non-blocking sendmsg; a
-  peer that does not read them within SEND_STALL_S is disconnected.
+  peer that does not read them within SEND_STALL_S is disconnected
+  (moed.daemon.fdsend).
 The socket is never switched to blocking mode, so no peer can stall the loop.
 """
 
 from __future__ import annotations
 
-import array
 import asyncio
 import logging
 import os
 import socket
 import struct
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 
 import msgspec
 
@@ -53,22 +53,17 @@ from .bounds import (
     MAX_QUEUED_BYTES,
     MAX_QUEUED_FRAMES,
     OPERATOR_RESERVE,
-    SEND_STALL_S,
     WRITE_HIGH_BYTES,
     WRITE_LOW_BYTES,
 )
 from .core import Daemon, Lease, PendingAcquire
+from .fdsend import FdSender
 from .stats import Tenant
 
 log = logging.getLogger("moed.server")
 
 _PEERCRED = struct.Struct("3i")
 MAX_NAMES_PER_TENANT = 32
-
-
-def _resolve(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 def peer_credentials(sock) -> tuple[int, int, int]:
@@ -80,6 +75,7 @@ def peer_credentials(sock) -> tuple[int, int, int]:
 class Session(asyncio.Protocol):
     # Set by connection_made, before any other callback can run.
     transport: asyncio.Transport
+    fds: FdSender  # frames with descriptors attached (open_model, map_holds)
     tenant: Tenant
     loop: asyncio.AbstractEventLoop
 
@@ -100,7 +96,6 @@ class Session(asyncio.Protocol):
         self.pending_coro: Coroutine | None = None  # the handler coroutine of the running task, until it starts
         self.reading = True
         self.write_paused = False
-        self._drained: asyncio.Future | None = None  # set when the transport's output is empty
         self._deadline: asyncio.TimerHandle | None = None
         self.last_request_at = 0.0
         self._handlers = {
@@ -121,6 +116,7 @@ class Session(asyncio.Protocol):
     def connection_made(self, transport) -> None:
         self.transport = transport
         self.loop = self.daemon.loop
+        self.fds = FdSender(transport, self.loop)
         transport.set_write_buffer_limits(high=WRITE_HIGH_BYTES, low=WRITE_LOW_BYTES)
         sock = transport.get_extra_info("socket")
         self.pid, self.uid, self.gid = peer_credentials(sock)
@@ -182,6 +178,10 @@ class Session(asyncio.Protocol):
         self._send(m.Error(int(errors.ErrorCode.TIMED_OUT), why))
         self.transport.close()
 
+    def abort(self) -> None:
+        """Close the connection at once, dropping unsent output; connection_lost releases what it held."""
+        self.transport.abort()
+
     def eof_received(self) -> bool:
         self.peer_closed = True
         return False  # close our end too
@@ -193,8 +193,7 @@ class Session(asyncio.Protocol):
         self.tenant.connections -= 1
         if self._deadline is not None:
             self._deadline.cancel()
-        if self._drained is not None and not self._drained.done():
-            self._drained.cancel()
+        self.fds.close()
         if self.task is not None and not self.task.done():
             self.task.cancel()
         if self.pending is not None:  # its task may never have run: end it here (idempotent)
@@ -207,11 +206,11 @@ class Session(asyncio.Protocol):
         leases, self.leases = list(self.leases.values()), {}
         for lease in leases:
             self.daemon.release(lease)
-        self.daemon.forget_prefetches(self)  # its queued read-ahead is no longer wanted
+        self.daemon.prefetches.forget(self)  # its queued read-ahead is no longer wanted
         if self in self.daemon.residency.regions:
             # A peer that left stops counting now; one the daemon closed may be mid-hit
             # and does not know yet: its region is revoked (moed.protocol.residency).
-            self.daemon.close_local(self, revoke=not self.peer_closed)
+            self.daemon.holds.close_region(self, revoke=not self.peer_closed)
         self.tenant.pids.discard(self.pid)
         if leases:
             log.info("connection of pid %d closed holding %d leases; released them", self.pid, len(leases))
@@ -235,8 +234,7 @@ class Session(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.write_paused = False
-        if self._drained is not None and not self._drained.done():
-            self._drained.set_result(None)
+        self.fds.output_drained()
         if not self.busy:
             self._pump()  # requests left queued while the peer was not reading
         self._flow()
@@ -362,76 +360,16 @@ class Session(asyncio.Protocol):
         def fds() -> list[int]:
             return [d.ramtier.segments[c].readonly_fd() for c in classes] + d.residency.fds_for(model.model_id, classes)
 
-        await self._send_with_fds(encode(msgspec.structs.replace(info, residency=True)), fds)
+        await self.fds.send(encode(msgspec.structs.replace(info, residency=True)), fds)
         return None
 
     async def on_map_holds(self, msg: m.MapHolds):
         fd = self.daemon.residency.open_region(self)
         try:
-            await self._send_with_fds(encode(m.HoldsMapped(REGION_WORDS)), lambda: [os.dup(fd)])
+            await self.fds.send(encode(m.HoldsMapped(REGION_WORDS)), lambda: [os.dup(fd)])
         finally:
             os.close(fd)
         return None
-
-    async def _send_with_fds(self, frame: bytes | bytearray, make_fds: Callable[[], list[int]]) -> None:
-        """Write a frame with descriptors attached (the transport cannot carry them).
-
-        Order: everything the transport holds goes out first (its output
-        drained), then a non-blocking sendmsg carries the descriptors with the
-        frame's first bytes, and the transport writes whatever the kernel did
-        not take. A peer that reads nothing for SEND_STALL_S is disconnected.
-        """
-        deadline = self.loop.time() + SEND_STALL_S
-        await self._drain(deadline)
-        raw = self.transport.get_extra_info("socket")
-        fds = make_fds()
-        # A dup shares the socket's file status: it stays non-blocking, as the loop needs.
-        sock = socket.socket(fileno=os.dup(raw.fileno()))
-        try:
-            sock.setblocking(False)
-            sent = await self._sendmsg(sock, frame, fds, deadline)
-        finally:
-            sock.close()
-            for fd in fds:
-                os.close(fd)
-        if sent < len(frame):
-            self.transport.write(frame[sent:])
-
-    async def _drain(self, deadline: float) -> None:
-        """Wait until the transport holds no output (resume_writing fires at an empty buffer)."""
-        if not self.transport.get_write_buffer_size():
-            return
-        self._drained = self.loop.create_future()
-        self.transport.set_write_buffer_limits(high=1, low=0)
-        try:
-            await asyncio.wait_for(self._drained, max(0.0, deadline - self.loop.time()))
-        except TimeoutError:
-            self.transport.abort()
-            raise errors.TimedOut(f"the peer read none of its replies for {SEND_STALL_S}s") from None
-        finally:
-            self._drained = None
-            if not self.closed:
-                self.transport.set_write_buffer_limits(high=WRITE_HIGH_BYTES, low=WRITE_LOW_BYTES)
-
-    async def _sendmsg(self, sock: socket.socket, frame: bytes | bytearray, fds: list[int], deadline: float) -> int:
-        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
-        loop = self.daemon.loop
-        while True:
-            try:
-                return sock.sendmsg([frame], ancillary)
-            except BlockingIOError:
-                pass
-            # The kernel's buffer is full: wait for room on our own descriptor
-            # (the transport's is registered with the loop already).
-            ready = loop.create_future()
-            loop.add_writer(sock.fileno(), _resolve, ready)
-            try:
-                await asyncio.wait_for(ready, max(0.0, deadline - loop.time()))
-            except TimeoutError:
-                self.transport.abort()
-                raise errors.TimedOut(f"the peer took no bytes for {SEND_STALL_S}s") from None
-            finally:
-                loop.remove_writer(sock.fileno())
 
     def model(self, model_id: int):
         """An open model this connection opened (UnknownModel otherwise, ModelStale if retired)."""
