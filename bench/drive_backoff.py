@@ -3,7 +3,7 @@ back-off on and off, paired in one run.
 
 Run (root: a loop device and the cgroup v1 blkio controller):
 
-    .venv/bin/python bench/drive_backoff.py [MODEL.gguf] [--tokens 48] [--fraction 0.25] [--budget 0.25]
+    .venv/bin/python bench/drive_backoff.py [MODEL.gguf] [--tokens 48] [--fraction 0.25] [--budget 0.25] [--recall 0.86]
 
 Without MODEL, a page-aligned Q4_0 model (8 layers x 64 experts, top-8, embd 1024,
 ff 512) is written once under /tmp/moed-bench/. The model is copied onto a btrfs
@@ -16,8 +16,12 @@ loads a skeleton, so its own load reads no expert).
 2. The throttle is set to `--fraction` x R.
 3. Arms, alternated off, on, off, on (pairs cancel drift): a fresh daemon with a
    budget of `--budget` of the experts' bytes and `prefetch_backoff` off or on;
-   StreamedLlama(prefetch="gate", prefetch_adapt=False) decodes `--tokens` greedy
-   tokens after a short prompt.
+   StreamedLlama(prefetch="gate", prefetch_adapt=False) decodes `--tokens` tokens
+   after a short prompt, every token routed as a real trace's next one and the
+   gate-ahead predictor emulated at `--recall` (bench/trace_routes.py). A generated
+   model left to its own router repeats one token, so one route, and after the
+   prompt every expert hits: the drive would never be asked for anything (the
+   first version of this bench measured exactly that, bimodally).
 
 Prints per arm: tok/s, stall (s/token), prefetches issued and dropped, MiB read,
 and the ratio on/off of the mean tok/s. The issue's bar: on no slower than off,
@@ -73,7 +77,9 @@ def drive_rate(model: str, fs) -> float:
             return c.stats()["bytes_read"] / seconds
 
 
-def arm(model: str, fs, bps: int, budget: int, backoff: bool, tokens: int, skeleton: str) -> dict:
+def arm(model: str, fs, bps: int, budget: int, backoff: bool, tokens: int, skeleton: str, recall: float) -> dict:
+    from trace_routes import DEFAULT_TRACE, TraceRoutes
+
     from moed.engines.llama_cpp import StreamedLlama
     from moed.testing import DaemonProcess
     from moed.testing.faultfs import BlkioThrottle
@@ -86,9 +92,12 @@ def arm(model: str, fs, bps: int, budget: int, backoff: bool, tokens: int, skele
     ):
         t.add(d.proc.pid)
         t.read_bps(bps)
+        routes = TraceRoutes(str(DEFAULT_TRACE), recall)
         llm = StreamedLlama(
             model,
             client=c,
+            route_hook=routes,
+            predict_hook=routes.predict,
             prefetch="gate",
             prefetch_adapt=False,
             skeleton_dir=skeleton,
@@ -97,10 +106,13 @@ def arm(model: str, fs, bps: int, budget: int, backoff: bool, tokens: int, skele
             verbose=False,
         )
         try:
-            llm.eval(llm.tokenize(PROMPT))
+            prompt = llm.tokenize(PROMPT)
+            routes.start(0)
+            llm.eval(prompt)
             before = llm.stream_stats()["stall_s"]
             t0 = time.perf_counter()
-            for _ in range(tokens):
+            for i in range(tokens):
+                routes.start(len(prompt) + i)  # the trace's tokens, in order
                 llm.eval([int(llm.scores[llm.n_tokens - 1].argmax())])
             seconds = time.perf_counter() - t0
             st = llm.stream_stats()
@@ -123,6 +135,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--fraction", type=float, default=0.25, help="the throttle as a fraction of the drive's rate")
     ap.add_argument("--budget", type=float, default=0.25, help="RAM budget as a fraction of the experts' bytes")
+    ap.add_argument("--recall", type=float, default=0.86, help="the emulated gate-ahead predictor's recall")
     args = ap.parse_args()
 
     from moed.gguf.catalog import Catalog
@@ -139,7 +152,7 @@ def main() -> None:
         rate = drive_rate(model, fs)
         bps = int(rate * args.fraction)
         print(f"drive: {rate / 1e6:.0f} MB/s unthrottled; throttled to {bps / 1e6:.0f} MB/s; budget {budget >> 20} MiB")
-        rows = [arm(model, fs, bps, budget, backoff, args.tokens, skel) for backoff in (False, True, False, True)]
+        rows = [arm(model, fs, bps, budget, on, args.tokens, skel, args.recall) for on in (False, True, False, True)]
     print(f"{'backoff':>8} {'tok/s':>8} {'stall s/tok':>12} {'prefetches':>11} {'dropped':>8} {'MiB read':>9}")
     for r in rows:
         print(
