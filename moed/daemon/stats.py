@@ -1,15 +1,28 @@
 """Counters, per-tenant accounting and the stats snapshot `moectl stats` prints.
 
-The snapshot's top-level keys are a contract (`moed.protocol.stats.CONTRACT_KEYS`): budget_bytes,
-used_bytes, pinned_bytes, hits, misses, prefetch_hits, bytes_read, direct_io,
-mem_available_bytes, mem_floor_bytes, models, tenants. Keys are only added.
+What this module owns: the daemon's mutable counts (`Counters`, `Tenant`,
+`ModelUse`, kept by core.py and server.py on the event loop) and `snapshot()`,
+which turns them and the daemon's state into the dict the wire's `Stats`
+(moed/protocol/stats.py, the one schema: field names, types, metrics) converts.
+
+Invariants: a count goes on the wire under the schema field of its own name:
+`Counters.row()` copies every counter by name (`WIRE` only renames the two whose
+daemon names differ, or keeps them off the wire), and the rows copy a schema
+field from the tenant or model attribute of the same name unless the row computes
+it. So a new counter is its field here plus its declaration in the schema, and
+snapshot() needs no edit; a name the schema lacks fails the conversion
+(`forbid_unknown_fields`). The contract keys (`CONTRACT_KEYS`) are only added.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+
+import msgspec
+
+from moed.protocol.stats import ModelRow, TenantModelRow, TenantRow
 
 from .bounds import limits
 
@@ -71,7 +84,7 @@ class Counters:
     read_errors: int = 0
     bad_frames: int = 0
     errors_sent: int = 0
-    connections: int = 0
+    connections: int = 0  # accepted since start (off the wire: its `connections` is those open now)
     pinned_hits: int = 0
     local_hits: int = 0  # hits engines served themselves (folded from hold regions)
     timed_out: int = 0  # connections closed for sending no Hello, or nothing, in time
@@ -81,6 +94,25 @@ class Counters:
     # completion on the loop (queueing behind other reads included).
     acquire_latency_s: LatencyHistogram = field(default_factory=LatencyHistogram)
     read_latency_s: LatencyHistogram = field(default_factory=LatencyHistogram)
+
+    def row(self) -> dict:
+        """Every counter under its wire name (histograms as their rows)."""
+        out: dict = {}
+        for f in fields(self):
+            name, value = WIRE.get(f.name, f.name), getattr(self, f.name)
+            if name is not None:
+                out[name] = value.row() if isinstance(value, LatencyHistogram) else value
+        return out
+
+
+# Counters whose wire name is not their own (None: not on the wire).
+WIRE: dict[str, str | None] = {"timed_out": "timed_out_connections", "connections": None, "errors_sent": None}
+
+
+def _row(schema: type[msgspec.Struct], source: object, **computed) -> dict:
+    """The `schema` row of `source`: each field computed here, or else `source`'s
+    attribute of the same name (a field with neither fails here, loudly)."""
+    return {k: computed[k] if k in computed else getattr(source, k) for k in schema.__struct_fields__}
 
 
 @dataclass
@@ -127,59 +159,42 @@ def _model_row(daemon, model) -> dict:
     pinned = [s for s in slots if s.pinned]
     users = sorted({s.tenant.uid for s in daemon.sessions if mid in s.models})
     uses = [t.per_model[mid] for t in daemon.tenants.values() if mid in t.per_model]
-    return {
-        "model_id": mid,
-        "path": model.path,
-        "files": [f.path for f in model.files],
-        "moe_layers": len(model.layers),
-        "n_experts": model.catalog.n_experts,
-        "n_expert_used": model.catalog.n_expert_used,
-        "resident_experts": len(slots),
-        "resident_bytes": sum(s.slot_bytes for s in slots),
-        "pinned_experts": len(pinned),
-        "pinned_bytes": sum(s.slot_bytes for s in pinned),
-        "pinned": sorted([s.key.layer, s.key.expert] for s in pinned),
-        "hits": sum(u.hits for u in uses),
-        "misses": sum(u.misses for u in uses),
-        "bytes_read": sum(u.bytes_read for u in uses),
-        "leases": model.leases,
-        "direct_io": model.direct_io,
-        "expert_layout": model.catalog.expert_layout,
-        "stale": model.stale,
-        "users": users,
-        "read_errors": model.read_errors,
-        "quarantined": sorted([k.layer, k.expert] for k in daemon.faults.quarantine.entries(mid)),
-    }
+    # model_id, path, leases, direct_io, stale, read_errors: the model's own attributes
+    return _row(
+        ModelRow,
+        model,
+        files=[f.path for f in model.files],
+        moe_layers=len(model.layers),
+        n_experts=model.catalog.n_experts,
+        n_expert_used=model.catalog.n_expert_used,
+        resident_experts=len(slots),
+        resident_bytes=sum(s.slot_bytes for s in slots),
+        pinned_experts=len(pinned),
+        pinned_bytes=sum(s.slot_bytes for s in pinned),
+        pinned=sorted([s.key.layer, s.key.expert] for s in pinned),
+        hits=sum(u.hits for u in uses),
+        misses=sum(u.misses for u in uses),
+        bytes_read=sum(u.bytes_read for u in uses),
+        expert_layout=model.catalog.expert_layout,
+        users=users,
+        quarantined=sorted([k.layer, k.expert] for k in daemon.faults.quarantine.entries(mid)),
+    )
 
 
 def _tenant_row(daemon, tenant: Tenant) -> dict:
-    per_model: dict[int, dict] = {}
-    for mid, u in tenant.per_model.items():
-        per_model[mid] = {
-            "hits": u.hits,
-            "misses": u.misses,
-            "bytes_read": u.bytes_read,
-            "resident_bytes": 0,
-            "leases": u.leases,
-        }
+    per_model = {mid: _row(TenantModelRow, u, resident_bytes=0) for mid, u in tenant.per_model.items()}
     for key, slot in daemon.store.table.items():
         if slot.owner is tenant and key.model_id in per_model:
             per_model[key.model_id]["resident_bytes"] += slot.slot_bytes
-    return {
-        "uid": tenant.uid,
-        "names": sorted(tenant.names),
-        "pids": sorted(tenant.pids),
-        "connections": tenant.connections,
-        "hits": tenant.hits,
-        "shared_hits": tenant.shared_hits,
-        "misses": tenant.misses,
-        "bytes_read": tenant.bytes_read,
-        "resident_bytes": daemon.store.owned_bytes.get(tenant, 0),
-        "leases": tenant.leases,
-        "floor_bytes": tenant.floor_bytes,
-        "ceiling_bytes": tenant.ceiling_bytes,
-        "models": {str(mid): row for mid, row in sorted(per_model.items())},
-    }
+    # uid, connections, hits, shared_hits, misses, bytes_read, leases, floor and ceiling: the tenant's own
+    return _row(
+        TenantRow,
+        tenant,
+        names=sorted(tenant.names),
+        pids=sorted(tenant.pids),
+        resident_bytes=daemon.store.owned_bytes.get(tenant, 0),
+        models={str(mid): row for mid, row in sorted(per_model.items())},
+    )
 
 
 def snapshot(daemon) -> dict:
@@ -199,19 +214,11 @@ def snapshot(daemon) -> dict:
         "locked_bytes": daemon.ramtier.locked_bytes,
         "resident_experts": len(store.table),
         "evictions": store.evictions,
-        "hits": c.hits,
-        "shared_hits": c.shared_hits,
-        "misses": c.misses,
-        "pinned_hits": c.pinned_hits,
+        **c.row(),  # hits, misses, prefetches, bytes_read, ...: the daemon's counters, by wire name
         "pinned_hit_share": c.pinned_hits / c.hits if c.hits else 0.0,
         "pinned_experts": sum(1 for s in store.table.values() if s.pinned),
         "hit_rate": c.hits / (c.hits + c.misses) if c.hits + c.misses else 0.0,
-        "joined_reads": c.joined_reads,
-        "prefetches": c.prefetches,
-        "prefetch_hits": c.prefetch_hits,
         "wasted_prefetches": store.wasted_prefetches,
-        "bytes_read": c.bytes_read,
-        "read_errors": c.read_errors,
         **daemon.faults.stats(),
         "reads_in_flight": daemon.reads_in_flight,
         "direct_io": all(m.direct_io for m in models) if models else True,
@@ -221,15 +228,9 @@ def snapshot(daemon) -> dict:
         **daemon.memguard.stats(),
         **(daemon.verifier.stats() if daemon.verifier is not None else {"verify": False}),
         "connections": len(daemon.sessions),
-        "bad_frames": c.bad_frames,
-        "timed_out_connections": c.timed_out,
-        "stale_detected": c.stale_detected,
-        "local_hits": c.local_hits,
         "local_claims_refused": daemon.residency.claims_refused,
         "adopted_slots": len(daemon.store.adopted),
         "revoked_regions": len(daemon.residency.revoked),
-        "acquire_latency_s": c.acquire_latency_s.row(),
-        "read_latency_s": c.read_latency_s.row(),
         "limits": limits(daemon.config),
         "clients": [s.buffers() for s in daemon.sessions],
         "models": [_model_row(daemon, m) for m in models],

@@ -1,17 +1,30 @@
-"""The stats contract as code: what `moectl stats --json` and `Client.stats()` carry.
+"""The stats schema: what `moectl stats --json`, `Client.stats()` and `/metrics` carry.
 
-`Stats` is the GetStats reply's payload and `ModelRow` the ListModels reply's
-rows. The contract keys (`CONTRACT_KEYS`: budget_bytes, used_bytes, pinned_bytes,
-hits, misses, prefetch_hits, bytes_read, direct_io, mem_available_bytes,
-mem_floor_bytes, models, tenants: what tools reading `moectl stats --json` may
-rely on) are fields here; fields are only appended,
-with defaults, like every message. The daemon builds a snapshot and converts
-it through these types, so a key it forgets or mistypes fails loudly in the
-tests, and a key it adds without declaring it here is refused
-(`forbid_unknown_fields`).
+What this module owns: the one declaration of every stats field. `Stats` is the
+GetStats reply's payload and `ModelRow` the ListModels reply's rows; a field that
+is also a Prometheus metric says so where it is declared, in its annotation
+(`Annotated[int, counter(name, help)]`, `gauge(...)`, `histogram(...)`), and
+moed/daemon/metrics.py exports exactly those (`metric_fields`). msgspec ignores
+annotations that are not its own `Meta`, so the wire does not see them.
+
+Invariants: the contract keys (`CONTRACT_KEYS`: budget_bytes, used_bytes,
+pinned_bytes, hits, misses, prefetch_hits, bytes_read, direct_io,
+mem_available_bytes, mem_floor_bytes, models, tenants: what tools reading
+`moectl stats --json` may rely on) are fields here; fields are only appended,
+with defaults, like every message; a metric's name and help never change (they
+are what dashboards query). The daemon builds a snapshot and converts it through
+these types, so a key it forgets or mistypes fails loudly in the tests, and a key
+it adds without declaring it here is refused (`forbid_unknown_fields`).
+
+Adding a counter: declare the field here with its metric; the daemon fills it
+(moed/daemon/stats.py copies its `Counters` and rows by field name).
 """
 
 from __future__ import annotations
+
+import functools
+import typing
+from typing import Annotated, Literal, NamedTuple
 
 import msgspec
 
@@ -34,6 +47,38 @@ CONTRACT_KEYS = frozenset(
 )
 
 
+class Metric(NamedTuple):
+    """How one field is exported: `moed_<row prefix><name>`, `_total` added to counters
+    by prometheus_client. Names carry units (`_bytes`, `_seconds`)."""
+
+    kind: Literal["counter", "gauge", "histogram"]
+    name: str
+    help: str
+
+
+def counter(name: str, help: str) -> Metric:
+    return Metric("counter", name, help)
+
+
+def gauge(name: str, help: str) -> Metric:
+    return Metric("gauge", name, help)
+
+
+def histogram(name: str, help: str) -> Metric:
+    return Metric("histogram", name, help)
+
+
+@functools.cache
+def metric_fields(cls: type[msgspec.Struct]) -> tuple[tuple[str, Metric], ...]:
+    """(field name, Metric) of every field of `cls` declared as a metric, in field order."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    found = []
+    for name in cls.__struct_fields__:
+        extras = getattr(hints[name], "__metadata__", ())
+        found += [(name, x) for x in extras if isinstance(x, Metric)]
+    return tuple(found)
+
+
 class _Row(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=False):
     pass
 
@@ -45,44 +90,44 @@ class ModelRow(_Row):
     moe_layers: int
     n_experts: int
     n_expert_used: int
-    resident_experts: int
-    resident_bytes: int
+    resident_experts: Annotated[int, gauge("resident_experts", "This model's experts resident")]
+    resident_bytes: Annotated[int, gauge("resident_bytes", "RAM tier bytes of this model's experts")]
     pinned_experts: int
-    pinned_bytes: int
+    pinned_bytes: Annotated[int, gauge("pinned_bytes", "Pinned partition bytes of this model")]
     pinned: list[tuple[int, int]]  # (layer, expert) of every pinned expert
-    hits: int
-    misses: int
-    bytes_read: int
-    leases: int
+    hits: Annotated[int, counter("hits", "Hits on this model")]
+    misses: Annotated[int, counter("misses", "Misses on this model")]
+    bytes_read: Annotated[int, counter("read_bytes", "Bytes read from this model's files")]
+    leases: Annotated[int, gauge("leases", "Leases on this model held now")]
     direct_io: bool
-    stale: bool
+    stale: Annotated[bool, gauge("stale", "1 if the model changed on disk and is draining")]
     users: list[int]  # uids with the model open
-    read_errors: int = 0  # reads of its experts that failed (after their retries)
+    read_errors: Annotated[int, counter("read_errors", "Reads of this model's experts that failed")] = 0
     quarantined: list[tuple[int, int]] = []  # (layer, expert) whose acquires fail at once for now
     expert_layout: str = "plain"  # the file's expert layout: plain or repacked (moed.gguf.layouts)
 
 
 class TenantModelRow(_Row):
-    hits: int
-    misses: int
-    bytes_read: int
-    resident_bytes: int
-    leases: int
+    hits: Annotated[int, counter("hits", "Hits of this tenant on this model")]
+    misses: Annotated[int, counter("misses", "Misses of this tenant on this model")]
+    bytes_read: Annotated[int, counter("read_bytes", "Bytes read for this tenant on this model")]
+    resident_bytes: Annotated[int, gauge("resident_bytes", "RAM tier bytes of this model this tenant read in")]
+    leases: Annotated[int, gauge("leases", "Leases of this tenant on this model held now")]
 
 
 class TenantRow(_Row):
     uid: int
     names: list[str]
     pids: list[int]
-    connections: int
-    hits: int
-    shared_hits: int
-    misses: int
-    bytes_read: int
-    resident_bytes: int
-    leases: int
-    floor_bytes: int
-    ceiling_bytes: int
+    connections: Annotated[int, gauge("connections", "Open connections of this tenant")]
+    hits: Annotated[int, counter("hits", "Hits of this tenant")]
+    shared_hits: Annotated[int, counter("shared_hits", "Hits of this tenant on experts another tenant read in")]
+    misses: Annotated[int, counter("misses", "Misses of this tenant")]
+    bytes_read: Annotated[int, counter("read_bytes", "Bytes read for this tenant's misses and prefetches")]
+    resident_bytes: Annotated[int, gauge("resident_bytes", "RAM tier bytes of experts this tenant read in")]
+    leases: Annotated[int, gauge("leases", "Leases this tenant holds now")]
+    floor_bytes: Annotated[int, gauge("floor_bytes", "This tenant's reserved floor")]
+    ceiling_bytes: Annotated[int, gauge("ceiling_bytes", "This tenant's ceiling (0: none)")]
     models: dict[str, TenantModelRow]
 
 
@@ -130,67 +175,87 @@ class HistogramRow(_Row):
 class Stats(_Row):
     version: str
     pid: int
-    uptime_s: float
-    budget_bytes: int
-    used_bytes: int
-    pinned_bytes: int
-    pin_budget_bytes: int
-    evictable_bytes: int
-    locked: bool
+    uptime_s: Annotated[float, gauge("uptime_seconds", "Seconds since the daemon started")]
+    budget_bytes: Annotated[int, gauge("budget_bytes", "The shared RAM tier budget")]
+    used_bytes: Annotated[int, gauge("used_bytes", "Bytes of the RAM tier in use")]
+    pinned_bytes: Annotated[int, gauge("pinned_bytes", "Bytes of the pinned partition in use")]
+    pin_budget_bytes: Annotated[int, gauge("pin_budget_bytes", "The pinned partition's budget")]
+    evictable_bytes: Annotated[int, gauge("evictable_bytes", "Bytes held by nobody (evictable now)")]
+    locked: Annotated[bool, gauge("locked", "1 if the RAM tier is locked in memory")]
     lock_error: str
-    locked_bytes: int
-    resident_experts: int
-    evictions: int
-    hits: int
-    shared_hits: int
-    misses: int
-    pinned_hits: int
+    locked_bytes: Annotated[int, gauge("locked_bytes", "Bytes of expert memory locked (mlock)")]
+    resident_experts: Annotated[int, gauge("resident_experts", "Experts resident in the RAM tier")]
+    evictions: Annotated[int, counter("evictions", "Experts evicted from the RAM tier")]
+    hits: Annotated[int, counter("hits", "Experts granted that were resident (local hits included)")]
+    shared_hits: Annotated[int, counter("shared_hits", "Hits on experts another tenant's acquire read in")]
+    misses: Annotated[int, counter("misses", "Experts granted that had to be read (or joined a read in flight)")]
+    pinned_hits: Annotated[int, counter("pinned_hits", "Hits on experts of the pinned partition")]
     pinned_hit_share: float
     pinned_experts: int
     hit_rate: float
-    joined_reads: int
-    prefetches: int
-    prefetch_hits: int
-    wasted_prefetches: int
-    bytes_read: int
-    read_errors: int
-    reads_in_flight: int
+    joined_reads: Annotated[int, counter("joined_reads", "Misses that joined a read already in flight")]
+    prefetches: Annotated[int, counter("prefetch_issued", "Prefetch reads issued")]
+    prefetch_hits: Annotated[int, counter("prefetch_hits", "Prefetched experts that a later acquire used")]
+    wasted_prefetches: Annotated[int, counter("prefetch_wasted", "Prefetched experts dropped or evicted unused")]
+    bytes_read: Annotated[int, counter("read_bytes", "Bytes read from model files")]
+    read_errors: Annotated[int, counter("read_errors", "Expert reads that failed (after their retries)")]
+    reads_in_flight: Annotated[int, gauge("reads_in_flight", "Expert reads in flight")]
     direct_io: bool
     policy: str
-    mem_available_bytes: int
-    mem_floor_bytes: int
-    mem_guard_active: bool
-    effective_budget_bytes: int
-    given_back_bytes: int
-    mem_guard_actions: int
+    mem_available_bytes: Annotated[int, gauge("mem_available_bytes", "The box's MemAvailable as last sampled")]
+    mem_floor_bytes: Annotated[int, gauge("mem_floor_bytes", "The memory floor the guard keeps MemAvailable above")]
+    mem_guard_active: Annotated[
+        bool, gauge("mem_guard_active", "1 while the memory guard holds the store below its budget")
+    ]
+    effective_budget_bytes: Annotated[int, gauge("effective_budget_bytes", "The budget the memory guard allows now")]
+    given_back_bytes: Annotated[int, counter("given_back_bytes", "Bytes the memory guard gave back to the kernel")]
+    mem_guard_actions: Annotated[int, counter("mem_guard_actions", "Times the memory guard acted")]
     mem_hysteresis_bytes: int
     mem_cgroup_limited: bool
     verify: bool
-    connections: int
-    bad_frames: int
-    timed_out_connections: int
-    stale_detected: int
+    # A scrape opens no connection (the collector asks the loop); moectl stats and top count their own.
+    connections: Annotated[int, gauge("connections", "Open client connections, a scrape opening none")]
+    bad_frames: Annotated[int, counter("bad_frames", "Malformed frames received")]
+    timed_out_connections: Annotated[int, counter("timed_out_connections", "Connections closed for silence")]
+    stale_detected: Annotated[int, counter("stale_models", "Models found changed on disk while open")]
     limits: Limits
     clients: list[ClientRow]
     models: list[ModelRow]
     tenants: list[TenantRow]
-    local_hits: int = 0  # hits served in engines with no round trip (folded from regions)
+    local_hits: Annotated[int, counter("local_hits", "Hits engines served themselves with no round trip")] = 0
     local_claims_refused: int = 0  # evictions put off because an engine held the slot locally
     adopted_slots: int = 0  # slots the store holds for engines' local holds now
     revoked_regions: int = 0  # hold regions of connections the daemon closed, still counting
-    verified_reads: int = 0  # verify mode only
-    verify_mismatches: int = 0
+    verified_reads: Annotated[
+        int, counter("verified_reads", "Re-reads checked against the first read (verify mode)")
+    ] = 0  # verify mode only (and verify_mismatches, verify_hashed_experts)
+    verify_mismatches: Annotated[int, counter("verify_mismatches", "Re-reads whose bytes differed (verify mode)")] = 0
     verify_hashed_experts: int = 0
-    acquire_latency_s: HistogramRow = msgspec.field(default_factory=HistogramRow)  # request to grant
-    read_latency_s: HistogramRow = msgspec.field(default_factory=HistogramRow)  # submit to done
+    acquire_latency_s: Annotated[
+        HistogramRow, histogram("acquire_duration_seconds", "Daemon acquires, from request to grant on the event loop")
+    ] = msgspec.field(default_factory=HistogramRow)
+    read_latency_s: Annotated[
+        HistogramRow,
+        histogram("read_duration_seconds", "Expert reads, from submission to completion on the event loop"),
+    ] = msgspec.field(default_factory=HistogramRow)
     # When the drive misbehaves (docs/design.md):
-    read_retries: int = 0  # chunk reads that failed and were tried again
-    quarantined_experts: int = 0  # experts whose acquires fail at once for now (read failed)
-    quarantine_refusals: int = 0  # acquires refused at once by a quarantine
-    prefetch_dropped: int = 0  # prefetched experts not read because the drive was behind
+    read_retries: Annotated[int, counter("read_retries", "Chunk reads that failed and were tried again")] = 0
+    quarantined_experts: Annotated[int, gauge("quarantined_experts", "Experts whose acquires fail at once for now")] = 0
+    quarantine_refusals: Annotated[
+        int, counter("quarantine_refusals", "Acquires refused at once: the expert's read failed recently")
+    ] = 0
+    prefetch_dropped: Annotated[
+        int, counter("prefetch_dropped", "Prefetched experts not read because the drive was behind")
+    ] = 0
     prefetch_backoff: bool = True  # whether read-ahead holds back while the drive is behind
-    stalled_reads: int = 0  # reads that ran past read_stall_warn_s (each once)
-    stuck_reads: int = 0  # reads running past read_stall_warn_s now
-    drive_behind: bool = False  # read-ahead held back now
-    drive_latency_ratio: float = 0.0  # recent read latency over the drive's own baseline
-    drive_behind_episodes: int = 0  # times the drive went behind
+    stalled_reads: Annotated[int, counter("stalled_reads", "Reads that ran past read_stall_warn_s")] = 0
+    stuck_reads: Annotated[int, gauge("stuck_reads", "Reads running past read_stall_warn_s now")] = 0
+    drive_behind: Annotated[bool, gauge("drive_behind", "1 while read-ahead is held back (the drive is behind)")] = (
+        False
+    )
+    drive_latency_ratio: Annotated[
+        float, gauge("drive_latency_ratio", "Recent read latency over the drive's own baseline")
+    ] = 0.0
+    drive_behind_episodes: Annotated[
+        int, counter("drive_behind_episodes", "Times the drive went behind (read-ahead held back)")
+    ] = 0
