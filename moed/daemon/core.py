@@ -131,6 +131,7 @@ class Daemon:
         self.pid = os.getpid()
         self.version = __version__
         self.loop = loop
+        # The parts, each the owner of its own state (docs/design.md section 3).
         self.counters = Counters()
         self.store = Store(config.ram_budget_bytes, make_policy(config.policy), config.pin_budget_bytes)
         # Local holds: the store asks the residency tables before a READY slot leaves.
@@ -145,8 +146,19 @@ class Daemon:
         self.verifier = Verifier() if config.verify else None
         # decayed access counts per expert, for `moectl pin --from-stats` (only with a pin budget)
         heat = Heat() if config.pin_budget_bytes else None
-        parts = (self.store, self.ramtier, self.reader, self.residency, self.faults, self.counters)
-        self.slots = s = Slots(loop, *parts, self.verifier, heat, on_stale=self._read_found_stale)
+        # The rooms, lowest first: each is given the rooms below it, never one above.
+        self.slots = s = Slots(
+            loop,
+            self.store,
+            self.ramtier,
+            self.reader,
+            self.residency,
+            self.faults,
+            self.counters,
+            verifier=self.verifier,
+            heat=heat,
+            on_stale=self._read_found_stale,
+        )
         self.memguard = MemGuard(
             self.store, config.mem_floor_bytes, config.mem_sample_s, settle=s.settle, room_changed=s.room_changed
         )
