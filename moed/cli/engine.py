@@ -17,6 +17,7 @@ import warnings
 from typing import TYPE_CHECKING, cast
 
 from moed.cli import fail
+from moed.engines.options import RUN, EngineOptions
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -72,51 +73,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: llama.cpp's)")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--skeleton-dir",
-        default=None,
-        help="load llama.cpp from a skeleton of the model kept here (dense bytes only): "
-        "the load then reads no expert bytes from the drive",
-    )
-    p.add_argument(
-        "--prefetch",
-        choices=("gate", "gate2", "off"),
-        default="gate",
-        help="predict experts from the hidden state and prefetch them while computing: one layer "
-        "ahead (gate, default), also two ahead (gate2), or acquire on demand only (off)",
-    )
-    p.add_argument(
-        "--prefetch-width", type=int, default=None, help="experts per token to prefetch (default: the model's top-k)"
-    )
-    p.add_argument(
-        "--subst",
-        type=float,
-        default=None,
-        metavar="R",
-        help="substitution: a chosen expert that is not resident may be replaced by a resident one "
-        "among the router's next k whose probability is at least R times its own (changes the "
-        "outputs; price it with `moectl kl`; default off: exact)",
-    )
-    p.add_argument(
-        "--subst-rule",
-        choices=("plain", "cooc"),
-        default="plain",
-        help="which stand-in: the best-ranked (plain, default) or the one most often routed together "
-        "with the missing expert (cooc, learned online)",
-    )
-    add_repack_arg(p)
+    EngineOptions.add_flags(p, RUN)  # --skeleton-dir, --prefetch, --prefetch-width, --subst, --subst-rule, --repack
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's load log")
-
-
-def add_repack_arg(p: argparse.ArgumentParser) -> None:
-    """`--repack auto|off`, StreamedLlama's `repack` (shared with `moectl serve`)."""
-    p.add_argument(
-        "--repack",
-        choices=("auto", "off"),
-        default="auto",
-        help="CPU kernels: stock llama.cpp's repacked ones where the file and this CPU allow (auto, "
-        "default; `moectl align --repack` makes a file whose experts use them too), or the plain ones (off)",
-    )
 
 
 # ---- shared --------------------------------------------------------------
@@ -133,16 +91,11 @@ class _Session:
             raise SystemExit(fail(f"no such model file: {args.model}"))
         self.client = Client(socket or args.socket, client_name=f"moectl {args.verb}")
         try:
-            self.llm = StreamedLlama(
+            self.llm = StreamedLlama.from_options(
                 args.model,
+                EngineOptions.from_args(args, RUN),
                 client=self.client,
                 **_llama_settings(args),
-                skeleton_dir=args.skeleton_dir,
-                prefetch=args.prefetch,
-                prefetch_width=args.prefetch_width,
-                subst=args.subst,
-                subst_rule=args.subst_rule,
-                repack=args.repack,
                 **llama_kwargs,
             )
         except ValueError as exc:  # llama.cpp refused the file

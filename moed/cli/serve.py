@@ -23,6 +23,7 @@ import json
 import os
 
 from moed.cli import fail
+from moed.engines.options import SERVE, EngineOptions
 
 DEFAULT_QUEUE = 16
 
@@ -60,46 +61,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a new request cuts the running stream (which ends with finish_reason 'interrupted'); "
         "default: requests queue",
     )
-    _engine_flags(p)
+    EngineOptions.add_flags(p, SERVE)  # StreamedLlama's options, for every model
     p.add_argument("--verbose", action="store_true", help="llama.cpp's load log and uvicorn's access log")
     p.set_defaults(func=cmd_serve)
 
 
-def _engine_flags(p: argparse.ArgumentParser) -> None:
-    """StreamedLlama's options (moed.engines.server.EngineOptions), for every model."""
-    p.add_argument(
-        "--prefetch",
-        choices=("gate", "gate2", "off"),
-        default="gate",
-        help="gate-ahead prefetch: one layer ahead (gate, default), also two (gate2), or off",
-    )
-    p.add_argument("--prefetch-width", type=int, default=None, help="experts per token to prefetch")
-    p.add_argument("--skeleton-dir", default=None, help="load llama.cpp from a skeleton of each model kept here")
-    p.add_argument(
-        "--acquire-timeout",
-        type=float,
-        default=None,
-        help="seconds an acquire may wait for budget (default: the daemon's)",
-    )
-    from moed.cli.engine import add_repack_arg
-
-    add_repack_arg(p)
-
-
 def _engine_options(args: argparse.Namespace) -> dict:
-    from moed.engines.server import EngineOptions
-
-    options = EngineOptions(
-        socket_path=args.socket,
-        prefetch=args.prefetch,
-        prefetch_width=args.prefetch_width,
-        skeleton_dir=args.skeleton_dir,
-        acquire_timeout_s=args.acquire_timeout,
-        repack=args.repack,
-    )
+    """The EngineOptions every model gets, as the JSON the workers' spec carries."""
     import dataclasses
 
-    return dataclasses.asdict(options)
+    return dataclasses.asdict(EngineOptions.from_args(args, SERVE, socket_path=args.socket))
 
 
 def _read_config(path: str) -> dict:

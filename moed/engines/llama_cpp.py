@@ -33,8 +33,8 @@ import llama_cpp.llama as _llama_module
 from llama_cpp import Llama
 
 from moed.engines import ggml_tensor
-from moed.engines.lookahead import MODES as PREFETCH_MODES
 from moed.engines.lookahead import PredictHook
+from moed.engines.options import EngineOptions
 from moed.engines.sources import ExpertSource, MoedSource
 from moed.engines.streamer import ExpertStreamer, RouteHook, snapshot_bases
 from moed.engines.substitute import Substituter
@@ -233,7 +233,16 @@ class StreamedLlama(Llama):
     on the layout their bytes are in (a file from `moectl align --repack` on a host
     like this one: bit-exact with stock `llama_cpp.Llama`); "off" runs everything
     on the plain kernels (bit-exact with `UnpackedLlama`). moed.engines.repack.
+    The value options are declared once, in `moed.engines.options.EngineOptions`
+    (defaults, flags, help); `self.options` holds them, and `from_options` builds
+    an engine from one.
     """
+
+    @classmethod
+    def from_options(cls, model_path: str, options: EngineOptions, **kwargs):
+        """`cls(model_path, ...)` with `options` (moed.engines.options) as its keyword arguments;
+        `kwargs`: the rest (client, hooks, llama.cpp's settings)."""
+        return cls(model_path, **options.streamed_kwargs(), **kwargs)
 
     def __init__(
         self,
@@ -261,10 +270,21 @@ class StreamedLlama(Llama):
         from moed.gguf.header import read_split
 
         layout = kernel_layout.plan(read_split(model_path), repack, model_path)
-        if prefetch not in PREFETCH_MODES:
-            raise ValueError(f"prefetch must be one of {', '.join(PREFETCH_MODES)}, not {prefetch!r}")
-        if prefetch_width is not None and prefetch_width < 1:
-            raise ValueError(f"prefetch_width must be >= 1, not {prefetch_width}")
+        # The value options as one EngineOptions (moed.engines.options declares them, defaults included).
+        self.options = EngineOptions(
+            socket_path=socket_path,
+            acquire_timeout_s=acquire_timeout_s,
+            skeleton_dir=os.fspath(skeleton_dir) if skeleton_dir is not None else None,
+            strict=strict,
+            prefetch=prefetch,
+            prefetch_width=prefetch_width,
+            prefetch_adapt=prefetch_adapt,
+            subst=subst,
+            subst_rule=subst_rule,
+            subst_window=subst_window,
+            repack=repack,
+        )
+        self.options.check()
         if llama_cpp.__version__ != LLAMA_CPP_PYTHON_VERSION:
             warnings.warn(
                 f"moed is tested with llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}, found "

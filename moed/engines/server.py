@@ -39,6 +39,10 @@ When moed is down:
   if that fails the request gets 503. A stream that loses moed after its first
   token ends with an error event (its 200 was already sent).
 
+Options: `EngineOptions` (moed.engines.options, the one declaration of a streamed
+engine's options) is what `moectl serve` sets for every model the server loads; its
+`client_timeout_s` is the timeout of the connection the factory opens per model.
+
 Invariant: the model is only closed or rebuilt inside the proxy's `__call__`,
 which the server runs under its inner lock, so never under a request using it.
 """
@@ -52,7 +56,6 @@ import re
 import threading
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import llama_cpp
@@ -67,6 +70,7 @@ from moed.engines import http_errors
 from moed.engines.http_errors import BadRequest, ExpertReadFailed, ModelNotFound, MoedUnavailable
 from moed.engines.http_guard import ResponseGuard
 from moed.engines.llama_cpp import StreamedLlama
+from moed.engines.options import EngineOptions
 from moed.protocol import errors
 
 UNAVAILABLE_PREFIX = "moed unavailable: "
@@ -74,33 +78,6 @@ INTERRUPTED = "interrupted"  # the finish_reason of a stream cut for a waiting r
 _LOAD_LOCK = threading.Lock()
 _COMPLETION_ARGS = inspect.signature(llama_cpp.Llama.create_completion)
 _CONTEXT_EXCEEDED = re.compile(r"Requested tokens \((\d+)\) exceed context window of \d+")
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """What `moectl serve` sets for every model the server loads.
-
-    The StreamedLlama options travel as they are (`streamed_kwargs`): a new engine
-    option is one field here and one flag in moed.cli.serve.
-    """
-
-    socket_path: str | None = None
-    prefetch: str = "gate"
-    prefetch_width: int | None = None
-    skeleton_dir: str | None = None
-    acquire_timeout_s: float | None = None
-    client_timeout_s: float = 30.0
-    repack: str = "auto"
-
-    def streamed_kwargs(self) -> dict[str, Any]:
-        """StreamedLlama's keyword arguments (the connection's are the factory's)."""
-        return {
-            "repack": self.repack,
-            "acquire_timeout_s": self.acquire_timeout_s,
-            "prefetch": self.prefetch,
-            "prefetch_width": self.prefetch_width,
-            "skeleton_dir": self.skeleton_dir,
-        }
 
 
 def unavailable_body(reason: str) -> dict:

@@ -54,7 +54,7 @@ class ServePlan:
     host: str
     port: int
     models: list[ServedModel]
-    engine: dict  # EngineOptions fields
+    engine: dict  # moed.engines.options.EngineOptions fields (its dataclasses.asdict)
     server: dict  # llama_cpp.server ServerSettings, as JSON (what every worker runs)
     queue_bound: int = 16
     queue_timeout_s: float | None = 300.0

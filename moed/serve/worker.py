@@ -26,7 +26,7 @@ PR_SET_PDEATHSIG = 1
 class WorkerSpec:
     """What the front tells every worker of one model (written as JSON into its run directory)."""
 
-    engine: dict  # moed.engines.server.EngineOptions fields
+    engine: dict  # moed.engines.options.EngineOptions fields
     server: dict  # llama_cpp.server ServerSettings, as JSON
     model: dict  # llama_cpp.server ModelSettings, as JSON
     sockets: list[str]  # the Unix socket of worker i
@@ -53,7 +53,8 @@ def main(argv: list[str]) -> int:
     import uvicorn
     from llama_cpp.server.settings import ModelSettings, ServerSettings
 
-    from moed.engines.server import EngineOptions, create_app
+    from moed.engines.options import EngineOptions
+    from moed.engines.server import create_app
 
     app = create_app(
         EngineOptions(**spec.engine),

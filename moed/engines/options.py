@@ -1,0 +1,182 @@
+"""`EngineOptions`: a streamed engine's options, declared once.
+
+What this module owns: the plain-value options of `StreamedLlama` (moed.engines.llama_cpp),
+which are also what the server seam passes to every model it loads
+(moed.engines.server), what a serve worker's spec carries as JSON (moed.serve), and
+what the engine verbs' flags set (`moectl generate`, `chat`, `trace`, `kl`: group
+`RUN`; `moectl serve`: group `SERVE`). Each field holds its default and, where a verb
+group exposes it, its flag: the name, the help that group prints, the type and the
+choices. The CLI builds its arguments with `add_flags` and reads them back with
+`from_args`; StreamedLlama's keyword arguments are these fields (less
+`client_timeout_s`) plus the objects only Python callers pass (client, source, hooks).
+
+Invariants:
+- A field's default is StreamedLlama's keyword default and its flag's default.
+- A flag's `dest` is argparse's own (`--acquire-timeout` -> `args.acquire_timeout`),
+  so the flags, their help and the names other code reads are as they were.
+- A new option is one field here, and its use in StreamedLlama.
+- The values are checked where they are used (`check()`, called by StreamedLlama),
+  so a bad flag fails as it always did: when the engine starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+RUN = "run"  # moectl generate, chat, trace, kl
+SERVE = "serve"  # moectl serve (every model it loads)
+PREFETCH_CHOICES = ("gate", "gate2", "off")  # as the flags list them (moed.engines.lookahead.MODES)
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How a verb group shows one option: `help[group]` for each group that has the flag."""
+
+    name: str
+    help: dict[str, str]
+    type: Callable[[str], Any] | None = None
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+
+    @property
+    def dest(self) -> str:
+        return self.name.lstrip("-").replace("-", "_")
+
+
+def _option(default: Any, flag: Flag | None = None) -> Any:
+    return field(default=default, metadata={"flag": flag} if flag is not None else {})
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """What a streamed engine is told, besides llama.cpp's own settings.
+
+    See StreamedLlama's docstring for what each option does.
+    """
+
+    # The daemon's socket (the CLI's global --socket; None: $MOED_SOCKET or the default).
+    socket_path: str | None = None
+    acquire_timeout_s: float | None = _option(
+        None,
+        Flag(
+            "--acquire-timeout",
+            {SERVE: "seconds an acquire may wait for budget (default: the daemon's)"},
+            type=float,
+        ),
+    )
+    skeleton_dir: str | None = _option(
+        None,
+        Flag(
+            "--skeleton-dir",
+            {
+                RUN: "load llama.cpp from a skeleton of the model kept here (dense bytes only): "
+                "the load then reads no expert bytes from the drive",
+                SERVE: "load llama.cpp from a skeleton of each model kept here",
+            },
+        ),
+    )
+    strict: bool = False
+    prefetch: str = _option(
+        "gate",
+        Flag(
+            "--prefetch",
+            {
+                RUN: "predict experts from the hidden state and prefetch them while computing: one layer "
+                "ahead (gate, default), also two ahead (gate2), or acquire on demand only (off)",
+                SERVE: "gate-ahead prefetch: one layer ahead (gate, default), also two (gate2), or off",
+            },
+            choices=PREFETCH_CHOICES,
+        ),
+    )
+    prefetch_width: int | None = _option(
+        None,
+        Flag(
+            "--prefetch-width",
+            {
+                RUN: "experts per token to prefetch (default: the model's top-k)",
+                SERVE: "experts per token to prefetch",
+            },
+            type=int,
+        ),
+    )
+    prefetch_adapt: bool = True
+    subst: float | None = _option(
+        None,
+        Flag(
+            "--subst",
+            {
+                RUN: "substitution: a chosen expert that is not resident may be replaced by a resident one "
+                "among the router's next k whose probability is at least R times its own (changes the "
+                "outputs; price it with `moectl kl`; default off: exact)"
+            },
+            type=float,
+            metavar="R",
+        ),
+    )
+    subst_rule: str = _option(
+        "plain",
+        Flag(
+            "--subst-rule",
+            {
+                RUN: "which stand-in: the best-ranked (plain, default) or the one most often routed together "
+                "with the missing expert (cooc, learned online)"
+            },
+            choices=("plain", "cooc"),
+        ),
+    )
+    subst_window: int | None = None
+    repack: str = _option(
+        "auto",
+        Flag(
+            "--repack",
+            dict.fromkeys(
+                (RUN, SERVE),
+                "CPU kernels: stock llama.cpp's repacked ones where the file and this CPU allow (auto, "
+                "default; `moectl align --repack` makes a file whose experts use them too), or the plain ones (off)",
+            ),
+            choices=("auto", "off"),
+        ),
+    )
+    # The server's connection to the daemon (moed.engines.server opens it, with this
+    # timeout); not StreamedLlama's, whose own client keeps Client's default.
+    client_timeout_s: float = 30.0
+
+    def streamed_kwargs(self) -> dict[str, Any]:
+        """StreamedLlama's keyword arguments for these options."""
+        kwargs = dataclasses.asdict(self)
+        del kwargs["client_timeout_s"]
+        return kwargs
+
+    def check(self) -> None:
+        """ValueError for a value StreamedLlama cannot run with (repack: moed.engines.repack.plan)."""
+        from moed.engines.lookahead import MODES
+
+        if self.prefetch not in MODES:
+            raise ValueError(f"prefetch must be one of {', '.join(MODES)}, not {self.prefetch!r}")
+        if self.prefetch_width is not None and self.prefetch_width < 1:
+            raise ValueError(f"prefetch_width must be >= 1, not {self.prefetch_width}")
+
+    @classmethod
+    def add_flags(cls, parser: argparse.ArgumentParser, group: str) -> None:
+        """The flags `group` (RUN or SERVE) shows, with their defaults and that group's help."""
+        for name, flag in _flags(group):
+            kw: dict[str, Any] = {"default": cls.__dataclass_fields__[name].default, "help": flag.help[group]}
+            kw |= {k: v for k in ("type", "choices", "metavar") if (v := getattr(flag, k)) is not None}
+            parser.add_argument(flag.name, **kw)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, group: str, **given: Any) -> EngineOptions:
+        """The options `group`'s flags set in `args` (the rest their defaults, or `given`)."""
+        return cls(**{name: getattr(args, flag.dest) for name, flag in _flags(group)}, **given)
+
+
+def _flags(group: str) -> list[tuple[str, Flag]]:
+    found = [(f.name, f.metadata.get("flag")) for f in dataclasses.fields(EngineOptions)]
+    return [(name, flag) for name, flag in found if flag is not None and group in flag.help]
+
+
+__all__ = ["RUN", "SERVE", "EngineOptions", "Flag"]
