@@ -290,7 +290,7 @@ class Lifecycle:
         while any(s.busy for s in self.daemon.sessions) and loop.time() < deadline:
             await asyncio.sleep(0.02)
         for session in list(self.daemon.sessions):
-            session.transport.abort()
+            session.abort()
         await asyncio.sleep(0)  # let connection_lost run and release leases
 
 
