@@ -45,7 +45,7 @@ Invariants, kept here:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
+from typing import Protocol, cast
 
 from .eviction import LRU, EvictionPolicy
 from .quota import Quota
@@ -55,8 +55,16 @@ from .slots import READY, ExpertKey, Plan, Slot, SlotClass, SlotState, Want
 __all__ = ["READY", "ExpertKey", "Plan", "Slot", "SlotClass", "SlotState", "Store", "Want"]
 
 
+class LocalHolds(Protocol):
+    """Who the store asks before a READY slot leaves the table (moed.daemon.residency)."""
+
+    def claim(self, slot: Slot) -> bool: ...
+
+    def unclaim(self, slot: Slot) -> None: ...
+
+
 class Store:
-    def __init__(self, budget_bytes: int, policy: EvictionPolicy | None = None, pin_budget_bytes: int = 0):
+    def __init__(self, budget_bytes: int, policy: EvictionPolicy | None = None, pin_budget_bytes: int = 0, holds=None):
         self.budget_bytes = budget_bytes
         self.pin_budget_bytes = pin_budget_bytes
         self.used_bytes = 0
@@ -73,9 +81,10 @@ class Store:
         self._dropped: list[Slot] = []  # slots whose pages the RAM tier should give back
         self.owned_bytes: dict[object, int] = {}  # owner -> bytes of its resident slots
         self.quotas: dict[object, Quota] = {}  # owner -> floor/ceiling, when configured
-        # Local holds (see the module docstring): the defaults are a store with none.
-        self.claim: Callable[[Slot], bool] = lambda slot: True
-        self.unclaim: Callable[[Slot], None] = lambda slot: None
+        # Local holds (see the module docstring): their owner (`holds`, a LocalHolds)
+        # answers `claim`; the defaults are a store with no local holds.
+        self.claim: Callable[[Slot], bool] = holds.claim if holds else lambda slot: True
+        self.unclaim: Callable[[Slot], None] = holds.unclaim if holds else lambda slot: None
         self.adopted: set[Slot] = set()
         self.room = RoomSearch(self, self._adopt)
 

@@ -133,11 +133,9 @@ class Daemon:
         self.loop = loop
         # The parts, each the owner of its own state (docs/design.md section 3).
         self.counters = Counters()
-        self.store = Store(config.ram_budget_bytes, make_policy(config.policy), config.pin_budget_bytes)
         # Local holds: the store asks the residency tables before a READY slot leaves.
         self.residency = Residency()
-        self.store.claim = self.residency.claim
-        self.store.unclaim = self.residency.unclaim
+        self.store = Store(config.ram_budget_bytes, make_policy(config.policy), config.pin_budget_bytes, self.residency)
         self.ramtier = RamTier(config.ram_budget_bytes + config.pin_budget_bytes)
         self.reader = ReaderPool(
             config.reader_threads, config.chunk_bytes, config.read_retries, config.read_retry_backoff_s
