@@ -43,7 +43,7 @@ copies of one trace in lockstep (equal rates and phases) with budget 2B hit
 exactly as one copy with B (g-lru: every stack distance doubles plus one).
 
 Floors are those of `moed.cache.store.Store` with quotas set (`set_quota`,
-`_quota_victims`): the floor rule is the store's own (`moed.cache.quota.keeps_floor`),
+`moed.cache.room.RoomSearch.quota_victims`): the floor rule is the store's own (`moed.cache.quota.keeps_floor`),
 and the walk is the store's, over one LRU order per group (see Speed, below):
   * every resident slot is charged to the engine whose access loaded it (a
     hit by another engine does not move the charge);
@@ -428,7 +428,7 @@ class _QuotaLRU:
         return True
 
     def _victims(self, o: int, short: int) -> list[int] | None:
-        """Groups to evict the head of, in order (the store's `_quota_victims`), or None."""
+        """Groups to evict the head of, in order (the store's `RoomSearch.quota_victims`), or None."""
         groups, floors, owned = self.groups, self.floors, self.owned
         iters = [iter(od.values()) for od in groups]
         heads = [next(it, None) for it in iters]
