@@ -2,7 +2,9 @@
 
 Each module in `moed.cli` owns a group of verbs and exposes
 `register(subparsers)`, which adds its parsers and sets `func(args) -> int` on
-each. Modules are discovered, so adding a verb never edits this file.
+each. Modules are discovered, so adding a verb never edits this file. A verb's
+errors are raised, and reported here through moectl's one error path
+(`moed.cli.exit_status`: one line, `moectl: <type>: <message>`, exit 2).
 """
 
 from __future__ import annotations
@@ -13,8 +15,6 @@ import pkgutil
 import sys
 
 import moed.cli
-from moed.badinput import BadInput
-from moed.protocol.errors import MoedError
 from moed.protocol.paths import default_socket_path
 
 
@@ -37,13 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (MoedError, BadInput) as exc:  # a daemon's answer, or a tool's input: one line
-        print(f"moectl: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:
-        return 0
+    except moed.cli.HANDLED as exc:  # the one error path: one line, one format (moed.cli)
+        return moed.cli.exit_status(exc)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 What this module owns: the terminal side of `StreamedLlama` (streaming tokens as
 they come; at the end, the daemon's hit rate for this run and the engine's
 look-ahead: prediction recall, prefetches issued / hit / wasted, stall per
-token) and recording routing traces (with the engine's predictions). Errors print one line and exit 2 (moed.ctl does that for MoedError and
-BadInput; bad files and llama.cpp failures are turned into the same here).
+token) and recording routing traces (with the engine's predictions). A missing file
+or one llama.cpp refuses is a BadInput, raised: moectl's one error path (moed.cli)
+reports it, as it does the daemon's errors.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 import warnings
 from typing import TYPE_CHECKING, cast
 
-from moed.cli import fail
+from moed.badinput import BadInput
 from moed.engines.options import RUN, EngineOptions
 
 if TYPE_CHECKING:
@@ -88,7 +89,7 @@ class _Session:
         from moed.engines.llama_cpp import StreamedLlama
 
         if not os.path.exists(args.model):
-            raise SystemExit(fail(f"no such model file: {args.model}"))
+            raise BadInput(f"no such model file: {args.model}")
         self.client = Client(socket or args.socket, client_name=f"moectl {args.verb}")
         try:
             self.llm = StreamedLlama.from_options(
@@ -100,7 +101,7 @@ class _Session:
             )
         except ValueError as exc:  # llama.cpp refused the file
             self.client.close()
-            raise SystemExit(fail(str(exc))) from None
+            raise BadInput(str(exc)) from None
         except BaseException:
             self.client.close()
             raise
@@ -258,7 +259,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     with open(args.prompt_file, encoding="utf-8") as f:
         prompts = [line.rstrip("\n") for line in f if line.strip()]
     if not prompts:
-        return fail(f"{args.prompt_file} holds no prompts")
+        raise BadInput(f"{args.prompt_file} holds no prompts")
     s = _Session(args, logits_all=True)  # every token's route in every layer
     try:
         with warnings.catch_warnings():
@@ -288,14 +289,11 @@ def cmd_kl(args: argparse.Namespace) -> int:
     from moed.lab import kl
 
     if not os.path.exists(args.model):
-        return fail(f"no such model file: {args.model}")
-    try:
-        with open(args.prompt_file, encoding="utf-8") as f:
-            texts = [line.rstrip("\n") for line in f if line.strip()]
-    except OSError as exc:
-        return fail(f"cannot read {args.prompt_file}: {exc.strerror}")
+        raise BadInput(f"no such model file: {args.model}")
+    with open(args.prompt_file, encoding="utf-8") as f:  # an OSError is reported as one line (moed.cli)
+        texts = [line.rstrip("\n") for line in f if line.strip()]
     if not texts:
-        return fail(f"{args.prompt_file} holds no texts")
+        raise BadInput(f"{args.prompt_file} holds no texts")
     kw = dict(_llama_settings(args), logits_all=True)
     daemon = None
     if args.budget is not None:
@@ -334,8 +332,8 @@ def cmd_kl(args: argparse.Namespace) -> int:
                 kw["n_ctx"],
                 stats=lambda llm: llm.stream_stats(),
             )
-        except ValueError as exc:
-            return fail(str(exc))
+        except ValueError as exc:  # llama.cpp refused a file, or the runs disagree on the texts
+            raise BadInput(str(exc)) from None
         finally:
             for s in sessions:
                 s.client.close()

@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from moed.cli import fail
+from moed.badinput import BadInput
 from moed.protocol.errors import MoedError
 from moed.protocol.sizes import format_size
 
@@ -88,7 +88,7 @@ def _make_model(args) -> int:
 
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):  # as align: a typo in OUT makes no directories
-        return fail(f"make-model: output directory {out_dir} does not exist")
+        raise BadInput(f"make-model: output directory {out_dir} does not exist")
     if args.like:  # the trace's routing geometry wins
         from moed.lab.replay import like_trace
         from moed.traces import Trace
@@ -115,10 +115,8 @@ def _make_model(args) -> int:
             arch="llama" if args.arch == "mixtral" else args.arch,  # Mixtral's files say "llama"
             recipe=args.recipe,
         )
-    except ValueError as exc:
-        return fail(f"make-model: {exc}")
-    except OSError as exc:
-        return fail(f"make-model: {exc.filename}: {exc.strerror}")
+    except ValueError as exc:  # an OSError is reported as it is (moed.cli)
+        raise BadInput(f"make-model: {exc}") from None
     for p in paths:
         print(p)
     return 0
@@ -195,10 +193,8 @@ def _align(args) -> int:
         )
     except MoedError:
         raise
-    except (ValueError, FileExistsError, FileNotFoundError) as exc:
-        return fail(f"align: {exc}")
-    except OSError as exc:
-        return fail(f"align: {exc.filename or ''}: {exc.strerror or exc}")
+    except ValueError as exc:  # an OSError (OUT exists, no such file) is reported as it is (moed.cli)
+        raise BadInput(f"align: {exc}") from None
     for out in outs:
         print(out, flush=True)
     try:

@@ -12,8 +12,6 @@ import sys
 from typing import Any
 
 from moed.badinput import BadInput
-from moed.cli import fail
-from moed.protocol.errors import MoedError
 
 
 def register(sub) -> None:
@@ -52,14 +50,11 @@ def cmd_replay(args) -> int:
     from moed.lab import replay as rp
     from moed.traces import Trace
 
-    try:
-        trace = Trace.load(args.trace)
-        opts = rp.ReplayOptions(
-            args.compute_ms, args.attn_frac, args.prefetch, args.warm, args.tokens, prefetch_width=args.prefetch_width
-        )
-        budget = None if args.budget is None else parse_budget(args.budget, args.model)
-    except (MoedError, BadInput) as exc:
-        return fail(f"replay: {exc}")
+    trace = Trace.load(args.trace)
+    opts = rp.ReplayOptions(
+        args.compute_ms, args.attn_frac, args.prefetch, args.warm, args.tokens, prefetch_width=args.prefetch_width
+    )
+    budget = None if args.budget is None else parse_budget(args.budget, args.model)
     with _progress(enabled=not args.json and sys.stderr.isatty()) as progress:
         if budget is not None:
             result = rp.replay_private(args.model, trace, budget, opts, progress)
@@ -136,7 +131,7 @@ def cmd_bench_drive(args) -> int:
     if args.create is not None:
         db.write_bench_model(args.path, args.create, part_bytes=args.size)
     if not os.path.exists(args.path):
-        return fail(f"bench-drive: {args.path}: no such file")
+        raise BadInput(f"bench-drive: {args.path}: no such file")
     with _DriveProgress(args.seconds, enabled=not args.json and sys.stderr.isatty()) as bars:
         if args.paired:
             out = db.paired(args.path, args.size, args.depth, args.seconds, bars.tick_for)
@@ -245,24 +240,21 @@ def cmd_plan(args) -> int:
 
         return cmd_plan_fleet(args)
     if args.model is None or args.trace is None:
-        return fail("plan: give MODEL.gguf --trace T, or --fleet TRACE:MODEL.gguf[@RATE] ...")
-    try:
-        trace = Trace.load(args.trace)
-        result = pl.make_plan(
-            args.model,
-            trace,
-            target_tok_s=args.target_tok_s,
-            drive_gbps=args.drive_gbps,
-            ram_bytes=args.ram,
-            reserve_bytes=args.reserve,
-            compute_ms=args.compute_ms,
-            policy=args.policy,
-            warm=args.warm,
-            measure_s=args.measure_seconds,
-            trace_path=args.trace,
-        )
-    except (MoedError, BadInput) as exc:
-        return fail(f"plan: {exc}")
+        raise BadInput("plan: give MODEL.gguf --trace T, or --fleet TRACE:MODEL.gguf[@RATE] ...")
+    trace = Trace.load(args.trace)
+    result = pl.make_plan(
+        args.model,
+        trace,
+        target_tok_s=args.target_tok_s,
+        drive_gbps=args.drive_gbps,
+        ram_bytes=args.ram,
+        reserve_bytes=args.reserve,
+        compute_ms=args.compute_ms,
+        policy=args.policy,
+        warm=args.warm,
+        measure_s=args.measure_seconds,
+        trace_path=args.trace,
+    )
     if args.plot not in (None, "-"):
         pl.plot(result, args.plot)
     if args.json:

@@ -22,7 +22,7 @@ import argparse
 import json
 import os
 
-from moed.cli import fail
+from moed.badinput import BadInput
 from moed.engines.options import SERVE, EngineOptions
 
 DEFAULT_QUEUE = 16
@@ -168,19 +168,19 @@ def _plan(args: argparse.Namespace):
 
 def cmd_serve(args: argparse.Namespace) -> int:
     if bool(args.model) == bool(args.config):
-        return fail("serve needs a MODEL or --config F (not both)")
+        raise BadInput("serve needs a MODEL or --config F (not both)")
     for path in [args.model, args.config]:
         if path and not os.path.exists(path):
-            return fail(f"no such file: {path}")
+            raise BadInput(f"no such file: {path}")
     try:
         import llama_cpp.server.app  # noqa: F401 - the [server] extra
 
         from moed.serve import lifecycle
     except ImportError as exc:
-        return fail(f"moectl serve needs llama-cpp-python's server: pip install 'moed[server]' ({exc})")
+        raise BadInput(f"moectl serve needs llama-cpp-python's server: pip install 'moed[server]' ({exc})") from None
     try:
         plan = _plan(args)
     except (ValueError, OSError) as exc:  # pydantic's ValidationError is a ValueError
-        return fail(f"bad server settings: {exc}")
+        raise BadInput(f"bad server settings: {exc}") from None
     lifecycle.exec_front(plan)  # the front starts over without llama.cpp (same pid)
     return 0

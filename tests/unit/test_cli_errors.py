@@ -1,0 +1,39 @@
+"""moectl's one error path: every handled error is one line, `moectl: <type>: <message>`."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+
+from moed.badinput import BadInput
+from moed.cli import EXIT_ERROR, EXIT_INTERRUPTED, error_line, exit_status
+from moed.protocol.errors import BadRequest, DaemonUnavailable
+
+
+@pytest.mark.parametrize(
+    ("exc", "line"),
+    [
+        (BadInput("no such model file: m.gguf"), "moectl: BadInput: no such model file: m.gguf"),
+        (DaemonUnavailable("cannot connect"), "moectl: DaemonUnavailable: cannot connect"),
+        (BadRequest("not a size\nat all"), "moectl: BadRequest: not a size; at all"),
+        (
+            FileNotFoundError(errno.ENOENT, "No such file or directory", "p.txt"),
+            "moectl: FileNotFoundError: p.txt: No such file or directory",
+        ),
+        (
+            FileExistsError("out.gguf exists (--force replaces it)"),
+            "moectl: FileExistsError: out.gguf exists (--force replaces it)",
+        ),
+    ],
+)
+def test_one_line_one_format(exc, line, capsys):
+    assert error_line(exc) == line
+    assert exit_status(exc) == EXIT_ERROR == 2
+    assert capsys.readouterr().err == line + "\n"
+
+
+def test_a_closed_pipe_and_ctrl_c_are_silent(capsys):
+    assert exit_status(BrokenPipeError()) == 0
+    assert exit_status(KeyboardInterrupt()) == EXIT_INTERRUPTED == 130
+    assert capsys.readouterr().err == ""
