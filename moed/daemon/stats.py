@@ -6,8 +6,8 @@ which turns them and the daemon's state into the dict the wire's `Stats`
 (moed/protocol/stats.py, the one schema: field names, types, metrics) converts.
 
 Invariants: a count goes on the wire under the schema field of its own name:
-`Counters.row()` copies every counter by name (`WIRE` only renames the two whose
-daemon names differ, or keeps them off the wire), and the rows copy a schema
+`Counters.row()` copies every counter by name (`WIRE` renames `timed_out` and
+keeps `connections` and `errors_sent` off the wire), and the rows copy a schema
 field from the tenant or model attribute of the same name unless the row computes
 it. So a new counter is its field here plus its declaration in the schema, and
 snapshot() needs no edit; a name the schema lacks fails the conversion
@@ -74,6 +74,8 @@ class LatencyHistogram:
 
 @dataclass
 class Counters:
+    """The daemon's own counts since start (tenant and model ones: `Tenant`, `ModelUse`)."""
+
     hits: int = 0
     shared_hits: int = 0  # hits on experts another tenant's acquire read in
     misses: int = 0
