@@ -5,7 +5,7 @@
 TRACES_DIR (default: ../shared/traces next to the repository) is searched for
 *.jsonl, *.tsv and *.npz traces with at least --min-tokens tokens (default 256:
 the 47-token smoke trace is a slice of olmoe-all and would cut every pair it is
-in to 47 tokens). Every pair is replayed as a fleet (`moed.lab.fleet`, the
+in to 47 tokens). Every pair is replayed as a fleet (`moed.lab.fleetsim`, the
 replay `moectl fleet` runs: without models, every expert is one slot) at 25, 50
 and 75% of both models' experts, at equal rates and at 1:4 each way, seed 0,
 each engine's first --warm decode tokens (default 64) warming the cache.
@@ -27,7 +27,7 @@ import platform
 import time
 from pathlib import Path
 
-from moed.lab import fleet
+from moed.lab import fleetsim
 from moed.traces import Trace
 
 DEFAULT_DIR = Path(__file__).resolve().parents[2] / "shared" / "traces"
@@ -52,9 +52,9 @@ def command(paths: tuple[Path, Path], rates: tuple[float, float], share: float, 
     return f"moectl fleet {specs} --budget {100 * share:g}% --warm {warm}"
 
 
-def point(members: list[fleet.Member], share: float, warm: int) -> fleet.FleetReport:
-    budget = int(round(share * fleet.all_size(members)))
-    return fleet.replay_fleet(members, budget, warm=warm, seed=0)
+def point(members: list[fleetsim.Member], share: float, warm: int) -> fleetsim.FleetReport:
+    budget = int(round(share * fleetsim.all_size(members)))
+    return fleetsim.replay_fleet(members, budget, warm=warm, seed=0)
 
 
 def baseline_rate(keys: list[int]) -> float:
@@ -65,16 +65,16 @@ def baseline_rate(keys: list[int]) -> float:
     return len(keys) / max(time.process_time() - t0, 1e-9)
 
 
-def speed(members: list[fleet.Member], warm: int) -> dict[str, float]:
+def speed(members: list[fleetsim.Member], warm: int) -> dict[str, float]:
     """M accesses/s of CPU time of each replay at 25%, and the baseline loop."""
-    stream = fleet.interleave(members, warm, 0)
+    stream = fleetsim.interleave(members, warm, 0)
     names = [m.name for m in members]
-    budget = int(round(0.25 * fleet.all_size(members)))
+    budget = int(round(0.25 * fleetsim.all_size(members)))
     floors = [budget // (2 * len(members))] * len(members)
     runs = {
-        "shared": lambda: fleet.shared(stream, names, budget),
-        "static": lambda: fleet.static(stream, members, budget),
-        "floors": lambda: fleet.floored(stream, names, budget, floors),
+        "shared": lambda: fleetsim.shared(stream, names, budget),
+        "static": lambda: fleetsim.static(stream, members, budget),
+        "floors": lambda: fleetsim.floored(stream, names, budget, floors),
     }
     out = {}
     for name, run in runs.items():
@@ -102,13 +102,13 @@ def main() -> None:
     for (pa, ta), (pb, tb) in itertools.combinations(traces, 2):
         for rates in RATES:
             members = [
-                fleet.Member(pa.name.split(".")[0], ta, rates[0]),
-                fleet.Member(pb.name.split(".")[0], tb, rates[1]),
+                fleetsim.Member(pa.name.split(".")[0], ta, rates[0]),
+                fleetsim.Member(pb.name.split(".")[0], tb, rates[1]),
             ]
             for share in SHARES:
                 r = point(members, share, args.warm)
                 rows.append((members, rates, share, r, command((pa, pb), rates, share, args.warm)))
-        print_speed((pa.name, pb.name), speed([fleet.Member("a", ta), fleet.Member("b", tb)], args.warm))
+        print_speed((pa.name, pb.name), speed([fleetsim.Member("a", ta), fleetsim.Member("b", tb)], args.warm))
     print_rows(rows, args.markdown)
 
 

@@ -7,7 +7,7 @@ For each trace a model with its geometry is generated once (`make_model` with
 the trace's layers, experts and top-k, q8_0, page-aligned, small embd/ff to fit
 this disk and time) into --workdir. Each point starts a private daemon with the
 budget (a share of every expert's RAM-tier bytes) and replays the trace through
-it (`moed.lab.replay`: real O_DIRECT reads, simulated compute). Baselines from
+it (`moed.lab.live_replay`: real O_DIRECT reads, simulated compute). Baselines from
 the same run: the compute-alone rate (every expert resident), and the pure
 policy replay's g-lru hit rate at the same slots (what the daemon's one LRU
 should reproduce when nothing is prefetched). `--budgets 100` adds the
@@ -26,8 +26,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from moed.gguf.budget import all_experts_bytes  # noqa: E402
+from moed.lab import live_replay as rp  # noqa: E402
 from moed.lab import policies  # noqa: E402
-from moed.lab import replay as rp  # noqa: E402
 from moed.modelgen.makemodel import make_model  # noqa: E402
 from moed.traces import Trace  # noqa: E402
 

@@ -2,7 +2,7 @@
  *
  * Python cannot order loads and stores on shared memory; this module does the
  * few operations the hit protocol needs with the C11 builtins, so the argument
- * in moed/protocol/residency.py holds on ARM as on x86:
+ * in moed/protocol/residency_words.py holds on ARM as on x86:
  *
  *   client hit:   store hold (seq_cst); fence (seq_cst); load slot state (seq_cst);
  *                 load the region's closed word (seq_cst)
@@ -17,7 +17,7 @@
 #include <Python.h>
 #include <stdint.h>
 
-#define W_CLOSED 2 /* moed.protocol.residency.W_CLOSED: nonzero once the daemon revoked the region */
+#define W_CLOSED 2 /* moed.protocol.residency_words.W_CLOSED: nonzero once the daemon revoked the region */
 
 typedef struct {
     Py_buffer view;

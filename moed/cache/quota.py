@@ -4,7 +4,7 @@ A tenant's floor is bytes other tenants cannot evict it below; its ceiling is
 the most it may hold (it evicts its own slots first, or waits). The floor rule
 is the one question every quota walk asks of a candidate victim, and it is
 answered here only: the store's eviction walk (moed.cache.room's
-`RoomSearch.quota_victims`) and the lab's fleet replay (`moed.lab.fleet`) both
+`RoomSearch.quota_victims`) and the lab's fleet replay (`moed.lab.fleetsim`) both
 call `keeps_floor`.
 """
 

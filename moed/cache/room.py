@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from .quota import keeps_floor
-from .slots import READY, Slot
+from .records import READY, Slot
 
 if TYPE_CHECKING:
     from .store import Store

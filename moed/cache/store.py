@@ -2,7 +2,7 @@
 
 Pure: no I/O, no clocks, no asyncio. In the daemon, core (moed.daemon.core) drives it
 and the RAM tier follows the page effects it reports (`take_dropped`). The records
-it works on (`Slot`, `SlotClass`, `ExpertKey`, `Want`, `Plan`) are moed.cache.slots';
+it works on (`Slot`, `SlotClass`, `ExpertKey`, `Want`, `Plan`) are moed.cache.records';
 which slots give way to new bytes is its `RoomSearch`'s (moed.cache.room), which
 chooses and claims victims without changing anything; the store evicts them.
 
@@ -49,8 +49,8 @@ from typing import Protocol, cast
 
 from .eviction import LRU, EvictionPolicy
 from .quota import Quota
+from .records import READY, ExpertKey, Plan, Slot, SlotClass, SlotState, Want
 from .room import RoomSearch
-from .slots import READY, ExpertKey, Plan, Slot, SlotClass, SlotState, Want
 
 __all__ = ["READY", "ExpertKey", "Plan", "Slot", "SlotClass", "SlotState", "Store", "Want"]
 

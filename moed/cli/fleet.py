@@ -1,6 +1,6 @@
 """moectl fleet: several engines' traces on one budget, shared against a static split and floors.
 
-The replay is `moed.lab.fleet`'s; this module parses the member specs and the
+The replay is `moed.lab.fleetsim`'s; this module parses the member specs and the
 budget, and prints a table (default), one JSON object (`--json`) or a plot of
 aggregate hit rate against budget (`--plot`). `moectl plan --fleet` (the sizing
 recommendation) is wired in `moed.cli.replay` next to `plan` and printed here.
@@ -46,14 +46,14 @@ def register(sub: Any) -> None:
 
 
 def load(specs: list[str]) -> list[Any]:
-    from moed.lab import fleet
+    from moed.lab import fleetsim
 
-    return fleet.unique_names([fleet.load_member(s) for s in specs])
+    return fleetsim.unique_names([fleetsim.load_member(s) for s in specs])
 
 
 def parse_floors(text: str | None, unit: str, budget: int, mean_slot: float) -> list[int] | None:
     """Floors: each a share of the budget, a slot count or a size."""
-    from moed.lab.fleet import parse_amount
+    from moed.lab.fleetsim import parse_amount
 
     if text is None:
         return None
@@ -64,15 +64,15 @@ def parse_floors(text: str | None, unit: str, budget: int, mean_slot: float) -> 
 
 
 def cmd_fleet(args: argparse.Namespace) -> int:
-    from moed.lab import fleet
+    from moed.lab import fleetsim
 
     members = load(args.members)
-    unit = fleet.unit_of(members)
-    whole, mean = fleet.all_size(members), fleet.mean_slot(members)
-    budget = fleet.parse_amount(args.budget, unit, whole, mean)
+    unit = fleetsim.unit_of(members)
+    whole, mean = fleetsim.all_size(members), fleetsim.mean_slot(members)
+    budget = fleetsim.parse_amount(args.budget, unit, whole, mean)
     floors = parse_floors(args.floors, unit, budget, mean)
-    curve = fleet.PLOT_FRACTIONS if args.plot else ()
-    report = fleet.replay_fleet(
+    curve = fleetsim.PLOT_FRACTIONS if args.plot else ()
+    report = fleetsim.replay_fleet(
         members, budget, policy=args.policy, floors=floors, warm=args.warm, seed=args.seed, curve=curve
     )
     if args.plot:

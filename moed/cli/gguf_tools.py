@@ -90,7 +90,7 @@ def _make_model(args) -> int:
     if not os.path.isdir(out_dir):  # as align: a typo in OUT makes no directories
         raise BadInput(f"make-model: output directory {out_dir} does not exist")
     if args.like:  # the trace's routing geometry wins
-        from moed.lab.replay import like_trace
+        from moed.lab.live_replay import like_trace
         from moed.traces import Trace
 
         vars(args).update(like_trace(Trace.load(args.like)))

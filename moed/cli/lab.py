@@ -109,14 +109,14 @@ def trace_info(trace: Any, warm: int = 0) -> dict[str, Any]:
 
 
 def cmd_trace_info(args: argparse.Namespace) -> int:
-    from moed.lab import predictors
+    from moed.lab import coverage
     from moed.traces import Trace
 
     trace = Trace.load(args.trace)
     info = trace_info(trace, args.warm)
     if args.predictors:
         _check_fraction(args.size)
-        info["predictors"] = [c.to_json() for c in predictors.coverage(trace, args.size, args.warm)]
+        info["predictors"] = [c.to_json() for c in coverage.coverage(trace, args.size, args.warm)]
     if args.json:
         print(json.dumps(info, sort_keys=True))
         return 0

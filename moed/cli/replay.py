@@ -47,7 +47,7 @@ def register(sub) -> None:
 
 def cmd_replay(args) -> int:
     from moed.gguf.budget import parse_budget
-    from moed.lab import replay as rp
+    from moed.lab import live_replay as rp
     from moed.traces import Trace
 
     trace = Trace.load(args.trace)

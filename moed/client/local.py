@@ -3,7 +3,7 @@
 Owns this connection's hold region (mapped read-write; only this process
 writes it), the read-only residency table of each open model and the slot
 states of each size class. The protocol and the argument for it are in
-moed.protocol.residency; each hit is one call into moed._holds.
+moed.protocol.residency_words; each hit is one call into moed._holds.
 
 Invariants:
 - a hold word is written only at an index this object handed out (`take`) and
@@ -25,7 +25,7 @@ import types
 
 import numpy as np
 
-from moed.protocol import residency as rz
+from moed.protocol import residency_words as rz
 
 _holds: types.ModuleType | None
 try:

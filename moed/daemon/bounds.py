@@ -8,7 +8,7 @@ server enforces and the stats report the same numbers.
 from __future__ import annotations
 
 from moed.protocol.framing import MAX_REQUEST_FRAME_BYTES
-from moed.protocol.residency import HOLD_WORDS
+from moed.protocol.residency_words import HOLD_WORDS
 
 MAX_QUEUED_FRAMES = 64  # whole requests waiting on one connection before it is no longer read
 MAX_QUEUED_BYTES = 256 << 10  # ... or their encoded bytes

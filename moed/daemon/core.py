@@ -49,6 +49,7 @@ from moed.protocol.sizes import format_size
 
 from .access import Peer
 from .config import Config
+from .counters import Counters, Tenant
 from .faults import DriveFaults
 from .heat import Heat
 from .localholds import LocalHolds
@@ -62,7 +63,6 @@ from .reader import ReaderPool
 from .registry import Registry
 from .residency import Residency
 from .slots import Slots, wants
-from .stats import Counters, Tenant
 from .tasks import stop_task
 from .verify import Verifier
 
@@ -345,7 +345,7 @@ class Daemon:
     # ---- stats and lifecycle -----------------------------------------------------
 
     def stats(self) -> dict:
-        from .stats import snapshot
+        from .counters import snapshot
 
         self.holds.fold(counters=True)
         return snapshot(self)

@@ -1,6 +1,6 @@
 """Local holds: what engines hit without a round trip, brought back into the daemon's books.
 
-An engine with a hold region (moed.protocol.residency) takes hits on resident
+An engine with a hold region (moed.protocol.residency_words) takes hits on resident
 experts by itself; the residency tables (moed.daemon.residency) are the shared
 words, and this room is the daemon's side of them, run every maintenance period
 and whenever a connection with a region closes:
@@ -27,9 +27,9 @@ from moed.protocol.sizes import format_size
 
 from .bounds import LOCAL_HOLD_SHARE, REVOKE_GRACE_S
 from .config import Config
+from .counters import Counters, Tenant
 from .registry import Registry
 from .slots import Slots
-from .stats import Counters, Tenant
 
 log = logging.getLogger("moed")
 

@@ -49,7 +49,7 @@ from .config import Config, ConfigError, load_config
 from .core import Daemon
 from .memlock import mlock_status
 from .ramtier import MlockUnavailable
-from .server import Session
+from .sessions import Session
 
 log = logging.getLogger("moed")
 
@@ -244,11 +244,11 @@ class Lifecycle:
         self.stack.push_async_callback(self._close_sessions, server)
 
     def serve_metrics(self) -> None:
-        """The Prometheus endpoint if `metrics_listen` is set (moed.daemon.metrics)."""
+        """The Prometheus endpoint if `metrics_listen` is set (moed.daemon.prometheus)."""
         if not self.config.metrics_listen:
             return
         try:
-            from .metrics import MetricsServer
+            from .prometheus import MetricsServer
 
             metrics = MetricsServer(self.daemon, self.loop, self.config.metrics_listen)
         except (ImportError, OSError) as exc:

@@ -24,9 +24,9 @@ from typing import cast
 
 from moed.cache.store import Slot, SlotState, Want
 
+from .counters import Tenant
 from .models import Model
 from .slots import Slots
-from .stats import Tenant
 
 
 class Prefetches:

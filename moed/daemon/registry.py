@@ -31,13 +31,13 @@ from moed.protocol import errors
 
 from .access import Peer, check_open_files, check_readable, check_roots, world_readable
 from .config import Config, resolve_tenants
+from .counters import Counters, Tenant
 from .models import LayerPlan, Model, file_identity, model_info, open_catalog
 from .opener import Opener
 from .ramtier import RamTier
 from .reader import ModelFile
 from .residency import Residency
 from .slots import Slots
-from .stats import Counters, Tenant
 from .verify import Verifier
 
 log = logging.getLogger("moed")

@@ -4,7 +4,7 @@ Owns, as memfds: one residency table per open model and one slot-state array
 per size class (the daemon is their only writer; clients get read-only
 descriptors with the model's segments), and one hold region per connection
 that asked for one (only that client writes it). The words, their encodings and
-the memory-ordering argument are in moed.protocol.residency.
+the memory-ordering argument are in moed.protocol.residency_words.
 
 Invariants, kept here:
 - A residency is published (entry and READY state written) only once its slot
@@ -38,7 +38,7 @@ import numpy as np
 from moed import _holds
 from moed.daemon.bounds import REVOKE_GRACE_S
 from moed.protocol import errors
-from moed.protocol import residency as rz
+from moed.protocol import residency_words as rz
 
 log = logging.getLogger("moed.residency")
 

@@ -37,13 +37,13 @@ from typing import cast
 from moed.cache.store import Slot, SlotState, Store, Want
 from moed.protocol import errors
 
+from .counters import Counters, Tenant
 from .faults import DriveFaults
 from .heat import Heat
 from .models import Model
 from .ramtier import RamTier
 from .reader import ReaderPool, ReadJob
 from .residency import Residency
-from .stats import Counters, Tenant
 from .verify import Verifier, digest
 
 log = logging.getLogger("moed")

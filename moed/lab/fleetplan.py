@@ -1,6 +1,6 @@
 """Sizing a box for several models: one budget, pins and tenant floors (`moectl plan --fleet`).
 
-Inputs: the fleet (`moed.lab.fleet.Member`s, each with its MODEL, so slots are
+Inputs: the fleet (`moed.lab.fleetsim.Member`s, each with its MODEL, so slots are
 real bytes), interleaved as `moectl fleet` does; each model's read bytes per
 expert from its catalog (`moed.lab.plan.ModelCost`); the drive's rate; the
 machine's memory; the compute time per token.
@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 
 from moed.badinput import BadInput
-from moed.lab import fleet
-from moed.lab.fleet import Member, Stream
+from moed.lab import fleetsim
+from moed.lab.fleetsim import Member, Stream
 from moed.lab.plan import PIN_SHARES, ModelCost, Sizing, drive_rate
 from moed.protocol.sizes import format_size
 
@@ -72,20 +72,20 @@ class FleetPlanner:
     def __init__(
         self, members: Sequence[Member], drive_gbps: float, compute_ms: float = 0.0, warm: int = 0, seed: int = 0
     ):
-        if fleet.unit_of(members) != "bytes":
+        if fleetsim.unit_of(members) != "bytes":
             raise BadInput("plan --fleet needs TRACE:MODEL.gguf for every engine (its real expert bytes)")
         if drive_gbps <= 0 or compute_ms < 0:
             raise BadInput("--drive-gbps must be > 0 and --compute-ms >= 0")
-        self.members = fleet.unique_names(members)
+        self.members = fleetsim.unique_names(members)
         self.drive_gbps, self.compute_ms = drive_gbps, compute_ms
-        self.stream: Stream = fleet.interleave(self.members, warm, seed)
+        self.stream: Stream = fleetsim.interleave(self.members, warm, seed)
         self.costs = [ModelCost.of(m.model_path or "") for m in self.members]
         self.read_bytes = self._read_bytes()
         self.counted_tokens = sum(a.n_counted_tokens for a in self.stream.members)
         if self.counted_tokens == 0:
             raise BadInput("the traces have no counted decode tokens (after --warm)")
-        self.all_bytes = fleet.all_size(self.members)
-        self.mean_slot = fleet.mean_slot(self.members)
+        self.all_bytes = fleetsim.all_size(self.members)
+        self.mean_slot = fleetsim.mean_slot(self.members)
 
     def _read_bytes(self) -> np.ndarray:
         """Bytes read from the drive when access i misses (its model's layer)."""
@@ -102,7 +102,7 @@ class FleetPlanner:
         pinned = np.isin(s.keys, self.hottest(pins)) if pins else np.zeros(s.n, bool)
         rest = ~pinned
         hit = pinned.copy()
-        lru, _ = fleet._cache_hits(
+        lru, _ = fleetsim._cache_hits(
             s.keys[rest], s.token[rest], s.counted[rest], s.key_bytes, max(0, budget - pins), "g-lru"
         )
         hit[rest] = lru
@@ -199,11 +199,11 @@ def _assemble(planner: FleetPlanner, box: Sizing, budget: int, pins: int, notes:
     hit = planner.hits(budget, pins)
     lru_budget = max(0, budget - pins)
     keep = ~np.isin(s.keys, planner.hottest(pins)) if pins else None
-    floors = fleet.low_water(s, lru_budget, keep)
-    floor_hits, _ = fleet._quota_lru(_masked(s, keep), lru_budget, floors)
+    floors = fleetsim.low_water(s, lru_budget, keep)
+    floor_hits, _ = fleetsim._quota_lru(_masked(s, keep), lru_budget, floors)
     floor_all = hit.copy()
     floor_all[keep if keep is not None else slice(None)] = floor_hits
-    static = fleet.static(s, planner.members, budget)
+    static = fleetsim.static(s, planner.members, budget)
     pinned = planner.hottest(pins)
     per_model = []
     commands = [f"moed --ram-budget {lru_budget}" + (f" --pin-budget {pins}" if pins else "")]

@@ -158,7 +158,7 @@ class ModelInfo(Message, tag="model_info"):
     layers: list[LayerInfo]
     segments: list[SegmentInfo]
     # True: after the segments' descriptors come each segment's slot-state words
-    # (same order) and then the model's residency table (moed.protocol.residency).
+    # (same order) and then the model's residency table (moed.protocol.residency_words).
     residency: bool = False
     expert_layout: str = "plain"  # the file's expert layout (moed.gguf.layouts)
 
@@ -176,7 +176,7 @@ class Released(Message, tag="released"):
 
 
 class HoldsMapped(Message, tag="holds_mapped"):
-    region_words: int  # the region's size in uint64 words (layout: moed.protocol.residency)
+    region_words: int  # the region's size in uint64 words (layout: moed.protocol.residency_words)
 
 
 class Prefetched(Message, tag="prefetched"):

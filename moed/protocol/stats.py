@@ -4,7 +4,7 @@ What this module owns: the one declaration of every stats field. `Stats` is the
 GetStats reply's payload and `ModelRow` the ListModels reply's rows; a field that
 is also a Prometheus metric says so where it is declared, in its annotation
 (`Annotated[int, counter(name, help)]`, `gauge(...)`, `histogram(...)`), and
-moed/daemon/metrics.py exports exactly those (`metric_fields`). msgspec ignores
+moed/daemon/prometheus.py exports exactly those (`metric_fields`). msgspec ignores
 annotations that are not its own `Meta`, so the wire does not see them.
 
 Invariants: the contract keys (`CONTRACT_KEYS`: budget_bytes, used_bytes,
@@ -17,7 +17,7 @@ these types, so a key it forgets or mistypes fails loudly in the tests, and a ke
 it adds without declaring it here is refused (`forbid_unknown_fields`).
 
 Adding a counter: declare the field here with its metric; the daemon fills it
-(moed/daemon/stats.py copies its `Counters` and rows by field name).
+(moed/daemon/counters.py copies its `Counters` and rows by field name).
 """
 
 from __future__ import annotations

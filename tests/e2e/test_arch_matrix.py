@@ -171,7 +171,17 @@ def test_q4_k_m_after_align_maps_and_copies_in_one_layer(start_daemon, reference
 
 
 def spawn_engine(socket: str, path, out, *flags: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "tests.e2e.worker", socket, str(path), PROMPT.decode(), "32", "--logits", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.e2e.engine_proc",
+        socket,
+        str(path),
+        PROMPT.decode(),
+        "32",
+        "--logits",
+        str(out),
+    ]
     cmd += flags
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

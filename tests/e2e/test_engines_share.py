@@ -24,7 +24,7 @@ N_TOKENS = 40
 
 def spawn(socket: str, model, prompt: str, n: int = N_TOKENS, *mode: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.e2e.worker", socket, str(model), prompt, str(n), *mode],
+        [sys.executable, "-m", "tests.e2e.engine_proc", socket, str(model), prompt, str(n), *mode],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -96,7 +96,7 @@ def test_aligned_copy_of_a_model_gives_identical_logits(start_daemon, reference_
 def test_reading_an_expert_that_is_not_leased_faults(start_daemon, aligned_model, mode):
     d = start_daemon()
     r = subprocess.run(
-        [sys.executable, "-m", "tests.e2e.worker", d.socket, str(aligned_model), "x", "4", mode],
+        [sys.executable, "-m", "tests.e2e.engine_proc", d.socket, str(aligned_model), "x", "4", mode],
         capture_output=True,
         text=True,
         timeout=60,

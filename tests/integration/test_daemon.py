@@ -33,7 +33,7 @@ def check_lease(cat: Catalog, lease, layer, experts) -> None:
 
 def worker(*args) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.integration.worker", *map(str, args)],
+        [sys.executable, "-m", "tests.integration.client_proc", *map(str, args)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

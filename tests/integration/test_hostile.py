@@ -21,7 +21,7 @@ from moed.client import local
 from moed.gguf.catalog import Catalog
 from moed.protocol import errors
 from moed.protocol import messages as m
-from moed.protocol import residency as rz
+from moed.protocol import residency_words as rz
 from moed.protocol.framing import HEADER, FrameReader, encode, reply_decoder
 from moed.spawn import DaemonProcess
 from moed.testing import wait_for

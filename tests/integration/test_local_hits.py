@@ -13,7 +13,7 @@ import pytest
 from moed.client import local
 from moed.gguf.catalog import Catalog
 from moed.protocol import errors
-from moed.protocol import residency as rz
+from moed.protocol import residency_words as rz
 from moed.testing import wait_for
 from tests.integration.test_daemon import check_lease, expert_bytes, worker
 

@@ -16,7 +16,7 @@ import pytest
 
 from moed.gguf.budget import slot_bytes_by_layer
 from moed.gguf.catalog import Catalog
-from moed.lab import replay as rp
+from moed.lab import live_replay as rp
 from moed.traces import Trace, TraceWriter
 
 LAYERS, EXPERTS, TOP_K = 4, 16, 2

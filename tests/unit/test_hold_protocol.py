@@ -1,4 +1,4 @@
-"""The no-round-trip hit protocol, checked over every interleaving (moed.protocol.residency).
+"""The no-round-trip hit protocol, checked over every interleaving (moed.protocol.residency_words).
 
 A pure model: one shared memory of words, a client that hits and releases, and
 a daemon that tries to evict the slot and refill it with another expert. Every
@@ -13,7 +13,7 @@ stores its hold, so the check can fail.
 
 from __future__ import annotations
 
-from moed.protocol import residency as rz
+from moed.protocol import residency_words as rz
 
 CLASS, SLOT = 3, 5
 A, B = "expert A", "expert B"

@@ -10,7 +10,7 @@ import pytest
 
 from moed.cache.store import ExpertKey, Store, Want
 from moed.ctl import main
-from moed.lab import fleet, policies
+from moed.lab import fleetsim, policies
 from moed.traces import Trace, TraceWriter
 
 SMOKE = pathlib.Path(__file__).resolve().parents[1] / "data" / "olmoe-smoke.jsonl"
@@ -71,8 +71,8 @@ def test_two_copies_with_twice_the_budget_equal_one():
     trace = Trace.load(SMOKE)
     for slots in (32, 128, 300):
         one = policies.replay(trace, "g-lru", slots=slots, warm=11)
-        two = fleet.replay_fleet(
-            [fleet.Member("a", trace), fleet.Member("b", trace)], 2 * slots, warm=11, phases=(0.0, 0.0)
+        two = fleetsim.replay_fleet(
+            [fleetsim.Member("a", trace), fleetsim.Member("b", trace)], 2 * slots, warm=11, phases=(0.0, 0.0)
         )
         assert (two.shared.hits, two.shared.accesses) == (2 * one.hits, 2 * one.accesses)
         assert [m.hit_rate for m in two.shared.per_model] == [one.hit_rate] * 2
@@ -92,11 +92,11 @@ def test_copies_out_of_phase_stay_close(capsys):
 
 
 def test_rates_set_the_token_mix_and_the_seed_fixes_the_order():
-    a, b = fleet.Member("a", skewed(1, tokens=400)), fleet.Member("b", skewed(2, tokens=400), rate=0.25)
-    s = fleet.interleave([a, b], seed=7)
+    a, b = fleetsim.Member("a", skewed(1, tokens=400)), fleetsim.Member("b", skewed(2, tokens=400), rate=0.25)
+    s = fleetsim.interleave([a, b], seed=7)
     assert s.tokens_used[0] == 400 and abs(s.tokens_used[1] - 100) <= 1  # 1:4, while both run
-    assert np.array_equal(s.keys, fleet.interleave([a, b], seed=7).keys)
-    assert not np.array_equal(s.owner, fleet.interleave([a, b], seed=8).owner)
+    assert np.array_equal(s.keys, fleetsim.interleave([a, b], seed=7).keys)
+    assert not np.array_equal(s.owner, fleetsim.interleave([a, b], seed=8).owner)
     for i, acc in enumerate(s.members):  # each engine's own order is kept
         assert np.array_equal(s.local[s.owner == i], np.arange(acc.n))
     tok = s.token[s.owner == 1]
@@ -110,11 +110,11 @@ def test_engines_on_one_model_file_share_its_slots(model_factory):
     path = model_factory(layers=3, experts=8, used=2)
     trace = skewed(4, tokens=60)
     spec = f"{trace_file(trace, path.parent / 't.npz')}:{path}"
-    a, b = fleet.load_member(spec), fleet.load_member(spec)
-    s = fleet.interleave([a, b], phases=(0.0, 0.0))
+    a, b = fleetsim.load_member(spec), fleetsim.load_member(spec)
+    s = fleetsim.interleave([a, b], phases=(0.0, 0.0))
     assert np.array_equal(s.keys[s.owner == 0], s.keys[s.owner == 1])  # the same keys
-    assert fleet.all_size([a, b]) == a.all_size  # one model's experts
-    r = fleet.replay_fleet([a, b], a.all_size // 2, phases=(0.0, 0.0))
+    assert fleetsim.all_size([a, b]) == a.all_size  # one model's experts
+    r = fleetsim.replay_fleet([a, b], a.all_size // 2, phases=(0.0, 0.0))
     assert r.shared.per_model[1].hits == r.shared.per_model[1].accesses  # b finds what a loaded
     assert r.shared.hit_rate > r.static.hit_rate
 
@@ -127,7 +127,7 @@ def trace_file(trace: Trace, path: pathlib.Path) -> pathlib.Path:
 # ---- floors are the store's -----------------------------------------------------------
 
 
-def store_replay(stream: fleet.Stream, budget: int, floors: list[int]) -> tuple[np.ndarray, int]:
+def store_replay(stream: fleetsim.Stream, budget: int, floors: list[int]) -> tuple[np.ndarray, int]:
     """The daemon's own Store as the oracle: acquire, load, release each access as its tenant."""
     store = Store(budget)
     tenants = [object() for _ in floors]
@@ -159,21 +159,21 @@ def store_replay(stream: fleet.Stream, budget: int, floors: list[int]) -> tuple[
 )
 def test_floors_replay_exactly_as_the_store_keeps_them(budget, floors):
     # size classes: a's layers hold 3, 5 and 3 bytes per expert, b's 5 and 8
-    a = fleet.Member("a", skewed(1), 1.0, (3, 5, 3))
-    b = fleet.Member("b", skewed(2, layers=2), 0.5, (5, 8))
-    stream = fleet.interleave([a, b], seed=1)
-    hit, refused = fleet._quota_lru(stream, budget, floors)
+    a = fleetsim.Member("a", skewed(1), 1.0, (3, 5, 3))
+    b = fleetsim.Member("b", skewed(2, layers=2), 0.5, (5, 8))
+    stream = fleetsim.interleave([a, b], seed=1)
+    hit, refused = fleetsim._quota_lru(stream, budget, floors)
     want_hit, want_refused = store_replay(stream, budget, floors)
     assert np.array_equal(hit, want_hit) and refused == want_refused
 
 
 def test_zero_floors_are_the_shared_replay_and_a_floor_protects_its_tenant():
-    quiet = fleet.Member("quiet", skewed(1, tokens=400), rate=0.25)
-    noisy = fleet.Member("noisy", skewed(2, experts=32, tokens=400))
+    quiet = fleetsim.Member("quiet", skewed(1, tokens=400), rate=0.25)
+    noisy = fleetsim.Member("noisy", skewed(2, experts=32, tokens=400))
     budget = 24
-    r = fleet.replay_fleet([quiet, noisy], budget, floors=[0, 0], seed=2)
+    r = fleetsim.replay_fleet([quiet, noisy], budget, floors=[0, 0], seed=2)
     assert r.floors is not None and r.floors.hits == r.shared.hits and r.floors.refused == 0
-    guarded = fleet.replay_fleet([quiet, noisy], budget, floors=[9, 0], seed=2).floors
+    guarded = fleetsim.replay_fleet([quiet, noisy], budget, floors=[9, 0], seed=2).floors
     assert guarded is not None
     assert guarded.per_model[0].hit_rate > r.shared.per_model[0].hit_rate + 0.1
     assert guarded.per_model[1].hit_rate < r.shared.per_model[1].hit_rate
@@ -186,7 +186,7 @@ def test_model_slots_are_real_bytes_with_size_classes(capsys, model_factory, tmp
     mixed = model_factory(layers=4, experts=8, used=2, layer_quants="q8_0,q4_0,q8_0,q4_0")
     plain = model_factory(layers=4, experts=8, used=2)
     t = trace_file(skewed(3, layers=4, tokens=80), tmp_path / "t.npz")
-    m = fleet.load_member(f"{t}:{mixed}")
+    m = fleetsim.load_member(f"{t}:{mixed}")
     assert len(set(m.slot_bytes or ())) == 2
     got = run_json(
         capsys, "fleet", f"{t}:{mixed}", f"{t}:{plain}@0.5", "--budget", "50%", "--floors", "25%,10%", "--json"
@@ -198,7 +198,7 @@ def test_model_slots_are_real_bytes_with_size_classes(capsys, model_factory, tmp
     assert [x["budget"] for x in got["floors"]["per_model"]] == [got["budget"] // 4, round(got["budget"] / 10)]
     size = run_json(capsys, "fleet", f"{t}:{mixed}", "--budget", f"{got['budget'] // 2}B", "--json")
     assert size["budget"] == got["budget"] // 2
-    single = fleet.replay_fleet([fleet.load_member(f"{t}:{plain}")], 8 * m.key_bytes.max())
+    single = fleetsim.replay_fleet([fleetsim.load_member(f"{t}:{plain}")], 8 * m.key_bytes.max())
     assert single.shared.hit_rate == policies.replay(Trace.load(t), "g-lru", slots=8).hit_rate
 
 
@@ -261,7 +261,7 @@ def fleet_specs(model_factory, tmp_path):
 def test_plan_fleet_smallest_budget_for_the_target(fleet_specs):
     from moed.lab import fleetplan
 
-    members = [fleet.load_member(s) for s in fleet_specs]
+    members = [fleetsim.load_member(s) for s in fleet_specs]
     planner = fleetplan.FleetPlanner(members, drive_gbps=0.001, compute_ms=1.0)
     target = 0.5 * planner.tok_s(planner.hits(planner.all_bytes)) + 0.5 * planner.tok_s(planner.hits(0))
     p = fleetplan.make_fleet_plan(

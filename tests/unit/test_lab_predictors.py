@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moed.lab.predictors import coverage
+from moed.lab.coverage import coverage
 from moed.traces import TraceWriter
 
 

@@ -127,7 +127,7 @@ def test_every_request_has_exactly_one_reply_type():
 
 
 def test_every_request_has_a_handler():
-    from moed.daemon.server import Session
+    from moed.daemon.sessions import Session
 
     session = Session(daemon=None)  # __init__ only builds the table
     assert set(session._handlers) == set(m.REQUEST_TYPES)

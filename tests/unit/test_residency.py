@@ -8,7 +8,7 @@ import os
 from moed import _holds
 from moed.cache.store import ExpertKey, Slot, SlotState
 from moed.daemon.residency import Residency
-from moed.protocol import residency as rz
+from moed.protocol import residency_words as rz
 
 
 def ready_slot(model_id: int, layer: int, expert: int, index: int = 3, generation: int = 5) -> Slot:

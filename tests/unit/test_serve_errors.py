@@ -14,7 +14,7 @@ pytest.importorskip("llama_cpp.server.app")  # the [server] extra
 
 from fastapi.exceptions import RequestValidationError  # noqa: E402
 
-from moed.engines import server  # noqa: E402
+from moed.engines import serving  # noqa: E402
 from moed.engines.http_errors import ExpertReadFailed, ModelNotFound, error_response, parse_body  # noqa: E402
 from moed.protocol import errors  # noqa: E402
 
@@ -22,7 +22,7 @@ from moed.protocol import errors  # noqa: E402
 def test_a_read_error_is_a_502_naming_the_expert():
     exc = errors.ReadError("reading layer 1 expert 5 part down of /m/bad.gguf failed: [Errno 5] EIO (3 attempts)")
     with pytest.raises(ExpertReadFailed) as mapped:
-        with server._served_errors(None):  # type: ignore[arg-type]
+        with serving._served_errors(None):  # type: ignore[arg-type]
             raise exc
     status, body = error_response(mapped.value)
     assert status == 502 and body["code"] == "moed_read_error" and body["type"] == "server_error"
@@ -31,8 +31,8 @@ def test_a_read_error_is_a_502_naming_the_expert():
 
 
 def test_a_lost_daemon_is_a_503():
-    with pytest.raises(server.MoedUnavailable) as mapped:
-        with server._served_errors(None):  # type: ignore[arg-type]
+    with pytest.raises(serving.MoedUnavailable) as mapped:
+        with serving._served_errors(None):  # type: ignore[arg-type]
             raise errors.DaemonUnavailable("cannot connect to moed at /run/moed.sock")
     status, body = error_response(mapped.value)
     assert status == 503 and body["message"].startswith("moed unavailable: cannot connect")
@@ -69,7 +69,7 @@ def test_an_unexpected_error_is_a_500_without_a_traceback(capsys):
 def test_a_read_error_with_its_facts_names_them_first():
     exc = errors.ReadError("[Errno 5] EIO (3 attempts)", model="/m/bad.gguf", layer=1, expert=5, part="down", errno=5)
     with pytest.raises(ExpertReadFailed) as mapped:
-        with server._served_errors(None):  # type: ignore[arg-type]
+        with serving._served_errors(None):  # type: ignore[arg-type]
             raise exc
     assert (
         str(mapped.value) == "moed could not read expert 5 of layer 1 (down) of /m/bad.gguf: [Errno 5] EIO (3 attempts)"

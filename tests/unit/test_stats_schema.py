@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from moed.daemon.stats import WIRE, Counters, ModelUse, Tenant
+from moed.daemon.counters import WIRE, Counters, ModelUse, Tenant
 from moed.protocol.stats import ModelRow, Stats, TenantModelRow, TenantRow, metric_fields
 
 

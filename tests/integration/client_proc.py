@@ -1,4 +1,4 @@
-"""A client process for integration tests: `python -m tests.integration.worker MODE SOCKET MODEL ...`.
+"""A client process for integration tests: `python -m tests.integration.client_proc MODE SOCKET MODEL ...`.
 
 Modes:
 - random N SEED: N acquires of random experts, each checked against the file's

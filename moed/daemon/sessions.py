@@ -44,7 +44,7 @@ from moed.protocol import errors
 from moed.protocol import messages as m
 from moed.protocol.framing import MAX_REQUEST_FRAME_BYTES, FrameReader, decode, encode, request_decoder
 from moed.protocol.messages import PROTOCOL_VERSION
-from moed.protocol.residency import REGION_WORDS
+from moed.protocol.residency_words import REGION_WORDS
 from moed.protocol.stats import ModelRow, Stats
 
 from . import control
@@ -57,8 +57,8 @@ from .bounds import (
     WRITE_LOW_BYTES,
 )
 from .core import Daemon, Lease, PendingAcquire
+from .counters import Tenant
 from .fdsend import FdSender
-from .stats import Tenant
 
 log = logging.getLogger("moed.server")
 
@@ -209,7 +209,7 @@ class Session(asyncio.Protocol):
         self.daemon.prefetches.forget(self)  # its queued read-ahead is no longer wanted
         if self in self.daemon.residency.regions:
             # A peer that left stops counting now; one the daemon closed may be mid-hit
-            # and does not know yet: its region is revoked (moed.protocol.residency).
+            # and does not know yet: its region is revoked (moed.protocol.residency_words).
             self.daemon.holds.close_region(self, revoke=not self.peer_closed)
         self.tenant.pids.discard(self.pid)
         if leases:

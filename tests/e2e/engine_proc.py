@@ -1,10 +1,10 @@
 """An engine process for e2e tests: StreamedLlama on a daemon, greedy text out.
 
-python -m tests.e2e.worker SOCKET MODEL PROMPT N            -> prints JSON {"text", "tokens"}
-python -m tests.e2e.worker SOCKET MODEL PROMPT N --forever  -> prints "tok" per token, forever
-python -m tests.e2e.worker SOCKET MODEL PROMPT N --touch-expert -> reads an unserved expert (must die)
-python -m tests.e2e.worker SOCKET MODEL PROMPT N --touch-released -> strict mode: reads a released one (must die)
-python -m tests.e2e.worker SOCKET MODEL PROMPT N --logits OUT.npy [--strict] -> loads, prints "ready", waits for a
+python -m tests.e2e.engine_proc SOCKET MODEL PROMPT N            -> prints JSON {"text", "tokens"}
+python -m tests.e2e.engine_proc SOCKET MODEL PROMPT N --forever  -> prints "tok" per token, forever
+python -m tests.e2e.engine_proc SOCKET MODEL PROMPT N --touch-expert -> reads an unserved expert (must die)
+python -m tests.e2e.engine_proc SOCKET MODEL PROMPT N --touch-released -> strict mode: reads a released one (must die)
+python -m tests.e2e.engine_proc SOCKET MODEL PROMPT N --logits OUT.npy [--strict] -> loads, prints "ready", waits for a
     line on stdin, then saves the prompt batch's and N greedy steps' logits (the e2e reference's settings) and prints
     JSON; --strict: released experts fault again (a read of one kills the process)
 """
