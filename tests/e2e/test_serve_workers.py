@@ -53,11 +53,14 @@ def workers(server: ServeProcess, model: str = "m") -> list[dict]:
     return httpx.get(server.url + "/moed/workers", timeout=10).json()[model]["workers"]
 
 
-def timed_stream(server: ServeProcess, n: int, out: dict, key) -> None:
-    """Stream a completion; out[key] = (first chunk's time, last chunk's time, text)."""
+def timed_stream(server: ServeProcess, n: int, out: dict, key, started: threading.Event | None = None) -> None:
+    """Stream a completion; out[key] = (first chunk's time, last chunk's time, text); `started` set at the first."""
     text, first = "", None
     for chunk in complete(server, n, stream=True):
-        first = first or time.monotonic()
+        if first is None:
+            first = time.monotonic()
+            if started is not None:
+                started.set()
         text += chunk.choices[0].text
     out[key] = (first, time.monotonic(), text)
 
@@ -67,14 +70,18 @@ def test_two_streams_on_two_workers_overlap_and_match_one_worker(daemon, tiny_mo
     try:
         want = complete(one, 150).choices[0].text
         spans: dict = {}
-        threads = [threading.Thread(target=timed_stream, args=(two, 150, spans, i)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        # A long stream first; once it streams, a short one runs start to end inside it.
+        # One worker would queue the short one behind the long one. (Two streams of the
+        # same length started together need not overlap on a loaded 2-core box.)
+        started = threading.Event()
+        long = threading.Thread(target=timed_stream, args=(two, 900, spans, 0, started))
+        long.start()
+        assert started.wait(60), "the long stream never started"
+        timed_stream(two, 150, spans, 1)
+        long.join(120)
         (a0, a1, a_text), (b0, b1, b_text) = spans[0], spans[1]
-        assert a0 < b1 and b0 < a1  # both streamed at once: one worker would have run them in turn
-        assert a_text == b_text == want  # the same greedy text as a one-worker server's
+        assert a0 < b0 and b1 < a1  # both streamed at once: one worker would have run them in turn
+        assert b_text == want and a_text.startswith(want)  # the same greedy text as a one-worker server's
         assert sorted(w["served"] for w in workers(two)) == [1, 1]
         # One worker queues them: the second starts after the first is done.
         threads = [threading.Thread(target=timed_stream, args=(one, 150, spans, i + 2)) for i in range(2)]
