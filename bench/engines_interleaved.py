@@ -1,0 +1,130 @@
+"""Everything fits: several engines in one process, decoding in turn token by token.
+
+Run: .venv/bin/python bench/engines_interleaved.py [--engines resident,moed-fit-off,stock,moed-fit] [--tokens 96]
+
+Why: on a shared VM one engine's decode speed drifts by 15-20% from one minute to
+the next (bench/RESULTS.md), so engines timed one after another, as
+bench/engine_vs_mmap.py does, compare drift as much as engines. Here every engine
+is loaded at once and each timed round decodes one token on each, in a rotating
+order; the figure is the median over rounds of the per-round time ratio, so drift
+slower than a round (about half a second) cancels. A token streams about 0.8 GB
+of weights, far beyond any cache, so one engine's token leaves nothing warm for
+the next.
+
+Engines (all one llama.cpp thread, the trace's routes forced, nothing evicted):
+- `resident`: UnpackedLlama on anonymous memory (use_mmap=False), the plain kernels;
+- `moed-fit-off`: StreamedLlama(repack="off") on the plain file, the same kernels,
+  every expert pinned in one daemon: the cost of moed's address-space mapping is
+  this against `resident`;
+- `stock`: llama_cpp.Llama as stock loads it (use_mmap=False, its repacked kernels);
+- `moed-fit`: StreamedLlama(repack="auto") on the `moectl align --repack` copy,
+  the same kernels as stock: what a user compares.
+
+The model is bench/engine_vs_mmap.py's (written there if missing), and so are the
+trace and the skeletons. Prints per engine the median ms a token, and the median
+per-round ratios of the pairs above.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import time
+
+import numpy as np
+from engine_vs_mmap import DEFAULT_MODEL, SKELETON_DIR, ensure_model, repacked_path
+from trace_routes import DEFAULT_TRACE, TraceRoutes
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PAIRS = [("moed-fit-off", "resident"), ("moed-fit", "stock"), ("stock", "resident"), ("moed-fit", "moed-fit-off")]
+
+
+def load(kind: str, model: str, socket: str, routes: TraceRoutes, n_ctx: int):
+    from moed.engines.llama_cpp import StockLlama, StreamedLlama, UnpackedLlama
+
+    kw = dict(n_ctx=n_ctx, n_batch=32, n_ubatch=32, n_threads=1, n_threads_batch=1, verbose=False)
+    if kind == "resident":
+        return UnpackedLlama(model, use_mmap=False, route_hook=routes, **kw)
+    if kind == "stock":
+        return StockLlama(model, use_mmap=False, route_hook=routes, **kw)
+    if kind in ("moed-fit-off", "moed-fit"):
+        plain = kind == "moed-fit-off"
+        return StreamedLlama(
+            model if plain else repacked_path(model),
+            repack="off" if plain else "auto",
+            socket_path=socket,
+            route_hook=routes,
+            skeleton_dir=SKELETON_DIR,
+            prefetch="off",
+            **kw,
+        )
+    raise SystemExit(f"unknown engine {kind!r}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--trace", default=str(DEFAULT_TRACE))
+    ap.add_argument("--engines", default="resident,moed-fit-off,stock,moed-fit")
+    ap.add_argument("--tokens", type=int, default=96, help="timed rounds (one token on each engine)")
+    ap.add_argument("--warmup", type=int, default=16)
+    args = ap.parse_args()
+    kinds = args.engines.split(",")
+
+    from moed.testing import DaemonProcess
+
+    ensure_model(args.model)
+    size = os.path.getsize(args.model)
+    n_ctx = args.warmup + args.tokens + 8
+    # Everything fits: the daemon pins every expert (both files' experts when both run).
+    budget = str(int(size * 2.2))
+    with DaemonProcess(budget, "--pin-budget", budget) as daemon:
+        routes = {k: TraceRoutes(args.trace) for k in kinds}
+        engines = {k: load(k, args.model, daemon.socket, routes[k], n_ctx) for k in kinds}
+        try:
+            if os.environ.get("MOED_BENCH_SHOW_MAPS"):
+                bases = {
+                    line.split()[-1]: int(line.split("-")[0], 16) for line in open("/proc/self/maps") if ".gguf" in line
+                }
+                for path, base in bases.items():
+                    print(f"  mapping of {path} at {base:#x}: {base % 65536} mod 64 KiB")
+            for llm in engines.values():
+                llm.eval([llm.token_bos()])
+            times: dict[str, list[float]] = {k: [] for k in kinds}
+            cpu: dict[str, list[float]] = {k: [0.0, 0.0, 0] for k in kinds}  # user s, system s, minor faults
+            for i in range(args.warmup + args.tokens):
+                order = kinds[i % len(kinds) :] + kinds[: i % len(kinds)]  # who goes first rotates
+                for k in order:
+                    llm = engines[k]
+                    routes[k].start(i)
+                    r0, t = resource.getrusage(resource.RUSAGE_THREAD), time.perf_counter()
+                    llm.eval([llm.token_bos()])
+                    if i >= args.warmup:
+                        times[k].append(time.perf_counter() - t)
+                        r1 = resource.getrusage(resource.RUSAGE_THREAD)  # one llama.cpp thread: this one
+                        cpu[k][0] += r1.ru_utime - r0.ru_utime
+                        cpu[k][1] += r1.ru_stime - r0.ru_stime
+                        cpu[k][2] += r1.ru_minflt - r0.ru_minflt
+        finally:
+            for llm in engines.values():
+                llm.close()
+    print(f"model {args.model}; {args.tokens} rounds after {args.warmup}; one thread each")
+    for k in kinds:
+        user, system, faults = (x / args.tokens for x in cpu[k])
+        print(
+            f"  {k:>13}: median {1e3 * float(np.median(times[k])):7.1f} ms/token, "
+            f"{1 / float(np.median(times[k])):6.3f} tok/s; a token: {1e3 * user:.1f} ms user, "
+            f"{1e3 * system:.1f} ms system, {faults:.0f} minor faults"
+        )
+    for a, b in PAIRS:
+        if a in times and b in times:
+            ratio = np.asarray(times[b]) / np.asarray(times[a])  # speed of a over speed of b, per round
+            q1, med, q3 = np.percentile(ratio, [25, 50, 75])
+            print(f"  {a} vs {b}: {med:.3f}x speed (median of per-round ratios; quartiles {q1:.3f}-{q3:.3f})")
+
+
+if __name__ == "__main__":
+    main()
