@@ -21,8 +21,9 @@ Engines (all one llama.cpp thread, the trace's routes forced, nothing evicted):
   the same kernels as stock: what a user compares.
 
 The model is bench/engine_vs_mmap.py's (written there if missing), and so are the
-trace and the skeletons. Prints per engine the median ms a token, and the median
-per-round ratios of the pairs above.
+trace and the skeletons. Prints per engine the median ms a token and, per timed
+token, the thread's user and system CPU and minor page faults (getrusage of the one
+thread llama.cpp computes on); then the median per-round ratios of the pairs above.
 """
 
 from __future__ import annotations
@@ -85,12 +86,6 @@ def main() -> None:
         routes = {k: TraceRoutes(args.trace) for k in kinds}
         engines = {k: load(k, args.model, daemon.socket, routes[k], n_ctx) for k in kinds}
         try:
-            if os.environ.get("MOED_BENCH_SHOW_MAPS"):
-                bases = {
-                    line.split()[-1]: int(line.split("-")[0], 16) for line in open("/proc/self/maps") if ".gguf" in line
-                }
-                for path, base in bases.items():
-                    print(f"  mapping of {path} at {base:#x}: {base % 65536} mod 64 KiB")
             for llm in engines.values():
                 llm.eval([llm.token_bos()])
             times: dict[str, list[float]] = {k: [] for k in kinds}
