@@ -59,6 +59,18 @@ class ModelFactory:
         return self.shards(**kwargs)[0]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def skeleton_cache(tmp_path_factory):
+    """StreamedLlama's default skeleton cache, for this run only (not the user's ~/.cache);
+    engine processes the tests start inherit it."""
+    import os
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MOED_SKELETON_DIR", str(tmp_path_factory.mktemp("skeleton-cache")))
+    yield pathlib.Path(os.environ["MOED_SKELETON_DIR"])
+    mp.undo()
+
+
 @pytest.fixture(scope="session")
 def model_factory(tmp_path_factory) -> ModelFactory:
     return ModelFactory(tmp_path_factory.mktemp("models"))

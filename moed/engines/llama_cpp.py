@@ -155,6 +155,24 @@ class StockLlama(Llama):
             super().__init__(model_path=model_path, **llama_kwargs)
 
 
+def _skeleton(source, skeleton_dir: str | os.PathLike) -> list[str]:
+    """The skeleton shards llama.cpp loads; the real files if the default cache cannot hold one."""
+    from moed.engines.skeleton import default_dir, skeleton_for
+
+    if os.fspath(skeleton_dir) != "auto":
+        return skeleton_for(source, skeleton_dir)  # a directory the caller chose: its errors are theirs
+    try:
+        return skeleton_for(source, default_dir())
+    except OSError as exc:
+        warnings.warn(
+            f"moed: no skeleton of {source.files[0]} in {default_dir()} ({exc}); llama.cpp loads the real "
+            "file, reading all of it (set MOED_SKELETON_DIR to a writable directory)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return list(source.files)
+
+
 def _hooked_internals(streamer: ExpertStreamer) -> types.ModuleType:
     """A copy of `llama_cpp._internals` whose model and context classes stream experts."""
     real = _llama_module.internals
@@ -208,9 +226,14 @@ class StreamedLlama(Llama):
     (default `$MOED_SOCKET` or /run/moed/moed.sock) and closed with this object.
     `acquire_timeout_s`: how long an acquire may wait for budget (None: forever).
     `route_hook`: benchmark only, may overwrite the router's ids in place.
-    `skeleton_dir`: when set, llama.cpp loads a skeleton of the model kept there
-    (the real file with holes for the experts, see moed.engines.skeleton), so the
-    load reads only the dense bytes from the drive instead of the whole model.
+    `skeleton_dir`: llama.cpp loads a skeleton of the model kept there (the real
+    file with holes for the experts, see moed.engines.skeleton), so the load reads
+    only the dense bytes from the drive. This llama.cpp maps every model file with
+    MAP_POPULATE: without a skeleton each load reads the whole model (measured: 3.71
+    GiB for a 3.70 GiB model), churns the box's page cache, and over a bad block in
+    an expert's range does not return. "auto" (default): the user's cache
+    (`skeleton.default_dir()`: $MOED_SKELETON_DIR, else $XDG_CACHE_HOME/moed/skeletons);
+    if it cannot be written there, a warning, and the real file. None: the real file.
     `strict`: released zero-copy experts go back to PROT_NONE, so any read of an
     expert not leased right now faults (tests, debugging). The default leaves them
     mapped to their last slot until it changes: no syscall on a repeated hit.
@@ -253,7 +276,7 @@ class StreamedLlama(Llama):
         acquire_timeout_s: float | None = None,
         route_hook: RouteHook | None = None,
         source: ExpertSource | None = None,
-        skeleton_dir: str | os.PathLike | None = None,
+        skeleton_dir: str | os.PathLike | None = "auto",
         strict: bool = False,
         prefetch: str = "gate",
         prefetch_width: int | None = None,
@@ -322,9 +345,7 @@ class StreamedLlama(Llama):
         )
         try:
             if skeleton_dir is not None:
-                from moed.engines.skeleton import skeleton_for
-
-                self.streamer.mapped_files = skeleton_for(source, skeleton_dir)
+                self.streamer.mapped_files = _skeleton(source, skeleton_dir)
                 model_path = self.streamer.mapped_files[0]
             with _constructing(_hooked_internals(self.streamer)):
                 super().__init__(model_path=model_path, **llama_kwargs)

@@ -69,13 +69,15 @@ class EngineOptions:
         ),
     )
     skeleton_dir: str | None = _option(
-        None,
+        "auto",
         Flag(
             "--skeleton-dir",
             {
                 RUN: "load llama.cpp from a skeleton of the model kept here (dense bytes only): "
-                "the load then reads no expert bytes from the drive",
-                SERVE: "load llama.cpp from a skeleton of each model kept here",
+                "the load then reads no expert bytes from the drive (default auto: "
+                "$MOED_SKELETON_DIR or ~/.cache/moed/skeletons)",
+                SERVE: "load llama.cpp from a skeleton of each model kept here "
+                "(default auto: $MOED_SKELETON_DIR or ~/.cache/moed/skeletons)",
             },
         ),
     )

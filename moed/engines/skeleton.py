@@ -1,9 +1,10 @@
 """Skeleton copies of a model: its bytes with every routed-expert range left as a hole.
 
-Why: this llama.cpp maps a qwen3moe model with MAP_POPULATE, which reads the whole
-file at load. For a model larger than RAM that is one full read of the drive
-and a page cache churned end to end, all for expert bytes the engine will never
-read through that mapping (they come from the daemon). A skeleton has the same
+Why: this llama.cpp maps every model file it loads with MAP_POPULATE, which reads
+the whole file at load (3.71 GiB for a 3.70 GiB model, measured). For a model
+larger than RAM that is one full read of the drive and a page cache churned end to
+end, all for expert bytes the engine will never read through that mapping (they
+come from the daemon); over a bad block the load does not return. A skeleton has the same
 size, header and dense bytes at the same offsets, and holes where the experts
 are: populating a hole reads nothing from the drive. llama.cpp loads the
 skeleton; the daemon still serves the experts from the real file.
@@ -16,16 +17,37 @@ Invariants:
   real file; it is written under a temporary name and renamed into place.
 - Shards keep their file names, so llama.cpp finds the other shards of a split
   skeleton next to the first one.
+- Each writer writes its own temporary file (pid and thread in the name) and renames
+  it into place, so engines starting together (serve workers) never read a file
+  another one is still writing.
+- StreamedLlama's default cache is per user (`default_dir`). A skeleton's stamp is
+  touched on every reuse, and writing a new one removes the cache's skeletons unused
+  for `MAX_IDLE_S`, so the cache holds what is in use, not every model ever opened.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import pathlib
+import shutil
+import threading
+import time
 
 from moed.engines.expert_pages import gaps, merge
 from moed.engines.sources import ExpertSource
+
+MAX_IDLE_S = 14 * 86400  # a skeleton no engine loaded for two weeks is removed
+
+
+def default_dir() -> pathlib.Path:
+    """StreamedLlama's skeleton cache: $MOED_SKELETON_DIR, else $XDG_CACHE_HOME/moed/skeletons,
+    else ~/.cache/moed/skeletons."""
+    if given := os.environ.get("MOED_SKELETON_DIR"):
+        return pathlib.Path(given)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "moed" / "skeletons"
 
 
 def _identity(path: str) -> str:
@@ -52,20 +74,51 @@ def skeleton_for(source: ExpertSource, cache_dir: str | os.PathLike) -> list[str
     key = "-".join(_identity(f) for f in source.files[:1])
     out_dir = pathlib.Path(cache_dir) / key
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
+    paths, wrote = [], False
     for shard, real in enumerate(source.files):
         dst = out_dir / os.path.basename(real)
         stamp = out_dir / (dst.name + ".src")
-        if not (dst.exists() and stamp.exists() and stamp.read_text() == _identity(real)):
+        if dst.exists() and stamp.exists() and stamp.read_text() == _identity(real):
+            os.utime(stamp)  # in use: kept by prune()
+        else:
             _write(real, str(dst), expert_ranges(source, shard))
-            stamp.write_text(_identity(real))
+            _write_text(stamp, _identity(real))
+            wrote = True
         paths.append(str(dst))
+    if wrote:
+        prune(pathlib.Path(cache_dir), keep=out_dir)
     return paths
+
+
+def prune(cache_dir: pathlib.Path, keep: pathlib.Path, max_idle_s: float = MAX_IDLE_S) -> list[pathlib.Path]:
+    """Remove the skeletons under `cache_dir` whose stamps were last touched over `max_idle_s` ago."""
+    removed, now = [], time.time()
+    for entry in cache_dir.iterdir():
+        stamps = list(entry.glob("*.src")) if entry.is_dir() and entry != keep else []
+        try:
+            idle = stamps and now - max(st.stat().st_mtime for st in stamps) > max_idle_s
+        except FileNotFoundError:  # another engine is pruning or rewriting it
+            continue
+        if idle:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+def _private(path: str) -> str:
+    """A temporary name no other writer uses (engines may write the same skeleton at once)."""
+    return f"{path}.partial-{os.getpid()}-{threading.get_ident()}"
+
+
+def _write_text(path: pathlib.Path, text: str) -> None:
+    tmp = _private(str(path))
+    pathlib.Path(tmp).write_text(text)
+    os.replace(tmp, path)
 
 
 def _write(real: str, dst: str, holes: list[tuple[int, int]]) -> None:
     size = os.path.getsize(real)
-    tmp = dst + ".partial"
+    tmp = _private(dst)
     src_fd = os.open(real, os.O_RDONLY)
     dst_fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -73,10 +126,14 @@ def _write(real: str, dst: str, holes: list[tuple[int, int]]) -> None:
         for lo, hi in dense_ranges(size, holes):
             _copy(src_fd, dst_fd, lo, hi - lo)
         os.fsync(dst_fd)
+        os.replace(tmp, dst)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
     finally:
         os.close(src_fd)
         os.close(dst_fd)
-    os.replace(tmp, dst)
 
 
 def _copy(src_fd: int, dst_fd: int, offset: int, length: int) -> None:

@@ -174,6 +174,44 @@ def test_skeleton_load_is_bit_exact_and_holds_no_expert_bytes(request, start_dae
         assert st.st_blocks * 512 < st.st_size / 2
 
 
+def test_default_load_is_a_skeleton_in_the_user_cache(
+    start_daemon, aligned_model, reference_logits, monkeypatch, tmp_path
+):
+    """No skeleton_dir: llama.cpp still loads a skeleton, from $MOED_SKELETON_DIR (this
+    llama.cpp MAP_POPULATEs what it maps: the real file would be read whole at load)."""
+    from moed.engines.llama_cpp import StreamedLlama
+
+    monkeypatch.setenv("MOED_SKELETON_DIR", str(tmp_path / "cache"))
+    _, want = reference_logits(aligned_model)
+    d = start_daemon()
+    with d.client("e2e") as client:
+        llm = StreamedLlama(str(aligned_model), client=client, **LLAMA_KW)
+        try:
+            got = greedy_logits(llm, llm.tokenize(PROMPT))
+            mapped = llm.streamer.mapped_files
+        finally:
+            llm.close()
+    assert_bit_equal(got, want)
+    assert len(mapped) == 1 and mapped[0].startswith(str(tmp_path / "cache"))
+
+
+def test_an_unwritable_skeleton_cache_warns_and_loads_the_real_file(start_daemon, aligned_model, monkeypatch, tmp_path):
+    from moed.engines.llama_cpp import StreamedLlama
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("MOED_SKELETON_DIR", str(blocker / "skeletons"))
+    d = start_daemon()
+    with d.client("e2e") as client:
+        with pytest.warns(RuntimeWarning, match="no skeleton of .* loads the real file"):
+            llm = StreamedLlama(str(aligned_model), client=client, **LLAMA_KW)
+        try:
+            assert llm.streamer.mapped_files == list(llm.streamer.source.files)  # the real file
+            assert len(greedy_logits(llm, llm.tokenize(PROMPT))) > 0
+        finally:
+            llm.close()
+
+
 def test_daemon_gone_mid_generation_is_a_typed_error(start_daemon, aligned_model):
     from moed.protocol.errors import DaemonUnavailable
 

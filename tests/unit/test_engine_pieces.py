@@ -50,3 +50,41 @@ def test_moectl_has_the_engine_verbs():
             ]
         )
         assert args.model == "m.gguf" and callable(args.func)
+
+
+def test_skeleton_default_dir_follows_the_environment(monkeypatch, tmp_path):
+    from moed.engines.skeleton import default_dir
+
+    monkeypatch.setenv("MOED_SKELETON_DIR", str(tmp_path / "given"))
+    assert default_dir() == tmp_path / "given"
+    monkeypatch.delenv("MOED_SKELETON_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_dir() == tmp_path / "xdg" / "moed" / "skeletons"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_dir() == tmp_path / "home" / ".cache" / "moed" / "skeletons"
+
+
+def test_skeleton_prune_removes_only_what_no_engine_loaded_lately(tmp_path):
+    import os
+    import time
+
+    from moed.engines.skeleton import MAX_IDLE_S, prune
+
+    def skeleton(name: str, age_s: float):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "m.gguf").write_bytes(b"x")
+        stamp = d / "m.gguf.src"
+        stamp.write_text("id")
+        t = time.time() - age_s
+        os.utime(stamp, (t, t))
+        return d
+
+    old = skeleton("old", MAX_IDLE_S + 60)
+    recent = skeleton("recent", MAX_IDLE_S - 3600)
+    kept = skeleton("just-written-but-old-stamp", MAX_IDLE_S + 60)
+    other = tmp_path / "not-a-skeleton"
+    other.mkdir()  # no stamp: not ours to judge
+    assert prune(tmp_path, keep=kept) == [old]
+    assert not old.exists() and recent.exists() and kept.exists() and other.exists()
