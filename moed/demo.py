@@ -23,10 +23,12 @@ printed, and everything stops cleanly.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 
@@ -98,6 +100,14 @@ def second_tenant_possible(model: Path) -> bool:
         capture_output=True,
     )
     return check.returncode == 0
+
+
+def nobody_dir(stack: contextlib.ExitStack) -> str:
+    """A temporary directory `nobody` owns, removed when `stack` closes."""
+    path = tempfile.mkdtemp(prefix="moed-demo-nobody-")
+    stack.callback(shutil.rmtree, path, True)
+    os.chown(path, NOBODY, NOBODY)
+    return path
 
 
 def engine_command(
@@ -244,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     daemon = start_daemon(budget, shared=two_users)
     sock = daemon.socket
     codes = []
+    stack = contextlib.ExitStack()
     try:
         prompts = (
             [
@@ -261,8 +272,17 @@ def main(argv: list[str] | None = None) -> int:
         n = 96 if trained else 48  # byte tokens: the trained model's context is 128
         # Greedy decoding of a tiny byte model loops ("the string the string"): sample, seeded.
         sample = ["--temp", "0.6", "--seed", "1"] if trained else []
+        # The second tenant's engine runs as nobody with root's $HOME: its skeleton (the
+        # model file with holes for the experts, what llama.cpp loads) goes to a
+        # directory of its own instead of root's ~/.cache, which it cannot write.
+        nobody_env = {**os.environ, "MOED_SKELETON_DIR": nobody_dir(stack)} if two_users else None
         procs = [
-            subprocess.Popen(engine_command(sock, model, p, name, other, n, sample), stdout=subprocess.PIPE, text=True)
+            subprocess.Popen(
+                engine_command(sock, model, p, name, other, n, sample),
+                stdout=subprocess.PIPE,
+                text=True,
+                env=nobody_env if other else None,
+            )
             for name, p, other in prompts
         ]
         outs = [p.communicate()[0] for p in procs]  # small: the pipes never fill
@@ -275,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run([sys.executable, "-m", "moed.ctl", "--socket", sock, "stats"], check=False)
     finally:
         rc = daemon.stop(15)
+        stack.close()
     print(f"demo: moed stopped (exit {rc})")
     if rc:
         print(daemon.log()[-2000:], file=sys.stderr)

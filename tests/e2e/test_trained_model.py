@@ -83,3 +83,5 @@ def test_the_demo_runs_the_trained_model_by_default(llama_cpp):
     assert "moed tiny-stdlib-moe" in r.stdout and "tiny-stdlib-moe.gguf" in r.stdout
     assert "moed stopped (exit 0)" in r.stdout
     assert "self" in r.stdout or "return" in r.stdout  # the engines' generated Python
+    # Both engines (the second as nobody, where root can) load a skeleton, none the whole file.
+    assert "no skeleton" not in r.stderr, r.stderr[-2000:]
