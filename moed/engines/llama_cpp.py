@@ -233,7 +233,8 @@ class StreamedLlama(Llama):
     GiB for a 3.70 GiB model), churns the box's page cache, and over a bad block in
     an expert's range does not return. "auto" (default): the user's cache
     (`skeleton.default_dir()`: $MOED_SKELETON_DIR, else $XDG_CACHE_HOME/moed/skeletons);
-    if it cannot be written there, a warning, and the real file. None: the real file.
+    if it cannot be written there, a warning, and the real file. None or "off": the
+    real file (`--skeleton-dir off`; `./off` names a directory called off).
     `strict`: released zero-copy experts go back to PROT_NONE, so any read of an
     expert not leased right now faults (tests, debugging). The default leaves them
     mapped to their last slot until it changes: no syscall on a repeated hit.
@@ -344,7 +345,7 @@ class StreamedLlama(Llama):
             layout=layout,
         )
         try:
-            if skeleton_dir is not None:
+            if skeleton_dir is not None and os.fspath(skeleton_dir) != "off":
                 self.streamer.mapped_files = _skeleton(source, skeleton_dir)
                 model_path = self.streamer.mapped_files[0]
             with _constructing(_hooked_internals(self.streamer)):

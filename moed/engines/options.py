@@ -75,9 +75,9 @@ class EngineOptions:
             {
                 RUN: "load llama.cpp from a skeleton of the model kept here (dense bytes only): "
                 "the load then reads no expert bytes from the drive (default auto: "
-                "$MOED_SKELETON_DIR or ~/.cache/moed/skeletons)",
+                "$MOED_SKELETON_DIR or ~/.cache/moed/skeletons; off: load the real file, read whole)",
                 SERVE: "load llama.cpp from a skeleton of each model kept here "
-                "(default auto: $MOED_SKELETON_DIR or ~/.cache/moed/skeletons)",
+                "(default auto: $MOED_SKELETON_DIR or ~/.cache/moed/skeletons; off: the real files)",
             },
         ),
     )

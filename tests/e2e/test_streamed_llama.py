@@ -212,6 +212,21 @@ def test_an_unwritable_skeleton_cache_warns_and_loads_the_real_file(start_daemon
             llm.close()
 
 
+def test_skeleton_dir_off_loads_the_real_file(start_daemon, aligned_model, monkeypatch, tmp_path):
+    from moed.engines.llama_cpp import StreamedLlama
+
+    monkeypatch.setenv("MOED_SKELETON_DIR", str(tmp_path / "cache"))
+    d = start_daemon()
+    with d.client("e2e") as client:
+        llm = StreamedLlama(str(aligned_model), client=client, skeleton_dir="off", **LLAMA_KW)
+        try:
+            assert llm.streamer.mapped_files == list(llm.streamer.source.files)
+            assert len(greedy_logits(llm, llm.tokenize(PROMPT))) > 0
+        finally:
+            llm.close()
+    assert not (tmp_path / "cache").exists()  # nothing was written to the cache
+
+
 def test_daemon_gone_mid_generation_is_a_typed_error(start_daemon, aligned_model):
     from moed.protocol.errors import DaemonUnavailable
 
