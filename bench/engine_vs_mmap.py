@@ -73,6 +73,33 @@ SKELETON_DIR = "/tmp/moed-bench-engine/skeletons"
 # ---- the engine side (runs in a child process) -----------------------------
 
 
+def load_engine(kind: str, model: str, socket: str | None, routes: TraceRoutes, prefetch="off", adapt=True, **kw):
+    """One engine of the benches, on the trace's routes (`kw`: llama.cpp's settings).
+
+    moed-*: StreamedLlama (`-off`: repack="off" on the plain file; else the
+    `align --repack` copy); stock: llama_cpp.Llama as stock loads it, resident; mmap:
+    UnpackedLlama on llama.cpp's mmap; anything else: UnpackedLlama resident.
+    """
+    from moed.engines.llama_cpp import StockLlama, StreamedLlama, UnpackedLlama
+
+    if kind.startswith("moed"):
+        plain = kind.endswith("-off")
+        return StreamedLlama(
+            model if plain else repacked_path(model),
+            repack="off" if plain else "auto",
+            socket_path=socket,
+            route_hook=routes,
+            skeleton_dir=SKELETON_DIR,
+            prefetch=prefetch,
+            prefetch_adapt=adapt,
+            predict_hook=routes.predict,
+            **kw,
+        )
+    if kind == "stock":  # its repacked kernels, on the trace's routes
+        return StockLlama(model, use_mmap=False, route_hook=routes, **kw)
+    return UnpackedLlama(model, use_mmap=(kind == "mmap"), route_hook=routes, **kw)
+
+
 def run_engine(
     kind: str,
     model: str,
@@ -86,8 +113,6 @@ def run_engine(
     adapt: bool = True,
     prefill: int = 0,
 ) -> dict:
-    from moed.engines.llama_cpp import StreamedLlama, UnpackedLlama
-
     routes = TraceRoutes(trace, recall)
     batch = 512 if prefill else 32
     # n_threads_batch too: llama-cpp-python defaults prompt batches to every core, which on
@@ -101,26 +126,7 @@ def run_engine(
         verbose=False,
     )
     t0 = time.perf_counter()
-    if kind.startswith("moed"):
-        plain = kind.endswith("-off")
-        llm = StreamedLlama(
-            model if plain else repacked_path(model),
-            repack="off" if plain else "auto",
-            socket_path=socket,
-            route_hook=routes,
-            skeleton_dir=SKELETON_DIR,
-            prefetch=prefetch,
-            prefetch_adapt=adapt,
-            predict_hook=routes.predict,
-            **kw,
-        )
-    elif kind == "stock":
-        # stock llama_cpp.Llama, resident: its repacked kernels, on the trace's routes
-        from moed.engines.llama_cpp import StockLlama
-
-        llm = StockLlama(model, use_mmap=False, route_hook=routes, **kw)
-    else:
-        llm = UnpackedLlama(model, use_mmap=(kind == "mmap"), route_hook=routes, **kw)
+    llm = load_engine(kind, model, socket, routes, prefetch, adapt, **kw)
     load_s = time.perf_counter() - t0
     out = {"engine": kind, "load_s": round(load_s, 2)}
     if kind.startswith("moed"):

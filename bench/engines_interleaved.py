@@ -35,7 +35,7 @@ import sys
 import time
 
 import numpy as np
-from engine_vs_mmap import DEFAULT_MODEL, SKELETON_DIR, ensure_model, repacked_path
+from engine_vs_mmap import DEFAULT_MODEL, ensure_model, load_engine
 from trace_routes import DEFAULT_TRACE, TraceRoutes
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -43,26 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAIRS = [("moed-fit-off", "resident"), ("moed-fit", "stock"), ("stock", "resident"), ("moed-fit", "moed-fit-off")]
 
 
-def load(kind: str, model: str, socket: str, routes: TraceRoutes, n_ctx: int):
-    from moed.engines.llama_cpp import StockLlama, StreamedLlama, UnpackedLlama
-
-    kw = dict(n_ctx=n_ctx, n_batch=32, n_ubatch=32, n_threads=1, n_threads_batch=1, verbose=False)
-    if kind == "resident":
-        return UnpackedLlama(model, use_mmap=False, route_hook=routes, **kw)
-    if kind == "stock":
-        return StockLlama(model, use_mmap=False, route_hook=routes, **kw)
-    if kind in ("moed-fit-off", "moed-fit"):
-        plain = kind == "moed-fit-off"
-        return StreamedLlama(
-            model if plain else repacked_path(model),
-            repack="off" if plain else "auto",
-            socket_path=socket,
-            route_hook=routes,
-            skeleton_dir=SKELETON_DIR,
-            prefetch="off",
-            **kw,
-        )
-    raise SystemExit(f"unknown engine {kind!r}")
+ENGINES = ("resident", "moed-fit-off", "stock", "moed-fit")
 
 
 def main() -> None:
@@ -74,6 +55,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=16)
     args = ap.parse_args()
     kinds = args.engines.split(",")
+    if unknown := [k for k in kinds if k not in ENGINES]:
+        raise SystemExit(f"unknown engine(s) {unknown}: choose from {','.join(ENGINES)}")
 
     from moed.testing import DaemonProcess
 
@@ -84,7 +67,8 @@ def main() -> None:
     budget = str(int(size * 2.2))
     with DaemonProcess(budget, "--pin-budget", budget) as daemon:
         routes = {k: TraceRoutes(args.trace) for k in kinds}
-        engines = {k: load(k, args.model, daemon.socket, routes[k], n_ctx) for k in kinds}
+        kw = dict(n_ctx=n_ctx, n_batch=32, n_ubatch=32, n_threads=1, n_threads_batch=1, verbose=False)
+        engines = {k: load_engine(k, args.model, daemon.socket, routes[k], **kw) for k in kinds}
         try:
             for llm in engines.values():
                 llm.eval([llm.token_bos()])

@@ -156,9 +156,12 @@ class StockLlama(Llama):
 
 
 def _skeleton(source, skeleton_dir: str | os.PathLike) -> list[str]:
-    """The skeleton shards llama.cpp loads; the real files if the default cache cannot hold one."""
+    """The files llama.cpp loads: skeleton shards, or the real files ("off", or when the
+    default cache cannot hold a skeleton)."""
     from moed.engines.skeleton import default_dir, skeleton_for
 
+    if os.fspath(skeleton_dir) == "off":
+        return list(source.files)
     if os.fspath(skeleton_dir) != "auto":
         return skeleton_for(source, skeleton_dir)  # a directory the caller chose: its errors are theirs
     try:
@@ -345,7 +348,7 @@ class StreamedLlama(Llama):
             layout=layout,
         )
         try:
-            if skeleton_dir is not None and os.fspath(skeleton_dir) != "off":
+            if skeleton_dir is not None:
                 self.streamer.mapped_files = _skeleton(source, skeleton_dir)
                 model_path = self.streamer.mapped_files[0]
             with _constructing(_hooked_internals(self.streamer)):

@@ -24,12 +24,17 @@ pytestmark = pytest.mark.skipif(
 )
 
 MiB = 1 << 20
-EXPERT = 3 * 68 * 1024  # one expert of the slow_fs model: 3 page-aligned parts
 # What may finish while a demand read waits if it goes ahead of 10 queued prefetched
 # experts: its own, the two reader threads' reads in flight (a job counts whole when
 # its last chunk lands), and what the throttle lets through around the calls. Behind
 # the queue it would be at least 11.
-AHEAD = 6 * EXPERT
+AHEAD_EXPERTS = 6
+
+
+def ahead_bytes(model: str) -> int:
+    """AHEAD_EXPERTS experts of `model` (all its experts are one size), in bytes."""
+    cat = Catalog.open(model)
+    return AHEAD_EXPERTS * sum(cat.extent(cat.moe_layers[0], 0, p)[2] for p in cat.parts)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +87,7 @@ def test_prefetch_backs_off_and_demand_goes_ahead_on_a_throttled_drive(throttled
         # waited, the reads in flight (2 threads) and a few around the calls finished
         # besides its own 204 KiB, never the 10 experts of read-ahead queued before it.
         # Counted in bytes, not seconds, so a loaded box cannot make it pass or fail.
-        assert s["bytes_read"] - before <= AHEAD, (s["bytes_read"] - before) // 1024
+        assert s["bytes_read"] - before <= ahead_bytes(model), (s["bytes_read"] - before) // 1024
         assert s["prefetch_dropped"] >= 5, s["prefetch_dropped"]
         issued = s["prefetches"]
         h.prefetch(3, list(range(8)))  # while behind: none is issued
@@ -105,7 +110,7 @@ def test_without_backoff_demand_still_goes_before_queued_prefetches(throttled, s
         with h.acquire(1, [20], timeout_s=30):
             s = c.stats()
         # the demand's own and a few in flight finished, not the 10 queued before it
-        assert s["bytes_read"] - before <= AHEAD, (s["bytes_read"] - before) // 1024
+        assert s["bytes_read"] - before <= ahead_bytes(model), (s["bytes_read"] - before) // 1024
         assert s["prefetch_dropped"] == 0 and s["reads_in_flight"] > 0  # the read-ahead goes on, behind
         throttle.read_bps(0)
         wait_for(lambda: c.stats()["reads_in_flight"] == 0, timeout_s=20, what="reads to drain")
