@@ -71,6 +71,8 @@ def main() -> None:
         engines = {k: load_engine(k, args.model, daemon.socket, routes[k], **kw) for k in kinds}
         try:
             for llm in engines.values():
+                if hasattr(llm, "warm"):  # every expert read and mapped, as the resident engines load
+                    llm.warm(everything=True)
                 llm.eval([llm.token_bos()])
             times: dict[str, list[float]] = {k: [] for k in kinds}
             cpu: dict[str, list[float]] = {k: [0.0, 0.0, 0] for k in kinds}  # user s, system s, minor faults
@@ -87,6 +89,10 @@ def main() -> None:
                         cpu[k][0] += r1.ru_utime - r0.ru_utime
                         cpu[k][1] += r1.ru_stime - r0.ru_stime
                         cpu[k][2] += r1.ru_minflt - r0.ru_minflt
+            lanes = {
+                k: (st["lane_layers"], st["layers"])
+                for k, st in ((k, e.stream_stats()) for k, e in engines.items() if hasattr(e, "stream_stats"))
+            }
         finally:
             for llm in engines.values():
                 llm.close()
@@ -98,6 +104,8 @@ def main() -> None:
             f"{1 / float(np.median(times[k])):6.3f} tok/s; a token: {1e3 * user:.1f} ms user, "
             f"{1e3 * system:.1f} ms system, {faults:.0f} minor faults"
         )
+    for k, (n, of) in lanes.items():
+        print(f"  {k}: the lane took {n} of {of} routed layers (local hits, in C)")
     for a, b in PAIRS:
         if a in times and b in times:
             ratio = np.asarray(times[b]) / np.asarray(times[a])  # speed of a over speed of b, per round

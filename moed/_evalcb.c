@@ -13,13 +13,85 @@
  *                                    # changed (b"ffn_norm-"; gpt-oss: b"attn_post_norm-")
  *   callback_address(), user_data(handle): what goes into llama_context_params
  * The handle owns a reference to fn and must outlive the context.
+ *
+ * The lane: a routed layer whose experts are all local hits, taken without Python.
+ * Between two layers' callbacks the matmuls stream tens of MB of weights, so the
+ * callback runs with cold caches and every Python instruction costs several times
+ * what a warm loop says (bench/RESULTS.md: 115 us a layer of Python acquire and
+ * show against 22 us warm). The lane does one layer's whole cycle in C: read the
+ * topk ids, take the hit (moed/_hitproto.h: the same steps as moed._holds), release
+ * the previous layer's lane lease, leave the touches, and map every expert whose
+ * slot changed (MAP_FIXED of the daemon's read-only memfd; relaxed zero copy).
+ *
+ *   lane = lane_new(region, table, n_experts, hold_indexes, counter_word, tensor_layout)
+ *   lane_layer(lane, layer, row_base, class_id, states, fd, [(addr, bytes, part_off, part_stride)])
+ *   lane_step(lane, tensor) -> experts held | -1 (declined: ask Python's path) | -2 (lease lost)
+ *   lane_place(lane, layer, expert, slot[, populate]) -> bool   (the slow path's show: mapped now?)
+ *   lane_release(lane) -> bool, lane_python_held(lane, on), lane_disable(lane), lane_free(lane)
+ *   lane_stats(lane), lane_layer_ns(lane, layer)
+ *   set_lane(handle, lane | None, auto): with auto, a topk node tries the lane before Python
+ *
+ * One owner for each thing the lane touches: it alone maps the addresses of the
+ * layers given to it (the Python slow path maps through lane_place); its hold
+ * indexes were handed to it by the client's region and are its own; the ring's
+ * head is the region's word, which every recorder writes holding the GIL (the
+ * lane always runs holding it). A lane declines (-1) whenever anything is not a
+ * plain hit: a miss, a revoked or disabled region, an id out of range; nothing
+ * is changed then, and Python's path does the layer. The auto path also leaves
+ * the layer to Python while Python holds a grant (it must release it).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
 #include <stdbool.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+
+#include "_hitproto.h"
 
 #define NORM_PREFIX_MAX 47 /* a ggml name is at most 63 bytes; the prefix leaves room for digits */
+
+#define LANE_MAX_PARTS 4
+#define LANE_MAX_LAYERS 4096
+#define LANE_DECLINE (-1)
+#define LANE_LOST (-2)
+#define LANE_MAPERR (-3)
+
+typedef struct {
+    int64_t row_base;
+    uint64_t class_id;
+    Py_buffer states;
+    int fd;
+    int n_parts;
+    uintptr_t addr[LANE_MAX_PARTS]; /* expert 0's address of each part */
+    size_t bytes[LANE_MAX_PARTS];
+    uint64_t part_off[LANE_MAX_PARTS], part_stride[LANE_MAX_PARTS];
+    int64_t *placed; /* slot mapped at each expert's addresses, -1: none (PROT_NONE) */
+    uint64_t ns;     /* time in this layer's lane acquires */
+} LaneLayer;
+
+typedef struct {
+    int live;
+    int has_region;
+    Py_buffer region, table;
+    int64_t n_experts;
+    int64_t counter_word;
+    size_t name_off, type_off, ne_off, nb_off, data_off;
+    int64_t *holds[2]; /* two sets of hold indexes: the lease held, and the next */
+    Py_ssize_t set_size;
+    int cur_set;        /* the set the held lease uses */
+    Py_ssize_t cur_n;   /* experts in the held lease (0: none) */
+    LaneLayer *cur;     /* its layer */
+    int disabled, python_held;
+    int pending;        /* an error met on the auto path, for Python's next lane_step */
+    int pending_errno;
+    LaneLayer *layers[LANE_MAX_LAYERS];
+    unsigned char *mark;
+    int64_t *experts, *rows;
+    uint64_t *slots;
+    uint64_t n_layers, n_experts_acq, acquire_ns, show_ns, maps, declines;
+} Lane;
 
 typedef struct {
     PyObject *fn;
@@ -27,6 +99,9 @@ typedef struct {
     int norm;
     char norm_prefix[NORM_PREFIX_MAX + 1];
     size_t norm_len;
+    PyObject *lane_obj; /* the capsule, referenced while set */
+    Lane *lane;
+    int lane_auto;
 } Config;
 
 static int digits_to_end(const char *s) {
@@ -42,6 +117,81 @@ static bool wanted(const Config *c, const char *name) {
     return false;
 }
 
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* The layer number of a `ffn_moe_topk-<n>` name, or -1. */
+static int topk_layer(const char *name) {
+    if (strncmp(name, "ffn_moe_topk-", 13) != 0 || !digits_to_end(name + 13)) return -1;
+    long n = strtol(name + 13, NULL, 10);
+    return n >= 0 && n < LANE_MAX_LAYERS ? (int)n : -1;
+}
+
+/* Map every expert of the layer whose slot changed; MAP_FIXED replaces what was there. */
+static int lane_map(Lane *L, LaneLayer *ly, int64_t expert, uint64_t slot, int populate) {
+    if (ly->placed[expert] == (int64_t)slot && !populate) return 0;
+    ly->placed[expert] = -1; /* until every part is mapped: a failure leaves it unknown */
+    for (int p = 0; p < ly->n_parts; p++) {
+        void *addr = (void *)(ly->addr[p] + (uintptr_t)expert * ly->bytes[p]);
+        off_t off = (off_t)(ly->part_off[p] + slot * ly->part_stride[p]);
+        int flags = MAP_SHARED | MAP_FIXED | (populate ? MAP_POPULATE : 0);
+        if (mmap(addr, ly->bytes[p], PROT_READ, flags, ly->fd, off) == MAP_FAILED) return -1;
+    }
+    ly->placed[expert] = (int64_t)slot;
+    L->maps++;
+    return 1;
+}
+
+/* One layer's cycle (the module comment); the GIL is held. */
+static int lane_step_core(Lane *L, const char *tensor) {
+    if (!L->live || !L->has_region || L->disabled) return LANE_DECLINE;
+    int layer = topk_layer(tensor + L->name_off);
+    LaneLayer *ly = layer >= 0 ? L->layers[layer] : NULL;
+    if (ly == NULL || *(const int *)(tensor + L->type_off) != 26 /* GGML_TYPE_I32 */) return LANE_DECLINE;
+    const int64_t *ne = (const int64_t *)(tensor + L->ne_off);
+    const size_t *nb = (const size_t *)(tensor + L->nb_off);
+    const char *data = *(const char *const *)(tensor + L->data_off);
+    int64_t n = L->n_experts, m = 0;
+    int bad = 0;
+    for (int64_t t = 0; t < ne[1]; t++)
+        for (int64_t j = 0; j < ne[0]; j++) {
+            int32_t id = *(const int32_t *)(data + t * nb[1] + j * nb[0]);
+            if (id >= n) bad = 1;
+            else if (id >= 0) L->mark[id] = 1;
+        }
+    for (int64_t e = 0; e < n; e++)
+        if (L->mark[e]) { L->mark[e] = 0; L->experts[m++] = e; } /* ascending, as np.unique */
+    if (bad || m == 0 || m > L->set_size) return LANE_DECLINE;
+    uint64_t t0 = now_ns();
+    const uint64_t *table = (const uint64_t *)L->table.buf;
+    Py_ssize_t n_table = L->table.len / 8;
+    for (int64_t j = 0; j < m; j++) {
+        L->rows[j] = ly->row_base + L->experts[j];
+        if (L->rows[j] >= n_table) return LANE_DECLINE;
+    }
+    uint64_t *region = (uint64_t *)L->region.buf;
+    int next = L->cur_n ? 1 - L->cur_set : L->cur_set;
+    int rc = hp_hit(table, L->rows, (size_t)m, (const uint64_t *)ly->states.buf, (size_t)(ly->states.len / 8),
+                    region, L->holds[next], ly->class_id, L->slots);
+    if (rc != HP_HIT) { L->declines++; return LANE_DECLINE; }
+    int lost = 0;
+    if (L->cur_n)
+        lost = !hp_release((const uint64_t *)L->cur->states.buf, (size_t)(L->cur->states.len / 8), region,
+                           L->holds[L->cur_set], (size_t)L->cur_n);
+    L->cur_set = next; L->cur_n = m; L->cur = ly;
+    hp_record(region, ly->class_id, L->slots, (size_t)m, L->counter_word);
+    uint64_t t1 = now_ns();
+    for (int64_t j = 0; j < m; j++)
+        if (lane_map(L, ly, L->experts[j], L->slots[j], 0) < 0) { L->pending_errno = errno; return LANE_MAPERR; }
+    uint64_t t2 = now_ns();
+    L->n_layers++; L->n_experts_acq += (uint64_t)m;
+    L->acquire_ns += t1 - t0; L->show_ns += t2 - t1; ly->ns += t1 - t0;
+    return lost ? LANE_LOST : (int)m;
+}
+
 static bool eval_callback(void *tensor, bool ask, void *user_data) {
     const Config *c = (const Config *)user_data;
     const char *name = (const char *)tensor + c->name_offset;
@@ -49,6 +199,11 @@ static bool eval_callback(void *tensor, bool ask, void *user_data) {
     if (ask) return true;
     PyGILState_STATE g = PyGILState_Ensure();
     bool ok = false;
+    if (c->lane != NULL && c->lane_auto && !c->lane->python_held) { /* a Python grant: Python releases it */
+        int rc = lane_step_core(c->lane, (const char *)tensor);
+        if (rc >= 0) { PyGILState_Release(g); return true; }
+        if (rc != LANE_DECLINE) c->lane->pending = rc; /* Python's lane_step reports it */
+    }
     PyObject *r = PyObject_CallFunction(c->fn, "K", (unsigned long long)(uintptr_t)tensor);
     if (r == NULL) {
         PyErr_WriteUnraisable(c->fn);     /* the Python side catches its own errors; a bug stops the graph */
@@ -64,6 +219,7 @@ static void config_free(PyObject *capsule) {
     Config *c = (Config *)PyCapsule_GetPointer(capsule, "moed.evalcb");
     if (c != NULL) {
         Py_XDECREF(c->fn);
+        Py_XDECREF(c->lane_obj);
         PyMem_Free(c);
     }
 }
@@ -81,6 +237,9 @@ static PyObject *make(PyObject *self, PyObject *args) {
     c->fn = fn;
     c->name_offset = (size_t)off;
     c->norm = 0;
+    c->lane_obj = NULL;
+    c->lane = NULL;
+    c->lane_auto = 0;
     strcpy(c->norm_prefix, "ffn_norm-");
     c->norm_len = strlen(c->norm_prefix);
     PyObject *cap = PyCapsule_New(c, "moed.evalcb", config_free);
@@ -122,11 +281,279 @@ static PyObject *callback_address(PyObject *self, PyObject *noargs) {
     return PyLong_FromVoidPtr((void *)eval_callback);
 }
 
+
+/* ---- the lane's Python interface ---------------------------------------- */
+
+static void lane_release_buffers(Lane *L) {
+    if (!L->live) return;
+    L->live = 0;
+    for (int i = 0; i < LANE_MAX_LAYERS; i++) {
+        LaneLayer *ly = L->layers[i];
+        if (ly == NULL) continue;
+        PyBuffer_Release(&ly->states);
+        PyMem_Free(ly->placed);
+        PyMem_Free(ly);
+        L->layers[i] = NULL;
+    }
+    if (L->has_region) {
+        PyBuffer_Release(&L->region);
+        PyBuffer_Release(&L->table);
+    }
+}
+
+static void lane_capsule_free(PyObject *capsule) {
+    Lane *L = (Lane *)PyCapsule_GetPointer(capsule, "moed.lane");
+    if (L == NULL) return;
+    lane_release_buffers(L);
+    PyMem_Free(L->holds[0]); PyMem_Free(L->holds[1]);
+    PyMem_Free(L->mark); PyMem_Free(L->experts); PyMem_Free(L->rows); PyMem_Free(L->slots);
+    PyMem_Free(L);
+}
+
+static Lane *lane_of(PyObject *cap) {
+    Lane *L = (Lane *)PyCapsule_GetPointer(cap, "moed.lane");
+    if (L != NULL && !L->live) {
+        PyErr_SetString(PyExc_ValueError, "the lane was freed");
+        return NULL;
+    }
+    return L;
+}
+
+/* lane_new(region | None, table | None, n_experts, hold_indexes, counter_word,
+ *          (name_off, type_off, ne_off, nb_off, data_off)) -> lane
+ * Without a region (local hits off) the lane only maps (lane_place); lane_step declines. */
+static PyObject *lane_new(PyObject *self, PyObject *args) {
+    PyObject *robj, *tobj, *holds; Py_ssize_t n_experts, counter;
+    Py_ssize_t name_off, type_off, ne_off, nb_off, data_off;
+    if (!PyArg_ParseTuple(args, "OOnOn(nnnnn)", &robj, &tobj, &n_experts, &holds, &counter, &name_off, &type_off,
+                          &ne_off, &nb_off, &data_off))
+        return NULL;
+    if (!PyList_Check(holds) || PyList_GET_SIZE(holds) % 2 || n_experts < 1 || n_experts > 65536) {
+        PyErr_SetString(PyExc_ValueError, "need an even list of hold indexes and 1..65536 experts");
+        return NULL;
+    }
+    if ((robj == Py_None) != (tobj == Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "a region and a table, or neither");
+        return NULL;
+    }
+    Lane *L = PyMem_Calloc(1, sizeof(Lane));
+    if (L == NULL) return PyErr_NoMemory();
+    Py_ssize_t half = PyList_GET_SIZE(holds) / 2;
+    L->set_size = half;
+    L->n_experts = n_experts;
+    L->counter_word = counter;
+    L->name_off = (size_t)name_off; L->type_off = (size_t)type_off; L->ne_off = (size_t)ne_off;
+    L->nb_off = (size_t)nb_off; L->data_off = (size_t)data_off;
+    L->holds[0] = PyMem_Calloc((size_t)(half ? half : 1), sizeof(int64_t));
+    L->holds[1] = PyMem_Calloc((size_t)(half ? half : 1), sizeof(int64_t));
+    L->mark = PyMem_Calloc((size_t)n_experts, 1);
+    L->experts = PyMem_Calloc((size_t)n_experts, sizeof(int64_t));
+    L->rows = PyMem_Calloc((size_t)n_experts, sizeof(int64_t));
+    L->slots = PyMem_Calloc((size_t)n_experts, sizeof(uint64_t));
+    PyObject *cap = NULL;
+    if (!L->holds[0] || !L->holds[1] || !L->mark || !L->experts || !L->rows || !L->slots) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    if (robj != Py_None) {
+        if (PyObject_GetBuffer(robj, &L->region, PyBUF_WRITABLE) < 0) goto fail;
+        if (PyObject_GetBuffer(tobj, &L->table, PyBUF_SIMPLE) < 0) { PyBuffer_Release(&L->region); goto fail; }
+        L->has_region = 1;
+        Py_ssize_t words = L->region.len / 8;
+        int ok = ((uintptr_t)L->region.buf % 8 == 0) && ((uintptr_t)L->table.buf % 8 == 0) &&
+                 words >= HP_REGION_WORDS && counter < words;
+        for (Py_ssize_t i = 0; ok && i < 2 * half; i++) {
+            Py_ssize_t h = PyLong_AsSsize_t(PyList_GET_ITEM(holds, i));
+            if (PyErr_Occurred()) { PyErr_Clear(); ok = 0; break; }
+            if (h < 64 || h >= 64 + 1024) ok = 0; /* the region's hold words */
+            L->holds[i / half][i % half] = h;
+        }
+        if (!ok) {
+            PyBuffer_Release(&L->region); PyBuffer_Release(&L->table);
+            L->has_region = 0;
+            PyErr_SetString(PyExc_ValueError, "not a hold region and table, or a hold index outside its hold words");
+            goto fail;
+        }
+    }
+    L->live = 1;
+    cap = PyCapsule_New(L, "moed.lane", lane_capsule_free);
+    if (cap == NULL) { lane_release_buffers(L); goto fail; }
+    return cap;
+fail:
+    PyMem_Free(L->holds[0]); PyMem_Free(L->holds[1]);
+    PyMem_Free(L->mark); PyMem_Free(L->experts); PyMem_Free(L->rows); PyMem_Free(L->slots);
+    PyMem_Free(L);
+    return NULL;
+}
+
+/* lane_layer(lane, layer, row_base, class_id, states | None, fd, [(addr, bytes, part_off, part_stride), ...]) */
+static PyObject *lane_layer(PyObject *self, PyObject *args) {
+    PyObject *cap, *sobj, *parts; Py_ssize_t layer, row_base; unsigned long long class_id; int fd;
+    if (!PyArg_ParseTuple(args, "OnnKOiO", &cap, &layer, &row_base, &class_id, &sobj, &fd, &parts)) return NULL;
+    Lane *L = lane_of(cap);
+    if (L == NULL) return NULL;
+    if (layer < 0 || layer >= LANE_MAX_LAYERS || L->layers[layer] != NULL || !PyList_Check(parts) ||
+        PyList_GET_SIZE(parts) < 1 || PyList_GET_SIZE(parts) > LANE_MAX_PARTS || row_base < 0 || fd < 0 ||
+        (L->has_region && sobj == Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "a new layer 0..4095, 1..4 parts, a row base, an fd and its states");
+        return NULL;
+    }
+    LaneLayer *ly = PyMem_Calloc(1, sizeof(LaneLayer));
+    if (ly == NULL) return PyErr_NoMemory();
+    ly->placed = PyMem_Malloc((size_t)L->n_experts * sizeof(int64_t));
+    if (ly->placed == NULL) { PyMem_Free(ly); return PyErr_NoMemory(); }
+    for (int64_t e = 0; e < L->n_experts; e++) ly->placed[e] = -1;
+    ly->row_base = row_base; ly->class_id = class_id; ly->fd = fd;
+    ly->n_parts = (int)PyList_GET_SIZE(parts);
+    for (int p = 0; p < ly->n_parts; p++) {
+        unsigned long long addr, bytes, off, stride;
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(parts, p), "KKKK", &addr, &bytes, &off, &stride) || addr % 4096 ||
+            bytes % 4096 || off % 4096 || stride % 4096 || bytes == 0) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "parts must be page-aligned (zero copy)");
+            PyMem_Free(ly->placed); PyMem_Free(ly);
+            return NULL;
+        }
+        ly->addr[p] = (uintptr_t)addr; ly->bytes[p] = (size_t)bytes;
+        ly->part_off[p] = off; ly->part_stride[p] = stride;
+    }
+    /* states.obj stays NULL without a region: PyBuffer_Release then does nothing */
+    if (sobj != Py_None) {
+        if (PyObject_GetBuffer(sobj, &ly->states, PyBUF_SIMPLE) < 0 || (uintptr_t)ly->states.buf % 8) {
+            if (!PyErr_Occurred()) {
+                PyBuffer_Release(&ly->states);
+                PyErr_SetString(PyExc_ValueError, "states not 8-byte aligned");
+            }
+            PyMem_Free(ly->placed); PyMem_Free(ly);
+            return NULL;
+        }
+    }
+    L->layers[layer] = ly;
+    Py_RETURN_NONE;
+}
+
+static PyObject *lane_step(PyObject *self, PyObject *args) {
+    PyObject *cap; unsigned long long tensor;
+    if (!PyArg_ParseTuple(args, "OK", &cap, &tensor)) return NULL;
+    Lane *L = lane_of(cap);
+    if (L == NULL) return NULL;
+    int rc = L->pending;
+    if (rc == 0) rc = lane_step_core(L, (const char *)(uintptr_t)tensor);
+    L->pending = 0;
+    if (rc == LANE_MAPERR) {
+        errno = L->pending_errno;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromLong(rc);
+}
+
+/* lane_place(lane, layer, expert, slot[, populate]): populate maps it again, page-table
+ * entries made now (StreamedLlama.warm), so its first use in a matmul takes no fault. */
+static PyObject *lane_place(PyObject *self, PyObject *args) {
+    PyObject *cap; Py_ssize_t layer, expert; unsigned long long slot; int populate = 0;
+    if (!PyArg_ParseTuple(args, "OnnK|p", &cap, &layer, &expert, &slot, &populate)) return NULL;
+    Lane *L = lane_of(cap);
+    if (L == NULL) return NULL;
+    LaneLayer *ly = layer >= 0 && layer < LANE_MAX_LAYERS ? L->layers[layer] : NULL;
+    if (ly == NULL || expert < 0 || expert >= L->n_experts) {
+        PyErr_Format(PyExc_ValueError, "layer %zd expert %zd is not the lane's", layer, expert);
+        return NULL;
+    }
+    uint64_t t0 = now_ns();
+    int rc = lane_map(L, ly, expert, slot, populate);
+    L->show_ns += now_ns() - t0;
+    if (rc < 0) return PyErr_SetFromErrno(PyExc_OSError);
+    return PyBool_FromLong(rc);
+}
+
+static PyObject *lane_release(PyObject *self, PyObject *args) {
+    PyObject *cap;
+    if (!PyArg_ParseTuple(args, "O", &cap)) return NULL;
+    Lane *L = lane_of(cap);
+    if (L == NULL) return NULL;
+    int ok = 1;
+    if (L->cur_n)
+        ok = hp_release((const uint64_t *)L->cur->states.buf, (size_t)(L->cur->states.len / 8),
+                        (uint64_t *)L->region.buf, L->holds[L->cur_set], (size_t)L->cur_n);
+    L->cur_n = 0; L->cur = NULL;
+    return PyBool_FromLong(ok);
+}
+
+static PyObject *lane_flag(PyObject *args, int which) {
+    PyObject *cap; int on = 1;
+    if (!PyArg_ParseTuple(args, which ? "Op" : "O", &cap, &on)) return NULL;
+    Lane *L = (Lane *)PyCapsule_GetPointer(cap, "moed.lane"); /* a freed lane takes flags too: no-ops */
+    if (L == NULL) return NULL;
+    if (which) L->python_held = on; else L->disabled = 1;
+    Py_RETURN_NONE;
+}
+static PyObject *lane_python_held(PyObject *self, PyObject *args) { return lane_flag(args, 1); }
+static PyObject *lane_disable(PyObject *self, PyObject *args) { return lane_flag(args, 0); }
+
+/* lane_free(lane): release the buffers now (a lease still held is released first). */
+static PyObject *lane_free(PyObject *self, PyObject *args) {
+    PyObject *cap;
+    if (!PyArg_ParseTuple(args, "O", &cap)) return NULL;
+    Lane *L = (Lane *)PyCapsule_GetPointer(cap, "moed.lane");
+    if (L == NULL) return NULL;
+    if (L->live && L->cur_n)
+        hp_release((const uint64_t *)L->cur->states.buf, (size_t)(L->cur->states.len / 8),
+                   (uint64_t *)L->region.buf, L->holds[L->cur_set], (size_t)L->cur_n);
+    L->cur_n = 0; L->cur = NULL;
+    lane_release_buffers(L);
+    Py_RETURN_NONE;
+}
+
+static PyObject *lane_stats(PyObject *self, PyObject *args) {
+    PyObject *cap;
+    if (!PyArg_ParseTuple(args, "O", &cap)) return NULL;
+    Lane *L = (Lane *)PyCapsule_GetPointer(cap, "moed.lane");
+    if (L == NULL) return NULL;
+    return Py_BuildValue("{sKsKsKsKsKsKsn}", "layers", L->n_layers, "experts", L->n_experts_acq, "acquire_ns",
+                         L->acquire_ns, "show_ns", L->show_ns, "maps", L->maps, "declines", L->declines, "held",
+                         L->cur_n);
+}
+
+static PyObject *lane_layer_ns(PyObject *self, PyObject *args) {
+    PyObject *cap; Py_ssize_t layer;
+    if (!PyArg_ParseTuple(args, "On", &cap, &layer)) return NULL;
+    Lane *L = lane_of(cap);
+    if (L == NULL) return NULL;
+    LaneLayer *ly = layer >= 0 && layer < LANE_MAX_LAYERS ? L->layers[layer] : NULL;
+    return PyLong_FromUnsignedLongLong(ly ? ly->ns : 0);
+}
+
+/* set_lane(handle, lane | None, auto) */
+static PyObject *set_lane(PyObject *self, PyObject *args) {
+    PyObject *cap, *lane; int on;
+    if (!PyArg_ParseTuple(args, "OOp", &cap, &lane, &on)) return NULL;
+    Config *c = config_of(cap);
+    if (c == NULL) return NULL;
+    Lane *L = NULL;
+    if (lane != Py_None && (L = lane_of(lane)) == NULL) return NULL;
+    Py_XINCREF(lane == Py_None ? NULL : lane);
+    Py_XDECREF(c->lane_obj);
+    c->lane_obj = lane == Py_None ? NULL : lane;
+    c->lane = L;
+    c->lane_auto = L != NULL && on;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"make", make, METH_VARARGS, "make(fn, name_offset) -> handle"},
     {"set_norm", set_norm, METH_VARARGS, "set_norm(handle, on[, prefix]): also stop at <prefix><n> (ffn_norm-<n>)"},
     {"user_data", user_data, METH_VARARGS, "the cb_eval_user_data pointer for a handle"},
     {"callback_address", callback_address, METH_NOARGS, "the address of the C eval callback"},
+    {"lane_new", lane_new, METH_VARARGS, "a lane over a hold region and a residency table"},
+    {"lane_layer", lane_layer, METH_VARARGS, "give the lane a zero-copy layer"},
+    {"lane_step", lane_step, METH_VARARGS, "one layer's hit cycle: experts held, -1 declined, -2 lease lost"},
+    {"lane_place", lane_place, METH_VARARGS, "map an expert's slot at its addresses if it changed"},
+    {"lane_release", lane_release, METH_VARARGS, "release the lane's lease; False if it was lost"},
+    {"lane_python_held", lane_python_held, METH_VARARGS, "whether Python holds a lease (the lane declines)"},
+    {"lane_disable", lane_disable, METH_VARARGS, "no more hits (the connection is closing)"},
+    {"lane_free", lane_free, METH_VARARGS, "release the lane's lease and buffers now"},
+    {"lane_stats", lane_stats, METH_VARARGS, "the lane's counters"},
+    {"lane_layer_ns", lane_layer_ns, METH_VARARGS, "ns in one layer's lane acquires"},
+    {"set_lane", set_lane, METH_VARARGS, "set_lane(handle, lane | None, auto)"},
     {NULL, NULL, 0, NULL},
 };
 

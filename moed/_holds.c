@@ -17,7 +17,7 @@
 #include <Python.h>
 #include <stdint.h>
 
-#define W_CLOSED 2 /* moed.protocol.residency_words.W_CLOSED: nonzero once the daemon revoked the region */
+#include "_hitproto.h"
 
 typedef struct {
     Py_buffer view;
@@ -119,16 +119,9 @@ static PyObject *count(PyObject *self, PyObject *args) {
 
 /* hit(entries, entry_base, experts, states, region, hold_indexes, class_id) -> list[slot] | None
  *
- * The client's whole hit in one call. For each expert: read its residency entry
- * (0: not resident -> None, nothing written); store a hold naming (class, slot,
- * generation) in the caller's own region. Then one fence, then every slot's state
- * must still read READY with that generation, and the region must not be revoked
- * (its closed word zero); if either fails, every hold just written is cleared and
- * the answer is None (take the socket path).
- *   entry  = (generation & 2^40-1) << 24 | (slot + 1)
- *   state  = (generation & 2^40-1) << 2 | 1  (READY)
- *   hold   = (class & 0xFFFF) << 48 | (slot & 0xFFFFFF) << 24 | (generation & 0xFFFFFF)
- */
+ * The client's whole hit in one call (moed/_hitproto.h: hp_hit): every expert's entry,
+ * a hold each in the caller's own region, one fence, the states and the region's closed
+ * word checked; None (every hold written cleared) on a miss: take the socket path. */
 static PyObject *hit(PyObject *self, PyObject *args) {
     PyObject *eobj, *experts, *sobj, *robj, *holds;
     Py_ssize_t base; unsigned long long class_id;
@@ -144,60 +137,54 @@ static PyObject *hit(PyObject *self, PyObject *args) {
     if (words_get(eobj, &E, 0) < 0) return NULL;
     if (words_get(sobj, &S, 0) < 0) { PyBuffer_Release(&E.view); return NULL; }
     if (words_get(robj, &R, 1) < 0) { PyBuffer_Release(&E.view); PyBuffer_Release(&S.view); return NULL; }
-    uint64_t slots[4096], expect[4096];
-    Py_ssize_t hidx[4096];
+    int64_t rows[4096], hidx[4096];
+    uint64_t slots[4096];
     PyObject *out = NULL;
-    Py_ssize_t written = 0;
-    for (Py_ssize_t j = 0; j < k; j++) {
+    if (!in_range(&R, HP_W_CLOSED)) goto done;
+    for (Py_ssize_t j = 0; j < k; j++) {  /* every index checked before anything is written */
         Py_ssize_t e = PyLong_AsSsize_t(PyList_GET_ITEM(experts, j));
         Py_ssize_t h = PyLong_AsSsize_t(PyList_GET_ITEM(holds, j));
-        if (PyErr_Occurred()) goto clear;
-        if (!in_range(&E, base + e) || !in_range(&R, h)) goto clear;
-        uint64_t entry = __atomic_load_n(&E.words[base + e], __ATOMIC_ACQUIRE);
-        if (entry == 0) goto miss;
-        uint64_t slot = (entry & 0xFFFFFF) - 1, gen = entry >> 24;
-        if (!in_range(&S, (Py_ssize_t)slot)) goto clear;
-        slots[j] = slot;
-        expect[j] = (gen << 2) | 1;
+        if (PyErr_Occurred() || !in_range(&E, base + e) || !in_range(&R, h)) goto done;
+        rows[j] = base + e;
         hidx[j] = h;
-        uint64_t word = ((class_id & 0xFFFF) << 48) | ((slot & 0xFFFFFF) << 24) | (gen & 0xFFFFFF);
-        __atomic_store_n(&R.words[h], word, __ATOMIC_SEQ_CST);
-        written = j + 1;
     }
-    __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    for (Py_ssize_t j = 0; j < k; j++) {
-        if (__atomic_load_n(&S.words[slots[j]], __ATOMIC_SEQ_CST) != expect[j]) goto miss;
+    int rc = hp_hit(E.words, rows, (size_t)k, S.words, (size_t)S.n, R.words, hidx, class_id, slots);
+    if (rc == HP_BAD) {
+        PyErr_Format(PyExc_IndexError, "a residency entry names a slot outside %zd states", S.n);
+        goto done;
     }
-    /* After the fence, as the states: a daemon that revoked the region before this load
-     * sees these holds in its scan after its closed store (Dekker again). */
-    if (R.n <= W_CLOSED || __atomic_load_n(&R.words[W_CLOSED], __ATOMIC_SEQ_CST) != 0) goto miss;
+    if (rc == HP_MISS) { out = Py_None; Py_INCREF(out); goto done; }
     out = PyList_New(k);
-    if (out == NULL) goto clear;
+    if (out == NULL) goto done;
     for (Py_ssize_t j = 0; j < k; j++) {
         PyObject *v = PyLong_FromUnsignedLongLong(slots[j]);
-        if (v == NULL) { Py_CLEAR(out); goto clear; }
+        if (v == NULL) {  /* the holds stay: the caller gives its indexes back after clearing */
+            Py_CLEAR(out);
+            for (Py_ssize_t i = 0; i < k; i++) __atomic_store_n(&R.words[hidx[i]], 0, __ATOMIC_SEQ_CST);
+            goto done;
+        }
         PyList_SET_ITEM(out, j, v);
     }
-    goto done;
-miss:
-    for (Py_ssize_t j = 0; j < written; j++) __atomic_store_n(&R.words[hidx[j]], 0, __ATOMIC_SEQ_CST);
-    out = Py_None; Py_INCREF(out);
-    goto done;
-clear:
-    for (Py_ssize_t j = 0; j < written; j++) __atomic_store_n(&R.words[hidx[j]], 0, __ATOMIC_SEQ_CST);
 done:
     PyBuffer_Release(&E.view); PyBuffer_Release(&S.view); PyBuffer_Release(&R.view);
     return out;
 }
 
-/* release(states, region, hold_indexes) -> bool: the client's release of a local lease.
- * A fence (the lease's byte reads come before it), then every held slot's state must
- * still name the hold's generation (its low 24 bits), READY or EVICTING (a claim
- * that will find this hold and put the state back); then the holds are cleared.
- * False: some slot got a new residency while held, which happens only once the
- * daemon revoked the region and its grace ended, so the bytes read may not be the
- * expert's. (A refill not yet published is not seen: this check is a net, not the
- * protocol.) */
+/* Hold indexes from a list, each checked against the region (nothing is touched on a bad one). */
+static int hold_list(PyObject *holds, Words *R, int64_t *hidx, Py_ssize_t cap, Py_ssize_t *k) {
+    *k = PyList_GET_SIZE(holds);
+    if (*k > cap) { PyErr_SetString(PyExc_ValueError, "too many hold indexes"); return -1; }
+    for (Py_ssize_t j = 0; j < *k; j++) {
+        Py_ssize_t h = PyLong_AsSsize_t(PyList_GET_ITEM(holds, j));
+        if (PyErr_Occurred() || !in_range(R, h)) return -1;
+        hidx[j] = h;
+    }
+    return 0;
+}
+
+/* release(states, region, hold_indexes) -> bool: the client's release of a local lease
+ * (moed/_hitproto.h: hp_release). False: some slot got a new residency while held
+ * (the daemon revoked the region and its grace ended): the bytes read may be wrong. */
 static PyObject *release(PyObject *self, PyObject *args) {
     PyObject *sobj, *robj, *holds; Words S, R;
     if (!PyArg_ParseTuple(args, "OOO", &sobj, &robj, &holds) || !PyList_Check(holds)) {
@@ -206,25 +193,39 @@ static PyObject *release(PyObject *self, PyObject *args) {
     }
     if (words_get(sobj, &S, 0) < 0) return NULL;
     if (words_get(robj, &R, 1) < 0) { PyBuffer_Release(&S.view); return NULL; }
-    Py_ssize_t k = PyList_GET_SIZE(holds);
-    for (Py_ssize_t j = 0; j < k; j++) {  /* indexes first: nothing is cleared on a bad one */
-        Py_ssize_t h = PyLong_AsSsize_t(PyList_GET_ITEM(holds, j));
-        if (PyErr_Occurred() || !in_range(&R, h)) {
-            PyBuffer_Release(&S.view); PyBuffer_Release(&R.view); return NULL;
-        }
-    }
-    __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    int ok = 1;
-    for (Py_ssize_t j = 0; j < k; j++) {
-        Py_ssize_t h = PyLong_AsSsize_t(PyList_GET_ITEM(holds, j));
-        uint64_t word = __atomic_load_n(&R.words[h], __ATOMIC_RELAXED);  /* only we write it */
-        Py_ssize_t slot = (Py_ssize_t)((word >> 24) & 0xFFFFFF);
-        uint64_t st = slot < S.n ? __atomic_load_n(&S.words[slot], __ATOMIC_SEQ_CST) : 0;
-        if (((st & 3) != 1 && (st & 3) != 2) || ((st >> 2) & 0xFFFFFF) != (word & 0xFFFFFF)) ok = 0;
-        __atomic_store_n(&R.words[h], 0, __ATOMIC_RELEASE);
-    }
+    int64_t hidx[4096]; Py_ssize_t k;
+    PyObject *out = NULL;
+    if (hold_list(holds, &R, hidx, 4096, &k) == 0)
+        out = PyBool_FromLong(hp_release(S.words, (size_t)S.n, R.words, hidx, (size_t)k));
     PyBuffer_Release(&S.view); PyBuffer_Release(&R.view);
-    return PyBool_FromLong(ok);
+    return out;
+}
+
+/* record(region, class_id, slots, counter_word): a hit's touches into the ring, then the
+ * head, then the model's local-hit counter (counter_word < 0: none); moed/_hitproto.h. */
+static PyObject *record(PyObject *self, PyObject *args) {
+    PyObject *robj, *slots; unsigned long long class_id; Py_ssize_t counter; Words R;
+    if (!PyArg_ParseTuple(args, "OKOn", &robj, &class_id, &slots, &counter) || !PyList_Check(slots)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "slots must be a list");
+        return NULL;
+    }
+    if (words_get(robj, &R, 1) < 0) return NULL;
+    Py_ssize_t k = PyList_GET_SIZE(slots);
+    uint64_t s[4096];
+    PyObject *out = NULL;
+    if (R.n < HP_REGION_WORDS || k > 4096 || (counter >= 0 && !in_range(&R, counter))) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_IndexError, "not a hold region, or too many slots");
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < k; j++) {
+        s[j] = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(slots, j));
+        if (PyErr_Occurred()) goto done;
+    }
+    hp_record(R.words, class_id, s, (size_t)k, counter);
+    out = Py_None; Py_INCREF(out);
+done:
+    PyBuffer_Release(&R.view);
+    return out;
 }
 
 /* clear(region, hold_indexes): the client's release, no round trip */
@@ -253,6 +254,7 @@ static PyMethodDef methods[] = {
     {"hit", hit, METH_VARARGS, "the client's hit: holds, fence, state check; slots or None"},
     {"clear", clear, METH_VARARGS, "clear hold words (release)"},
     {"release", release, METH_VARARGS, "fence, check the held slots' states, clear the holds; False if one changed"},
+    {"record", record, METH_VARARGS, "a hit's touches into the region's ring, then its head and the model's counter"},
     {NULL, NULL, 0, NULL},
 };
 

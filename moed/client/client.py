@@ -331,6 +331,16 @@ class ModelHandle:
         states = client._states[info.class_id]
         return Lease(self, layer, uniq, m.Granted(0, info.class_id, slots), (region, holds, states))
 
+    def local_hits(self) -> local.LocalHits | None:
+        """What a caller needs to take this model's hits itself, as `acquire` does
+        (moed/_hitproto.h): None when this connection has no table (local hits off)."""
+        region = self.client._region
+        if self._table is None or region is None:
+            return None
+        states = {L.class_id: self.client._states[L.class_id] for L in self._layers.values()}
+        rows = {layer: (row, self._layers[layer].class_id) for layer, row in self._rows.items()}
+        return local.LocalHits(region, self._table, rows, states, region.counter_word(self.model_id))
+
     def resident(self, layer: int, experts) -> np.ndarray:
         """Which of `experts` of `layer` are resident now: a bool array read from the
         residency table, with no round trip. A hint for choosing what to prefetch or

@@ -11,7 +11,9 @@ Invariants:
 - a local lease's bytes are read only between a successful `hit` and its
   release, which clears its holds;
 - touches go into the ring before its head moves (a seq_cst store), so the
-  daemon never reads a touch that is not written.
+  daemon never reads a touch that is not written; the head is the region's
+  word, and every recorder (this object, an engine's lane: moed/_hitproto.h)
+  writes it holding the GIL.
 
 `MOED_LOCAL_HITS=0` turns the fast path off (every acquire is a round trip).
 """
@@ -22,6 +24,7 @@ import mmap
 import os
 import threading
 import types
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -60,6 +63,17 @@ def resident(table: ReadOnlyWords, row_base: int, experts: np.ndarray, states: R
     return out
 
 
+@dataclass
+class LocalHits:
+    """One model's hit words on one connection (ModelHandle.local_hits)."""
+
+    region: HoldRegion
+    table: ReadOnlyWords
+    rows: dict[int, tuple[int, int]]  # layer -> (its first table word, its size class)
+    states: dict[int, ReadOnlyWords]  # size class -> its slot states
+    counter_word: int | None  # the region word counting the model's local hits
+
+
 class HoldRegion:
     def __init__(self, fd: int, region_words: int):
         if region_words != rz.REGION_WORDS:
@@ -70,10 +84,10 @@ class HoldRegion:
         self.words = np.frombuffer(self.map, dtype=np.uint64)
         self._free = list(range(rz.HOLD_BASE + rz.HOLD_WORDS - 1, rz.HOLD_BASE - 1, -1))
         self._lock = threading.Lock()
-        self._head = 0
         self._counters: dict[int, int] = {}  # model id -> its counter word
         self._closing = False  # the connection is gone: unmap once the last hold is let go
         self._mapped = True
+        self._close_hooks: list = []  # told at close, before anything is let go (engine lanes)
 
     def take(self, n: int) -> list[int] | None:
         with self._lock:
@@ -105,17 +119,22 @@ class HoldRegion:
         return ok
 
     def record(self, model_id: int, class_id: int, slots: list[int]) -> None:
-        """Count the hit and leave its touches for the daemon's LRU."""
+        """Count the hit and leave its touches for the daemon's LRU (one C call; the ring's
+        head lives in the region, so every recorder of this process shares it)."""
         assert _holds is not None
         with self._lock:
-            w = self.words
-            for slot in slots:
-                w[rz.RING_BASE + self._head % rz.RING_WORDS] = rz.touch(class_id, slot)
-                self._head += 1
-            _holds.store(self.map, rz.W_RING_HEAD, self._head)  # after the entries: a release
             word = self._counter(model_id)
-            if word is not None:
-                w[word] += len(slots)
+            _holds.record(self.map, class_id, slots, -1 if word is None else word)
+
+    def counter_word(self, model_id: int) -> int | None:
+        """The region word counting `model_id`'s local hits (None: no counter word left)."""
+        with self._lock:
+            return self._counter(model_id)
+
+    def on_close(self, hook) -> None:
+        """Call `hook()` when the connection closes, before anything else: whoever takes hits
+        outside this object (an engine's lane, moed/_evalcb.c) stops taking them then."""
+        self._close_hooks.append(hook)
 
     def _counter(self, model_id: int) -> int | None:
         word = self._counters.get(model_id)
@@ -128,6 +147,9 @@ class HoldRegion:
     def close(self) -> None:
         """The connection closed: no more hits. Unmapped once every local lease is released,
         so a lease still open can clear its holds (a revoked region then ends early)."""
+        hooks, self._close_hooks = self._close_hooks, []
+        for hook in hooks:
+            hook()
         with self._lock:
             self._closing = True
             idle = len(self._free) == rz.HOLD_WORDS

@@ -34,6 +34,9 @@ class Segment:
         k = self.part_index(part)
         return self.info.part_off[k] + slot * self.info.part_stride[k]
 
+    def part_stride(self, part: str) -> int:
+        return self.info.part_stride[self.part_index(part)]
+
     def view(self, slot: int, part: str) -> np.ndarray:
         """Read-only bytes of one part of one slot (valid while its lease is held)."""
         k = self.part_index(part)

@@ -54,6 +54,8 @@ class GgmlTensor(ctypes.Structure):
 
 
 NAME_OFFSET = GgmlTensor.name.offset
+# What moed/_evalcb.c's lane reads of a topk node: (name, type, ne, nb, data) offsets.
+LANE_LAYOUT = (NAME_OFFSET, GgmlTensor.type.offset, GgmlTensor.ne.offset, GgmlTensor.nb.offset, GgmlTensor.data.offset)
 TOPK_PREFIX = b"ffn_moe_topk-"
 NORM_PREFIX = b"ffn_norm-"
 _TOPK_NAME = re.compile(rb"ffn_moe_topk-(\d+)\Z")
@@ -76,6 +78,11 @@ class EvalCallback:
         self.handle = _evalcb.make(fn, NAME_OFFSET)
         self.function = ctypes.cast(_evalcb.callback_address(), llama_cpp.ggml_backend_sched_eval_callback)
         self.user_data = ctypes.c_void_p(_evalcb.user_data(self.handle))
+
+    def set_lane(self, lane, auto: bool) -> None:
+        """Give topk nodes to `lane` (a moed._evalcb lane, or None); with `auto`, a node the
+        lane takes never reaches Python."""
+        self._evalcb.set_lane(self.handle, lane, auto)
 
     def stop_at_norm(self, on: bool, prefix: bytes = NORM_PREFIX) -> None:
         """Also stop at `<prefix><n>` nodes (the router's input) while `on`."""

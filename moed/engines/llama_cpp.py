@@ -411,6 +411,12 @@ class StreamedLlama(Llama):
                 )
                 self.n_batch = lowered
 
+    def warm(self, everything: bool = False) -> int:
+        """Map the experts the daemon holds now, so their first use costs no fault (a
+        resident engine pays that at load); `everything`: every expert, reading what the
+        daemon lacks (the budget must hold the model). Returns the experts mapped."""
+        return self.streamer.warm(everything)
+
     # ---- lifecycle -------------------------------------------------------
 
     def stream_stats(self) -> dict:
@@ -425,15 +431,22 @@ class StreamedLlama(Llama):
         (distinct missing experts per layer whose every use went to a stand-in, so no
         read), `subst_weight_share` (routing probability on stand-ins over all chosen).
         """
-        s = self.streamer.stats
+        s = self.streamer.totals()
         p = self.streamer.pages.stats if self.streamer.pages else None
         out = dict(vars(s))
         out["stall_s"] = s.acquire_s
         out["stall_s_per_token"] = s.acquire_s / s.tokens if s.tokens else 0.0
         if p is not None:
             out.update({f"pages_{k}": v for k, v in vars(p).items()})
+            out["pages_maps"] += self.streamer.lane_maps()  # the lane maps relaxed zero-copy layers
+        lane = self.streamer.lane
+        out["lane_layers"] = lane.stats().layers if lane is not None else 0
         if self.streamer.lookahead is not None:
             out.update(self.streamer.lookahead.totals())
+            if lane is not None:  # the lane's acquires, per layer (it counts its own stall)
+                for layer, d in out["per_layer"].items():
+                    d["stall_s"] += lane.layer_acquire_s(layer)
+                    d["stall_s_per_token"] = d["stall_s"] / s.tokens if s.tokens else 0.0
         if self.streamer.substituter is not None:
             out.update(self.streamer.substituter.totals(s.tokens))
         k = self.streamer.kernels
@@ -452,8 +465,10 @@ class StreamedLlama(Llama):
         if hasattr(self, "_stack"):  # absent when __init__ failed before llama.cpp loaded
             super().close()
         streamer = getattr(self, "streamer", None)
-        if streamer is not None and streamer.kernels is not None:
-            streamer.kernels.close()  # after the model: nothing computes with those tensors any more
+        if streamer is not None:
+            streamer.close()  # after the model: nothing reads its expert addresses any more
+            if streamer.kernels is not None:
+                streamer.kernels.close()  # after the model: nothing computes with those tensors any more
         self._close_client()
 
 

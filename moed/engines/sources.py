@@ -34,6 +34,9 @@ class Grant(Protocol):
     def address(self, expert: int, part: str) -> int:
         """Address of the expert's part in this process's read-only view of it."""
 
+    def slot(self, expert: int) -> int:
+        """The daemon's slot holding the expert (every part at its part offset)."""
+
 
 class ExpertSource(Protocol):
     files: list[str]
@@ -72,6 +75,9 @@ class MoedGrant:
 
     def mapping(self, expert: int, part: str) -> tuple[tuple[int, int], int, int]:
         return self._seg_key, self.segment.fd, self.segment.part_offset(self.lease.slot(expert), part)
+
+    def slot(self, expert: int) -> int:
+        return self.lease.slot(expert)
 
     def address(self, expert: int, part: str) -> int:
         return self.segment.base + self.segment.part_offset(self.lease.slot(expert), part)

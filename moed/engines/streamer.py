@@ -49,11 +49,12 @@ from moed import libc
 from moed.engines import ggml_tensor, vm
 from moed.engines.expert_pages import ExpertPages, PartSpan
 from moed.engines.kernels import KernelSwitch
+from moed.engines.lane import ExpertLane, LaneStats
 from moed.engines.lookahead import Lookahead, PredictHook
 from moed.engines.predictor import GATING_SOFTMAX, gate
 from moed.engines.repack import LayoutPlan
 from moed.engines.skeleton import expert_ranges
-from moed.engines.sources import ExpertSource, Grant
+from moed.engines.sources import ExpertSource, Grant, MoedSource
 from moed.engines.substitute import Substituter
 
 log = logging.getLogger("moed.engine")
@@ -132,10 +133,10 @@ class ExpertStreamer:
         # Substitution (moed.engines.substitute): None is the exact path, untouched.
         self.substituter = substituter
         self._parts: dict[int, list[PartSpan]] = {}
-        # Relaxed mode on an all-zero-copy layer: which slot each expert's address
-        # shows, so a repeated hit costs one lookup instead of a call per part.
+        # Relaxed mode on all-zero-copy layers: the lane (moed.engines.lane) takes a
+        # layer of local hits in C and alone maps these layers' expert addresses.
         self._zero_copy_layers: set[int] = set()
-        self._placed: dict[tuple[int, int], tuple] = {}
+        self.lane: ExpertLane | None = None
         # The eval callback: its ask pass (every graph node) runs in C, and only the
         # nodes acted on reach `_on_node`. Kept referenced for as long as llama.cpp may call it.
         self.c_callback = ggml_tensor.EvalCallback(self._on_node)
@@ -166,6 +167,9 @@ class ExpertStreamer:
             self._parts.setdefault(span.layer, []).append(span)
         if not self.strict:
             self._zero_copy_layers = {layer for layer, ss in self._parts.items() if all(s.zero_copy for s in ss)}
+        if self._zero_copy_layers and isinstance(self.source, MoedSource):
+            self.lane = ExpertLane(self.source, {layer: self._parts[layer] for layer in self._zero_copy_layers})
+            self.c_callback.set_lane(self.lane.handle, False)  # the auto path is chosen per decode (begin)
         self._drop_expert_cache()
         self._lock_dense(bases)
         from moed.gguf.header import read_split
@@ -293,13 +297,15 @@ class ExpertStreamer:
                 # before any expert matmul could read pages nobody acquired.
                 return False
             if kind == ggml_tensor.TOPK:
-                self.on_layer(layer, self._route(layer, tensor))
+                self.on_layer(layer, self._route(layer, tensor), tensor)
             elif self._observing(layer):
                 assert self.lookahead is not None  # _observing requires the look-ahead
                 self.lookahead.observe(layer, ggml_tensor.rows_f32(tensor))
             return True
         except BaseException as exc:  # noqa: BLE001 - must not unwind through C
             self.error = exc
+            if self.lane is not None:  # every later topk of this decode must reach here and stop
+                self.c_callback.set_lane(self.lane.handle, False)
             return False
 
     def _observing(self, layer: int) -> bool:
@@ -319,7 +325,22 @@ class ExpertStreamer:
             observer.route(layer, ids)
         return ids
 
-    def on_layer(self, layer: int, ids: np.ndarray) -> None:
+    def on_layer(self, layer: int, ids: np.ndarray, tensor: int | None = None) -> None:
+        """Acquire and show layer `layer`'s experts (`ids`, read from the topk node `tensor`)."""
+        lane = self.lane
+        if lane is not None and tensor is not None and layer in lane.layers:
+            held = lane.step(tensor)  # raises LeaseLost if its previous lease was lost
+            if held >= 0:
+                prev, self.held = self.held, None
+                if prev is not None:  # a Python grant of an earlier layer
+                    self._hide(prev)
+                    self.source.release(prev)
+                    lane.python_held(False)
+                if self.lookahead is not None:
+                    self.lookahead.routed(layer, ids, held, 0.0)  # the lane counts its own stall
+                return
+        if lane is not None:
+            lane.release()  # an earlier layer's lane lease, before this layer asks the daemon
         experts = [int(e) for e in np.unique(ids) if e >= 0]
         prev, self.held = self.held, None
         if prev is not None:
@@ -333,6 +354,8 @@ class ExpertStreamer:
             raise
         t1 = time.perf_counter()
         self.held = grant
+        if lane is not None:
+            lane.python_held(True)
         self._show(grant)
         self.stats.acquire_s += t1 - t0
         self.stats.show_s += time.perf_counter() - t1
@@ -342,8 +365,9 @@ class ExpertStreamer:
             self.lookahead.routed(layer, ids, len(experts), t1 - t0)
 
     def _show(self, grant: Grant) -> None:
-        if grant.layer in self._zero_copy_layers:
-            self._show_placed(grant)
+        if self.lane is not None and grant.layer in self.lane.layers:
+            for expert in grant.experts:  # relaxed zero copy: the lane maps what changed slot
+                self.lane.place(grant.layer, expert, grant.slot(expert))
             return
         pages = self.pages
         assert pages is not None, "install runs before the first decode"
@@ -355,26 +379,31 @@ class ExpertStreamer:
                 else:
                     pages.show_copied(span, expert, grant.address(expert, span.part))
 
-    def _show_placed(self, grant: Grant) -> None:
-        """Relaxed zero copy: map an expert's parts only when its slot changed.
+    def warm(self, everything: bool = False) -> int:
+        """Map the experts the daemon holds now (`everything`: every expert, reading what it
+        lacks) at their addresses with their page-table entries made; returns how many.
 
-        The first part's (segment, offset) names the slot; every part of a slot
-        moves together, and nothing but this method maps these addresses.
+        Without it an expert's first use costs a mapping and ~19 minor faults a part
+        inside the matmuls (and, for one the daemon lacks, a read): a resident engine
+        pays that at load instead. Only the lane's layers keep experts mapped (strict
+        mode and copy layers hide every released expert). Each acquire is a lease like
+        a decode's, released at once; none is held after.
         """
-        spans = self._parts[grant.layer]
-        first = spans[0].part
-        placed = self._placed
-        pages = self.pages
-        assert pages is not None, "install runs before the first decode"
-        for expert in grant.experts:
-            seg_key, fd, offset = grant.mapping(expert, first)
-            where = (seg_key, offset)
-            if placed.get((grant.layer, expert)) == where:
-                continue
-            for span in spans:
-                key, fd, offset = grant.mapping(expert, span.part)
-                pages.show_mapped(span, expert, key, fd, offset)
-            placed[(grant.layer, expert)] = where
+        lane, src, n = self.lane, self.source, 0
+        if lane is None or self.held is not None:
+            return 0
+        every = np.arange(src.n_experts)
+        for layer in sorted(lane.layers):
+            experts = [int(e) for e in (every if everything else every[src.resident(layer, every.tolist())])]
+            for i in range(0, len(experts), src.n_expert_used):
+                grant = src.acquire(layer, experts[i : i + src.n_expert_used])
+                try:
+                    for expert in grant.experts:
+                        lane.place(layer, expert, grant.slot(expert), populate=True)
+                finally:
+                    src.release(grant)
+                n += len(grant.experts)
+        return n
 
     def _hide(self, grant: Grant) -> None:
         if grant.layer in self._zero_copy_layers:
@@ -394,9 +423,14 @@ class ExpertStreamer:
     def begin(self, n_tokens: int) -> None:
         """Before llama_decode of a batch of `n_tokens`."""
         self.stats.tokens += n_tokens
-        if self.lookahead is not None:
-            self.lookahead.begin_decode(n_tokens)
-        self.c_callback.stop_at_norm(self.lookahead is not None and self.lookahead.observing, self.norm_prefix)
+        la = self.lookahead
+        if la is not None:
+            la.begin_decode(n_tokens)
+        self.c_callback.stop_at_norm(la is not None and la.observing, self.norm_prefix)
+        if self.lane is not None:
+            # Only with nothing for Python to do at a topk does the lane take it alone.
+            quiet = self.route_hook is None and self.substituter is None and not self.observers
+            self.c_callback.set_lane(self.lane.handle, quiet and (la is None or la.mode == "off"))
 
     def finish(self) -> None:
         """After llama_decode: hide and release what the last layer holds."""
@@ -407,8 +441,32 @@ class ExpertStreamer:
         if prev is not None:
             self._hide(prev)
             self.source.release(prev)
+        if self.lane is not None:
+            self.lane.python_held(False)
+            self.lane.release()
         for observer in self.observers:
             observer.decoded()
+
+    def totals(self) -> StreamStats:
+        """This engine's counters, the lane's layers included."""
+        out = StreamStats(**vars(self.stats))
+        if self.lane is not None:
+            lane: LaneStats = self.lane.stats()
+            out.layers += lane.layers
+            out.experts += lane.experts
+            out.acquire_s += lane.acquire_s
+            out.show_s += lane.show_s
+        return out
+
+    def lane_maps(self) -> int:
+        return self.lane.stats().maps if self.lane is not None else 0
+
+    def close(self) -> None:
+        """Give the lane's lease, buffers and hold indexes back (the model is gone)."""
+        if self.lane is not None:
+            self.c_callback.set_lane(None, False)
+            self.lane.close()
+            self.lane = None
 
     def take_error(self) -> BaseException | None:
         err, self.error = self.error, None

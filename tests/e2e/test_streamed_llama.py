@@ -71,6 +71,11 @@ def test_logits_bit_exact(request, start_daemon, reference_logits, model, budget
     kinds = set(path_kind.split("+"))
     if "zero_copy" in kinds:
         assert engine["pages_maps"] > 0 and engine["pages_copies"] == 0
+        # The lane takes the layers that are all local hits in C; with evictions, the
+        # misses go through Python's path, and the two alternate within a decode.
+        assert engine["lane_layers"] > 0
+        if "evicting" in kinds:
+            assert engine["lane_layers"] < engine["layers"]
     if "copy" in kinds:
         assert engine["pages_copies"] > 0 and engine["pages_maps"] == 0
     if "evicting" in kinds:
@@ -103,6 +108,41 @@ def test_reading_an_expert_that_is_not_leased_faults(start_daemon, aligned_model
     )
     assert "touching" in r.stdout and "read a" not in r.stdout
     assert r.returncode == -11, r.stderr[-2000:]
+
+
+def test_the_lane_takes_every_layer_that_fits_and_the_connection_closing_stops_it(
+    start_daemon, reference_logits, aligned_model
+):
+    """No route hook, no prefetch: the C lane takes a layer of local hits without Python
+    at all; once the client closes, it takes none (the daemon no longer counts its holds)."""
+    from moed.protocol.errors import DaemonUnavailable
+
+    _, want = reference_logits(aligned_model)
+    llm, client = streamed(start_daemon("64MiB"), aligned_model, prefetch="off")
+    try:
+        src = llm.streamer.source
+        warmed = llm.warm(everything=True)
+        assert warmed == len(src.moe_layers) * src.n_experts
+        assert_bit_equal(greedy_logits(llm, llm.tokenize(PROMPT)), want)
+        stats = llm.stream_stats()
+        assert stats["lane_layers"] == stats["layers"] > 0  # every expert resident: every layer in C
+        assert stats["pages_maps"] == warmed  # warm mapped every slot; no slot changed after
+        client.close()
+        taken = stats["lane_layers"]
+        with pytest.raises(DaemonUnavailable):
+            llm.eval(llm.tokenize(b"x", add_bos=False))
+        assert llm.stream_stats()["lane_layers"] == taken
+    finally:
+        llm.close()
+        client.close()
+
+
+def test_without_local_hits_the_lane_only_maps(start_daemon, reference_logits, aligned_model, monkeypatch):
+    monkeypatch.setenv("MOED_LOCAL_HITS", "0")
+    _, want = reference_logits(aligned_model)
+    got, engine, _ = run_streamed(start_daemon("64MiB"), aligned_model)
+    assert_bit_equal(got, want)
+    assert engine["lane_layers"] == 0 and engine["pages_maps"] > 0
 
 
 def test_strict_mode_is_bit_exact_too(start_daemon, reference_logits, aligned_model):
