@@ -73,8 +73,11 @@ SKELETON_DIR = "/tmp/moed-bench-engine/skeletons"
 # ---- the engine side (runs in a child process) -----------------------------
 
 
-def load_engine(kind: str, model: str, socket: str | None, routes: TraceRoutes, prefetch="off", adapt=True, **kw):
-    """One engine of the benches, on the trace's routes (`kw`: llama.cpp's settings).
+def load_engine(
+    kind: str, model: str, socket: str | None, routes: TraceRoutes | None, prefetch="off", adapt=True, **kw
+):
+    """One engine of the benches, on the trace's routes (`kw`: llama.cpp's settings;
+    `routes` None: the model's own router, no hook, every engine as users run it).
 
     moed-*: StreamedLlama (`-off`: repack="off" on the plain file; else the
     `align --repack` copy); stock: llama_cpp.Llama as stock loads it, resident; mmap:
@@ -92,7 +95,7 @@ def load_engine(kind: str, model: str, socket: str | None, routes: TraceRoutes, 
             skeleton_dir=SKELETON_DIR,
             prefetch=prefetch,
             prefetch_adapt=adapt,
-            predict_hook=routes.predict,
+            predict_hook=routes.predict if routes is not None else None,
             **kw,
         )
     if kind == "stock":  # its repacked kernels, on the trace's routes

@@ -11,7 +11,7 @@ slower than a round (about half a second) cancels. A token streams about 0.8 GB
 of weights, far beyond any cache, so one engine's token leaves nothing warm for
 the next.
 
-Engines (all one llama.cpp thread, the trace's routes forced, nothing evicted):
+Engines (all one llama.cpp thread, the trace's routes forced unless `--routes model`, nothing evicted):
 - `resident`: UnpackedLlama on anonymous memory (use_mmap=False), the plain kernels;
 - `moed-fit-off`: StreamedLlama(repack="off") on the plain file, the same kernels,
   every expert pinned in one daemon: the cost of moed's address-space mapping is
@@ -53,6 +53,14 @@ def main() -> None:
     ap.add_argument("--engines", default="resident,moed-fit-off,stock,moed-fit")
     ap.add_argument("--tokens", type=int, default=96, help="timed rounds (one token on each engine)")
     ap.add_argument("--warmup", type=int, default=16)
+    ap.add_argument(
+        "--routes",
+        choices=("trace", "model"),
+        default="trace",
+        help="trace: the trace's routes forced by a Python route hook on every engine; model: the model's "
+        "own router and no hook, every engine as users run it (moed's lane then takes a layer without Python)",
+    )
+    ap.add_argument("--prefetch", default="off", help="the moed engines' prefetch mode (off, gate, gate2)")
     args = ap.parse_args()
     kinds = args.engines.split(",")
     if unknown := [k for k in kinds if k not in ENGINES]:
@@ -66,9 +74,9 @@ def main() -> None:
     # Everything fits: the daemon pins every expert (both files' experts when both run).
     budget = str(int(size * 2.2))
     with DaemonProcess(budget, "--pin-budget", budget) as daemon:
-        routes = {k: TraceRoutes(args.trace) for k in kinds}
+        routes = {k: TraceRoutes(args.trace) if args.routes == "trace" else None for k in kinds}
         kw = dict(n_ctx=n_ctx, n_batch=32, n_ubatch=32, n_threads=1, n_threads_batch=1, verbose=False)
-        engines = {k: load_engine(k, args.model, daemon.socket, routes[k], **kw) for k in kinds}
+        engines = {k: load_engine(k, args.model, daemon.socket, routes[k], prefetch=args.prefetch, **kw) for k in kinds}
         try:
             for llm in engines.values():
                 if hasattr(llm, "warm"):  # every expert read and mapped, as the resident engines load
@@ -80,7 +88,9 @@ def main() -> None:
                 order = kinds[i % len(kinds) :] + kinds[: i % len(kinds)]  # who goes first rotates
                 for k in order:
                     llm = engines[k]
-                    routes[k].start(i)
+                    route = routes[k]
+                    if route is not None:
+                        route.start(i)
                     r0, t = resource.getrusage(resource.RUSAGE_THREAD), time.perf_counter()
                     llm.eval([llm.token_bos()])
                     if i >= args.warmup:
@@ -96,7 +106,10 @@ def main() -> None:
         finally:
             for llm in engines.values():
                 llm.close()
-    print(f"model {args.model}; {args.tokens} rounds after {args.warmup}; one thread each")
+    print(
+        f"model {args.model}; {args.tokens} rounds after {args.warmup}; one thread each; "
+        f"routes: {args.routes}; moed prefetch {args.prefetch}"
+    )
     for k in kinds:
         user, system, faults = (x / args.tokens for x in cpu[k])
         print(

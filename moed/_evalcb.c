@@ -29,6 +29,7 @@
  *   lane_place(lane, layer, expert, slot[, populate]) -> bool   (the slow path's show: mapped now?)
  *   lane_release(lane) -> bool, lane_python_held(lane, on), lane_disable(lane), lane_free(lane)
  *   lane_stats(lane), lane_layer_ns(lane, layer)
+ *   lane_log(lane, on), lane_take_log(lane) -> ([(layer, [experts])], full): what it took
  *   set_lane(handle, lane | None, auto): with auto, a topk node tries the lane before Python
  *
  * One owner for each thing the lane touches: it alone maps the addresses of the
@@ -57,6 +58,8 @@
 #define LANE_DECLINE (-1)
 #define LANE_LOST (-2)
 #define LANE_MAPERR (-3)
+#define LANE_LOG_LAYERS 1024
+#define LANE_LOG_EXPERTS 16384
 
 typedef struct {
     int64_t row_base;
@@ -91,6 +94,13 @@ typedef struct {
     int64_t *experts, *rows;
     uint64_t *slots;
     uint64_t n_layers, n_experts_acq, acquire_ns, show_ns, maps, declines;
+    /* While logging: the (layer, experts) of every layer taken, for the engine's cache
+     * estimate (lane_take_log); a full log drops the rest and says so. */
+    int logging, log_full;
+    Py_ssize_t log_n, log_used;
+    int32_t log_layer[LANE_LOG_LAYERS];
+    Py_ssize_t log_start[LANE_LOG_LAYERS + 1];
+    int32_t log_experts[LANE_LOG_EXPERTS];
 } Lane;
 
 typedef struct {
@@ -187,6 +197,16 @@ static int lane_step_core(Lane *L, const char *tensor) {
     for (int64_t j = 0; j < m; j++)
         if (lane_map(L, ly, L->experts[j], L->slots[j], 0) < 0) { L->pending_errno = errno; return LANE_MAPERR; }
     uint64_t t2 = now_ns();
+    if (L->logging) {
+        if (L->log_n < LANE_LOG_LAYERS && L->log_used + m <= LANE_LOG_EXPERTS) {
+            L->log_layer[L->log_n] = layer;
+            L->log_start[L->log_n] = L->log_used;
+            for (int64_t j = 0; j < m; j++) L->log_experts[L->log_used++] = (int32_t)L->experts[j];
+            L->log_n++;
+        } else {
+            L->log_full = 1;
+        }
+    }
     L->n_layers++; L->n_experts_acq += (uint64_t)m;
     L->acquire_ns += t1 - t0; L->show_ns += t2 - t1; ly->ns += t1 - t0;
     return lost ? LANE_LOST : (int)m;
@@ -489,6 +509,38 @@ static PyObject *lane_flag(PyObject *args, int which) {
 static PyObject *lane_python_held(PyObject *self, PyObject *args) { return lane_flag(args, 1); }
 static PyObject *lane_disable(PyObject *self, PyObject *args) { return lane_flag(args, 0); }
 
+/* lane_log(lane, on): keep a log of the layers taken (cleared). */
+static PyObject *lane_log(PyObject *self, PyObject *args) {
+    PyObject *cap; int on;
+    if (!PyArg_ParseTuple(args, "Op", &cap, &on)) return NULL;
+    Lane *L = lane_of(cap);
+    if (L == NULL) return NULL;
+    L->logging = on; L->log_n = 0; L->log_used = 0; L->log_full = 0;
+    Py_RETURN_NONE;
+}
+
+/* lane_take_log(lane) -> ([(layer, [experts]), ...], full): the log since the last take, emptied. */
+static PyObject *lane_take_log(PyObject *self, PyObject *args) {
+    PyObject *cap;
+    if (!PyArg_ParseTuple(args, "O", &cap)) return NULL;
+    Lane *L = lane_of(cap);
+    if (L == NULL) return NULL;
+    PyObject *out = PyList_New(L->log_n);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < L->log_n; i++) {
+        Py_ssize_t a = L->log_start[i], b = i + 1 < L->log_n ? L->log_start[i + 1] : L->log_used;
+        PyObject *ex = PyList_New(b - a);
+        if (ex == NULL) { Py_DECREF(out); return NULL; }
+        for (Py_ssize_t j = a; j < b; j++) PyList_SET_ITEM(ex, j - a, PyLong_FromLong(L->log_experts[j]));
+        PyObject *item = Py_BuildValue("(iN)", L->log_layer[i], ex);
+        if (item == NULL) { Py_DECREF(out); return NULL; }
+        PyList_SET_ITEM(out, i, item);
+    }
+    PyObject *res = Py_BuildValue("(NO)", out, L->log_full ? Py_True : Py_False);
+    L->log_n = 0; L->log_used = 0; L->log_full = 0;
+    return res;
+}
+
 /* lane_free(lane): release the buffers now (a lease still held is released first). */
 static PyObject *lane_free(PyObject *self, PyObject *args) {
     PyObject *cap;
@@ -552,6 +604,8 @@ static PyMethodDef methods[] = {
     {"lane_disable", lane_disable, METH_VARARGS, "no more hits (the connection is closing)"},
     {"lane_free", lane_free, METH_VARARGS, "release the lane's lease and buffers now"},
     {"lane_stats", lane_stats, METH_VARARGS, "the lane's counters"},
+    {"lane_log", lane_log, METH_VARARGS, "keep a log of the layers taken (or not)"},
+    {"lane_take_log", lane_take_log, METH_VARARGS, "the layers taken since the last take, and whether the log filled"},
     {"lane_layer_ns", lane_layer_ns, METH_VARARGS, "ns in one layer's lane acquires"},
     {"set_lane", set_lane, METH_VARARGS, "set_lane(handle, lane | None, auto)"},
     {NULL, NULL, 0, NULL},

@@ -19,6 +19,8 @@ Invariants:
   end of every decode (`release`), so an idle engine holds nothing;
 - the connection closing disables the lane first (`HoldRegion.on_close`), so no hit
   is taken on a region the daemon no longer counts.
+
+`MOED_LANE=0` builds no lane: every layer goes through Python's path.
 """
 
 from __future__ import annotations
@@ -99,6 +101,16 @@ class ExpertLane:
         """Let the lane's lease go (if any)."""
         if not self._evalcb.lane_release(self._c):
             raise _lost()
+
+    def log(self, on: bool) -> None:
+        """Keep (or stop keeping) a log of the layers the lane takes, for `take_log`."""
+        self._evalcb.lane_log(self._c, on)
+
+    def take_log(self) -> list[tuple[int, list[int]]]:
+        """The (layer, experts) the lane took since the last call (a full log keeps its
+        first 1,024 layers: enough for one decode of any model moed serves)."""
+        taken, _full = self._evalcb.lane_take_log(self._c)
+        return taken
 
     def disable(self) -> None:
         self._evalcb.lane_disable(self._c)

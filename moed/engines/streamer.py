@@ -167,7 +167,8 @@ class ExpertStreamer:
             self._parts.setdefault(span.layer, []).append(span)
         if not self.strict:
             self._zero_copy_layers = {layer for layer, ss in self._parts.items() if all(s.zero_copy for s in ss)}
-        if self._zero_copy_layers and isinstance(self.source, MoedSource):
+        # MOED_LANE=0: every layer through Python's path (to measure the lane, or to rule it out).
+        if self._zero_copy_layers and isinstance(self.source, MoedSource) and os.environ.get("MOED_LANE") != "0":
             self.lane = ExpertLane(self.source, {layer: self._parts[layer] for layer in self._zero_copy_layers})
             self.c_callback.set_lane(self.lane.handle, False)  # the auto path is chosen per decode (begin)
         self._drop_expert_cache()
@@ -428,9 +429,14 @@ class ExpertStreamer:
             la.begin_decode(n_tokens)
         self.c_callback.stop_at_norm(la is not None and la.observing, self.norm_prefix)
         if self.lane is not None:
-            # Only with nothing for Python to do at a topk does the lane take it alone.
+            # Only with nothing for Python to do at a topk does the lane take it alone: no
+            # hook, no substitution, no trace, and no prediction this step (prefetch off,
+            # or the governor has it off); the look-ahead's cache estimate then hears the
+            # layers taken from the lane's log at the end of the decode (`finish`).
             quiet = self.route_hook is None and self.substituter is None and not self.observers
-            self.c_callback.set_lane(self.lane.handle, quiet and (la is None or la.mode == "off"))
+            auto = quiet and (la is None or not la.observing)
+            self.c_callback.set_lane(self.lane.handle, auto)
+            self.lane.log(auto and la is not None and la.mode != "off")
 
     def finish(self) -> None:
         """After llama_decode: hide and release what the last layer holds."""
@@ -444,6 +450,9 @@ class ExpertStreamer:
         if self.lane is not None:
             self.lane.python_held(False)
             self.lane.release()
+            if self.lookahead is not None:
+                for layer, experts in self.lane.take_log():
+                    self.lookahead.cache.touch(layer, experts)
         for observer in self.observers:
             observer.decoded()
 

@@ -187,3 +187,18 @@ def test_bad_lanes_are_refused():
     with pytest.raises(ValueError, match="page-aligned"):
         _evalcb.lane_layer(lane, 1, 0, 0, mmap.mmap(-1, 64), 0, [(4097, 4096, 0, 4096)])
     _evalcb.lane_free(lane)
+
+
+def test_the_log_lists_the_layers_taken_for_the_cache_estimate(rig):
+    rig.resident(1, slot=2)
+    rig.resident(4, slot=0)
+    assert _evalcb.lane_step(rig.lane, rig.route([1])) == 1  # not logging yet
+    _evalcb.lane_log(rig.lane, True)
+    assert _evalcb.lane_step(rig.lane, rig.route([4, 1])) == 2
+    assert _evalcb.lane_step(rig.lane, rig.route([7])) == -1  # declined: Python's path tells the estimate
+    assert _evalcb.lane_step(rig.lane, rig.route([4])) == 1
+    assert _evalcb.lane_take_log(rig.lane) == ([(LAYER, [1, 4]), (LAYER, [4])], False)
+    assert _evalcb.lane_take_log(rig.lane) == ([], False)
+    _evalcb.lane_log(rig.lane, False)
+    assert _evalcb.lane_step(rig.lane, rig.route([1])) == 1
+    assert _evalcb.lane_take_log(rig.lane) == ([], False)
