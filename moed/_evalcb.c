@@ -485,17 +485,22 @@ static PyObject *lane_place(PyObject *self, PyObject *args) {
     return PyBool_FromLong(rc);
 }
 
-static PyObject *lane_release(PyObject *self, PyObject *args) {
-    PyObject *cap;
-    if (!PyArg_ParseTuple(args, "O", &cap)) return NULL;
-    Lane *L = lane_of(cap);
-    if (L == NULL) return NULL;
+/* Release the held lane lease, if any; 0: it was lost (a slot refilled while held). */
+static int lane_drop_lease(Lane *L) {
     int ok = 1;
     if (L->cur_n)
         ok = hp_release((const uint64_t *)L->cur->states.buf, (size_t)(L->cur->states.len / 8),
                         (uint64_t *)L->region.buf, L->holds[L->cur_set], (size_t)L->cur_n);
     L->cur_n = 0; L->cur = NULL;
-    return PyBool_FromLong(ok);
+    return ok;
+}
+
+static PyObject *lane_release(PyObject *self, PyObject *args) {
+    PyObject *cap;
+    if (!PyArg_ParseTuple(args, "O", &cap)) return NULL;
+    Lane *L = lane_of(cap);
+    if (L == NULL) return NULL;
+    return PyBool_FromLong(lane_drop_lease(L));
 }
 
 static PyObject *lane_flag(PyObject *args, int which) {
@@ -547,10 +552,7 @@ static PyObject *lane_free(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O", &cap)) return NULL;
     Lane *L = (Lane *)PyCapsule_GetPointer(cap, "moed.lane");
     if (L == NULL) return NULL;
-    if (L->live && L->cur_n)
-        hp_release((const uint64_t *)L->cur->states.buf, (size_t)(L->cur->states.len / 8),
-                   (uint64_t *)L->region.buf, L->holds[L->cur_set], (size_t)L->cur_n);
-    L->cur_n = 0; L->cur = NULL;
+    if (L->live) lane_drop_lease(L);
     lane_release_buffers(L);
     Py_RETURN_NONE;
 }
