@@ -213,7 +213,7 @@ class Client:
         """Open a model; `expert_layout` ("plain", "q4_0_8x8", ...) is the layout the caller
         computes on: a file in another raises LayoutUnavailable ("" takes it as it is)."""
         # the daemon resolves paths itself: never in its own working directory
-        info, fds = self.request(m.OpenModel(os.path.abspath(os.fspath(path)), expert_layout), fds=True)
+        info, fds = self._open(m.OpenModel(os.path.abspath(os.fspath(path)), expert_layout))
         n = len(info.segments)
         want = 2 * n + 1 if info.residency else n
         if len(fds) != want:
@@ -235,6 +235,20 @@ class Client:
             table = local.ReadOnlyWords(fds[2 * n])
             self._map_holds()
         return ModelHandle(self, info, table if self._region is not None else None)
+
+    def _open(self, msg: m.OpenModel):
+        """OpenModel, waiting while this tenant's other opens are in flight (engines that
+        start together: the daemon runs max_opens_per_tenant at once), up to `timeout_s`."""
+        deadline = time.monotonic() + (self.timeout_s if self.timeout_s is not None else 120.0)
+        pause = 0.01
+        while True:
+            try:
+                return self.request(msg, fds=True)
+            except errors.TooBusy as exc:
+                if exc.busy != "opens" or time.monotonic() + pause > deadline:
+                    raise
+            time.sleep(pause)  # the other opens take a header parse: tens of ms
+            pause = min(2 * pause, 0.5)
 
     def _map_holds(self) -> None:
         """This connection's hold region, asked for once (when local hits are enabled)."""

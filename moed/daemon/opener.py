@@ -34,7 +34,8 @@ class Opener:
         if tenant is not None and tenant.opens_in_flight >= self.max_per_tenant:
             raise errors.TooBusy(
                 f"uid {tenant.uid} already has {tenant.opens_in_flight} model opens in flight "
-                f"(max_opens_per_tenant is {self.max_per_tenant}); retry when they finish"
+                f"(max_opens_per_tenant is {self.max_per_tenant}); retry when they finish",
+                busy="opens",
             )
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()

@@ -179,7 +179,8 @@ class Registry:
         idle = [mdl for mdl in live if mdl.model_id not in in_use]
         if not idle:
             raise errors.TooBusy(
-                f"{path}: {len(live)} models are open and in use (max_models is {self.config.max_models})"
+                f"{path}: {len(live)} models are open and in use (max_models is {self.config.max_models})",
+                busy="models",
             )
         oldest = min(idle, key=lambda mdl: mdl.model_id)
         log.info(

@@ -172,9 +172,14 @@ class TooManyClients(MoedError):
 
 
 class TooBusy(MoedError):
-    """This tenant already has the most requests of this kind in flight; retry later."""
+    """This tenant already has the most requests of this kind in flight; retry later.
+
+    `busy` says what: "opens" (model opens in flight, which finish by themselves:
+    `Client.open_model` waits for them), "models" (max_models open and in use)."""
 
     code = ErrorCode.TOO_BUSY
+    DETAIL = ("busy",)
+    busy: str | None
 
 
 class TimedOut(MoedError):

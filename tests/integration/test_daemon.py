@@ -338,3 +338,31 @@ def test_acquire_timeout_keeps_its_old_name_as_a_deprecated_alias(daemon, tiny_m
         lease.release()
         with m.acquire(0, [1], timeout_s=5):
             pass
+
+
+def test_engines_that_start_together_all_open_their_model(start_daemon, model_factory):
+    """More opens at once than the daemon runs per tenant (max_opens_per_tenant, 2): the
+    daemon says TooBusy(busy="opens") to the rest, and the client waits for the others
+    instead of failing an engine that merely started beside them (serve --workers)."""
+    import threading
+
+    d = start_daemon()
+    paths = [model_factory(seed=100 + i) for i in range(8)]  # distinct files: each open parses its own
+    clients = [d.client(f"engine{i}") for i in range(8)]
+    start, failed, opened = threading.Barrier(8), [], []
+
+    def open_one(c, path):
+        start.wait(timeout=30)
+        try:
+            opened.append(c.open_model(path).model_id)
+        except errors.MoedError as exc:
+            failed.append(exc)
+
+    threads = [threading.Thread(target=open_one, args=(c, p)) for c, p in zip(clients, paths)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for c in clients:
+        c.close()
+    assert failed == [] and len(opened) == 8
