@@ -260,6 +260,8 @@ class StreamedLlama(Llama):
     on the layout their bytes are in (a file from `moectl align --repack` on a host
     like this one: bit-exact with stock `llama_cpp.Llama`); "off" runs everything
     on the plain kernels (bit-exact with `UnpackedLlama`). moed.engines.repack.
+    `warm`: "off" (default); "resident" maps the experts the daemon holds at load,
+    "all" reads and maps every expert (see `warm()`).
     The value options are declared once, in `moed.engines.options.EngineOptions`
     (defaults, flags, help); `self.options` holds them, and `from_options` builds
     an engine from one.
@@ -290,6 +292,7 @@ class StreamedLlama(Llama):
         subst_rule: str = "plain",
         subst_window: int | None = None,
         repack: str = "auto",
+        warm: str = "off",
         **llama_kwargs,
     ):
         self._check_kwargs(llama_kwargs)
@@ -310,6 +313,7 @@ class StreamedLlama(Llama):
             subst_rule=subst_rule,
             subst_window=subst_window,
             repack=repack,
+            warm=warm,
         )
         self.options.check()
         if llama_cpp.__version__ != LLAMA_CPP_PYTHON_VERSION:
@@ -358,6 +362,8 @@ class StreamedLlama(Llama):
                 assert self.streamer.lookahead is not None
                 self.streamer.lookahead.expect_output_rows(1)
             self._check_capacity()
+            if warm != "off":
+                self.warm(everything=warm == "all")
         except BaseException:
             self._close_client()
             raise

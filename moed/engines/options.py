@@ -30,6 +30,7 @@ from typing import Any
 RUN = "run"  # moectl generate, chat, trace, kl
 SERVE = "serve"  # moectl serve (every model it loads)
 PREFETCH_CHOICES = ("gate", "gate2", "off")  # as the flags list them (moed.engines.lookahead.MODES)
+WARM_CHOICES = ("off", "resident", "all")
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,19 @@ class EngineOptions:
             choices=("auto", "off"),
         ),
     )
+    warm: str = _option(
+        "off",
+        Flag(
+            "--warm",
+            dict.fromkeys(
+                (RUN, SERVE),
+                "at load, map the experts the daemon holds (resident), or read and map every expert "
+                "(all: for a model the budget holds), so the first tokens pay no first-use faults or reads "
+                "(default off)",
+            ),
+            choices=WARM_CHOICES,
+        ),
+    )
     # The server's connection to the daemon (moed.engines.serving opens it, with this
     # timeout); not StreamedLlama's, whose own client keeps Client's default.
     client_timeout_s: float = 30.0
@@ -159,6 +173,8 @@ class EngineOptions:
 
         if self.prefetch not in MODES:
             raise ValueError(f"prefetch must be one of {', '.join(MODES)}, not {self.prefetch!r}")
+        if self.warm not in WARM_CHOICES:
+            raise ValueError(f"warm must be one of {', '.join(WARM_CHOICES)}, not {self.warm!r}")
         if self.prefetch_width is not None and self.prefetch_width < 1:
             raise ValueError(f"prefetch_width must be >= 1, not {self.prefetch_width}")
 

@@ -137,6 +137,29 @@ def test_the_lane_takes_every_layer_that_fits_and_the_connection_closing_stops_i
         client.close()
 
 
+def test_warm_at_load_maps_what_it_says(start_daemon, reference_logits, aligned_model):
+    _, want = reference_logits(aligned_model)
+    daemon = start_daemon("64MiB")
+    llm, client = streamed(daemon, aligned_model, warm="all")
+    try:
+        src = llm.streamer.source
+        every = len(src.moe_layers) * src.n_experts
+        assert llm.stream_stats()["pages_maps"] == every  # read and mapped before any token
+        assert_bit_equal(greedy_logits(llm, llm.tokenize(PROMPT)), want)
+    finally:
+        llm.close()
+        client.close()
+    # A second engine: the daemon holds every expert now, so "resident" maps them all too.
+    llm, client = streamed(daemon, aligned_model, warm="resident")
+    try:
+        assert llm.stream_stats()["pages_maps"] == every
+    finally:
+        llm.close()
+        client.close()
+    with pytest.raises(ValueError, match="warm must be one of"):
+        streamed(daemon, aligned_model, warm="yes")
+
+
 def test_without_local_hits_the_lane_only_maps(start_daemon, reference_logits, aligned_model, monkeypatch):
     monkeypatch.setenv("MOED_LOCAL_HITS", "0")
     _, want = reference_logits(aligned_model)
