@@ -385,7 +385,7 @@ static PyObject *lane_new(PyObject *self, PyObject *args) {
         for (Py_ssize_t i = 0; ok && i < 2 * half; i++) {
             Py_ssize_t h = PyLong_AsSsize_t(PyList_GET_ITEM(holds, i));
             if (PyErr_Occurred()) { PyErr_Clear(); ok = 0; break; }
-            if (h < 64 || h >= 64 + 1024) ok = 0; /* the region's hold words */
+            if (h < HP_HOLD_BASE || h >= HP_HOLD_BASE + HP_HOLD_WORDS) ok = 0; /* the region's hold words */
             L->holds[i / half][i % half] = h;
         }
         if (!ok) {

@@ -20,7 +20,9 @@
 /* moed.protocol.residency_words: the hold region's layout, in words. */
 #define HP_W_RING_HEAD 1
 #define HP_W_CLOSED 2
-#define HP_RING_BASE (64 + 1024)
+#define HP_HOLD_BASE 64
+#define HP_HOLD_WORDS 1024
+#define HP_RING_BASE (HP_HOLD_BASE + HP_HOLD_WORDS)
 #define HP_RING_WORDS 4096
 #define HP_REGION_WORDS (HP_RING_BASE + HP_RING_WORDS)
 

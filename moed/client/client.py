@@ -352,8 +352,7 @@ class ModelHandle:
         if self._table is None or region is None:
             return None
         states = {L.class_id: self.client._states[L.class_id] for L in self._layers.values()}
-        rows = {layer: (row, self._layers[layer].class_id) for layer, row in self._rows.items()}
-        return local.LocalHits(region, self._table, rows, states, region.counter_word(self.model_id))
+        return local.LocalHits(region, self._table, dict(self._rows), states, region.counter_word(self.model_id))
 
     def resident(self, layer: int, experts) -> np.ndarray:
         """Which of `experts` of `layer` are resident now: a bool array read from the

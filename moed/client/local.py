@@ -69,7 +69,7 @@ class LocalHits:
 
     region: HoldRegion
     table: ReadOnlyWords
-    rows: dict[int, tuple[int, int]]  # layer -> (its first table word, its size class)
+    rows: dict[int, int]  # layer -> its first table word
     states: dict[int, ReadOnlyWords]  # size class -> its slot states
     counter_word: int | None  # the region word counting the model's local hits
 

@@ -71,7 +71,7 @@ class ExpertLane:
             seg = model.segment(info.class_id)
             row, states = 0, None
             if hits is not None:
-                row, states = hits.rows[layer][0], hits.states[info.class_id].map
+                row, states = hits.rows[layer], hits.states[info.class_id].map
             args = [(s.addr, s.bytes_per_expert, seg.part_offset(0, s.part), seg.part_stride(s.part)) for s in spans]
             _evalcb.lane_layer(self._c, layer, row, info.class_id, states, seg.fd, args)
         if hits is not None:
