@@ -56,15 +56,25 @@ import dataclasses
 import math
 import pathlib
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
 from gguf.constants import Keys, TokenType
 
-from moed.gguf.archs import GATING_SIGMOID, ROUTER_BIAS, ROUTER_WEIGHT, SELECTION_BIAS, Arch, arch_of
+from moed.gguf.archs import GATING_SIGMOID, Arch, arch_of
 from moed.gguf.header import shard_names
-from moed.modelgen import quantmix
+from moed.modelgen import families, quantmix
+from moed.modelgen.plan import (
+    DENSE_LEAD,
+    ArchPlan,
+    Geometry,
+    Quants,
+    Spec,
+    attention,
+    moe_or_dense_ffn,
+    routed,
+    shared_expert,
+)
 
 ARCH = "qwen3moe"
 QUANTS = {
@@ -308,22 +318,6 @@ def random_blocks(n_rows: int, row: int, qtype: GGMLQuantizationType, rng: np.ra
 # --------------------------------------------------------------------------- model
 
 
-@dataclass(frozen=True)
-class Geometry:
-    layers: int
-    experts: int
-    used: int
-    embd: int
-    ff: int
-    heads: int
-    kv_heads: int
-    ctx: int
-
-    @property
-    def head_dim(self) -> int:
-        return self.embd // self.heads
-
-
 def _check(g: Geometry, quant_names: list[str], split: int, align: int) -> None:
     if min(g.layers, g.experts, g.used, g.embd, g.ff, g.heads, g.kv_heads, g.ctx, split) < 1:
         raise ValueError("all sizes must be positive")
@@ -341,112 +335,26 @@ def _check(g: Geometry, quant_names: list[str], split: int, align: int) -> None:
             raise ValueError(f"{q} needs embd and ff to be multiples of {block} (got embd={g.embd}, ff={g.ff})")
 
 
-_F32_KINDS = ("norm", "router", "bias", "router_bias")
-
-
-@dataclass(frozen=True)
-class _Spec:
-    """One tensor to write: numpy-order shape, how to fill it, and its quant type."""
-
-    name: str
-    shape: tuple[int, ...]
-    kind: str  # embd | norm | bias | f16 | router | router_bias | experts
-    qtype: GGMLQuantizationType | None = None
-
-    @property
-    def nbytes(self) -> int:
-        if self.qtype is not None:
-            block, size = GGML_QUANT_SIZES[self.qtype]
-            return math.prod(self.shape) // block * size
-        return math.prod(self.shape) * (4 if self.kind in _F32_KINDS else 2)
-
-    @property
-    def byte_shape(self) -> tuple[int, ...]:
-        if self.qtype is None:
-            return self.shape
-        block, size = GGML_QUANT_SIZES[self.qtype]
-        return (*self.shape[:-1], self.shape[-1] // block * size)
-
-    @property
-    def dtype(self):
-        if self.qtype is not None:
-            return np.uint8
-        return np.float32 if self.kind in _F32_KINDS else np.float16
-
-
-def _attention(g: Geometry, p: str, *, qk_norm: str = "", bias: bool = False) -> list[_Spec]:
-    """GQA attention; `qk_norm`: "head" (per head) or "full" (whole projection) q/k norms; `bias`: q/k/v biases."""
-    hd = g.head_dim
-    specs = [_Spec(p + "attn_norm.weight", (g.embd,), "norm")]
-    for name, rows in (("q", g.heads * hd), ("k", g.kv_heads * hd), ("v", g.kv_heads * hd)):
-        specs.append(_Spec(p + f"attn_{name}.weight", (rows, g.embd), "f16"))
-        if bias:
-            specs.append(_Spec(p + f"attn_{name}.bias", (rows,), "bias"))
-    specs.append(_Spec(p + "attn_output.weight", (g.embd, g.heads * hd), "f16"))
-    if qk_norm:
-        q, k = (hd, hd) if qk_norm == "head" else (g.heads * hd, g.kv_heads * hd)
-        specs += [_Spec(p + "attn_q_norm.weight", (q,), "norm"), _Spec(p + "attn_k_norm.weight", (k,), "norm")]
-    return specs
-
-
-_Quants = tuple[GGMLQuantizationType, GGMLQuantizationType, GGMLQuantizationType]  # (gate, up, down)
-
-
-def _router_norm(g: Geometry, p: str, facts: Arch) -> _Spec:
-    """The FFN input's norm, which the router reads: `ffn_norm`, or the architecture's own."""
-    return _Spec(p + facts.router_input.norm + ".weight", (g.embd,), "norm")
-
-
-def _routed(g: Geometry, p: str, qt: _Quants, facts: Arch, selection_bias: bool = False) -> list[_Spec]:
-    """The router's input norm, the router (with the biases its architecture carries, and
-    V3's selection bias when `selection_bias`) and the routed experts, each part followed
-    by its bias rows where the architecture has them: the experts are what moed serves."""
-    specs = [_router_norm(g, p, facts), _Spec(p + ROUTER_WEIGHT, (g.experts, g.embd), "router")]
-    if facts.router_bias:
-        specs.append(_Spec(p + ROUTER_BIAS, (g.experts,), "router_bias"))
-    if selection_bias:
-        specs.append(_Spec(p + SELECTION_BIAS, (g.experts,), "bias"))
-    for name, shape, q in (
-        ("gate", (g.experts, g.ff, g.embd), qt[0]),
-        ("up", (g.experts, g.ff, g.embd), qt[1]),
-        ("down", (g.experts, g.embd, g.ff), qt[2]),
-    ):
-        specs.append(_Spec(p + f"ffn_{name}_exps.weight", shape, "experts", q))
-        if facts.expert_bias:
-            specs.append(_Spec(p + f"ffn_{name}_exps.bias", shape[:2], "bias"))
-    return specs
-
-
-def _shared_expert(g: Geometry, p: str, gated: bool) -> list[_Spec]:
-    """One dense shared expert (F16, resident), with qwen2moe's sigmoid gate when `gated`."""
-    specs = [_Spec(p + "ffn_gate_inp_shexp.weight", (g.embd,), "router")] if gated else []
-    return specs + [
-        _Spec(p + "ffn_gate_shexp.weight", (g.ff, g.embd), "f16"),
-        _Spec(p + "ffn_up_shexp.weight", (g.ff, g.embd), "f16"),
-        _Spec(p + "ffn_down_shexp.weight", (g.embd, g.ff), "f16"),
-    ]
-
-
-def _layer_qwen3moe(g: Geometry, i: int, qt: _Quants, facts: Arch) -> list[_Spec]:
+def _layer_qwen3moe(g: Geometry, i: int, qt: Quants, facts: Arch) -> list[Spec]:
     p = f"blk.{i}."
-    return _attention(g, p, qk_norm="head") + _routed(g, p, qt, facts)
+    return attention(g, p, qk_norm="head") + routed(g, p, qt, facts)
 
 
-def _layer_olmoe(g: Geometry, i: int, qt: _Quants, facts: Arch) -> list[_Spec]:
+def _layer_olmoe(g: Geometry, i: int, qt: Quants, facts: Arch) -> list[Spec]:
     # OLMoE normalizes the whole q and k projections (n_embd wide), not each head.
     p = f"blk.{i}."
-    return _attention(g, p, qk_norm="full") + _routed(g, p, qt, facts)
+    return attention(g, p, qk_norm="full") + routed(g, p, qt, facts)
 
 
-def _layer_llama(g: Geometry, i: int, qt: _Quants, facts: Arch) -> list[_Spec]:
+def _layer_llama(g: Geometry, i: int, qt: Quants, facts: Arch) -> list[Spec]:
     # Mixtral: llama's attention (no q/k norms, no biases) and routed experts only.
     p = f"blk.{i}."
-    return _attention(g, p) + _routed(g, p, qt, facts)
+    return attention(g, p) + routed(g, p, qt, facts)
 
 
-def _layer_qwen2moe(g: Geometry, i: int, qt: _Quants, facts: Arch) -> list[_Spec]:
+def _layer_qwen2moe(g: Geometry, i: int, qt: Quants, facts: Arch) -> list[Spec]:
     p = f"blk.{i}."
-    return _attention(g, p, bias=True) + _routed(g, p, qt, facts) + _shared_expert(g, p, gated=True)
+    return attention(g, p, bias=True) + routed(g, p, qt, facts) + shared_expert(g, p, gated=True)
 
 
 # DeepSeek-V2/V3-style MLA: q and kv compressed to latents of _MLA_RANK, rope and
@@ -454,52 +362,35 @@ def _layer_qwen2moe(g: Geometry, i: int, qt: _Quants, facts: Arch) -> list[_Spec
 _MLA_RANK, _MLA_ROPE = 32, 16
 
 
-def _layer_deepseek2(g: Geometry, i: int, qt: _Quants, facts: Arch) -> list[_Spec]:
+def _layer_deepseek2(g: Geometry, i: int, qt: Quants, facts: Arch) -> list[Spec]:
     p, hd, nope = f"blk.{i}.", g.head_dim, _MLA_ROPE
     specs = [
-        _Spec(p + "attn_norm.weight", (g.embd,), "norm"),
-        _Spec(p + "attn_q_a.weight", (_MLA_RANK, g.embd), "f16"),
-        _Spec(p + "attn_q_a_norm.weight", (_MLA_RANK,), "norm"),
-        _Spec(p + "attn_q_b.weight", (g.heads * (nope + _MLA_ROPE), _MLA_RANK), "f16"),
-        _Spec(p + "attn_kv_a_mqa.weight", (_MLA_RANK + _MLA_ROPE, g.embd), "f16"),
-        _Spec(p + "attn_kv_a_norm.weight", (_MLA_RANK,), "norm"),
-        _Spec(p + "attn_k_b.weight", (g.heads, _MLA_RANK, nope), "f16"),
-        _Spec(p + "attn_v_b.weight", (g.heads, hd, _MLA_RANK), "f16"),
-        _Spec(p + "attn_output.weight", (g.embd, g.heads * hd), "f16"),
+        Spec(p + "attn_norm.weight", (g.embd,), "norm"),
+        Spec(p + "attn_q_a.weight", (_MLA_RANK, g.embd), "f16"),
+        Spec(p + "attn_q_a_norm.weight", (_MLA_RANK,), "norm"),
+        Spec(p + "attn_q_b.weight", (g.heads * (nope + _MLA_ROPE), _MLA_RANK), "f16"),
+        Spec(p + "attn_kv_a_mqa.weight", (_MLA_RANK + _MLA_ROPE, g.embd), "f16"),
+        Spec(p + "attn_kv_a_norm.weight", (_MLA_RANK,), "norm"),
+        Spec(p + "attn_k_b.weight", (g.heads, _MLA_RANK, nope), "f16"),
+        Spec(p + "attn_v_b.weight", (g.heads, hd, _MLA_RANK), "f16"),
+        Spec(p + "attn_output.weight", (g.embd, g.heads * hd), "f16"),
     ]
-    return specs + _moe_or_dense_ffn(g, i, p, qt, facts)
+    return specs + moe_or_dense_ffn(g, i, p, qt, facts)
 
 
-_DENSE_LEAD = 1
-
-
-def _moe_or_dense_ffn(g: Geometry, i: int, p: str, qt: _Quants, facts: Arch) -> list[_Spec]:
-    """DeepSeek-V3's and GLM-4.5's FFN: a plain F16 one (resident, no experts) in the
-    leading dense layers, else V3-style routing with the selection bias and an ungated
-    shared expert."""
-    if i < _DENSE_LEAD:
-        return [
-            _router_norm(g, p, facts),
-            _Spec(p + "ffn_gate.weight", (g.ff, g.embd), "f16"),
-            _Spec(p + "ffn_up.weight", (g.ff, g.embd), "f16"),
-            _Spec(p + "ffn_down.weight", (g.embd, g.ff), "f16"),
-        ]
-    return _routed(g, p, qt, facts, selection_bias=True) + _shared_expert(g, p, gated=False)
-
-
-def _layer_glm4moe(g: Geometry, i: int, qt: _Quants, facts: Arch) -> list[_Spec]:
+def _layer_glm4moe(g: Geometry, i: int, qt: Quants, facts: Arch) -> list[Spec]:
     # GLM-4.5: q/k/v biases, per-head q/k norms (the 355B's; optional in llama.cpp),
     # the FFN input normed by post_attention_norm (no ffn_norm: the architecture table's
     # router input), a leading dense layer, then sigmoid routing with the selection bias
     # exp_probs_b and an ungated shared expert.
     p = f"blk.{i}."
-    return _attention(g, p, qk_norm="head", bias=True) + _moe_or_dense_ffn(g, i, p, qt, facts)
+    return attention(g, p, qk_norm="head", bias=True) + moe_or_dense_ffn(g, i, p, qt, facts)
 
 
 def _kv_glm4moe(g: Geometry) -> dict[str, int | float | bool]:
     return {
         "rope.dimension_count": g.head_dim // 2,  # partial rope: GLM rotates half of each head
-        "leading_dense_block_count": _DENSE_LEAD,
+        "leading_dense_block_count": DENSE_LEAD,
         "expert_shared_count": 1,
         "expert_weights_scale": 2.5,  # GLM-4.5's routed_scaling_factor
         "expert_weights_norm": True,
@@ -508,7 +399,7 @@ def _kv_glm4moe(g: Geometry) -> dict[str, int | float | bool]:
     }
 
 
-def _layer_gpt_oss(g: Geometry, i: int, qt: _Quants, facts: Arch) -> list[_Spec]:
+def _layer_gpt_oss(g: Geometry, i: int, qt: Quants, facts: Arch) -> list[Spec]:
     # llama.cpp's OPENAI_MOE: biases on q/k/v and the output, one attention sink per
     # head, then (the architecture table's facts) the FFN input normed by
     # post_attention_norm (there is no ffn_norm), a router with a bias, and a bias row
@@ -516,11 +407,11 @@ def _layer_gpt_oss(g: Geometry, i: int, qt: _Quants, facts: Arch) -> list[_Spec]
     # docstring): llama.cpp adds them with add_id from the whole [experts, rows] tensor,
     # and they are 0.26% of the expert bytes (gpt-oss-20b).
     p = f"blk.{i}."
-    attention = _attention(g, p, bias=True) + [
-        _Spec(p + "attn_output.bias", (g.embd,), "bias"),
-        _Spec(p + "attn_sinks.weight", (g.heads,), "bias"),
+    attn = attention(g, p, bias=True) + [
+        Spec(p + "attn_output.bias", (g.embd,), "bias"),
+        Spec(p + "attn_sinks.weight", (g.heads,), "bias"),
     ]
-    return attention + _routed(g, p, qt, facts)
+    return attn + routed(g, p, qt, facts)
 
 
 # gpt-oss's sliding window (128 in the real models): short enough here that the
@@ -538,7 +429,7 @@ def _kv_deepseek2(g: Geometry) -> dict[str, int | float | bool]:
         "attention.q_lora_rank": _MLA_RANK,
         "attention.kv_lora_rank": _MLA_RANK,
         "rope.dimension_count": _MLA_ROPE,
-        "leading_dense_block_count": _DENSE_LEAD,
+        "leading_dense_block_count": DENSE_LEAD,
         "expert_shared_count": 1,
         "expert_weights_scale": 2.5,
         "expert_weights_norm": True,
@@ -546,39 +437,30 @@ def _kv_deepseek2(g: Geometry) -> dict[str, int | float | bool]:
     }
 
 
-@dataclass(frozen=True)
-class _Arch:
-    """How to write one architecture: its per-layer tensor plan and the metadata keys only
-    it has. What moed relies on about it (router input, biases) is `moed.gguf.archs`'s,
-    handed to the plan."""
-
-    layer: Callable[[Geometry, int, _Quants, Arch], list[_Spec]]
-    extra_kv: Callable[[Geometry], dict[str, int | float | bool]] = lambda g: {}
-    kv_heads: Callable[[int, int], int] = lambda heads, kv_heads: kv_heads  # what llama.cpp wants of it
-    expert_quant: str = "q8_0"  # the routed experts' quant when the caller names none
-
-
-ARCHS: dict[str, _Arch] = {
-    "qwen3moe": _Arch(_layer_qwen3moe),
-    "olmoe": _Arch(_layer_olmoe, kv_heads=lambda heads, kv_heads: heads),
-    "qwen2moe": _Arch(_layer_qwen2moe, lambda g: {"expert_shared_feed_forward_length": g.ff}),
-    "deepseek2": _Arch(_layer_deepseek2, _kv_deepseek2, kv_heads=lambda heads, kv_heads: 1),  # one latent kv
-    "llama": _Arch(_layer_llama),  # Mixtral-style: llama with ffn_*_exps
-    "gpt-oss": _Arch(_layer_gpt_oss, lambda g: {"attention.sliding_window": _SWA_WINDOW}, expert_quant="mxfp4"),
-    "glm4moe": _Arch(_layer_glm4moe, _kv_glm4moe),
+ARCHS: dict[str, ArchPlan] = {
+    "qwen3moe": ArchPlan(_layer_qwen3moe),
+    "olmoe": ArchPlan(_layer_olmoe, kv_heads=lambda heads, kv_heads: heads),
+    "qwen2moe": ArchPlan(_layer_qwen2moe, lambda g: {"expert_shared_feed_forward_length": g.ff}),
+    "deepseek2": ArchPlan(_layer_deepseek2, _kv_deepseek2, kv_heads=lambda heads, kv_heads: 1),  # one latent kv
+    "llama": ArchPlan(_layer_llama),  # Mixtral-style: llama with ffn_*_exps
+    "gpt-oss": ArchPlan(_layer_gpt_oss, lambda g: {"attention.sliding_window": _SWA_WINDOW}, expert_quant="mxfp4"),
+    "glm4moe": ArchPlan(_layer_glm4moe, _kv_glm4moe),
+    **families.PLANS,  # the newer architectures, one module each (moed.modelgen.families)
 }
 
 
 def _plan(
     g: Geometry, part_quants: list[PartQuants], vocab_size: int, arch: str = ARCH, recipe: str | None = None
-) -> list[_Spec]:
+) -> list[Spec]:
     """Every tensor of the model, in file order; a `recipe` then picks every weight matrix's type."""
-    layer, facts = ARCHS[arch].layer, arch_of(arch)
-    specs = [_Spec("token_embd.weight", (vocab_size, g.embd), "embd")]
+    plan, facts = ARCHS[arch], arch_of(arch)
+    specs = [Spec("token_embd.weight", (vocab_size, g.embd), "embd"), *plan.model_tensors(g, vocab_size)]
     for i in range(g.layers):
         gate, up, down = part_quants[i]
-        specs += layer(g, i, (QUANTS[gate], QUANTS[up], QUANTS[down]), facts)
-    specs += [_Spec("output_norm.weight", (g.embd,), "norm"), _Spec("output.weight", (vocab_size, g.embd), "f16")]
+        specs += plan.layer(g, i, (QUANTS[gate], QUANTS[up], QUANTS[down]), facts)
+    specs.append(Spec("output_norm.weight", (g.embd,), "norm"))
+    if plan.output:
+        specs.append(Spec("output.weight", (vocab_size, g.embd), "f16"))
     if recipe is None:
         return specs
     rule = RECIPES[recipe]
@@ -588,7 +470,7 @@ def _plan(
 _MATRIX_KINDS = ("embd", "f16", "experts")  # what a recipe quantizes; norms, biases and routers stay F32
 
 
-def _fill(spec: _Spec, rng: np.random.Generator, random_experts: bool = False) -> np.ndarray:
+def _fill(spec: Spec, rng: np.random.Generator, random_experts: bool = False) -> np.ndarray:
     """The tensor's data; experts are made one at a time to bound memory on big models."""
 
     def mat(*shape: int) -> np.ndarray:
@@ -642,6 +524,10 @@ def _add_metadata(w: GGUFWriter, g: Geometry, tokens, scores, types, arch: str =
             w.add_bool(f"{a}.{key}", value)
         elif isinstance(value, float):
             w.add_float32(f"{a}.{key}", value)
+        elif isinstance(value, str):
+            w.add_string(f"{a}.{key}", value)
+        elif isinstance(value, list):
+            w.add_array(f"{a}.{key}", value)
         else:
             w.add_uint32(f"{a}.{key}", value)
     w.add_string(Keys.Tokenizer.MODEL, "llama")
@@ -749,7 +635,7 @@ def _write_shard(
     index: int,
     count: int,
     total_tensors: int,
-    specs: list[_Spec],
+    specs: list[Spec],
     align: int,
     rng: np.random.Generator,
     random_experts: bool,

@@ -1,0 +1,18 @@
+"""The test-model plans of the newer architectures, one module per llama.cpp family.
+
+What this package owns: `PLANS`, llama.cpp architecture name -> `ArchPlan`, merged into
+moed.modelgen.makemodel.ARCHS. Each module writes one family's tensors and keys exactly
+as llama.cpp's loader (`src/llama-model.cpp`, `src/models/<family>.cpp` in the
+llama.cpp that scripts/setup-venv builds) requires them, and says in its docstring
+what of the real models it keeps and what it shrinks.
+
+Adding a family: one module here with its `PLAN`, one line in `PLANS`, and one entry in
+the architecture table (moed.gguf.archs.ARCHS); docs/design.md, "Adding an
+architecture", says what else to check.
+"""
+
+from __future__ import annotations
+
+from moed.modelgen.plan import ArchPlan
+
+PLANS: dict[str, ArchPlan] = {}
