@@ -43,11 +43,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import mmap
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from moed.engines.ggml_tensor import GGML_OBJECT_SIZE, NAME_OFFSET, GgmlTensor, loaded_library
+from moed.gguf.archs import DENSE_MATMUL
 
 PLAIN = "plain"
 REPACK_BUFT = b"CPU_REPACK"
@@ -56,14 +56,6 @@ GGML_OBJECT_TYPE_TENSOR = 0
 
 # ggml types (ggml.h) that ggml's CPU backend may repack.
 Q4_0, Q8_0, Q2_K, Q4_K, Q5_K, Q6_K, IQ4_NL, MXFP4, Q1_0 = 2, 8, 10, 12, 13, 14, 20, 39, 41
-
-# Weights llama.cpp multiplies with GGML_OP_MUL_MAT (llama-arch.cpp, LLM_TENSOR_INFOS)
-# in the architectures moed serves: only these are candidates for CPU_REPACK, as in
-# llama.cpp's select_weight_buft (token_embd is GET_ROWS, norms are MUL, biases ADD).
-DENSE_MATMUL = re.compile(
-    rb"^(?:output|blk\.\d+\.(?:attn_(?:q|k|v|qkv|output|gate|q_a|q_b|kv_a_mqa|kv_b|k_b|v_b)"
-    rb"|ffn_(?:gate|up|down)(?:_shexp)?|ffn_gate_inp(?:_shexp)?|nextn\.(?:eh_proj|shared_head_head)))\.weight$"
-)
 
 
 class GgmlInitParams(ctypes.Structure):
@@ -342,7 +334,7 @@ def stock_repacks_dense(name: bytes, ggml_type: int, ne: tuple[int, ...]) -> boo
     """Whether stock llama.cpp puts this dense weight in CPU_REPACK: a 2-D MUL_MAT weight
     (DENSE_MATMUL) of a type and shape this CPU repacks (llama.cpp's select_weight_buft)."""
     dims = tuple(ne) + (1,) * (4 - len(ne))
-    if not DENSE_MATMUL.match(name) or dims[2] != 1 or dims[3] != 1:
+    if not DENSE_MATMUL.match(name.decode() if isinstance(name, bytes) else name) or dims[2] != 1 or dims[3] != 1:
         return False
     return layout_of(ggml_type, dims[:2]) != PLAIN
 

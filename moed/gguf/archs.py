@@ -23,6 +23,7 @@ Invariants:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -35,6 +36,19 @@ GATING_SOFTMAX_WEIGHT = 3  # llama.cpp's SOFTMAX_WEIGHT: select on the logits, s
 ROUTER_WEIGHT = "ffn_gate_inp.weight"
 ROUTER_BIAS = "ffn_gate_inp.bias"  # added to the logits (llama.cpp's ffn_moe_logits_biased)
 SELECTION_BIAS = "exp_probs_b.bias"  # added to gating(logits) for selection only
+
+# The dense weights llama.cpp multiplies with GGML_OP_MUL_MAT (llama-arch.cpp's
+# LLM_TENSOR_INFOS), by their name after `blk.N.`, in every architecture moed serves:
+# only these are candidates for CPU_REPACK, as in llama.cpp's select_weight_buft
+# (token_embd is GET_ROWS, norms are MUL, biases ADD). A family that adds a MUL_MAT
+# weight adds its name here, or moed computes it on other kernels than stock does.
+DENSE_MATMUL_NAMES: tuple[str, ...] = (
+    r"attn_(?:q|k|v|qkv|output|gate|q_a|q_b|kv_a_mqa|kv_b|k_b|v_b)",
+    r"ffn_(?:gate|up|down)(?:_shexp)?",
+    r"ffn_gate_inp(?:_shexp)?",
+    r"nextn\.(?:eh_proj|shared_head_head)",
+)
+DENSE_MATMUL = re.compile(r"^(?:output|blk\.\d+\.(?:" + "|".join(DENSE_MATMUL_NAMES) + r"))\.weight$")
 
 
 @dataclass(frozen=True)
