@@ -111,26 +111,58 @@ class PythonEvalCallback:
         params.cb_eval_user_data = None
 
 
+# One symbol each library defines, to find it through libllama's own dependency tree.
+_LIBRARY_SYMBOL = {"ggml-base": "ggml_init", "ggml-cpu": "ggml_backend_cpu_reg"}
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [
+        ("dli_fname", ctypes.c_char_p),
+        ("dli_fbase", ctypes.c_void_p),
+        ("dli_sname", ctypes.c_char_p),
+        ("dli_saddr", ctypes.c_void_p),
+    ]
+
+
+class LibraryMismatch(RuntimeError):
+    """moed could not reach the copy of a ggml library that llama.cpp runs."""
+
+
+@functools.cache
 def loaded_library(stem: str) -> ctypes.CDLL:
-    """The copy of llama-cpp-python's `lib<stem>` that llama.cpp itself runs.
+    """The very copy of llama-cpp-python's `lib<stem>` that llama.cpp itself runs.
 
-    The wheel holds `libggml-cpu.so`, `.so.0` and `.so.0.25.3` as three separate files
-    (wheels keep no symlinks) and llama.cpp links the `.so.0` one: opening another
-    name would load a second ggml, with its own CPU device and buffer types.
-    So the path is taken from this process's mappings when the library is loaded.
+    Why not open it by path: the wheel holds `libggml-cpu.so`, `.so.0` and `.so.0.25.3`
+    as three separate files (wheels keep no symlinks), libllama links the `.so.0` one,
+    and a path that names the same file another way (the venv's `lib64 -> lib` link on
+    sys.path, a symlinked checkout) is a different file to the dynamic loader. Any such
+    open loads a second ggml with its own CPU device and buffer types, and a tensor
+    given that copy's CPU_REPACK buffer makes llama.cpp abort at context creation
+    ("pre-allocated tensor ... in a buffer (CPU_REPACK) that cannot run the operation";
+    issue 30: it happened or not depending on how the process had imported llama_cpp).
+
+    So the library is found from libllama's own handle, whatever sys.path says: dlsym
+    through that handle searches libllama's dependency tree, which holds exactly the
+    copies llama.cpp runs; dladdr names the file that symbol lives in; dlopen with
+    RTLD_NOLOAD returns that already loaded copy and never loads a new one. The
+    handle's symbol is then checked against llama.cpp's own (LibraryMismatch if not).
     """
-    from pathlib import Path
+    import os
 
-    import llama_cpp  # noqa: F401  (loads the shared libraries)
+    from llama_cpp import llama_cpp as bindings
 
-    lib_dir = Path(llama_cpp.__file__).parent / "lib"
-    prefix = f"lib{stem}.so"
-    with open("/proc/self/maps") as f:
-        for line in f:
-            path = line.rstrip("\n").split(maxsplit=5)[-1]
-            if path.startswith(str(lib_dir)) and Path(path).name.startswith(prefix):
-                return ctypes.CDLL(path)
-    return ctypes.CDLL(str(lib_dir / prefix))
+    symbol = _LIBRARY_SYMBOL[stem]
+    want = ctypes.cast(getattr(bindings._lib, symbol), ctypes.c_void_p).value
+    info = _DlInfo()
+    libc = ctypes.CDLL(None)
+    libc.dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
+    if not want or not libc.dladdr(want, ctypes.byref(info)) or not info.dli_fname:
+        raise LibraryMismatch(f"llama.cpp's {symbol} could not be located (lib{stem})")
+    lib = ctypes.CDLL(info.dli_fname.decode(), mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    got = ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value
+    if got != want:
+        raise LibraryMismatch(f"{info.dli_fname.decode()}: {symbol} at {got:#x}, llama.cpp runs it at {want:#x}")
+    return lib
 
 
 def ggml_base_library() -> ctypes.CDLL:

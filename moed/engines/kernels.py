@@ -15,11 +15,23 @@ What this module owns:
   allocated in CPU_REPACK gets repack traits in `extra` exactly when ggml would
   repack it), the name follows ggml's `ggml_repack_get_optimal_repack_type`;
 - `Repacker`: ggml's repack of one expert's bytes (`moectl align --repack`);
-- `find_tensors`: the loaded model's `struct ggml_tensor`s, found by name and
-  checked by data address;
-- `KernelSwitch`: moving a loaded model's dense matmul weights into CPU_REPACK
-  where stock llama.cpp puts them, and pointing expert tensors whose bytes are
-  already repacked at the repacked kernels.
+- `DenseOverrides`: llama.cpp's own `tensor_buft_overrides` (llama.h) naming, at
+  load, the dense matmul weights stock llama.cpp puts in CPU_REPACK: llama.cpp then
+  allocates and repacks them itself, as stock's load does;
+- `find_in_graph`: the loaded model's expert `struct ggml_tensor`s, reached from a
+  graph node the eval callback hands over (its sources lead to a model weight; the
+  weight's ggml context holds the experts), each checked by name and data address;
+- `KernelSwitch`: pointing expert tensors whose bytes are already repacked
+  (`moectl align --repack`) at the repacked kernels.
+
+How the engine finds and switches tensors, and why it is deterministic (issue 30):
+nothing here searches the process's memory. The dense weights are placed by
+llama.cpp's loader from a list moed computes from the file's header alone. The
+expert tensors are found from the first graph node Python sees in the first decode
+(before any expert matmul of that decode), through pointers llama.cpp itself wrote.
+Every ggml entry point is taken from the very library copy llama.cpp runs
+(`ggml_tensor.loaded_library`): a second copy's CPU_REPACK buffer type is a
+different pointer, which llama.cpp's scheduler rejects with an abort.
 
 Invariants:
 - No byte is repacked by moed's code: `ggml_backend_tensor_set` on a CPU_REPACK
@@ -35,14 +47,14 @@ Invariants:
 - The AMX buffer type is never used: moed's build has none (scripts/llama-build-flags:
   it crashes on K-quants), and with a build that has it moed still uses CPU_REPACK only.
 - Everything allocated here lives until `KernelSwitch.close()`, called after the
-  model is freed.
+  model is freed; a `DenseOverrides` lives until the load that reads it returns.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import mmap
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -232,22 +244,6 @@ class Repacker:
 # ---------------------------------------------------------------------- the model's tensors
 
 
-def _scan_regions(limit_bytes: int = 256 << 20) -> list[tuple[int, int]]:
-    """Writable private anonymous regions (and the heap): where ggml contexts live."""
-    out = []
-    with open("/proc/self/maps") as f:
-        for line in f:
-            fields = line.split()
-            lo_hi, perms = fields[0], fields[1]
-            path = fields[5] if len(fields) > 5 else ""
-            if perms != "rw-p" or path not in ("", "[heap]"):
-                continue
-            lo, hi = (int(x, 16) for x in lo_hi.split("-"))
-            if hi - lo <= limit_bytes:
-                out.append((lo, hi))
-    return out
-
-
 def _walk_context(tensor_addr: int) -> dict[bytes, list[int]]:
     """Every tensor of the ggml context holding `tensor_addr`, by name (ggml_get_next_tensor's walk)."""
     obj = GgmlObject.from_address(tensor_addr - GGML_OBJECT_SIZE)
@@ -265,55 +261,45 @@ def _walk_context(tensor_addr: int) -> dict[bytes, list[int]]:
     return out
 
 
-def find_tensors(expected: dict[bytes, int]) -> dict[bytes, int]:
-    """name -> address of the `ggml_tensor` named so whose `data` is `expected[name]`.
+def find_in_graph(node: int, anchors: dict[bytes, int], wanted: dict[bytes, int]) -> dict[bytes, int]:
+    """name -> address of each `wanted` model tensor (name -> its data address).
 
-    llama.cpp gives no handle on a model's tensors, so they are found in memory:
-    the first expected name is searched for in the process's anonymous regions, a
-    hit is a tensor only if its `data` is the expected address, and the ggml
-    context around it is walked object by object. Names not in that context are
-    searched for the same way. Raises RuntimeError naming what was not found.
+    llama.cpp gives no handle on a model's tensors, but every graph node's sources
+    lead back to the model's weights: from `node` (a node the eval callback handed
+    over), the sources are followed, breadth first, to the first tensor that is one
+    of `anchors` (a model weight, checked by its data address); the ggml context that
+    holds it (llama.cpp keeps one per buffer type) is walked object by object, and
+    each wanted tensor is taken from it, checked by data address. Raises
+    LookupError naming what was not found.
     """
+    seen: set[int] = set()
+    queue = [node]
+    anchor = None
+    while queue and anchor is None and len(seen) < 1 << 16:
+        addr = queue.pop(0)
+        if not addr or addr in seen:
+            continue
+        seen.add(addr)
+        t = GgmlTensor.from_address(addr)
+        if anchors.get(t.name) == t.data:
+            anchor = addr
+            break
+        queue.extend(s for s in t.src if s)
+        if t.view_src:
+            queue.append(t.view_src)
+    if anchor is None:
+        raise LookupError("no model weight among the graph node's sources")
     found: dict[bytes, int] = {}
-    missing = dict(expected)
-    regions = _scan_regions()
-    while missing:
-        name, data = next(iter(missing.items()))
-        hit = _search(regions, name, data)
-        if hit is None:
-            raise RuntimeError(f"ggml tensor {name.decode()!r} not found in this process")
-        for n, addrs in _walk_context(hit).items():
-            want = missing.get(n)
-            for t in addrs:
-                if want is not None and GgmlTensor.from_address(t).data == want:
-                    found[n] = t
-                    del missing[n]
-                    break
-    return found
-
-
-def _search(regions: list[tuple[int, int]], name: bytes, data: int) -> int | None:
-    """The first `ggml_tensor` named `name` whose data is `data`: smallest regions first
-    (a model's ggml context is small), read in 4 MiB windows so the search never holds
-    more than that (engines load inside memory caps)."""
-    needle = name + b"\0"
-    window = 4 << 20
-    for lo, hi in sorted(regions, key=lambda r: r[1] - r[0]):
-        start = lo
-        while start < hi:
-            end = min(hi, start + window + NAME_OFFSET + len(needle))
-            try:
-                blob = ctypes.string_at(start, end - start)
-            except (OSError, ValueError):
+    for name, addrs in _walk_context(anchor).items():
+        want = wanted.get(name)
+        for t_addr in addrs:
+            if want is not None and GgmlTensor.from_address(t_addr).data == want:
+                found[name] = t_addr
                 break
-            at = blob.find(needle)
-            while at >= 0:
-                t = start + at - NAME_OFFSET
-                if t >= lo and GgmlTensor.from_address(t).data == data:
-                    return t
-                at = blob.find(needle, at + 1)
-            start += window
-    return None
+    missing = sorted(set(wanted) - set(found))
+    if missing:
+        raise LookupError(f"ggml tensor {missing[0].decode()!r} not in the model's context ({len(missing)} missing)")
+    return found
 
 
 # ---------------------------------------------------------------------- switching kernels
@@ -339,43 +325,61 @@ def stock_repacks_dense(name: bytes, ggml_type: int, ne: tuple[int, ...]) -> boo
     return layout_of(ggml_type, dims[:2]) != PLAIN
 
 
-class KernelSwitch:
-    """Put a loaded model's weights on the kernels stock llama.cpp would use.
+class BuftOverride(ctypes.Structure):
+    """llama.h's `struct llama_model_tensor_buft_override`."""
 
-    `repack_dense`: struct addresses of dense weights stock would repack
-    (`stock_repacks_dense`), copied into one CPU_REPACK buffer by ggml's repack and
-    switched to it; their old ranges are returned by `moved_ranges` (the file
-    bytes, no longer read).
-    `experts`: struct addresses of expert tensors whose bytes will be served in
-    this CPU's repacked layout: they keep their `data` (the expert pages) and get
-    a CPU_REPACK `buffer` and the repack traits in `extra`.
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+class DenseOverrides:
+    """llama.cpp's `tensor_buft_overrides` putting exactly `names` in CPU_REPACK at load.
+
+    The loader takes an override's buffer type as given unless it is the plain CPU
+    one, so each of these tensors is allocated in CPU_REPACK and repacked by ggml as
+    llama.cpp reads it, as in stock's load. One pattern per weight kind (`attn_q`,
+    `output`, ...), naming its layers, so the loader's per-tensor regex work stays
+    small on a real model's hundreds of weights.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, names: Iterable[str]):
+        kinds: dict[str, list[str]] = {}
+        for name in names:
+            m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
+            layer, kind = (m.group(1), m.group(2)) if m else ("", name)
+            kinds.setdefault(kind, []).append(layer)
+        patterns = []
+        for kind, layers in sorted(kinds.items()):
+            if layers == [""]:
+                patterns.append(f"^{re.escape(kind)}$")
+            else:
+                patterns.append(rf"^blk\.(?:{'|'.join(layers)})\.{re.escape(kind)}$")
+        self.patterns = [p.encode() for p in patterns]
+        buft = ggml().repack_buft
+        if self.patterns and buft is None:
+            raise RuntimeError("this llama.cpp build has no CPU_REPACK buffer type")
+        self.array = (BuftOverride * (len(self.patterns) + 1))()
+        for k, pattern in enumerate(self.patterns):
+            self.array[k].pattern, self.array[k].buft = pattern, buft
+
+    def install(self, params) -> None:
+        """Set on a `llama_model_params` before the load (a NULL-terminated list; none: NULL)."""
+        params.tensor_buft_overrides = ctypes.cast(self.array, ctypes.c_void_p) if self.patterns else None
+
+
+class KernelSwitch:
+    """What moed set up so a loaded model computes on the kernels stock llama.cpp would use.
+
+    `dense`: the `DenseOverrides` the load placed in CPU_REPACK (stock's choice);
+    `repack_experts(tensors)`: struct addresses of expert tensors whose bytes will be
+    served in this CPU's repacked layout: they keep their `data` (the expert pages)
+    and get a CPU_REPACK `buffer` and the repack traits in `extra`.
+    """
+
+    def __init__(self, dense: DenseOverrides | None = None) -> None:
         self._contexts: list[_Context] = []
         self.done = Switched()
-        self.moved_ranges: list[tuple[int, int]] = []
-
-    def repack_dense(self, tensors: Iterable[int]) -> None:
-        """Move these dense weights (each one `stock_repacks_dense` picked) into CPU_REPACK."""
-        views = [GgmlTensor.from_address(a) for a in tensors]
-        if not views:
-            return
-        ctx = _Context([(v.type, tuple(v.ne)) for v in views])
-        self._contexts.append(ctx)
-        layouts = set()
-        for k, v in enumerate(views):
-            new = ctx.view(k)
-            n_bytes = v.nb[3]
-            ggml().tensor_set(ctx.tensors[k], v.data, 0, n_bytes)
-            self.moved_ranges.append((v.data, v.data + n_bytes))
-            layouts.add(layout_of(v.type, (v.ne[0], v.ne[1])))
-            v.data, v.buffer, v.extra = new.data, new.buffer, new.extra
-            self.done.dense_bytes += n_bytes
-        self.done.dense_tensors = len(views)
-        self.done.dense_layouts = tuple(sorted(layouts))
-        assert ctx.buffer is not None
-        _lock_buffer(ctx.buffer)
+        self.dense = dense
+        self.experts_pending = False  # set by the plan: repack_experts must run before any expert matmul
 
     def repack_experts(self, tensors: Iterable[int]) -> None:
         probes: dict[tuple[int, int, int], _Context] = {}
@@ -390,25 +394,13 @@ class KernelSwitch:
                 raise RuntimeError(f"ggml does not repack type {t.type} of shape {t.ne[0]}x{t.ne[1]}")
             t.buffer, t.extra = probe.buffer, probe.extra
             self.done.expert_tensors += 1
+        self.experts_pending = False
 
     def close(self) -> None:
         """Free what was allocated; only once llama.cpp will never compute with these tensors again."""
         for ctx in self._contexts:
             ctx.close()
         self._contexts.clear()
-
-
-def _lock_buffer(buffer: int) -> None:
-    """mlock the repacked dense weights, as the dense pages of the mapping are (best effort)."""
-    from moed import libc
-
-    g = ggml()
-    base, size = g.buffer_base(buffer), g.buffer_size(buffer)
-    lo = base // mmap.PAGESIZE * mmap.PAGESIZE
-    try:
-        libc.mlock(lo, base + size - lo)
-    except OSError:
-        pass  # the dense lock of the mapping already warned about RLIMIT_MEMLOCK
 
 
 def buffer_buft_name(tensor_addr: int) -> str:

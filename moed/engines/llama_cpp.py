@@ -92,17 +92,14 @@ def _unpacked_internals(
         params.use_extra_bufts = False
         if dense is None:
             return real.LlamaModel(path_model=path_model, params=params, verbose=verbose)
-        from moed.engines import repack, vm
+        from moed.engines import repack
         from moed.gguf.header import read_split
 
-        headers = read_split(path_model)
-        before = snapshot_bases([h.path for h in headers])
+        ks = repack.prepare(read_split(path_model), repack.LayoutPlan(repack_dense=True))
+        if ks.dense is not None:
+            ks.dense.install(params)  # llama.cpp places them in CPU_REPACK itself, as stock's load does
+        dense.append(ks)
         model = real.LlamaModel(path_model=path_model, params=params, verbose=verbose)
-        bases = [vm.file_mapping_base(h.path, before) for h in headers]
-        if any(b is None for b in bases):
-            model.close()
-            raise ValueError("UnpackedLlama(repack='dense') needs use_mmap=True")
-        dense.append(repack.switch(headers, [b for b in bases if b is not None], repack.LayoutPlan(repack_dense=True)))
         return model
 
     def new_context(*, model, params, verbose: bool = True):
@@ -186,6 +183,8 @@ def _hooked_internals(streamer: ExpertStreamer) -> types.ModuleType:
         params.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP
         params.use_extra_bufts = False  # a repacked tensor would not sit at its file offset
         params.n_gpu_layers = 0
+        if streamer.kernels is not None and streamer.kernels.dense is not None:
+            streamer.kernels.dense.install(params)  # stock's CPU_REPACK weights, placed by llama.cpp's loader
         before = snapshot_bases(streamer.mapped_files)
         model = real.LlamaModel(path_model=path_model, params=params, verbose=verbose)
         try:

@@ -18,8 +18,10 @@ Invariants:
 - An expert tensor is switched to the repacked kernels only if the file records
   that layout for its type and this CPU's ggml computes that type on that very
   layout; anything else is `LayoutUnavailable` before the model serves a token.
-- The router weights are read by the look-ahead before anything is switched, and
-  a switched dense tensor's file range is no longer read by llama.cpp.
+- The dense weights are placed at load by llama.cpp's own `tensor_buft_overrides`
+  (`prepare`), from the header alone; a placed tensor's file range is read once, by
+  the load, and no longer after. The repacked experts are switched from the first
+  graph node Python sees (`switch_experts`), before any expert matmul runs.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dataclasses import dataclass, field
 
 from moed.engines import kernels
 from moed.gguf.catalog import EXPERT_RE
-from moed.gguf.header import Header, type_name
+from moed.gguf.header import Header, TensorInfo, type_name
 from moed.gguf.layouts import KEY_CPU, KEY_LAYOUTS, PLAIN, layout_refusal, parse_layouts, summary
 from moed.protocol.errors import LayoutUnavailable
 
@@ -81,24 +83,48 @@ def plan(headers: list[Header], mode: str, path: str) -> LayoutPlan:
     return LayoutPlan(have, switched, True)
 
 
-def switch(headers: list[Header], bases: list[int], layout: LayoutPlan) -> kernels.KernelSwitch:
-    """Apply `layout` to the model loaded from `headers`' files, mapped at `bases`."""
-    ks = kernels.KernelSwitch()
+def dense_repacked(headers: list[Header], layout: LayoutPlan) -> list[tuple[int, TensorInfo]]:
+    """(shard, tensor) of every dense weight that goes to CPU_REPACK: stock's choice, from the header alone."""
+    if not layout.repack_dense:
+        return []
+    return [
+        (shard, t)
+        for shard, h in enumerate(headers)
+        for t in h.tensors
+        if kernels.stock_repacks_dense(t.name.encode(), t.ggml_type, tuple(t.dims))
+    ]
+
+
+def prepare(headers: list[Header], layout: LayoutPlan) -> kernels.KernelSwitch:
+    """The kernel switch for a model about to load: its dense overrides (install them on the
+    load's params) and whether repacked experts wait for `switch_experts`."""
+    dense = dense_repacked(headers, layout)
+    ks = kernels.KernelSwitch(kernels.DenseOverrides(t.name for _, t in dense) if dense else None)
     ks.done.expert_layout = layout.expert_layout
-    wanted = set(layout.expert_tensors)
-    expected: dict[bytes, int] = {}
+    ks.done.dense_tensors = len(dense)
+    ks.done.dense_bytes = sum(t.n_bytes for _, t in dense)
+    ks.done.dense_layouts = tuple(sorted({kernels.layout_of(t.ggml_type, tuple(t.dims[:2])) for _, t in dense}))
+    ks.experts_pending = bool(layout.expert_tensors)
+    return ks
+
+
+def switch_experts(ks: kernels.KernelSwitch, node: int, headers: list[Header], bases: list[int], layout: LayoutPlan):
+    """Point the repacked expert tensors at the repacked kernels, found from graph node `node`
+    (a node of the first decode, before any expert matmul). LayoutUnavailable names a tensor
+    that could not be found; nothing is switched then."""
+    wanted_names = set(layout.expert_tensors)
+    anchors: dict[bytes, int] = {}
+    wanted: dict[bytes, int] = {}
     for shard, h in enumerate(headers):
         for t in h.tensors:
-            dense = layout.repack_dense and kernels.stock_repacks_dense(t.name.encode(), t.ggml_type, tuple(t.dims))
-            if t.name in wanted or dense:
-                expected[t.name.encode()] = bases[shard] + t.offset
-    if not expected:
-        return ks
-    found = kernels.find_tensors(expected)
-    experts = {n.encode() for n in wanted}
-    ks.repack_dense(a for n, a in found.items() if n not in experts)
-    ks.repack_experts(a for n, a in found.items() if n in experts)
-    return ks
+            anchors[t.name.encode()] = bases[shard] + t.offset
+            if t.name in wanted_names:
+                wanted[t.name.encode()] = bases[shard] + t.offset
+    try:
+        found = kernels.find_in_graph(node, anchors, wanted)
+    except LookupError as exc:
+        raise LayoutUnavailable(f"{headers[0].path}: the repacked experts cannot be switched: {exc}") from exc
+    ks.repack_experts(found.values())
 
 
 def file_transform(headers: list[Header]):

@@ -52,10 +52,11 @@ from moed.engines.kernels import KernelSwitch
 from moed.engines.lane import ExpertLane, LaneStats
 from moed.engines.lookahead import Lookahead, PredictHook
 from moed.engines.predictor import GATING_SOFTMAX, gate
-from moed.engines.repack import LayoutPlan
+from moed.engines.repack import LayoutPlan, prepare
 from moed.engines.skeleton import expert_ranges
 from moed.engines.sources import ExpertSource, Grant, MoedSource
 from moed.engines.substitute import Substituter
+from moed.gguf.header import read_split
 
 log = logging.getLogger("moed.engine")
 
@@ -147,7 +148,9 @@ class ExpertStreamer:
         self.probs_are_logits = False
         # Which weights run on ggml's repacked kernels (moed.engines.repack); None: all plain.
         self.layout = layout
-        self.kernels: KernelSwitch | None = None
+        self.kernels: KernelSwitch | None = prepare(read_split(self.mapped_files[0]), layout) if layout else None
+        self._headers: list = []
+        self._bases: list[int] = []
 
     # ---- install ---------------------------------------------------------
 
@@ -170,28 +173,42 @@ class ExpertStreamer:
         # MOED_LANE=0: every layer through Python's path (to measure the lane, or to rule it out).
         if self._zero_copy_layers and isinstance(self.source, MoedSource) and os.environ.get("MOED_LANE") != "0":
             self.lane = ExpertLane(self.source, {layer: self._parts[layer] for layer in self._zero_copy_layers})
-            self.c_callback.set_lane(self.lane.handle, False)  # the auto path is chosen per decode (begin)
+            if not self._experts_pending():  # else the lane starts once the experts are switched
+                self.c_callback.set_lane(self.lane.handle, False)  # the auto path is chosen per decode (begin)
         self._drop_expert_cache()
         self._lock_dense(bases)
         from moed.gguf.header import read_split
 
         headers = read_split(self.mapped_files[0])  # one header read serves both steps below
         self._install_lookahead(headers, bases)
-        if self.layout is not None:
-            self._switch_kernels(headers, bases)
+        if self.kernels is not None:
+            self._unlock_placed_dense(headers, bases)
+            self._headers, self._bases = headers, bases  # for the expert switch at the first node
 
-    def _switch_kernels(self, headers: list, bases: list[int]) -> None:
-        """Dense weights onto CPU_REPACK, repacked experts onto their kernels (after the
-        look-ahead read the routers); the moved dense ranges need not stay locked."""
-        from moed.engines.repack import switch
+    def _experts_pending(self) -> bool:
+        return self.kernels is not None and self.kernels.experts_pending
+
+    def _unlock_placed_dense(self, headers: list, bases: list[int]) -> None:
+        """The dense weights llama.cpp's load placed in CPU_REPACK (moed.engines.repack.prepare)
+        were read from the mapping once; their file ranges need not stay locked."""
+        from moed.engines.repack import dense_repacked
 
         assert self.layout is not None
-        self.kernels = switch(headers, bases, self.layout)
-        for lo, hi in self.kernels.moved_ranges:
-            lo, hi = vm.page_ceil(lo), vm.page_floor(hi)
+        for shard, t in dense_repacked(headers, self.layout):
+            lo, hi = vm.page_ceil(bases[shard] + t.offset), vm.page_floor(bases[shard] + t.offset + t.n_bytes)
             if hi > lo:
                 libc.munlock(lo, hi - lo)
                 self.stats.dense_locked_bytes -= hi - lo
+
+    def _switch_experts(self, node: int) -> None:
+        """The repacked experts onto their kernels, found from `node`: the first graph node
+        Python sees, before any expert matmul of the first decode; then the lane may start."""
+        from moed.engines.repack import switch_experts
+
+        assert self.kernels is not None and self.layout is not None
+        switch_experts(self.kernels, node, self._headers, self._bases, self.layout)
+        if self.lane is not None:
+            self.c_callback.set_lane(self.lane.handle, False)
 
     def _install_lookahead(self, headers: list, bases: list[int]) -> None:
         """Read the routers from the (now locked) dense pages; fold nothing until first use."""
@@ -297,6 +314,8 @@ class ExpertStreamer:
                 # An earlier layer failed: stop this graph at its next stop,
                 # before any expert matmul could read pages nobody acquired.
                 return False
+            if self._experts_pending():
+                self._switch_experts(tensor)
             if kind == ggml_tensor.TOPK:
                 self.on_layer(layer, self._route(layer, tensor), tensor)
             elif self._observing(layer):

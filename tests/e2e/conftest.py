@@ -1,11 +1,16 @@
 """e2e fixtures: the real daemon (moed.testing.DaemonProcess), llama.cpp reference runs,
 and a model with one expert the drive cannot read (`bad_expert`, for the read-error tests).
+
+Every e2e test's body runs in a fresh fork of the test process (tests/forked.py): an
+engine started in a test starts as a user's first engine does, whatever ran before.
+Reference logits are cached on disk for the run, since a body's memory dies with it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,18 +58,39 @@ def plain_reference_logits(path) -> tuple[list[int], np.ndarray]:
     return resident_logits(path, "off")
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """Each e2e test body in its own fork (tests/forked.py)."""
+    from tests.forked import in_process, run_forked
+
+    if in_process():
+        return None
+    run_forked(pyfuncitem)
+    return True
+
+
 @pytest.fixture(scope="session")
-def reference_logits(llama_cpp):
+def reference_logits(llama_cpp, tmp_path_factory):
     """`reference_logits(path)`: resident llama.cpp on the same kernels as StreamedLlama's
     default on a plain file (dense weights on CPU_REPACK as stock puts them, experts
-    plain: UnpackedLlama(repack="dense")), cached per model."""
-    cache: dict[str, tuple[list[int], np.ndarray]] = {}
+    plain: UnpackedLlama(repack="dense")), cached per model on disk (test bodies run in
+    forks, so a cache in memory would die with each one)."""
+    import hashlib
+
+    cache_dir = tmp_path_factory.mktemp("reference-logits")
 
     def get(path) -> tuple[list[int], np.ndarray]:
-        key = str(path)
-        if key not in cache:
-            cache[key] = resident_logits(key, "dense")
-        return cache[key]
+        st = Path(path).stat()
+        key = hashlib.sha1(f"{path}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+        out = cache_dir / f"{key}.npz"
+        if out.exists():
+            with np.load(out) as z:
+                return [int(t) for t in z["tokens"]], z["logits"]
+        tokens, logits = resident_logits(str(path), "dense")
+        tmp = cache_dir / f"{key}.{os.getpid()}.npz"
+        np.savez(tmp, tokens=np.asarray(tokens, np.int64), logits=logits)
+        tmp.rename(out)
+        return tokens, logits
 
     return get
 
