@@ -37,8 +37,10 @@
  * indexes were handed to it by the client's region and are its own; the ring's
  * head is the region's word, which every recorder writes holding the GIL (the
  * lane always runs holding it). A lane declines (-1) whenever anything is not a
- * plain hit: a miss, a revoked or disabled region, an id out of range; nothing
- * is changed then, and Python's path does the layer. The auto path also leaves
+ * plain hit: a revoked or disabled region, an id out of range; nothing is
+ * changed then, and Python's path does the layer. A hit tried and missed is
+ * LANE_MISSED (-4), kept for Python's lane_step as any result of the callback's
+ * try is: Python then asks the daemon with no second try (one hp_hit a layer). The auto path also leaves
  * the layer to Python while Python holds a grant (it must release it).
  */
 #define PY_SSIZE_T_CLEAN
@@ -58,6 +60,7 @@
 #define LANE_DECLINE (-1)
 #define LANE_LOST (-2)
 #define LANE_MAPERR (-3)
+#define LANE_MISSED (-4) /* hp_hit tried and missed: Python asks the daemon, with no second try */
 #define LANE_LOG_LAYERS 1024
 #define LANE_LOG_EXPERTS 16384
 
@@ -186,7 +189,7 @@ static int lane_step_core(Lane *L, const char *tensor) {
     int next = L->cur_n ? 1 - L->cur_set : L->cur_set;
     int rc = hp_hit(table, L->rows, (size_t)m, (const uint64_t *)ly->states.buf, (size_t)(ly->states.len / 8),
                     region, L->holds[next], ly->class_id, L->slots);
-    if (rc != HP_HIT) { L->declines++; return LANE_DECLINE; }
+    if (rc != HP_HIT) { L->declines++; return LANE_MISSED; }
     int lost = 0;
     if (L->cur_n)
         lost = !hp_release((const uint64_t *)L->cur->states.buf, (size_t)(L->cur->states.len / 8), region,

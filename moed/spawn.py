@@ -54,6 +54,7 @@ class DaemonProcess:
             cfg.write_text("".join(f"{k} = {_toml(v)}\n" for k, v in config.items()))
             cmd += ["--config", str(cfg)]
         self._log = open(self.log_path, "wb")
+        self._owner = os.getpid()  # the process that can wait for it (see running)
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         deadline = time.monotonic() + start_timeout_s
         while not self._answers():
@@ -76,6 +77,20 @@ class DaemonProcess:
         from moed.client import Client
 
         return Client(self.socket, name, **kw)
+
+    def running(self) -> bool:
+        """Whether the daemon is alive, asked from any process. A fork of the process that
+        started it (an e2e test body, tests/forked.py) is not its parent: there Popen.poll
+        cannot wait for it and reads a live daemon as exited 0, so /proc is read instead
+        (an exited daemon its parent has not reaped yet is a zombie: not running)."""
+        if os.getpid() == self._owner:
+            return self.proc.poll() is None
+        try:
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+        return state not in ("Z", "X")
 
     def log(self) -> str:
         if not self._log.closed:

@@ -280,6 +280,7 @@ class ModelHandle:
         self.client = client
         self.info = info
         self._table = table  # None: every acquire is a round trip
+        self.local_tries = 0  # hits tried with no round trip (hp_hit runs), counted for the tests
         self._rows = {layer: i * info.n_experts for i, layer in enumerate(sorted(info.moe_layers))}
         self.model_id = info.model_id
         self.path = info.path
@@ -301,9 +302,19 @@ class ModelHandle:
         return self.client.segment(class_id)
 
     def acquire(
-        self, layer: int, experts, timeout_s: float | None = None, release=(), *, timeout: float | None = None
+        self,
+        layer: int,
+        experts,
+        timeout_s: float | None = None,
+        release=(),
+        *,
+        timeout: float | None = None,
+        local: bool = True,
     ) -> Lease:
         """Hold `experts` of `layer`; blocks until they are resident. `release` piggybacks.
+
+        `local`: try the hit with no round trip first (False: the caller tried it for this
+        layer already, and it missed; the request goes to the daemon at once).
 
         `timeout_s`: how long the daemon may wait for room (None: its default).
         `timeout` is the first interface's name (`m.acquire(layer, experts, timeout=None)`),
@@ -315,7 +326,7 @@ class ModelHandle:
             )
             timeout_s = timeout if timeout_s is None else timeout_s
         experts = list(map(int, experts))
-        if self._table is not None:
+        if local and self._table is not None:
             lease = self._acquire_locally(layer, experts)
             if lease is not None:
                 for prior in release:
@@ -337,6 +348,7 @@ class ModelHandle:
         holds = region.take(len(uniq))
         if holds is None:
             return None  # every hold word in use: the daemon holds the rest
+        self.local_tries += 1  # hp_hit runs: once a layer at most (tests count it)
         slots = region.hit(self._table, row, uniq, client._states[info.class_id], info.class_id, holds)
         if slots is None:
             region.give(holds)

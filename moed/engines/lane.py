@@ -31,8 +31,9 @@ from moed.engines import ggml_tensor
 from moed.engines.expert_pages import PartSpan
 from moed.protocol import errors
 
-DECLINED = -1
+DECLINED = -1  # not a lane step (no region, not a lane layer, odd ids): Python may try a hit
 LOST = -2
+MISSED = -4  # the hit was tried and missed: Python asks the daemon without trying again
 
 
 @dataclass
@@ -42,6 +43,7 @@ class LaneStats:
     acquire_s: float = 0.0
     show_s: float = 0.0
     maps: int = 0
+    declines: int = 0  # hits the lane tried and missed (each then went to the daemon)
 
 
 class ExpertLane:
@@ -83,7 +85,8 @@ class ExpertLane:
         return self._c
 
     def step(self, tensor: int) -> int:
-        """The layer at `tensor` (a computed ffn_moe_topk) taken in C: experts held, or DECLINED."""
+        """The layer at `tensor` (a computed ffn_moe_topk) taken in C: experts held, DECLINED,
+        or MISSED (the hit was tried, here or by the eval callback, and missed)."""
         n = self._evalcb.lane_step(self._c, tensor)
         if n == LOST:
             raise _lost()
@@ -117,7 +120,7 @@ class ExpertLane:
 
     def stats(self) -> LaneStats:
         d = self._evalcb.lane_stats(self._c)
-        return LaneStats(d["layers"], d["experts"], d["acquire_ns"] / 1e9, d["show_ns"] / 1e9, d["maps"])
+        return LaneStats(d["layers"], d["experts"], d["acquire_ns"] / 1e9, d["show_ns"] / 1e9, d["maps"], d["declines"])
 
     def layer_acquire_s(self, layer: int) -> float:
         return self._evalcb.lane_layer_ns(self._c, layer) / 1e9

@@ -46,7 +46,10 @@ class ExpertSource(Protocol):
 
     def extents(self, layer: int) -> list[PartExtent]: ...
 
-    def acquire(self, layer: int, experts: Sequence[int], release: Grant | None = None) -> Grant: ...
+    def acquire(self, layer: int, experts: Sequence[int], release: Grant | None = None, local: bool = True) -> Grant:
+        """Hold `experts` of `layer` (releasing `release`); `local=False`: the hit with no round
+        trip was tried already for this layer and missed, so ask the daemon at once."""
+        ...
 
     def release(self, grant: Grant) -> None: ...
 
@@ -100,10 +103,12 @@ class MoedSource:
         """Where each part of the layer's experts lives: the wire's extents, as the daemon sent them."""
         return list(self._layers[layer].parts)
 
-    def acquire(self, layer: int, experts: Sequence[int], release: Grant | None = None) -> MoedGrant:
+    def acquire(
+        self, layer: int, experts: Sequence[int], release: Grant | None = None, local: bool = True
+    ) -> MoedGrant:
         # Every grant a source is handed back is one it issued: a MoedGrant.
         prior = [cast(MoedGrant, release).lease] if release is not None else []
-        lease = self.model.acquire(layer, list(experts), timeout_s=self.timeout_s, release=prior)
+        lease = self.model.acquire(layer, list(experts), timeout_s=self.timeout_s, release=prior, local=local)
         return MoedGrant(lease, self.model.segment(lease.class_id), (self.model.model_id, lease.class_id))
 
     def release(self, grant: Grant) -> None:

@@ -49,7 +49,7 @@ from moed import libc
 from moed.engines import ggml_tensor, vm
 from moed.engines.expert_pages import ExpertPages, PartSpan
 from moed.engines.kernels import KernelSwitch
-from moed.engines.lane import ExpertLane, LaneStats
+from moed.engines.lane import MISSED, ExpertLane, LaneStats
 from moed.engines.lookahead import Lookahead, PredictHook
 from moed.engines.predictor import GATING_SOFTMAX, gate
 from moed.engines.repack import LayoutPlan, prepare
@@ -348,8 +348,10 @@ class ExpertStreamer:
     def on_layer(self, layer: int, ids: np.ndarray, tensor: int | None = None) -> None:
         """Acquire and show layer `layer`'s experts (`ids`, read from the topk node `tensor`)."""
         lane = self.lane
+        tried = False  # whether this layer's hit was tried already (once a layer: then the daemon)
         if lane is not None and tensor is not None and layer in lane.layers:
             held = lane.step(tensor)  # raises LeaseLost if its previous lease was lost
+            tried = held == MISSED
             if held >= 0:
                 prev, self.held = self.held, None
                 if prev is not None:  # a Python grant of an earlier layer
@@ -367,7 +369,7 @@ class ExpertStreamer:
             self._hide(prev)
         t0 = time.perf_counter()
         try:
-            grant = self.source.acquire(layer, experts, release=prev)
+            grant = self.source.acquire(layer, experts, release=prev, local=not tried)
         except BaseException:
             if prev is not None:
                 self._release_quietly(prev)

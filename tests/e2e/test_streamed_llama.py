@@ -137,6 +137,26 @@ def test_the_lane_takes_every_layer_that_fits_and_the_connection_closing_stops_i
         client.close()
 
 
+def test_a_layer_tries_its_hit_once_before_asking_the_daemon(start_daemon, reference_logits, aligned_model):
+    """At an evicting budget many layers miss: each tries the hit with no round trip once (in
+    the lane's C, or in Python when the lane did not try), then asks the daemon, never a
+    second or third time (issue 33: a miss used to run hp_hit three times)."""
+    _, want = reference_logits(aligned_model)
+    llm, client = streamed(start_daemon("2MiB"), aligned_model, prefetch="off")
+    try:
+        assert_bit_equal(greedy_logits(llm, llm.tokenize(PROMPT)), want)
+        lane = llm.streamer.lane
+        assert lane is not None
+        python_layers = llm.streamer.stats.layers  # the layers that reached Python's acquire
+        tries = lane.stats().declines + llm.streamer.source.model.local_tries
+        assert python_layers > 0 and client.stats()["evictions"] > 0
+        assert lane.stats().declines > 0, "the lane tried hits that missed"
+        assert tries <= python_layers, f"{tries} hit tries for {python_layers} layers sent on"
+    finally:
+        llm.close()
+        client.close()
+
+
 def test_warm_at_load_maps_what_it_says(start_daemon, reference_logits, aligned_model):
     _, want = reference_logits(aligned_model)
     daemon = start_daemon("64MiB")
