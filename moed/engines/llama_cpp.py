@@ -21,6 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 import traceback
@@ -299,21 +300,12 @@ class StreamedLlama(Llama):
         from moed.gguf.header import read_split
 
         layout = kernel_layout.plan(read_split(model_path), repack, model_path)
-        # The value options as one EngineOptions (moed.engines.options declares them, defaults included).
-        self.options = EngineOptions(
-            socket_path=socket_path,
-            acquire_timeout_s=acquire_timeout_s,
-            skeleton_dir=os.fspath(skeleton_dir) if skeleton_dir is not None else None,
-            strict=strict,
-            prefetch=prefetch,
-            prefetch_width=prefetch_width,
-            prefetch_adapt=prefetch_adapt,
-            subst=subst,
-            subst_rule=subst_rule,
-            subst_window=subst_window,
-            repack=repack,
-            warm=warm,
-        )
+        # The value options as one EngineOptions (moed.engines.options declares them, defaults
+        # included; tests/unit/test_options.py holds this signature's defaults to them).
+        given = locals()
+        self.options = EngineOptions(**{name: given[name] for name in EngineOptions.engine_fields()})
+        if self.options.skeleton_dir is not None:
+            self.options = dataclasses.replace(self.options, skeleton_dir=os.fspath(self.options.skeleton_dir))
         self.options.check()
         if llama_cpp.__version__ != LLAMA_CPP_PYTHON_VERSION:
             warnings.warn(
@@ -342,13 +334,10 @@ class StreamedLlama(Llama):
         self.streamer = ExpertStreamer(
             source,
             route_hook=route_hook,
-            strict=strict,
-            prefetch=prefetch,
-            prefetch_width=prefetch_width,
-            prefetch_adapt=prefetch_adapt,
             predict_hook=predict_hook,
             substituter=substituter,
             layout=layout,
+            **self.options.streamer_kwargs(),
         )
         try:
             if skeleton_dir is not None:

@@ -11,7 +11,10 @@ choices. The CLI builds its arguments with `add_flags` and reads them back with
 `client_timeout_s`) plus the objects only Python callers pass (client, source, hooks).
 
 Invariants:
-- A field's default is StreamedLlama's keyword default and its flag's default.
+- A field's default is StreamedLlama's keyword default, its flag's default and
+  README's; StreamedLlama builds its EngineOptions from its keywords by these names
+  and hands the streamer its options from here (tests/unit/test_options.py checks
+  the signature, the flags and the README against this declaration).
 - A flag's `dest` is argparse's own (`--acquire-timeout` -> `args.acquire_timeout`),
   so the flags, their help and the names other code reads are as they were.
 - A new option is one field here, and its use in StreamedLlama.
@@ -163,9 +166,16 @@ class EngineOptions:
 
     def streamed_kwargs(self) -> dict[str, Any]:
         """StreamedLlama's keyword arguments for these options."""
-        kwargs = dataclasses.asdict(self)
-        del kwargs["client_timeout_s"]
-        return kwargs
+        return {name: getattr(self, name) for name in self.engine_fields()}
+
+    def streamer_kwargs(self) -> dict[str, Any]:
+        """The options ExpertStreamer (moed.engines.streamer) takes as they are."""
+        return {name: getattr(self, name) for name in _STREAMER_FIELDS}
+
+    @classmethod
+    def engine_fields(cls) -> tuple[str, ...]:
+        """The fields that are StreamedLlama keyword arguments (all but the server's own)."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name not in _SERVER_ONLY)
 
     def check(self) -> None:
         """ValueError for a value StreamedLlama cannot run with (repack: moed.engines.repack.plan)."""
@@ -190,6 +200,10 @@ class EngineOptions:
     def from_args(cls, args: argparse.Namespace, group: str, **given: Any) -> EngineOptions:
         """The options `group`'s flags set in `args` (the rest their defaults, or `given`)."""
         return cls(**{name: getattr(args, flag.dest) for name, flag in _flags(group)}, **given)
+
+
+_SERVER_ONLY = ("client_timeout_s",)
+_STREAMER_FIELDS = ("strict", "prefetch", "prefetch_width", "prefetch_adapt")
 
 
 def _flags(group: str) -> list[tuple[str, Flag]]:

@@ -1,0 +1,62 @@
+"""Every engine option is declared once (moed.engines.options.EngineOptions), and what
+repeats it (StreamedLlama's signature, the verbs' flags, README's signature line) agrees."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+from moed.engines.options import RUN, SERVE, EngineOptions
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def declared() -> dict[str, object]:
+    return {f.name: f.default for f in dataclasses.fields(EngineOptions) if f.name in EngineOptions.engine_fields()}
+
+
+def test_streamed_llama_keywords_are_the_declared_options_with_their_defaults():
+    pytest.importorskip("llama_cpp")
+    from moed.engines.llama_cpp import StreamedLlama
+
+    params = inspect.signature(StreamedLlama.__init__).parameters
+    for name, default in declared().items():
+        assert name in params, f"StreamedLlama has no keyword {name}"
+        assert params[name].default == default, f"{name}: StreamedLlama says {params[name].default!r}, {default!r}"
+    # every plain-value keyword is declared (objects only Python callers pass are not options)
+    objects = {"self", "model_path", "client", "route_hook", "source", "predict_hook", "llama_kwargs"}
+    assert set(params) - objects == set(declared())
+
+
+@pytest.mark.parametrize("group", [RUN, SERVE])
+def test_each_flag_defaults_to_its_declaration(group):
+    parser = argparse.ArgumentParser()
+    EngineOptions.add_flags(parser, group)
+    args = parser.parse_args([])
+    shown = {a.dest: a.default for a in parser._actions if a.dest != "help"}
+    assert shown, "the group shows no flags"
+    options = EngineOptions.from_args(args, group)
+    for f in dataclasses.fields(EngineOptions):
+        flag = f.metadata.get("flag")
+        if flag is not None and group in flag.help:
+            assert shown[flag.dest] == f.default == getattr(options, f.name)
+
+
+def test_readme_signature_lists_every_option_with_its_default():
+    text = README.read_text()
+    m = re.search(r"`StreamedLlama\(model_path, (.*?)\*\*llama_kwargs\)`", text, re.S)
+    assert m, "README has no StreamedLlama(...) signature line"
+    listed = {}
+    for part in m.group(1).replace("\n", " ").split(","):
+        if "=" in part:
+            name, value = (s.strip() for s in part.split("=", 1))
+            listed[name] = ast.literal_eval(value)
+    for name, default in declared().items():
+        assert name in listed, f"README's signature leaves out {name}"
+        assert listed[name] == default, f"README says {name}={listed[name]!r}, the declaration {default!r}"
