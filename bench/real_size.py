@@ -1,0 +1,272 @@
+"""A real model's size, as users run it: the model's own router, sampled tokens, a memory cap.
+
+The other engine benches force a real trace's routes onto a 3.7 GiB model. This one
+writes a model at a real geometry (`--geometry q30`: Qwen3-30B-A3B's, 48 layers x 128
+experts, top-8, 2048 x 768, Q4_0, 17.3 GB) and runs each engine the way a user does:
+the model's own router decides, a prompt of `--prompt` tokens is evaluated as one
+batch, then `--tokens` tokens are sampled at temperature 1.5 (a random-weight model
+decoded greedily repeats one token, so every expert would hit and nothing would be
+measured). Page cache dropped before each run; the same seed and prompt for every
+engine, so they see the same routes until sampling tells them apart.
+
+Engines (each in its own process; the capped ones inside one cgroup v1 memory group of
+`--cap` bytes, daemon and engine together):
+  moed-gate  StreamedLlama, prefetch "gate" (the default), daemon budget `--budget`
+  moed-off   StreamedLlama, prefetch off
+  mmap       llama.cpp's mmap path (UnpackedLlama, use_mmap, no repack), in the cap
+  stock      stock llama_cpp.Llama as users run it (resident, every repacked kernel), no
+             cap; skipped with the reason when the box's MemAvailable cannot hold the model
+
+Also in the same run: the drive's raw O_DIRECT random-read rate (`moectl bench-drive`
+on the model file, 1 MiB reads, 8 in flight), the yardstick for the prompt's reads.
+
+Prints one JSON line per engine (load, prefill and decode tok/s, daemon bytes read in
+the prompt and in decode, stall, decode hit rate, peak cgroup usage) and the ratios.
+
+    python bench/real_size.py [--geometry q30|small] [--cap 6GiB] [--budget 4GiB] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from engine_vs_mmap import Cgroup, drop_page_cache, with_daemon  # noqa: E402
+
+from moed.protocol.sizes import parse_size  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+GEOMETRIES = {
+    # Qwen3-30B-A3B: 48 layers x 128 experts, top-8, hidden 2048, expert ff 768, 32/4 heads.
+    "q30": dict(layers=48, experts=128, used=8, embd=2048, ff=768, heads=32, kv_heads=4),
+    # A quick check of the script itself (1.1 GB).
+    "small": dict(layers=8, experts=64, used=8, embd=1024, ff=512, heads=16, kv_heads=4),
+}
+TEMPERATURE = 1.5
+SEED = 1234
+
+
+def model_path(geometry: str) -> str:
+    return f"/tmp/moed-bench-real/{geometry}-q4_0.gguf"
+
+
+def ensure_model(geometry: str) -> str:
+    path = model_path(geometry)
+    if not os.path.exists(path):
+        from moed.modelgen.makemodel import make_model
+
+        print(f"writing {path} ...", file=sys.stderr)
+        t = time.perf_counter()
+        make_model(path, **GEOMETRIES[geometry], quant="q4_0", align=4096, random_experts=True, ctx=4096)
+        print(f"  {time.perf_counter() - t:.0f} s", file=sys.stderr)
+    return path
+
+
+# ---- the engine side (a child process) -------------------------------------
+
+
+def run_engine(kind: str, model: str, socket: str | None, prompt_n: int, tokens: int, threads: int) -> dict:
+    import numpy as np
+
+    kw = dict(
+        n_ctx=prompt_n + tokens + 8,
+        n_batch=512,
+        n_ubatch=512,
+        n_threads=threads,
+        n_threads_batch=threads,
+        seed=SEED,
+        verbose=False,
+    )
+    t0 = time.perf_counter()
+    if kind.startswith("moed"):
+        from moed.client import Client
+        from moed.engines.llama_cpp import StreamedLlama
+
+        client = Client(socket, "real-size")
+        llm = StreamedLlama(model, client=client, prefetch="gate" if kind == "moed-gate" else "off", **kw)
+    elif kind == "mmap":
+        from moed.engines.llama_cpp import UnpackedLlama
+
+        client, llm = None, UnpackedLlama(model, use_mmap=True, **kw)
+    else:
+        import llama_cpp
+
+        client, llm = None, llama_cpp.Llama(model, **kw)
+    out: dict = {"engine": kind, "load_s": round(time.perf_counter() - t0, 2)}
+    rng = np.random.default_rng(SEED)
+    vocab = llm.n_vocab()
+    prompt = [llm.token_bos()] + [int(t) for t in rng.integers(300, vocab, prompt_n - 1)]
+
+    def daemon() -> dict:
+        return client.stats() if client is not None else {}
+
+    def stall() -> float:
+        s = getattr(llm, "streamer", None)
+        return s.stats.acquire_s if s is not None else 0.0
+
+    d0, s0 = daemon(), stall()
+    t = time.perf_counter()
+    llm.eval(prompt)
+    prefill_s = time.perf_counter() - t
+    d1, s1 = daemon(), stall()
+    t = time.perf_counter()
+    for _ in range(tokens):
+        tok = llm.sample(temp=TEMPERATURE, top_k=0, top_p=1.0, min_p=0.0)
+        llm.eval([int(tok)])
+    decode_s = time.perf_counter() - t
+    d2, s2 = daemon(), stall()
+    out.update(prefill_tok_s=round(prompt_n / prefill_s, 3), decode_tok_s=round(tokens / decode_s, 3))
+    out.update(prefill_s=round(prefill_s, 2), decode_s=round(decode_s, 2))
+    if client is not None:
+        out.update(
+            prefill_bytes_read=d1["bytes_read"] - d0["bytes_read"],
+            decode_bytes_read=d2["bytes_read"] - d1["bytes_read"],
+            prefill_read_gbps=round((d1["bytes_read"] - d0["bytes_read"]) / prefill_s / 1e9, 3),
+            prefill_stall_s=round(s1 - s0, 2),
+            decode_stall_s=round(s2 - s1, 2),
+            decode_hit_rate=_rate(d1, d2),
+            governor={k: v for k, v in llm.stream_stats().items() if k.startswith("prefetch_steps")},
+        )
+    import resource
+
+    out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    llm.close()
+    if client is not None:
+        client.close()
+    return out
+
+
+def _rate(a: dict, b: dict) -> float | None:
+    hits = b["hits"] - a["hits"]
+    misses = b["misses"] - a["misses"]
+    return round(hits / (hits + misses), 3) if hits + misses else None
+
+
+# ---- the driver ------------------------------------------------------------
+
+
+def child(args, kind: str, model: str, group: Cgroup | None, socket: str | None) -> dict:
+    cmd = [*(group.prefix() if group else []), sys.executable, __file__, "--child", kind, "--model", model]
+    cmd += ["--prompt", str(args.prompt), "--tokens", str(args.tokens), "--threads", str(args.threads)]
+    if socket:
+        cmd += ["--socket", socket]
+    peak = 0
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + args.timeout_s
+    while True:
+        try:
+            out, err = proc.communicate(timeout=2.0)
+            break
+        except subprocess.TimeoutExpired:
+            if group is not None:
+                peak = max(peak, group.stats()["max_usage_bytes"])
+            if time.monotonic() > deadline:
+                proc.kill()
+                out, err = proc.communicate()
+                break
+    if proc.returncode != 0:
+        return {"engine": kind, "error": f"exit {proc.returncode}: {err[-1200:]}"}
+    res = json.loads(out.strip().splitlines()[-1])
+    if group is not None:
+        res["cgroup_peak_bytes"] = peak
+    return res
+
+
+def drive_rate(model: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "moed.ctl", "bench-drive", model, "--seconds", "8", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    run = json.loads(out.stdout)["runs"][0]
+    return {"raw_gbps": run["gbps"], "direct": run["direct"]}
+
+
+def mem_available() -> int:
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def run_once(args, model: str, kinds: list[str]) -> list[dict]:
+    results = []
+    for kind in kinds:
+        drop_page_cache(model)
+        if kind == "stock":
+            need = os.path.getsize(model) * 1.1
+            if mem_available() < need:
+                results.append({"engine": kind, "skipped": f"MemAvailable {mem_available()} < {need:.0f}"})
+                continue
+            results.append(child(args, kind, model, None, None))
+            continue
+        group = Cgroup(f"moed-real-{os.getpid()}-{kind}", parse_size(args.cap))
+        try:
+            if kind == "mmap":
+                results.append(child(args, kind, model, group, None))
+            else:
+                results.append(
+                    with_daemon(args, args.budget, group, lambda sock, k=kind, g=group: child(args, k, model, g, sock))
+                )
+        finally:
+            group.remove()
+        print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="q30")
+    ap.add_argument("--model", help="an existing model (default: written for --geometry)")
+    ap.add_argument("--cap", default="6GiB", help="memory cgroup limit for the capped engines")
+    ap.add_argument("--budget", default="4GiB", help="moed's RAM budget inside the cap")
+    ap.add_argument("--prompt", type=int, default=25, help="prompt tokens, one batch")
+    ap.add_argument("--tokens", type=int, default=64, help="sampled decode tokens")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--engines", default="moed-gate,moed-off,mmap,stock")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat the set, engines interleaved; medians reported")
+    ap.add_argument("--timeout-s", type=float, default=1800)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--socket", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(run_engine(args.child, args.model, args.socket, args.prompt, args.tokens, args.threads)))
+        return 0
+    model = args.model or ensure_model(args.geometry)
+    kinds = args.engines.split(",")
+    drive = drive_rate(model)
+    print(json.dumps({"drive": drive, "model_bytes": os.path.getsize(model), "cap": args.cap, "budget": args.budget}))
+    rounds = [run_once(args, model, kinds) for _ in range(args.rounds)]
+    print("\nmedians over", args.rounds, "round(s):")
+    med: dict[str, dict] = {}
+    for kind in kinds:
+        rows = [r for rnd in rounds for r in rnd if r["engine"] == kind and "error" not in r and "skipped" not in r]
+        if rows:
+            med[kind] = {k: statistics.median(r[k] for r in rows) for k in ("prefill_tok_s", "decode_tok_s")}
+            for k in ("prefill_read_gbps", "decode_hit_rate", "prefill_bytes_read", "decode_bytes_read"):
+                vals = [r[k] for r in rows if r.get(k) is not None]
+                if vals:
+                    med[kind][k] = statistics.median(vals)
+        print(f"  {kind:10s} {json.dumps(med.get(kind, 'no run'))}")
+    if "moed-gate" in med and "moed-off" in med:
+        for k in ("prefill_tok_s", "decode_tok_s"):
+            print(f"  gate / off {k}: {med['moed-gate'][k] / med['moed-off'][k]:.3f}")
+    for base in ("mmap", "stock"):
+        if base in med and "moed-gate" in med:
+            for k in ("prefill_tok_s", "decode_tok_s"):
+                print(f"  moed-gate / {base} {k}: {med['moed-gate'][k] / med[base][k]:.3f}")
+    if "moed-gate" in med and "prefill_read_gbps" in med["moed-gate"]:
+        print(f"  prompt reads / raw drive: {med['moed-gate']['prefill_read_gbps'] / drive['raw_gbps']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
