@@ -23,6 +23,9 @@ into `tmp_path` first if a test needs to damage a model):
   alignment 4096: 69632-byte parts, zero-copy path).
 - `glm4moe_model`: `tiny_model`'s geometry as GLM-4.5: q/k/v biases, per-head q/k norms,
   partial rope, a leading dense layer, sigmoid gating with `exp_probs_b`, a shared expert.
+- `qwen35moe_model`: `tiny_model`'s geometry as Qwen3.5/3.6-MoE: three Gated DeltaNet
+  layers and one gated full-attention layer, every one MoE, router input at attn_post_norm-L.
+  `qwen3next_model`: the same as Qwen3-Next (fused `ssm_ba`, NeoX rope).
 - `trained_model`: the committed tiny trained MoE (`moed.data.TINY_MOE`: 6 layers, 16
   experts, top-2, d 128, q8_0, byte-level, learned routing), checked against its sha256.
 - `llama_cpp`: the llama_cpp module, or the test is skipped where it is not installed.
@@ -129,6 +132,16 @@ def gpt_oss_model(model_factory) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def glm4moe_model(model_factory) -> pathlib.Path:
     return model_factory(arch="glm4moe")
+
+
+@pytest.fixture(scope="session")
+def qwen35moe_model(model_factory) -> pathlib.Path:
+    return model_factory(arch="qwen35moe")
+
+
+@pytest.fixture(scope="session")
+def qwen3next_model(model_factory) -> pathlib.Path:
+    return model_factory(arch="qwen3next")
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,9 @@ Architectures differ in where the router's input is normed and in the gating
 `post_attn_norm-L`, from the same weight name), adds a router bias
 `ffn_gate_inp.bias` to the logits, and gates with SOFTMAX_WEIGHT: it selects on the
 biased logits and takes the softmax over the chosen k only (the weights, which
-selection does not need).
+selection does not need). qwen35moe and qwen3next read `attn_post_norm-L` too, in every
+layer (DeltaNet or attention, all MoE), with softmax; their shared expert's sigmoid
+gate scales its output and takes no part in selection.
 
 RMS norm's scale is per token and shared by every layer, and the residual stream
 changes little from one layer to the next, so rms_norm(h_M) ~ rms_norm(h_L) and

@@ -47,6 +47,7 @@ DENSE_MATMUL_NAMES: tuple[str, ...] = (
     r"ffn_(?:gate|up|down)(?:_shexp)?",
     r"ffn_gate_inp(?:_shexp)?",
     r"nextn\.(?:eh_proj|shared_head_head)",
+    r"ssm_(?:in|out|alpha|beta|ba)",  # Gated DeltaNet (qwen35moe, qwen3next): projections in and out, beta/alpha
 )
 DENSE_MATMUL = re.compile(r"^(?:output|blk\.\d+\.(?:" + "|".join(DENSE_MATMUL_NAMES) + r"))\.weight$")
 
@@ -96,6 +97,10 @@ ARCHS: Mapping[str, Arch] = {
         expert_bias=True,
     ),
     "glm4moe": Arch(RouterInput("post_attn_norm", "post_attention_norm")),
+    # Every layer MoE, DeltaNet or attention; the router reads attn_post_norm-L, softmax
+    # fixed by the graph (qwen35moe.cpp); the shared expert's sigmoid gate does not select.
+    "qwen35moe": Arch(RouterInput("attn_post_norm", "post_attention_norm"), gating=GATING_SOFTMAX),
+    "qwen3next": Arch(RouterInput("attn_post_norm", "post_attention_norm"), gating=GATING_SOFTMAX),  # the same FFN
 }
 SERVED_ARCHS = tuple(ARCHS)
 _OTHER = Arch()  # what an architecture not in the table is taken to be

@@ -66,6 +66,7 @@ from moed.gguf.header import shard_names
 from moed.modelgen import families, quantmix
 from moed.modelgen.plan import (
     DENSE_LEAD,
+    KV,
     ArchPlan,
     Geometry,
     Quants,
@@ -387,7 +388,7 @@ def _layer_glm4moe(g: Geometry, i: int, qt: Quants, facts: Arch) -> list[Spec]:
     return attention(g, p, qk_norm="head", bias=True) + moe_or_dense_ffn(g, i, p, qt, facts)
 
 
-def _kv_glm4moe(g: Geometry) -> dict[str, int | float | bool]:
+def _kv_glm4moe(g: Geometry) -> KV:
     return {
         "rope.dimension_count": g.head_dim // 2,  # partial rope: GLM rotates half of each head
         "leading_dense_block_count": DENSE_LEAD,
@@ -420,7 +421,7 @@ def _layer_gpt_oss(g: Geometry, i: int, qt: Quants, facts: Arch) -> list[Spec]:
 _SWA_WINDOW = 32
 
 
-def _kv_deepseek2(g: Geometry) -> dict[str, int | float | bool]:
+def _kv_deepseek2(g: Geometry) -> KV:
     return {
         "attention.key_length": _MLA_RANK + _MLA_ROPE,  # MLA's cache: the latent and the rope key
         "attention.value_length": _MLA_RANK,
@@ -489,6 +490,8 @@ def _fill(spec: Spec, rng: np.random.Generator, random_experts: bool = False) ->
         return dense(mat(*spec.shape))
     if spec.kind == "router":
         return 4.0 * mat(*spec.shape)  # a strong router spreads choices over all experts
+    if spec.kind == "decay":  # a recurrent layer's A = -exp(A_log), in [-16, -1] as Mamba initializes it: state decays
+        return -np.exp(rng.uniform(0.0, math.log(16.0), spec.shape)).astype(np.float32)
     if spec.kind == "router_bias":  # a quarter of the logits' spread: it changes some choices, not all
         return rng.standard_normal(spec.shape, dtype=np.float32)
     qtype = spec.qtype
@@ -515,8 +518,13 @@ def _add_metadata(w: GGUFWriter, g: Geometry, tokens, scores, types, arch: str =
     w.add_uint32(Keys.Attention.HEAD_COUNT.format(arch=a), g.heads)
     w.add_uint32(Keys.Attention.HEAD_COUNT_KV.format(arch=a), g.kv_heads)
     extra = dict(ARCHS[a].extra_kv(g))  # an arch's own keys; it may also set the head lengths
-    w.add_uint32(Keys.Attention.KEY_LENGTH.format(arch=a), int(extra.pop("attention.key_length", g.head_dim)))
-    w.add_uint32(Keys.Attention.VALUE_LENGTH.format(arch=a), int(extra.pop("attention.value_length", g.head_dim)))
+    for key, name in (
+        (Keys.Attention.KEY_LENGTH, "attention.key_length"),
+        (Keys.Attention.VALUE_LENGTH, "attention.value_length"),
+    ):
+        length = extra.pop(name, g.head_dim)
+        assert isinstance(length, int), f"{name} must be an int"
+        w.add_uint32(key.format(arch=a), length)
     w.add_float32(Keys.Attention.LAYERNORM_RMS_EPS.format(arch=a), 1e-6)
     w.add_float32(Keys.Rope.FREQ_BASE.format(arch=a), 10000.0)
     for key, value in extra.items():

@@ -46,7 +46,7 @@ class Geometry:
         return self.embd // self.heads
 
 
-F32_KINDS = ("norm", "router", "bias", "router_bias")
+F32_KINDS = ("norm", "router", "bias", "router_bias", "decay")
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class Spec:
 
     name: str
     shape: tuple[int, ...]
-    kind: str  # embd | norm | bias | f16 | router | router_bias | experts
+    kind: str  # embd | norm | bias | f16 | router | router_bias | decay | experts
     qtype: GGMLQuantizationType | None = None
 
     @property
@@ -92,9 +92,6 @@ def attention(g: Geometry, p: str, *, qk_norm: str = "", bias: bool = False) -> 
         q, k = (hd, hd) if qk_norm == "head" else (g.heads * hd, g.kv_heads * hd)
         specs += [Spec(p + "attn_q_norm.weight", (q,), "norm"), Spec(p + "attn_k_norm.weight", (k,), "norm")]
     return specs
-
-
-Quants = tuple[GGMLQuantizationType, GGMLQuantizationType, GGMLQuantizationType]  # (gate, up, down)
 
 
 def router_norm(g: Geometry, p: str, facts: Arch) -> Spec:

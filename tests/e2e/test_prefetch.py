@@ -69,6 +69,8 @@ def engine(daemon, path, budget=None, **kw):
         "mixtral_model",
         "gpt_oss_model",  # router bias on the logits, SOFTMAX_WEIGHT, input at attn_post_norm-L
         "glm4moe_model",  # sigmoid gating with exp_probs_b, input at post_attn_norm-L
+        "qwen35moe_model",  # DeltaNet and attention layers, all MoE; input at attn_post_norm-L
+        "qwen3next_model",  # the same layout, fused ssm_ba
     ],
 )
 def test_predictor_at_zero_lead_is_llama_cpps_top_k(request, start_daemon, model):
@@ -96,6 +98,7 @@ def test_predictor_at_zero_lead_is_llama_cpps_top_k(request, start_daemon, model
         ("tiny_model", "256KiB"),  # copy path, ~10 slots of 32
         ("trained_model", "1MiB"),  # learned routing, copy path, ~17 slots of 96
         ("gpt_oss_model", "256KiB"),  # the look-ahead stops at attn_post_norm-L (no ffn_norm)
+        ("qwen35moe_model", "256KiB"),  # hybrid: DeltaNet layers between the MoE FFNs predicted across
     ],
 )
 def test_logits_bit_exact_with_prefetch_at_an_evicting_budget(

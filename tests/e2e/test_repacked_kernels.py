@@ -92,6 +92,10 @@ MODELS = {
     "deepseek2-q4_0": (dict(arch="deepseek2", quant="q4_0"), "96KiB", "copy"),  # MLA, leading dense layer
     "mixtral-q4_0": (dict(arch="llama", quant="q4_0"), "96KiB", "copy"),
     "glm4moe-q4_0": (dict(arch="glm4moe", quant="q4_0"), "96KiB", "copy"),
+    # DeltaNet and gated attention in Q4_K: ssm_out, attn_qkv, attn_gate (and qwen3next's 8-row ssm_ba) on
+    # CPU_REPACK as stock puts them; each fails without its name in archs.DENSE_MATMUL_NAMES (checked by hand)
+    "qwen35moe-q4_k_m": (dict(arch="qwen35moe", embd=256, ff=256, recipe="q4_k_m"), "1MiB", "mixed"),
+    "qwen3next-q4_k_m": (dict(arch="qwen3next", embd=256, ff=256, recipe="q4_k_m"), "1MiB", "mixed"),  # ssm_ba
 }
 
 

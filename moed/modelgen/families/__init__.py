@@ -13,6 +13,10 @@ architecture", says what else to check.
 
 from __future__ import annotations
 
+from moed.modelgen.families import qwen3next, qwen35moe
 from moed.modelgen.plan import ArchPlan
 
-PLANS: dict[str, ArchPlan] = {}
+PLANS: dict[str, ArchPlan] = {
+    "qwen35moe": qwen35moe.PLAN,
+    "qwen3next": qwen3next.PLAN,
+}
