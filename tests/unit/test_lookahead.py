@@ -266,11 +266,18 @@ def test_governor_ignores_an_outlier_step():
     assert g.begin(decode_step=True) == "on"  # the median still says on is faster
 
 
-def test_governor_leaves_prompt_batches_on_and_uncounted():
+def test_governor_runs_prompt_batches_on_their_own_precision_and_uncounted():
     g = PrefetchGovernor(probe=2, skip=0)
-    assert g.begin(decode_step=False) == "on"
+    assert g.begin(decode_step=False) == "shadow"  # no batch precision yet: name, read nothing
+    g.scored(6, 10)  # 0.6: below the floor
     g.end(5.0)
-    assert g.last_median_s == {"on": None, "off": None} and g.steps["on"] == 0
+    assert g.last_median_s == {"on": None, "off": None} and g.steps == {"on": 0, "off": 0, "shadow": 0}
+    assert g.precision is None and g.batch_precision == 0.6  # the decode precision is untouched
+    assert g.begin(decode_step=False) == "shadow"
+    g.scored(10, 10)
+    g.end(5.0)
+    assert g.batch_precision == 0.8
+    assert g.begin(decode_step=False) == "on"
 
 
 def test_shadow_steps_name_prefetches_for_the_governor_but_send_nothing():
