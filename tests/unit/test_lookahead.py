@@ -267,15 +267,19 @@ def test_governor_ignores_an_outlier_step():
 
 
 def test_governor_runs_prompt_batches_on_their_own_precision_and_uncounted():
-    g = PrefetchGovernor(probe=2, skip=0)
+    g = PrefetchGovernor(probe=2, skip=0, batch_probe_every=8)
     assert g.begin(decode_step=False) == "shadow"  # no batch precision yet: name, read nothing
     g.scored(6, 10)  # 0.6: below the floor
     g.end(5.0)
     assert g.last_median_s == {"on": None, "off": None} and g.steps == {"on": 0, "off": 0, "shadow": 0}
     assert g.precision is None and g.batch_precision == 0.6  # the decode precision is untouched
-    assert g.begin(decode_step=False) == "shadow"
-    g.scored(10, 10)
-    g.end(5.0)
+    seen = []
+    for _ in range(7):  # batches 2..8: off, and the 8th a shadow that may see it rise
+        seen.append(g.begin(decode_step=False))
+        g.scored(0, 0)
+        g.end(1.0)
+    assert seen == ["off"] * 6 + ["shadow"]
+    g.scored(10, 10)  # the shadow batch's score (scored before end, as the look-ahead does)
     assert g.batch_precision == 0.8
     assert g.begin(decode_step=False) == "on"
 
