@@ -1,4 +1,4 @@
-"""The few libc calls Python does not expose with raw addresses: mmap, mprotect, madvise, mlock.
+"""The few libc calls Python does not expose: mmap, mprotect, madvise, mlock at raw addresses, and prctl.
 
 Python's `mmap` module cannot map at a given address nor lock or protect a
 range, so these go through libc with ctypes; the daemon (RAM tier, reader,
@@ -29,6 +29,15 @@ for _name in ("munmap", "mlock", "munlock"):
 for _name in ("mprotect", "madvise"):
     getattr(_libc, _name).argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     getattr(_libc, _name).restype = ctypes.c_int
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int) -> None:
+    """Have the kernel send `sig` to this process when the thread that started it exits
+    (prctl PR_SET_PDEATHSIG); for a child, called in it before exec (a preexec_fn)."""
+    _check(_libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
 
 
 def _check(rc: int, what: str) -> None:

@@ -29,6 +29,15 @@ def _toml(v: Any) -> str:
     return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def _die_with_starter() -> None:
+    """A private daemon is killed when the thread that started it exits, so a crashed test
+    worker, a test body's fork or a killed bench leaves no daemon behind (issue 30: eleven
+    were still running an hour after a crashing test file)."""
+    from moed import libc
+
+    libc.die_with_parent(signal.SIGKILL)
+
+
 class DaemonProcess:
     """`moed --socket DIR/s --ram-budget BUDGET *extra` in a short temporary directory.
 
@@ -55,7 +64,13 @@ class DaemonProcess:
             cmd += ["--config", str(cfg)]
         self._log = open(self.log_path, "wb")
         self._owner = os.getpid()  # the process that can wait for it (see running)
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            preexec_fn=_die_with_starter,
+        )
         deadline = time.monotonic() + start_timeout_s
         while not self._answers():
             if self.proc.poll() is not None or time.monotonic() > deadline:

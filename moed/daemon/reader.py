@@ -216,6 +216,11 @@ class ReaderPool:
             jobs = dict.fromkeys(c[0] for c in self._prefetch)
         return list(reversed(jobs))
 
+    def busy(self) -> bool:
+        """Whether any chunk is queued or being read."""
+        with self._cv:
+            return bool(self._demand or self._prefetch or self._active)
+
     def oldest_demand_wait_s(self, now: float) -> float:
         """How long the oldest queued demand chunk has waited for a reader (0: none queued)."""
         with self._cv:

@@ -125,6 +125,7 @@ class Session(asyncio.Protocol):
         self.daemon.counters.connections += 1
         refusal = self._refusal()
         self.daemon.sessions.add(self)
+        self.daemon.wake()
         self.tenant.connections += 1
         if refusal is not None:
             log.warning("refusing pid %d (uid %d): %s", self.pid, self.uid, refusal)

@@ -12,14 +12,11 @@ engine, and none of its daemon leases, outlives the server that started it.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import signal
 import sys
 from dataclasses import dataclass
-
-PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -43,8 +40,9 @@ class WorkerSpec:
 
 
 def _die_with_parent() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    from moed import libc
+
+    libc.die_with_parent(signal.SIGTERM)
 
 
 def main(argv: list[str]) -> int:
