@@ -19,6 +19,11 @@ Invariants:
   failed with pytest's own rendering of the exception. A child that dies without
   reporting (a signal, an abort inside llama.cpp) fails the test with the signal's
   name; the test process carries on.
+- The test process itself never computes with llama.cpp: ggml's OpenMP pool, once
+  started in a process, deadlocks every fork of it that computes (libgomp does not
+  survive fork). A fixture that needs an engine runs it with `call_forked`.
+- A body that does not report within `BODY_TIMEOUT_S` is killed and fails as hung,
+  so one deadlock cannot hold the suite past CI's limit.
 - `MOED_TEST_IN_PROCESS=1` runs bodies in the test process (for a debugger).
 """
 
@@ -26,8 +31,11 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import select
 import signal
 import sys
+import time
 
 import pytest
 from _pytest._code import ExceptionInfo
@@ -54,6 +62,57 @@ def _child(item: pytest.Function, w: int) -> None:
     os._exit(0)
 
 
+BODY_TIMEOUT_S = 900.0
+
+
+def _read_all(r: int, pid: int, what: str) -> bytes:
+    """Everything the child writes to `r` until it closes it, or kill it at the deadline."""
+    chunks, deadline = [], time.monotonic() + BODY_TIMEOUT_S
+    while True:
+        left = deadline - time.monotonic()
+        ready, _, _ = select.select([r], [], [], max(0.0, left))
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            os.close(r)
+            pytest.fail(f"{what} did not finish within {BODY_TIMEOUT_S:.0f} s: killed (a deadlock?)", pytrace=False)
+        chunk = os.read(r, 1 << 16)
+        if not chunk:
+            os.close(r)
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+
+def call_forked(fn, *args):
+    """`fn(*args)` computed in a fork and its (picklable) result returned here: for fixtures
+    that need an engine, so the test process never starts ggml's thread pool."""
+    r, w = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            try:
+                data = pickle.dumps(("ok", fn(*args)))
+            except BaseException as exc:  # noqa: BLE001  (re-raised in the parent)
+                data = pickle.dumps(("error", repr(exc)))
+            view = memoryview(data)
+            while view:
+                view = view[os.write(w, view) :]
+        finally:
+            os._exit(0)
+    os.close(w)
+    data = _read_all(r, pid, f"{getattr(fn, '__name__', fn)} in a fork")
+    _, status = os.waitpid(pid, 0)
+    if not data:
+        raise RuntimeError(f"{getattr(fn, '__name__', fn)}'s fork died without a result: {_death(status)}")
+    kind, value = pickle.loads(data)
+    if kind == "error":
+        raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed in its fork: {value}")
+    return value
+
+
 def _death(status: int) -> str:
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
@@ -74,14 +133,11 @@ def run_forked(item: pytest.Function) -> None:
         finally:
             os._exit(70)  # _child always exits; this only guards against a bug in it
     os.close(w)
-    chunks = []
-    with os.fdopen(r, "rb") as f:
-        while chunk := f.read(1 << 16):
-            chunks.append(chunk)
+    data = _read_all(r, pid, "the test body")
     _, status = os.waitpid(pid, 0)
-    if not chunks:
+    if not data:
         pytest.fail(f"the test body's process died without reporting: {_death(status)}", pytrace=False)
-    outcome = json.loads(b"".join(chunks))
+    outcome = json.loads(data)
     kind, text = outcome["kind"], outcome.get("text", "")
     if kind == "skipped":
         pytest.skip(text)

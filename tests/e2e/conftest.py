@@ -114,7 +114,14 @@ class BadExpert(NamedTuple):
 
 
 def prompt_routes(path, texts) -> dict[bytes, tuple[list[int], dict[int, set[int]]]]:
-    """text -> (its tokens, layer -> experts its prompt batch routed to), on the pristine model."""
+    """text -> (its tokens, layer -> experts its prompt batch routed to), on the pristine model
+    (computed in a fork: fixtures call it, and the test process never runs an engine)."""
+    from tests.forked import call_forked
+
+    return call_forked(_prompt_routes, str(path), list(texts))
+
+
+def _prompt_routes(path, texts) -> dict[bytes, tuple[list[int], dict[int, set[int]]]]:
     from moed.engines.llama_cpp import StreamedLlama
     from moed.testing import DaemonProcess
 
