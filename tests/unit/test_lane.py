@@ -137,7 +137,10 @@ def test_anything_but_a_plain_hit_declines_and_changes_nothing(rig, how):
         _evalcb.lane_disable(rig.lane)
     else:
         ids = [1, N_EXPERTS]
-    assert _evalcb.lane_step(rig.lane, rig.route(ids)) == -1
+    # -4 (MISSED): the hit itself was tried and missed, so Python asks the daemon without
+    # trying again; -1 (DECLINED): the lane did not try, and Python may.
+    tried = how in ("not resident", "state moved", "region revoked")
+    assert _evalcb.lane_step(rig.lane, rig.route(ids)) == (-4 if tried else -1)
     assert rig.held() == [] and int(rig.r[rz.W_RING_HEAD]) == 0 and int(rig.r[COUNTER]) == 0
     assert _evalcb.lane_stats(rig.lane)["maps"] == 0  # nothing mapped: still PROT_NONE
 
@@ -146,7 +149,7 @@ def test_a_declined_layer_keeps_the_previous_lease(rig):
     rig.resident(1, slot=2)
     assert _evalcb.lane_step(rig.lane, rig.route([1])) == 1
     held = rig.held()
-    assert _evalcb.lane_step(rig.lane, rig.route([6])) == -1  # expert 6 is not resident
+    assert _evalcb.lane_step(rig.lane, rig.route([6])) == -4  # expert 6 is not resident: tried, missed
     assert rig.held() == held  # Python's path releases it (lane_release) before it asks
 
 
@@ -195,7 +198,7 @@ def test_the_log_lists_the_layers_taken_for_the_cache_estimate(rig):
     assert _evalcb.lane_step(rig.lane, rig.route([1])) == 1  # not logging yet
     _evalcb.lane_log(rig.lane, True)
     assert _evalcb.lane_step(rig.lane, rig.route([4, 1])) == 2
-    assert _evalcb.lane_step(rig.lane, rig.route([7])) == -1  # declined: Python's path tells the estimate
+    assert _evalcb.lane_step(rig.lane, rig.route([7])) == -4  # missed: Python's path tells the estimate
     assert _evalcb.lane_step(rig.lane, rig.route([4])) == 1
     assert _evalcb.lane_take_log(rig.lane) == ([(LAYER, [1, 4]), (LAYER, [4])], False)
     assert _evalcb.lane_take_log(rig.lane) == ([], False)
