@@ -5,7 +5,7 @@ daemon and the lab, which import it and never each other:
 
 - `store`: the slot state machine and the one byte budget shared by every model
   and tenant (`Store`); the daemon drives it, the lab's tests replay through it;
-- `slots`: the records it works on (`Slot`, `SlotClass`, `ExpertKey`, `Want`,
+- `records`: the records it works on (`Slot`, `SlotClass`, `ExpertKey`, `Want`,
   `Plan`), importable from `store` too;
 - `room`: which slots give way to new bytes (`RoomSearch`), chosen and claimed
   before the store changes anything, all or nothing;

@@ -1,7 +1,7 @@
 """Counters, per-tenant accounting and the stats snapshot `moectl stats` prints.
 
 What this module owns: the daemon's mutable counts (`Counters`, `Tenant`,
-`ModelUse`, kept by core.py and server.py on the event loop) and `snapshot()`,
+`ModelUse`, kept by core.py and sessions.py on the event loop) and `snapshot()`,
 which turns them and the daemon's state into the dict the wire's `Stats`
 (moed/protocol/stats.py, the one schema: field names, types, metrics) converts.
 

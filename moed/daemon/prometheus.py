@@ -40,7 +40,7 @@ from moed.protocol.stats import Metric, ModelRow, Stats, TenantModelRow, TenantR
 
 from .config import parse_listen
 
-log = logging.getLogger("moed.metrics")
+log = logging.getLogger("moed.prometheus")
 
 
 def _family(prefix: str, metric: Metric, labels: list[str]):

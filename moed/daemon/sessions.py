@@ -60,7 +60,7 @@ from .core import Daemon, Lease, PendingAcquire
 from .counters import Tenant
 from .fdsend import FdSender
 
-log = logging.getLogger("moed.server")
+log = logging.getLogger("moed.sessions")
 
 _PEERCRED = struct.Struct("3i")
 MAX_NAMES_PER_TENANT = 32

@@ -401,11 +401,3 @@ class KernelSwitch:
         for ctx in self._contexts:
             ctx.close()
         self._contexts.clear()
-
-
-def buffer_buft_name(tensor_addr: int) -> str:
-    """The buffer type name of a tensor's buffer ("CPU_REPACK", "CPU", ...), for tests."""
-    t = GgmlTensor.from_address(tensor_addr)
-    if not t.buffer:
-        return ""
-    return (ggml().buft_name(ggml().buffer_type(t.buffer)) or b"").decode()
