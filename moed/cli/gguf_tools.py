@@ -23,7 +23,8 @@ def register(sub) -> None:
         "--arch",
         default="qwen3moe",
         help="llama.cpp architecture: qwen3moe, olmoe, qwen2moe, deepseek2, llama (Mixtral-style; also: mixtral), "
-        "gpt-oss (MXFP4 experts with biases, attention sinks, sliding-window layers) or glm4moe (GLM-4.5)",
+        "gpt-oss (MXFP4 experts with biases, attention sinks, sliding-window layers), glm4moe (GLM-4.5), "
+        "qwen35moe (Qwen3.5/3.6-MoE: Gated DeltaNet + attention) or qwen3next (Qwen3-Next)",
     )
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=8)
