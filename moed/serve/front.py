@@ -36,6 +36,7 @@ from typing import Any
 
 import httpx2 as httpx
 
+from moed.serve import request_check
 from moed.serve.metrics import ServeMetrics
 from moed.serve.pool import NoWorker, QueueFull, WorkerPool, WorkerSlot
 
@@ -47,8 +48,8 @@ _TOKEN_CHUNK = re.compile(rb'"finish_reason": null')
 _ROLE_CHUNK = re.compile(rb'"delta": \{"role": "assistant"\}')
 
 
-def _error(message: str, kind: str, code: str | None = None) -> bytes:
-    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+def _error(message: str, kind: str, code: str | None = None, param: str | None = None) -> bytes:
+    return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}}).encode()
 
 
 async def _answer(send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
@@ -213,6 +214,11 @@ class Front:
             return
         except BodyTooLarge as exc:
             await _answer(send, 413, _error(str(exc), "invalid_request_error", "request_too_large"))
+            return
+        refusal = request_check.check(path, body) if method == "POST" else None
+        if refusal is not None:  # before any worker or the daemon: the same 400 whatever their state
+            await _answer(send, 400, _error(refusal.message, "invalid_request_error", None, refusal.param))
+            self.metrics.requests.labels(_model_of(body) or self.default, "400").inc()
             return
         await self._dispatch(scope, receive, send, body)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 
+import httpx2 as httpx
 import pytest
 
 from moed.testing import DaemonProcess, wait_for
@@ -128,6 +129,11 @@ def test_daemon_killed_mid_request_is_a_503_and_a_restart_recovers(tiny_model, t
         with pytest.raises(openai.APIStatusError) as down_stream:
             complete(server, 4, stream=True)
         assert down_stream.value.status_code == 503
+        # ... but a bad request is the client's error whatever the daemon's state: 400, not 503
+        bad = httpx.post(f"{server.url}/v1/completions", content=b"{not json", timeout=30)
+        assert bad.status_code == 400 and "not JSON" in bad.json()["error"]["message"]
+        hot = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "temperature": -1}, timeout=30)
+        assert hot.status_code == 400 and hot.json()["error"]["param"] == "temperature"
 
         d = DaemonProcess("512KiB", socket_dir=str(d.dir))
         r = complete(server, 8)
