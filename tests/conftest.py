@@ -26,6 +26,10 @@ into `tmp_path` first if a test needs to damage a model):
 - `qwen35moe_model`: `tiny_model`'s geometry as Qwen3.5/3.6-MoE: three Gated DeltaNet
   layers and one gated full-attention layer, every one MoE, router input at attn_post_norm-L.
   `qwen3next_model`: the same as Qwen3-Next (fused `ssm_ba`, NeoX rope).
+- `gemma4_model`: `tiny_model`'s geometry as Gemma 4 MoE: fused `ffn_gate_up_exps` (parts gate_up
+  and down), a dense MLP beside the experts, per-layer token embeddings, sliding-window layers.
+- `qwen4exp_model`: `qwen35moe_model`'s layers under 4 hyper-connection streams (the router
+  reads the FFN mix of `hc_combine-L`), QSA indexers, one PLE layer, no output_norm.
 - `trained_model`: the committed tiny trained MoE (`moed.data.TINY_MOE`: 6 layers, 16
   experts, top-2, d 128, q8_0, byte-level, learned routing), checked against its sha256.
 - `llama_cpp`: the llama_cpp module, or the test is skipped where it is not installed.
@@ -142,6 +146,16 @@ def qwen35moe_model(model_factory) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def qwen3next_model(model_factory) -> pathlib.Path:
     return model_factory(arch="qwen3next")
+
+
+@pytest.fixture(scope="session")
+def gemma4_model(model_factory) -> pathlib.Path:
+    return model_factory(arch="gemma4")
+
+
+@pytest.fixture(scope="session")
+def qwen4exp_model(model_factory) -> pathlib.Path:
+    return model_factory(arch="qwen4exp")
 
 
 @pytest.fixture(scope="session")

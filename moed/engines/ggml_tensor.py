@@ -214,15 +214,21 @@ def _norm_name(prefix: bytes) -> re.Pattern[bytes]:
 def rows_f32(tensor_ptr: int) -> np.ndarray:
     """The (n_rows, ne0) float32 rows of a computed tensor, as a read-only strided view.
 
+    A 3-D tensor [ne0, ne1, n_rows] whose ne0 x ne1 slabs are contiguous (qwen4exp's
+    hyper-connection residual `hc_combine-L`: a token's hc streams) gives rows of
+    ne0 * ne1 values, the streams side by side: one row a token, as in the 2-D case.
     Valid only inside the callback that received the tensor (the buffer is reused).
     """
     t = GgmlTensor.from_address(tensor_ptr)
     if t.type != GGML_TYPE_F32:
         raise RuntimeError(f"ffn_norm has ggml type {t.type}, expected F32")
-    n0, n_rows = int(t.ne[0]), int(t.ne[1]) * int(t.ne[2]) * int(t.ne[3])
-    if int(t.ne[2]) * int(t.ne[3]) != 1:
+    slab_contiguous = int(t.nb[0]) == 4 and int(t.nb[1]) == 4 * int(t.ne[0])
+    if int(t.ne[3]) != 1 or (int(t.ne[2]) != 1 and not slab_contiguous):
         raise RuntimeError("ffn_norm with more than two dimensions: unexpected graph")
-    nb0, nb1 = int(t.nb[0]), int(t.nb[1])
+    if int(t.ne[2]) != 1:  # the slabs as rows: [ne0 * ne1, ne2] with ne2's stride
+        n0, n_rows, nb0, nb1 = int(t.ne[0]) * int(t.ne[1]), int(t.ne[2]), 4, int(t.nb[2])
+    else:
+        n0, n_rows, nb0, nb1 = int(t.ne[0]), int(t.ne[1]), int(t.nb[0]), int(t.nb[1])
     if n_rows == 0:
         return np.empty((0, n0), dtype=np.float32)
     span = (n_rows - 1) * nb1 + n0 * nb0

@@ -184,6 +184,9 @@ def _hooked_internals(streamer: ExpertStreamer) -> types.ModuleType:
         params.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP
         params.use_extra_bufts = False  # a repacked tensor would not sit at its file offset
         params.n_gpu_layers = 0
+        # the per-layer token embeddings (archs.LAZY_TENSORS) read by rows from the mapping, not
+        # copied whole into anonymous memory: gigabytes in the real Gemma 4 and Qwen3.8 files
+        params.lazy_mode = llama_cpp.LLAMA_LAZY_MODE_ON
         if streamer.kernels is not None and streamer.kernels.dense is not None:
             streamer.kernels.dense.install(params)  # stock's CPU_REPACK weights, placed by llama.cpp's loader
         before = snapshot_bases(streamer.mapped_files)

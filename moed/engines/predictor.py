@@ -20,6 +20,9 @@ biased logits and takes the softmax over the chosen k only (the weights, which
 selection does not need). qwen35moe and qwen3next read `attn_post_norm-L` too, in every
 layer (DeltaNet or attention, all MoE), with softmax; their shared expert's sigmoid
 gate scales its output and takes no part in selection.
+gemma4's router reads no norm node: its input is rms_norm(attn_out) / sqrt(n_embd) *
+`ffn_gate_inp.scale`, so the predictor is given the residual `attn_out-L` and norms it
+itself (`router_rms_input`); `ffn_gate_inp.scale` then plays the norm weight's part.
 
 RMS norm's scale is per token and shared by every layer, and the residual stream
 changes little from one layer to the next, so rms_norm(h_M) ~ rms_norm(h_L) and
@@ -53,13 +56,17 @@ from moed.gguf.archs import (
     GATING_SOFTMAX,
     GATING_SOFTMAX_WEIGHT,
     ROUTER_BIAS,
+    ROUTER_SCALE,
     ROUTER_WEIGHT,
     SELECTION_BIAS,
+    arch_of,
     gating_of,
     router_input,
 )
 
 _TINY_NORM = 1e-12
+_RMS_EPS_KEY = "attention.layer_norm_rms_epsilon"  # llama.cpp's f_norm_rms_eps, per architecture
+_HC_COUNT_KEY = "hyper_connection.count"  # llama.cpp's dsv4_hc_mult: the residual's streams
 
 
 def graph_moe_layers(header, moe_layers) -> list[int]:
@@ -83,6 +90,53 @@ class Router:
     norm: np.ndarray
     bias: np.ndarray | None = None
     logit_bias: np.ndarray | None = None
+    # Set where the node is the un-normed residual (Arch.router_scale): the rows are RMS-normed
+    # with this epsilon and scaled by 1/sqrt(n_embd), then `norm` (ffn_gate_inp.scale) applies.
+    rms_eps: float | None = None
+    # Set where the node is the hyper-connection residual (Arch.hc_mix, qwen4exp): this
+    # layer's FFN mixer, which turns any layer's residual rows into this router's input.
+    hc: HcMix | None = None
+
+
+@dataclass(frozen=True)
+class HcMix:
+    """One layer's FFN hyper-connection mixer (qwen4exp's build_hc_mix), float32: the grouped
+    RMS norm's gamma `norm` (hc, n_embd), the low-rank gate `down` (rank, hc * n_embd) and
+    `up` (hc * n_embd, rank), the norm's `eps`, and for each projection the dtype ggml
+    rounds its input to before the matmul (np.float16 for an F16 weight, as the CPU
+    backend converts the activation to the weight's vec_dot type; None: no rounding)."""
+
+    norm: np.ndarray
+    down: np.ndarray
+    up: np.ndarray
+    eps: float
+    down_input: type | None = None
+    up_input: type | None = None
+
+
+def hc_mix(x: np.ndarray, m: HcMix) -> np.ndarray:
+    """The router input (n_tokens, n_embd) from residual rows `x` (n_tokens, hc * n_embd: the
+    streams of a token side by side, as `hc_combine-L` lays them out), in ggml's order:
+
+        xn    = rms_norm(x_c) * norm_c                  per stream c (`hc_norm-L`)
+        gate  = up @ silu(down @ xn / hc)               (`hc_gate-L`)
+        mixed = sum_c xn_c * sigmoid(gate_c) / hc       (`hc_mixed-L`, the router's input)
+    """
+    hc, n = m.norm.shape
+    xs = np.asarray(x, dtype=np.float32).reshape(-1, hc, n)
+    # ggml's rms_norm: float squares summed in double, the mean and 1/sqrt in float
+    mean = (np.square(xs).astype(np.float64).sum(axis=2, keepdims=True) / n).astype(np.float32)
+    xn = (xs * (np.float32(1.0) / np.sqrt(mean + np.float32(m.eps)))) * m.norm
+    lo = _rounded(xn.reshape(-1, hc * n), m.down_input) @ m.down.T
+    lo = lo * np.float32(1.0 / hc)
+    lo = lo / (np.float32(1.0) + np.exp(-lo))
+    gate = _rounded(lo, m.up_input) @ m.up.T
+    weights = np.float32(1.0) / (np.float32(1.0) + np.exp(-gate))
+    return (xn * weights.reshape(-1, hc, n)).sum(axis=1) * np.float32(1.0 / hc)
+
+
+def _rounded(x: np.ndarray, dtype: type | None) -> np.ndarray:
+    return x if dtype is None else x.astype(dtype).astype(np.float32)
 
 
 class GatePredictor:
@@ -112,6 +166,8 @@ class GatePredictor:
 
     def _fold(self, src: int, dst: int) -> np.ndarray:
         n_src, r = self.routers[src].norm, self.routers[dst]
+        if r.hc is not None and src != dst:  # the mix is not linear: dst's own mix runs on src's rows
+            return self.folded(dst, dst)
         if src == dst:
             return np.ascontiguousarray(r.weight.T)
         safe = np.abs(n_src) > _TINY_NORM
@@ -120,6 +176,12 @@ class GatePredictor:
 
     def logits(self, x: np.ndarray, src: int, dst: int) -> np.ndarray:
         """Predicted router logits (n_rows, n_experts) of layer `dst` from layer `src`'s rows `x`."""
+        r = self.routers[src]
+        if r.rms_eps is not None:
+            x = router_rms_input(x, r.norm, r.rms_eps)
+        hc = self.routers[dst].hc
+        if hc is not None:  # layer dst's own FFN mix of layer src's residual, then dst's router
+            x = hc_mix(x, hc)
         return x @ self.folded(src, dst)
 
     def scores(self, x: np.ndarray, src: int, dst: int) -> np.ndarray:
@@ -132,6 +194,15 @@ class GatePredictor:
         if r.bias is None:
             return logits
         return gate(logits, self.gating) + r.bias
+
+
+def router_rms_input(x: np.ndarray, scale: np.ndarray, eps: float) -> np.ndarray:
+    """gemma4's router input from the residual rows `x`: rms_norm(x) / sqrt(n_embd) * scale, in
+    ggml's order and precision (squares summed in double, the mean and 1/sqrt in float)."""
+    x = np.asarray(x, dtype=np.float32)
+    mean = (np.square(x).astype(np.float64).sum(axis=1, keepdims=True) / x.shape[1]).astype(np.float32)
+    y = x * (np.float32(1.0) / np.sqrt(mean + np.float32(eps)))
+    return (y * np.float32(1.0 / np.sqrt(np.float32(x.shape[1])))) * scale.astype(np.float32)
 
 
 def gate(logits: np.ndarray, gating: int) -> np.ndarray:
@@ -170,7 +241,8 @@ def load_routers(headers, bases: list[int], moe_layers: list[int]) -> tuple[dict
         for t in h.tensors:
             infos[t.name] = (shard, t)
     gating = gating_of(headers[0])
-    norm_name = router_input(str(headers[0].get("general.architecture", ""))).norm
+    arch = str(headers[0].get("general.architecture", ""))
+    norm_name = router_input(arch).norm
 
     def read(name: str) -> np.ndarray | None:
         if name not in infos:
@@ -187,9 +259,38 @@ def load_routers(headers, bases: list[int], moe_layers: list[int]) -> tuple[dict
                 f"layer {layer} has no ffn_gate_inp/{norm_name} weight: gate-ahead prediction "
                 "needs both (this architecture is not supported for prefetch)"
             )
+        rms_eps, hc = None, None
+        if arch_of(arch).hc_mix:
+            n_hc = int(headers[0].get(f"{arch}.{_HC_COUNT_KEY}", 0) or 0)
+            hc = _hc_mix(layer, norm, n_hc, float(headers[0].get(f"{arch}.{_RMS_EPS_KEY}", 1e-6)), read, infos)
+        if arch_of(arch).router_scale:  # the node is the residual: norm it here, scale by ffn_gate_inp.scale
+            norm, rms_eps = read(f"blk.{layer}.{ROUTER_SCALE}"), float(headers[0].get(f"{arch}.{_RMS_EPS_KEY}", 1e-6))
+            if norm is None:
+                raise ValueError(f"layer {layer} has no {ROUTER_SCALE}: its router's input cannot be rebuilt")
         bias, logit_bias = read(f"blk.{layer}.{SELECTION_BIAS}"), read(f"blk.{layer}.{ROUTER_BIAS}")
-        routers[layer] = Router(w, norm.reshape(-1), bias, None if logit_bias is None else logit_bias.reshape(-1))
+        routers[layer] = Router(
+            w, norm.reshape(-1), bias, None if logit_bias is None else logit_bias.reshape(-1), rms_eps, hc
+        )
     return routers, gating
+
+
+# The dtype ggml's CPU matmul rounds an F32 activation to for a weight of this type (its
+# vec_dot_type, on x86); quantized weights round to a quantized activation, which is
+# not modelled: the mix is then close, not ggml's to the last bit.
+_MATMUL_INPUT = {0: None, 1: np.float16}  # GGML_TYPE_F32, GGML_TYPE_F16
+
+
+def _hc_mix(layer: int, norm: np.ndarray, hc: int, eps: float, read, infos) -> HcMix:
+    """Layer `layer`'s FFN mixer of `hc` streams: `norm` is its gamma (read as the router
+    input's norm weight; llama.cpp reshapes it to [n_embd, hc], so any file shape is taken)."""
+    p = f"blk.{layer}.hc_ffn_"
+    down, up = read(p + "down.weight"), read(p + "up.weight")
+    if hc < 2:
+        raise ValueError(f"{_HC_COUNT_KEY} is {hc}: no hyper-connection streams to mix")
+    if down is None or up is None:
+        raise ValueError(f"layer {layer} has no hc_ffn_down/hc_ffn_up: its router's input cannot be rebuilt")
+    rounding = (_MATMUL_INPUT.get(int(infos[p + f"{w}.weight"][1].ggml_type)) for w in ("down", "up"))
+    return HcMix(norm.reshape(hc, -1), down, up, eps, *rounding)
 
 
 def tensor_f32(addr: int, n_bytes: int, ggml_type: int, dims: tuple[int, ...]) -> np.ndarray:

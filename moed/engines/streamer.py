@@ -47,7 +47,7 @@ import numpy as np
 
 from moed import libc
 from moed.engines import ggml_tensor, vm
-from moed.engines.expert_pages import ExpertPages, PartSpan
+from moed.engines.expert_pages import ExpertPages, PartSpan, gaps
 from moed.engines.kernels import KernelSwitch
 from moed.engines.lane import MISSED, ExpertLane, LaneStats
 from moed.engines.lookahead import Lookahead, PredictHook
@@ -56,6 +56,7 @@ from moed.engines.repack import LayoutPlan, prepare
 from moed.engines.skeleton import expert_ranges
 from moed.engines.sources import ExpertSource, Grant, MoedSource
 from moed.engines.substitute import Substituter
+from moed.gguf.archs import LAZY_TENSORS
 from moed.gguf.header import read_split
 
 log = logging.getLogger("moed.engine")
@@ -176,10 +177,8 @@ class ExpertStreamer:
             if not self._experts_pending():  # else the lane starts once the experts are switched
                 self.c_callback.set_lane(self.lane.handle, False)  # the auto path is chosen per decode (begin)
         self._drop_expert_cache()
-        self._lock_dense(bases)
-        from moed.gguf.header import read_split
-
-        headers = read_split(self.mapped_files[0])  # one header read serves both steps below
+        headers = read_split(self.mapped_files[0])  # one header read serves the three steps below
+        self._lock_dense(bases, headers)
         self._install_lookahead(headers, bases)
         if self.kernels is not None:
             self._unlock_placed_dense(headers, bases)
@@ -281,13 +280,24 @@ class ExpertStreamer:
             finally:
                 os.close(fd)
 
-    def _lock_dense(self, bases: list[int]) -> None:
-        """mlock what is left of the mapping: the dense weights must never be re-read per token."""
+    def _lock_dense(self, bases: list[int], headers: list) -> None:
+        """mlock what is left of the mapping: the dense weights must never be re-read per token.
+        The tables llama.cpp reads lazily (archs.LAZY_TENSORS: a few rows a token, loaded
+        with LLAMA_LAZY_MODE_ON) stay unlocked, page-rounded inward: locking them would
+        pin gigabytes (Gemma 4's and Qwen3.8's per-layer token embeddings) for rows the
+        page cache serves."""
         assert self.pages is not None, "install builds the pages before locking"
         vmas = []
         for base, path in zip(bases, self.mapped_files):
             vmas += vm.mapped_ranges(base, path)
-        for lo, hi in self.pages.dense_runs(vmas):
+        lazy = sorted(
+            (vm.page_ceil(bases[shard] + t.offset), vm.page_floor(bases[shard] + t.offset + t.n_bytes))
+            for shard, h in enumerate(headers)
+            for t in h.tensors
+            if t.name in LAZY_TENSORS
+        )
+        runs = [run for lo, hi in self.pages.dense_runs(vmas) for run in gaps(lo, hi, lazy)]
+        for lo, hi in runs:
             try:
                 libc.mlock(lo, hi - lo)
                 self.stats.dense_locked_bytes += hi - lo

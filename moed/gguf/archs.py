@@ -36,6 +36,10 @@ GATING_SOFTMAX_WEIGHT = 3  # llama.cpp's SOFTMAX_WEIGHT: select on the logits, s
 ROUTER_WEIGHT = "ffn_gate_inp.weight"
 ROUTER_BIAS = "ffn_gate_inp.bias"  # added to the logits (llama.cpp's ffn_moe_logits_biased)
 SELECTION_BIAS = "exp_probs_b.bias"  # added to gating(logits) for selection only
+# Tables llama.cpp marks TENSOR_READ_LAZY (gemma4's and qwen4exp's per-layer token
+# embeddings): an engine loads with LLAMA_LAZY_MODE_ON and leaves them unlocked.
+LAZY_TENSORS = frozenset({"per_layer_token_embd.weight"})
+ROUTER_SCALE = "ffn_gate_inp.scale"  # gemma4: multiplies the router's input (Arch.router_scale)
 
 # The dense weights llama.cpp multiplies with GGML_OP_MUL_MAT (llama-arch.cpp's
 # LLM_TENSOR_INFOS), by their name after `blk.N.`, in every architecture moed serves:
@@ -48,8 +52,15 @@ DENSE_MATMUL_NAMES: tuple[str, ...] = (
     r"ffn_gate_inp(?:_shexp)?",
     r"nextn\.(?:eh_proj|shared_head_head)",
     r"ssm_(?:in|out|alpha|beta|ba)",  # Gated DeltaNet (qwen35moe, qwen3next): projections in and out, beta/alpha
+    r"inp_gate|proj",  # gemma4's per-layer embedding gate and projection
+    r"hc_(?:attn|ffn)_(?:down|up|inject)|ple_(?:key|value)|indexer\.(?:q_proj|k_proj)",  # qwen4exp
 )
-DENSE_MATMUL = re.compile(r"^(?:output|blk\.\d+\.(?:" + "|".join(DENSE_MATMUL_NAMES) + r"))\.weight$")
+# The same for model-level weights (no `blk.N.`): gemma4's per_layer_model_proj is a
+# REPEATING MUL_MAT weight created with layer 0's buffer types, so it repacks as any layer's.
+DENSE_MATMUL_MODEL_NAMES: tuple[str, ...] = ("output", "per_layer_model_proj", r"output_hc_(?:down|up)")
+DENSE_MATMUL = re.compile(
+    r"^(?:" + "|".join(DENSE_MATMUL_MODEL_NAMES) + r"|blk\.\d+\.(?:" + "|".join(DENSE_MATMUL_NAMES) + r"))\.weight$"
+)
 
 
 @dataclass(frozen=True)
@@ -73,12 +84,21 @@ FFN_NORM = RouterInput("ffn_norm", "ffn_norm")
 class Arch:
     """One architecture's facts. `gating`: fixed by llama.cpp's graph, or None (the file's
     key decides); `router_bias`: the router carries `ffn_gate_inp.bias`; `expert_bias`:
-    each routed part has a bias row per expert (`ffn_{gate,up,down}_exps.bias`)."""
+    each routed part has a bias row per expert (`ffn_{gate,up,down}_exps.bias`);
+    `router_scale`: the node is the residual itself and the router reads
+    rms_norm(node) / sqrt(n_embd) * `ffn_gate_inp.scale` (gemma4), no norm weight: the
+    predictor norms the rows itself, and `router_input.norm` is only the experts' input
+    norm the generator writes."""
 
     router_input: RouterInput = FFN_NORM
     gating: int | None = None
     router_bias: bool = False
     expert_bias: bool = False
+    router_scale: bool = False
+    # The node is the hyper-connection residual [n_embd, hc, T] the FFN mixer reads
+    # (qwen4exp's hc_combine-L) and `router_input.norm` is that mixer's gamma: the
+    # predictor computes the mix (blk.L.hc_ffn_{norm,down,up}) itself.
+    hc_mix: bool = False
 
 
 # The architectures moed serves. gpt-oss norms the router's input with
@@ -101,6 +121,14 @@ ARCHS: Mapping[str, Arch] = {
     # fixed by the graph (qwen35moe.cpp); the shared expert's sigmoid gate does not select.
     "qwen35moe": Arch(RouterInput("attn_post_norm", "post_attention_norm"), gating=GATING_SOFTMAX),
     "qwen3next": Arch(RouterInput("attn_post_norm", "post_attention_norm"), gating=GATING_SOFTMAX),  # the same FFN
+    # The router reads rms_norm(attn_out-L) / sqrt(n_embd) * ffn_gate_inp.scale, softmax fixed
+    # by the graph (gemma4.cpp); the experts read ffn_norm_2-L (pre_ffw_norm_2), which the
+    # graph computes after ffn_moe_topk-L, so the look-ahead stops at attn_out-L.
+    "gemma4": Arch(RouterInput("attn_out", "pre_ffw_norm_2"), gating=GATING_SOFTMAX, router_scale=True),
+    # The router reads the FFN hyper-connection mix (the second hc_mixed-L, a name the
+    # attention mix shares), softmax fixed by the graph (qwen4exp.cpp); the look-ahead
+    # stops at the one node named hc_combine-L, the residual after attention, and mixes it.
+    "qwen4exp": Arch(RouterInput("hc_combine", "hc_ffn_norm"), gating=GATING_SOFTMAX, hc_mix=True),
 }
 SERVED_ARCHS = tuple(ARCHS)
 _OTHER = Arch()  # what an architecture not in the table is taken to be

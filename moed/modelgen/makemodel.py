@@ -59,7 +59,7 @@ from collections.abc import Callable
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
-from gguf.constants import Keys, TokenType
+from gguf.constants import GGUFValueType, Keys, TokenType
 
 from moed.gguf.archs import GATING_SIGMOID, Arch, arch_of
 from moed.gguf.header import shard_names
@@ -459,7 +459,8 @@ def _plan(
     for i in range(g.layers):
         gate, up, down = part_quants[i]
         specs += plan.layer(g, i, (QUANTS[gate], QUANTS[up], QUANTS[down]), facts)
-    specs.append(Spec("output_norm.weight", (g.embd,), "norm"))
+    if plan.output_norm:
+        specs.append(Spec("output_norm.weight", (g.embd,), "norm"))
     if plan.output:
         specs.append(Spec("output.weight", (vocab_size, g.embd), "f16"))
     if recipe is None:
@@ -536,6 +537,8 @@ def _add_metadata(w: GGUFWriter, g: Geometry, tokens, scores, types, arch: str =
             w.add_string(f"{a}.{key}", value)
         elif isinstance(value, list):
             w.add_array(f"{a}.{key}", value)
+        elif isinstance(value, tuple):  # (GGUF element type, values): 64-bit arrays gguf-py cannot infer
+            w.add_key_value(f"{a}.{key}", list(value[1]), GGUFValueType.ARRAY, sub_type=value[0])
         else:
             w.add_uint32(f"{a}.{key}", value)
     w.add_string(Keys.Tokenizer.MODEL, "llama")

@@ -22,12 +22,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from moed.gguf.archs import ROUTER_BIAS, ROUTER_WEIGHT, SELECTION_BIAS, Arch
 
 Quants = tuple[GGMLQuantizationType, GGMLQuantizationType, GGMLQuantizationType]  # (gate, up, down)
-KV = dict[str, "int | float | bool | str | list[int] | list[float] | list[bool]"]
+# A tuple is (element type, values): arrays whose type gguf-py cannot infer (UINT64).
+KV = dict[str, "int | float | bool | str | list[int] | list[float] | list[bool] | tuple[GGUFValueType, list[int]]"]
 
 
 @dataclass(frozen=True)
@@ -99,20 +100,25 @@ def router_norm(g: Geometry, p: str, facts: Arch) -> Spec:
     return Spec(p + facts.router_input.norm + ".weight", (g.embd,), "norm")
 
 
-def routed(g: Geometry, p: str, qt: Quants, facts: Arch, selection_bias: bool = False) -> list[Spec]:
+def routed(
+    g: Geometry, p: str, qt: Quants, facts: Arch, selection_bias: bool = False, fused_gate_up: bool = False
+) -> list[Spec]:
     """The router's input norm, the router (with the biases its architecture carries, and
     V3's selection bias when `selection_bias`) and the routed experts, each part followed
-    by its bias rows where the architecture has them: the experts are what moed serves."""
+    by its bias rows where the architecture has them: the experts are what moed serves.
+    `fused_gate_up`: gate and up as one `ffn_gate_up_exps` part ([experts, 2 x ff, embd],
+    gate rows first, as llama.cpp's build_moe_ffn splits it) in the gate's quant."""
     specs = [router_norm(g, p, facts), Spec(p + ROUTER_WEIGHT, (g.experts, g.embd), "router")]
     if facts.router_bias:
         specs.append(Spec(p + ROUTER_BIAS, (g.experts,), "router_bias"))
     if selection_bias:
         specs.append(Spec(p + SELECTION_BIAS, (g.experts,), "bias"))
-    for name, shape, q in (
-        ("gate", (g.experts, g.ff, g.embd), qt[0]),
-        ("up", (g.experts, g.ff, g.embd), qt[1]),
-        ("down", (g.experts, g.embd, g.ff), qt[2]),
-    ):
+    gate_up = (
+        [("gate_up", (g.experts, 2 * g.ff, g.embd), qt[0])]
+        if fused_gate_up
+        else [("gate", (g.experts, g.ff, g.embd), qt[0]), ("up", (g.experts, g.ff, g.embd), qt[1])]
+    )
+    for name, shape, q in (*gate_up, ("down", (g.experts, g.embd, g.ff), qt[2])):
         specs.append(Spec(p + f"ffn_{name}_exps.weight", shape, "experts", q))
         if facts.expert_bias:
             specs.append(Spec(p + f"ffn_{name}_exps.bias", shape[:2], "bias"))
@@ -161,3 +167,6 @@ class ArchPlan:
     model_tensors: Callable[[Geometry, int], list[Spec]] = lambda g, vocab: []
     # Whether the model carries output.weight (False: tied to token_embd, as Gemma).
     output: bool = True
+    # Whether the model carries output_norm.weight (False: qwen4exp, whose final
+    # hyper-connection mixer is the output norm).
+    output_norm: bool = True

@@ -20,6 +20,11 @@ Q = GGMLQuantizationType
 _K_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
 
 
+# Weight matrices llama.cpp's quantizer leaves as they are in every architecture
+# (tensor_allows_quantization): the indexer's small q/k projections (qwen4exp, MiniMax).
+_NEVER_QUANTIZED = ("indexer.k_proj.weight", "indexer.q_proj.weight")
+
+
 def use_more_bits(layer: int, layers: int) -> bool:
     """llama.cpp's use_more_bits: the first and last eighth of the layers, and every third between."""
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
@@ -33,6 +38,8 @@ def q4_k_m_type(name: str, row: int, layers: int, experts: int) -> GGMLQuantizat
     and attn_k Q8_0 and attn_output Q5_K; everything else Q4_K (token_embd too);
     then the fallback for short rows, and F16 where that does not fit either.
     """
+    if name.endswith(_NEVER_QUANTIZED):
+        return Q.F16
     layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
     qtype = Q.Q4_K
     if name == "output.weight":

@@ -71,6 +71,8 @@ def engine(daemon, path, budget=None, **kw):
         "glm4moe_model",  # sigmoid gating with exp_probs_b, input at post_attn_norm-L
         "qwen35moe_model",  # DeltaNet and attention layers, all MoE; input at attn_post_norm-L
         "qwen3next_model",  # the same layout, fused ssm_ba
+        "gemma4_model",  # router on rms_norm(attn_out) * ffn_gate_inp.scale, rebuilt from ffn_norm_2-L
+        "qwen4exp_model",  # router on the FFN hyper-connection mix, computed from hc_combine-L
     ],
 )
 def test_predictor_at_zero_lead_is_llama_cpps_top_k(request, start_daemon, model):
@@ -99,6 +101,7 @@ def test_predictor_at_zero_lead_is_llama_cpps_top_k(request, start_daemon, model
         ("trained_model", "1MiB"),  # learned routing, copy path, ~17 slots of 96
         ("gpt_oss_model", "256KiB"),  # the look-ahead stops at attn_post_norm-L (no ffn_norm)
         ("qwen35moe_model", "256KiB"),  # hybrid: DeltaNet layers between the MoE FFNs predicted across
+        ("gemma4_model", "256KiB"),  # the look-ahead stops at the residual attn_out-L; fused gate_up parts
     ],
 )
 def test_logits_bit_exact_with_prefetch_at_an_evicting_budget(

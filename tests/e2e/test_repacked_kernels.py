@@ -96,6 +96,12 @@ MODELS = {
     # CPU_REPACK as stock puts them; each fails without its name in archs.DENSE_MATMUL_NAMES (checked by hand)
     "qwen35moe-q4_k_m": (dict(arch="qwen35moe", embd=256, ff=256, recipe="q4_k_m"), "1MiB", "mixed"),
     "qwen3next-q4_k_m": (dict(arch="qwen3next", embd=256, ff=256, recipe="q4_k_m"), "1MiB", "mixed"),  # ssm_ba
+    # fused gate_up experts; per_layer_model_proj (model-level) and inp_gate on CPU_REPACK as stock puts
+    # them (its log's "repack tensor" list); here their plain and repacked results happen to be equal
+    "gemma4-q4_k_m": (dict(arch="gemma4", embd=256, ff=256, recipe="q4_k_m"), "1MiB", "mixed"),
+    # hyper-connection down/inject (per layer and output_hc_down), ple_key/ple_value, the QSA indexer's
+    # q/k projections in Q4_K, on CPU_REPACK where stock puts them
+    "qwen4exp-q4_k_m": (dict(arch="qwen4exp", embd=256, ff=256, recipe="q4_k_m"), "1MiB", "mixed"),
 }
 
 

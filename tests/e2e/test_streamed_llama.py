@@ -340,3 +340,30 @@ def test_an_architecture_moed_does_not_serve_is_a_typed_error(start_daemon, tmp_
     d = start_daemon("64MiB")
     with pytest.raises(BadModelFile, match="architecture 'foomoe' is not one moed serves"):
         streamed(d, path)
+
+
+def test_per_layer_token_embeddings_are_read_lazily_never_locked(start_daemon, reference_logits, model_factory):
+    """Gemma 4's per-layer token embeddings (Qwen3.8's PLE table too: archs.LAZY_TENSORS) are a
+    table of which a token reads a few rows: the engine loads with LLAMA_LAZY_MODE_ON (rows
+    from the mapping, no anonymous copy) and leaves their pages out of its mlock of the dense
+    weights, or a real file would pin gigabytes (26.8 GiB in Qwen3.8-Flash-Next)."""
+    from moed.gguf.archs import LAZY_TENSORS
+    from moed.gguf.header import read_header
+
+    # 16 layers: the embeddings (16 MiB) are 4x token_embd (4 MiB), and the rest is under 2 MiB
+    path = model_factory(arch="gemma4", layers=16, vocab=32768)
+    embd = sum(t.n_bytes for t in read_header(path).tensors if t.name in LAZY_TENSORS)
+    tokens, want = reference_logits(path)
+    daemon = start_daemon("256KiB")
+    llm, client = streamed(daemon, path)
+    try:
+        got = greedy_logits(llm, tokens)
+        locked = llm.stream_stats()["dense_locked_bytes"]
+        vm_lck = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmLck"))
+    finally:
+        llm.close()
+        client.close()
+    assert_bit_equal(got, want)
+    assert embd >= 16 << 20
+    assert locked < embd // 2, f"{locked} bytes locked: the embeddings' {embd} bytes were locked too"
+    assert vm_lck < embd // 2, f"VmLck {vm_lck}: the embeddings' {embd} bytes were locked"
