@@ -1,4 +1,4 @@
-"""The few libc calls Python does not expose: mmap, mprotect, madvise, mlock at raw addresses, and prctl.
+"""The few libc calls Python does not expose: mmap, mprotect, madvise, mlock at raw addresses, prctl, dladdr.
 
 Python's `mmap` module cannot map at a given address nor lock or protect a
 range, so these go through libc with ctypes; the daemon (RAM tier, reader,
@@ -86,3 +86,24 @@ def munlock(addr: int, length: int) -> None:
 def buffer_at(addr: int, length: int) -> memoryview:
     """A writable memoryview over raw memory (caller keeps the mapping alive)."""
     return memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [
+        ("dli_fname", ctypes.c_char_p),
+        ("dli_fbase", ctypes.c_void_p),
+        ("dli_sname", ctypes.c_char_p),
+        ("dli_saddr", ctypes.c_void_p),
+    ]
+
+
+_libc.dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
+_libc.dladdr.restype = ctypes.c_int
+
+
+def file_of_address(addr: int) -> str | None:
+    """The path of the loaded object (library) holding `addr` (dladdr), or None if none does."""
+    info = _DlInfo()
+    if not _libc.dladdr(addr, ctypes.byref(info)) or not info.dli_fname:
+        return None
+    return info.dli_fname.decode()

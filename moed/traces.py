@@ -83,7 +83,7 @@ class BadTrace(BadInput):
 
 
 @dataclass(frozen=True)
-class Geometry:
+class TraceGeometry:
     """The model's routing shape. `bytes_per_expert` is all parts of one expert."""
 
     moe_layers: int
@@ -108,7 +108,7 @@ class Geometry:
         return d
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Geometry:
+    def from_json(cls, d: dict[str, Any]) -> TraceGeometry:
         ids = d.get("layer_ids")
         return cls(
             int(d["moe_layers"]),
@@ -150,7 +150,7 @@ class Trace:
 
     def __init__(
         self,
-        geometry: Geometry,
+        geometry: TraceGeometry,
         ids: np.ndarray,
         step_kinds: np.ndarray,
         step_tokens: np.ndarray,
@@ -366,7 +366,7 @@ class TraceWriter:
         meta: dict[str, Any] | None = None,
         ahead_width: int | None = None,
     ):
-        self.geometry = Geometry(
+        self.geometry = TraceGeometry(
             moe_layers,
             n_experts,
             top_k,
@@ -477,7 +477,7 @@ def _read_native(path: Path) -> Trace:
                     f"{path}: trace format version {header.get('version')} is not supported "
                     f"(this moed reads version {FORMAT_VERSION})"
                 )
-            geometry = Geometry.from_json(header["geometry"])
+            geometry = TraceGeometry.from_json(header["geometry"])
             dtype = _id_dtype(geometry.n_experts)
             ids = _from_disk(z["ids"], dtype)
             aheads = {}
@@ -538,7 +538,9 @@ def _from_triples(
     n_experts = int(geometry.pop("n_experts", None) or expert.max() + 1)
     if col.max() >= top_k or expert.max() >= n_experts:
         raise BadTrace(f"trace has rows wider than top_k={top_k} or ids >= n_experts={n_experts}")
-    g = Geometry(n_layers, n_experts, top_k, geometry.pop("bytes_per_expert", None), tuple(int(x) for x in layer_ids))
+    g = TraceGeometry(
+        n_layers, n_experts, top_k, geometry.pop("bytes_per_expert", None), tuple(int(x) for x in layer_ids)
+    )
     if geometry:
         raise BadTrace(f"unknown geometry override(s): {sorted(geometry)}")
     ids = np.full((n_tokens * n_layers, top_k), -1, dtype=_id_dtype(n_experts))
@@ -631,7 +633,9 @@ def _tsv_trace(
         raise ValueError("negative expert id")
     top_k = int(geometry.pop("top_k", None) or widest[0])
     n_experts = int(geometry.pop("n_experts", None) or max_id + 1)
-    g = Geometry(n_layers, n_experts, top_k, geometry.pop("bytes_per_expert", None), tuple(int(x) for x in layer_ids))
+    g = TraceGeometry(
+        n_layers, n_experts, top_k, geometry.pop("bytes_per_expert", None), tuple(int(x) for x in layer_ids)
+    )
     if geometry:
         raise BadTrace(f"unknown geometry override(s): {sorted(geometry)}")
     if widest[0] > top_k or max_id >= n_experts:

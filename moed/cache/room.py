@@ -26,19 +26,32 @@ Invariants, kept here:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from .quota import keeps_floor
+from .eviction import EvictionPolicy
+from .quota import Quota, keeps_floor
 from .records import READY, Slot
 
-if TYPE_CHECKING:
-    from .store import Store
+
+class Budget(Protocol):
+    """What a search reads of the store and the two calls it makes (moed.cache.store.Store
+    is the one implementation): the search owns none of this state."""
+
+    effective_budget_bytes: int
+    used_bytes: int
+    policy: EvictionPolicy
+    quotas: dict[object, Quota]
+    owned_bytes: dict[object, int]
+
+    def claim(self, slot: Slot) -> bool: ...
+
+    def unclaim(self, slot: Slot) -> None: ...
 
 
 class RoomSearch:
     """The victim search of one store; `adopt` is the store's, for locally held slots."""
 
-    def __init__(self, store: Store, adopt: Callable[[Slot], None]):
+    def __init__(self, store: Budget, adopt: Callable[[Slot], None]):
         self.store = store
         self.adopt = adopt
         self.claims: list[Slot] = []  # claimed by `claim_room` during one operation

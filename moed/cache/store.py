@@ -55,7 +55,7 @@ from .room import RoomSearch
 __all__ = ["READY", "ExpertKey", "Plan", "Slot", "SlotClass", "SlotState", "Store", "Want"]
 
 
-class LocalHolds(Protocol):
+class HoldClaims(Protocol):
     """Who the store asks before a READY slot leaves the table (moed.daemon.residency)."""
 
     def claim(self, slot: Slot) -> bool: ...
@@ -81,7 +81,7 @@ class Store:
         self._dropped: list[Slot] = []  # slots whose pages the RAM tier should give back
         self.owned_bytes: dict[object, int] = {}  # owner -> bytes of its resident slots
         self.quotas: dict[object, Quota] = {}  # owner -> floor/ceiling, when configured
-        # Local holds (see the module docstring): their owner (`holds`, a LocalHolds)
+        # Local holds (see the module docstring): their owner (`holds`, a HoldClaims)
         # answers `claim`; the defaults are a store with no local holds.
         self.claim: Callable[[Slot], bool] = holds.claim if holds else lambda slot: True
         self.unclaim: Callable[[Slot], None] = holds.unclaim if holds else lambda slot: None

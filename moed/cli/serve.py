@@ -2,7 +2,7 @@
 
 What this module owns: the command line, turned into one `ServePlan`
 (moed.serve.lifecycle). The server is llama-cpp-python's own (`llama_cpp.server`,
-the `[server]` extra) with `StreamedLlama` as its model class (moed.engines.serving),
+the `[server]` extra) with `StreamedLlama` as its model class (moed.serve.app),
 run in `--workers N` engine processes per model behind one port (moed.serve): every
 worker maps the daemon's one copy of each expert, so a worker costs its KV cache and
 its private memory, not another copy of the experts.

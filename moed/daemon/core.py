@@ -70,7 +70,7 @@ log = logging.getLogger("moed")
 
 
 @dataclass(eq=False)
-class Lease:
+class LeaseRecord:
     lease_id: int
     model: Model
     layer: int
@@ -83,7 +83,7 @@ class PendingAcquire:
     """One acquire that could not be granted at once, from reservation to grant or cancel.
 
     It owns the references its plan took (or will take, once there is room):
-    `wait()` turns them into a Lease through `finish` (the daemon's wait for
+    `wait()` turns them into a LeaseRecord through `finish` (the daemon's wait for
     room and reads), and any failure or cancellation gives them back through
     `cancel()`, which is idempotent, so whoever ends it first (the waiting task,
     or the connection closing before that task ever ran) ends it exactly once.
@@ -91,7 +91,7 @@ class PendingAcquire:
 
     def __init__(
         self,
-        finish: Callable[[PendingAcquire], Awaitable[Lease]],
+        finish: Callable[[PendingAcquire], Awaitable[LeaseRecord]],
         give_back: Callable[[list, list], None],
         model: Model,
         layer: int,
@@ -107,7 +107,7 @@ class PendingAcquire:
         self.ended = False
         self.started_s = started_s  # when the acquire arrived (its service time is recorded at the grant)
 
-    async def wait(self) -> Lease:
+    async def wait(self) -> LeaseRecord:
         try:
             lease = await self._finish(self)
         except BaseException:
@@ -218,7 +218,7 @@ class Daemon:
 
     def acquire(
         self, model: Model, layer: int, experts: list[int], tenant: Tenant, timeout_s: float | None = None
-    ) -> Lease | PendingAcquire:
+    ) -> LeaseRecord | PendingAcquire:
         """A lease if everything is resident now; else a PendingAcquire that owns the wait."""
         started_s = time.perf_counter()
         want = wants(model, layer, experts)
@@ -267,7 +267,7 @@ class Daemon:
         use.misses += misses
         self.slots.count_access(plan.slots, tenant, any_ready=plan.hits > 0)
 
-    async def finish(self, p: PendingAcquire) -> Lease:
+    async def finish(self, p: PendingAcquire) -> LeaseRecord:
         """Wait for room, then for the reads; the references stay p's until granted."""
         while p.plan is None:
             left = p.deadline - time.monotonic()
@@ -310,14 +310,14 @@ class Daemon:
         )
         return f"no room for {n} experts of layer {layer} before the timeout: {why}"
 
-    def _grant(self, model: Model, layer: int, plan, tenant: Tenant) -> Lease:
+    def _grant(self, model: Model, layer: int, plan, tenant: Tenant) -> LeaseRecord:
         model.leases += 1
         tenant.use(model.model_id).leases += 1
-        return Lease(next(self._lease_ids), model, layer, plan.slots, plan.generations, tenant)
+        return LeaseRecord(next(self._lease_ids), model, layer, plan.slots, plan.generations, tenant)
 
     # ---- release, prefetch, pins, read errors ------------------------------------
 
-    def release(self, lease: Lease) -> None:
+    def release(self, lease: LeaseRecord) -> None:
         """Give a lease's references back (exactly once: its owner forgets it first)."""
         lease.model.leases -= 1
         lease.tenant.use(lease.model.model_id).leases -= 1
@@ -408,4 +408,4 @@ class Daemon:
         self.residency.close()
 
 
-__all__ = ["Daemon", "Lease", "PendingAcquire"]
+__all__ = ["Daemon", "LeaseRecord", "PendingAcquire"]

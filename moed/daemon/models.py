@@ -30,7 +30,7 @@ from moed.protocol.messages import LayerInfo, ModelInfo, PartExtent
 from .reader import ModelFile
 
 if TYPE_CHECKING:
-    from .ramtier import Segment
+    from .ramtier import TierSegment
 
 
 @dataclass(eq=False)
@@ -88,7 +88,7 @@ def open_catalog(path: str) -> Catalog:
         raise errors.BadModelFile(f"{path}: cannot read as GGUF ({exc})") from None
 
 
-def model_info(model: Model, class_segments: Mapping[int, Segment]) -> ModelInfo:
+def model_info(model: Model, class_segments: Mapping[int, TierSegment]) -> ModelInfo:
     cat = model.catalog
     layers = []
     for layer in sorted(model.layers):

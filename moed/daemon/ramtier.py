@@ -35,7 +35,7 @@ class MlockUnavailable(RuntimeError):
     pass
 
 
-class Segment:
+class TierSegment:
     def __init__(self, class_id: int, part_names: list[str], part_bytes: list[int], capacity: int):
         self.class_id = class_id
         self.part_names = list(part_names)
@@ -82,20 +82,20 @@ class RamTier:
     def __init__(self, capacity_bytes: int):
         """`capacity_bytes`: the most any class may ever hold (budget plus pin budget)."""
         self.capacity_bytes = capacity_bytes
-        self.segments: dict[int, Segment] = {}
+        self.segments: dict[int, TierSegment] = {}
         self.locked = True
         self.lock_error = ""
         self.locked_bytes = 0
         self._locked: set[tuple[int, int]] = set()  # (class id, slot index) now locked: counted once
         self._mutex = threading.Lock()
 
-    def add_segment(self, class_id: int, part_names: list[str], part_bytes: list[int]) -> Segment:
+    def add_segment(self, class_id: int, part_names: list[str], part_bytes: list[int]) -> TierSegment:
         capacity = max(1, self.capacity_bytes // slot_bytes(part_bytes))
-        seg = Segment(class_id, part_names, part_bytes, capacity)
+        seg = TierSegment(class_id, part_names, part_bytes, capacity)
         self.segments[class_id] = seg
         return seg
 
-    def lock_slot(self, seg: Segment, index: int) -> None:
+    def lock_slot(self, seg: TierSegment, index: int) -> None:
         """Populate and lock a slot's pages (called from reader threads)."""
         if not self.locked:
             return
@@ -121,7 +121,7 @@ class RamTier:
                     why,
                 )
 
-    def release_slot(self, seg: Segment, index: int) -> None:
+    def release_slot(self, seg: TierSegment, index: int) -> None:
         """Unlock a slot and hand its pages back to the kernel."""
         for addr, length in seg.ranges(index):
             if self.locked:

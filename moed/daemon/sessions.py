@@ -56,7 +56,7 @@ from .bounds import (
     WRITE_HIGH_BYTES,
     WRITE_LOW_BYTES,
 )
-from .core import Daemon, Lease, PendingAcquire
+from .core import Daemon, LeaseRecord, PendingAcquire
 from .counters import Tenant
 from .fdsend import FdSender
 
@@ -88,7 +88,7 @@ class Session(asyncio.Protocol):
         self.closed = False
         self.peer_closed = False  # the peer ended the connection (EOF, reset, broken protocol), not the daemon
         self.hello = False
-        self.leases: dict[int, Lease] = {}
+        self.leases: dict[int, LeaseRecord] = {}
         self.models: set[int] = set()
         self.pid = self.uid = self.gid = -1
         self.task: asyncio.Future | None = None
@@ -385,7 +385,7 @@ class Session(asyncio.Protocol):
         if msg.timeout_s is not None and not msg.timeout_s >= 0:
             raise errors.BadRequest(f"timeout_s must be >= 0, got {msg.timeout_s}")
         got = self.daemon.acquire(model, msg.layer, msg.experts, self.tenant, msg.timeout_s)
-        if isinstance(got, Lease):
+        if isinstance(got, LeaseRecord):
             return self._granted(got)
         self.pending = got
         return self._acquire_slow(got)
@@ -400,7 +400,7 @@ class Session(asyncio.Protocol):
             return None
         return self._granted(lease)
 
-    def _granted(self, lease: Lease) -> m.Granted:
+    def _granted(self, lease: LeaseRecord) -> m.Granted:
         self.leases[lease.lease_id] = lease
         return m.Granted(lease.lease_id, lease.slots[0].class_id, [s.index for s in lease.slots])
 

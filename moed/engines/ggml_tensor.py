@@ -24,6 +24,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from moed import libc
+
 GGML_MAX_DIMS = 4
 GGML_MAX_OP_PARAMS = 64
 GGML_MAX_SRC = 10
@@ -115,15 +117,6 @@ class PythonEvalCallback:
 _LIBRARY_SYMBOL = {"ggml-base": "ggml_init", "ggml-cpu": "ggml_backend_cpu_reg"}
 
 
-class _DlInfo(ctypes.Structure):
-    _fields_ = [
-        ("dli_fname", ctypes.c_char_p),
-        ("dli_fbase", ctypes.c_void_p),
-        ("dli_sname", ctypes.c_char_p),
-        ("dli_saddr", ctypes.c_void_p),
-    ]
-
-
 class LibraryMismatch(RuntimeError):
     """moed could not reach the copy of a ggml library that llama.cpp runs."""
 
@@ -153,15 +146,13 @@ def loaded_library(stem: str) -> ctypes.CDLL:
 
     symbol = _LIBRARY_SYMBOL[stem]
     want = ctypes.cast(getattr(bindings._lib, symbol), ctypes.c_void_p).value
-    info = _DlInfo()
-    libc = ctypes.CDLL(None)
-    libc.dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
-    if not want or not libc.dladdr(want, ctypes.byref(info)) or not info.dli_fname:
+    path = libc.file_of_address(want) if want else None
+    if path is None:
         raise LibraryMismatch(f"llama.cpp's {symbol} could not be located (lib{stem})")
-    lib = ctypes.CDLL(info.dli_fname.decode(), mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
     got = ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value
     if got != want:
-        raise LibraryMismatch(f"{info.dli_fname.decode()}: {symbol} at {got:#x}, llama.cpp runs it at {want:#x}")
+        raise LibraryMismatch(f"{path}: {symbol} at {got:#x}, llama.cpp runs it at {want:#x}")
     return lib
 
 

@@ -2,7 +2,7 @@
 
 What this module owns: the plain-value options of `StreamedLlama` (moed.engines.llama_cpp),
 which are also what the server seam passes to every model it loads
-(moed.engines.serving), what a serve worker's spec carries as JSON (moed.serve), and
+(moed.serve.app), what a serve worker's spec carries as JSON (moed.serve), and
 what the engine verbs' flags set (`moectl generate`, `chat`, `trace`, `kl`: group
 `RUN`; `moectl serve`: group `SERVE`). Each field holds its default and, where a verb
 group exposes it, its flag: the name, the help that group prints, the type and the
@@ -160,7 +160,7 @@ class EngineOptions:
             choices=WARM_CHOICES,
         ),
     )
-    # The server's connection to the daemon (moed.engines.serving opens it, with this
+    # The server's connection to the daemon (moed.serve.app opens it, with this
     # timeout); not StreamedLlama's, whose own client keeps Client's default.
     client_timeout_s: float = 30.0
 

@@ -9,8 +9,8 @@ API summary
     cat.moe_layers                   # tuple[int, ...] block indices with routed experts
     cat.n_experts, cat.n_expert_used # experts per layer, top-k
     cat.parts                        # tuple[str, ...] e.g. ("gate", "up", "down") or ("gate_up", "down")
-    cat.layers[l]                    # LayerEntry(layer, parts: {part: PartExtent}, size_class, ...)
-    cat.layers[l].parts[p]           # PartExtent(shard, path, offset, bytes_per_expert, ggml_type,
+    cat.layers[l]                    # LayerEntry(layer, parts: {part: CatalogExtent}, size_class, ...)
+    cat.layers[l].parts[p]           # CatalogExtent(shard, path, offset, bytes_per_expert, ggml_type,
                                      #            type_name, shape)  -- shape in ggml order (ne0, ne1, n_expert)
     cat.extent(l, e, p)              # (shard_path, absolute_offset, length) of expert e's part p
     cat.size_classes                 # {SizeClass: tuple[layer, ...]}; SizeClass = ((part, bytes), ...)
@@ -59,7 +59,7 @@ SizeClass = tuple[tuple[str, int], ...]  # ((part, bytes_per_expert), ...) in pa
 
 
 @dataclass(frozen=True)
-class PartExtent:
+class CatalogExtent:
     shard: int  # index into Catalog.files
     path: str
     offset: int  # absolute offset of expert 0 in the shard
@@ -79,7 +79,7 @@ class PartExtent:
 @dataclass(frozen=True)
 class LayerEntry:
     layer: int
-    parts: dict[str, PartExtent]
+    parts: dict[str, CatalogExtent]
 
     @property
     def size_class(self) -> SizeClass:
@@ -219,7 +219,7 @@ def _build(path: str, files, identity, headers: list[Header]) -> Catalog:
     arch = first.get("general.architecture")
     if not isinstance(arch, str):
         raise BadModelFile(f"{path}: no general.architecture key")
-    found: dict[int, dict[str, PartExtent]] = {}
+    found: dict[int, dict[str, CatalogExtent]] = {}
     for shard, h in enumerate(headers):
         for t in h.tensors:
             m = EXPERT_RE.match(t.name)
@@ -264,12 +264,12 @@ def _build(path: str, files, identity, headers: list[Header]) -> Catalog:
     )
 
 
-def _extent(shard: int, h: Header, t) -> PartExtent:
+def _extent(shard: int, h: Header, t) -> CatalogExtent:
     if len(t.dims) != 3 or t.dims[2] == 0:
         raise BadModelFile(
             f"{h.path}: expert tensor {t.name!r} has shape {list(t.dims)}, expected [ne0, ne1, n_expert]"
         )
-    return PartExtent(
+    return CatalogExtent(
         shard, h.path, t.offset, t.n_bytes // t.dims[2], t.ggml_type, type_name(t.ggml_type), tuple(t.dims)
     )
 

@@ -82,7 +82,7 @@ class ReplayOptions:
 
 
 @dataclass
-class ReplayResult:
+class LiveReplayResult:
     tok_s: float
     compute_tok_s: float
     stall_ms_per_token: float
@@ -191,7 +191,7 @@ class Replayer:
                 f"make one with `moectl make-model --like TRACE`"
             )
 
-    def run(self, progress: Callable[[int, int], None] | None = None) -> ReplayResult:
+    def run(self, progress: Callable[[int, int], None] | None = None) -> LiveReplayResult:
         plan = schedule(self.trace, self.opts.warm, self.opts.tokens)
         n_counted = sum(1 for _, c in plan if c)
         totals = dict.fromkeys(COUNTERS, 0)
@@ -282,7 +282,7 @@ class Replayer:
 
     def _result(
         self, d: dict, accesses: int, tokens: int, stall_s: float, wall_s: float, warm_tokens: int
-    ) -> ReplayResult:
+    ) -> LiveReplayResult:
         o = self.opts
 
         def rate(n):
@@ -303,7 +303,7 @@ class Replayer:
                 f"daemon counted {d['hits'] + d['misses']} accesses, the replay made "
                 f"{accesses}: another client is using this daemon"
             )
-        return ReplayResult(
+        return LiveReplayResult(
             tok_s=tokens / wall_s if wall_s else 0.0,
             compute_tok_s=1e3 / o.compute_ms if o.compute_ms else float("inf"),
             stall_ms_per_token=stall_s * 1e3 / tokens,
@@ -346,7 +346,7 @@ def _add_delta(totals: dict, before: dict | None, after: dict) -> None:
 
 def replay(
     client, model_path, trace, opts: ReplayOptions | None = None, progress: Callable[[int, int], None] | None = None
-) -> ReplayResult:
+) -> LiveReplayResult:
     """Replay `trace` (a `moed.traces.Trace`) through `client`'s daemon."""
     return Replayer(client, model_path, trace, opts or ReplayOptions()).run(progress)
 
@@ -358,7 +358,7 @@ def replay_private(
     opts: ReplayOptions | None = None,
     progress: Callable[[int, int], None] | None = None,
     daemon_args: tuple = (),
-) -> ReplayResult:
+) -> LiveReplayResult:
     """Start a private daemon with `budget_bytes`, replay through it, stop it."""
     from moed.client import Client
 
@@ -372,7 +372,7 @@ def like_trace(trace) -> dict[str, int]:
     return {"layers": trace.moe_layers, "experts": trace.n_experts, "used": trace.top_k}
 
 
-def describe(r: ReplayResult) -> list[str]:
+def describe(r: LiveReplayResult) -> list[str]:
     """Human lines for a result (the CLI prints them)."""
     return [
         f"decode {r.tok_s:.1f} tok/s (compute alone {r.compute_tok_s:.1f}), stall "

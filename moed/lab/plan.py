@@ -98,7 +98,7 @@ def _finite(v: Any) -> Any:
 
 @dataclass
 class Sizing:
-    """What a plan sizes against, for one model (`Plan`) or a fleet (`fleetplan.FleetPlan`):
+    """What a plan sizes against, for one model (`ModelPlan`) or a fleet (`fleetplan.FleetPlan`):
     the drive's rate (given, or measured on a model file), the compute time per token,
     the machine's RAM and what of it is spoken for, every expert's bytes, the target."""
 
@@ -157,7 +157,7 @@ def drive_rate(drive_gbps: float | None, model_path, measure_s: float) -> tuple[
 
 
 @dataclass
-class Plan(Sizing):
+class ModelPlan(Sizing):
     policy: str
     curve: list[Point]
     recommended: dict[str, Any]
@@ -298,7 +298,7 @@ def make_plan(
     measure_s: float = 3.0,
     sizes=DEFAULT_SIZES,
     trace_path: str | None = None,
-) -> Plan:
+) -> ModelPlan:
     cost = ModelCost.of(model_path)
     drive = drive_rate(drive_gbps, model_path, measure_s)
     planner = Planner(cost, trace, policy, warm, drive[0], compute_ms)
@@ -351,10 +351,10 @@ def make_plan(
         notes.append(f"drive rate measured on the model file: {box.drive_gbps:.2f} GB/s (1 MiB random reads, 8 deep)")
     if pins:
         notes.append("pins are the trace's most used experts, scored on the same trace: an upper estimate")
-    return Plan(**asdict(box), policy=policy, curve=curve, recommended=rec, notes=notes)
+    return ModelPlan(**asdict(box), policy=policy, curve=curve, recommended=rec, notes=notes)
 
 
-def describe(plan: Plan, bars: bool = False) -> list[str]:
+def describe(plan: ModelPlan, bars: bool = False) -> list[str]:
     """Human lines: the curve as a table (with bars when asked), then the recommendation."""
     width = 40
     top = max((p.tok_s for p in plan.curve if np.isfinite(p.tok_s)), default=1.0) or 1.0
@@ -384,7 +384,7 @@ def describe(plan: Plan, bars: bool = False) -> list[str]:
     return lines + [f"note: {n}" for n in plan.notes]
 
 
-def plot(plan: Plan, path: str) -> None:
+def plot(plan: ModelPlan, path: str) -> None:
     """The predicted rate across budgets, as a PNG."""
     import matplotlib
 

@@ -41,7 +41,7 @@ NAME = "moed tiny-stdlib-moe"
 
 
 @dataclass(frozen=True)
-class Config:
+class TrainConfig:
     layers: int = 6
     experts: int = 16
     used: int = 2
@@ -85,7 +85,7 @@ def rope(x, cos, sin):
 
 
 class Block(nn.Module):
-    def __init__(self, c: Config):
+    def __init__(self, c: TrainConfig):
         super().__init__()
         hd = c.embd // c.heads
         self.c, self.hd = c, hd
@@ -142,7 +142,7 @@ class Block(nn.Module):
 
 
 class TinyMoE(nn.Module):
-    def __init__(self, c: Config):
+    def __init__(self, c: TrainConfig):
         super().__init__()
         self.c = c
         self.embd = nn.Embedding(VOCAB, c.embd)
@@ -183,7 +183,7 @@ def evaluate(model: TinyMoE, windows: np.ndarray, batch: int = 16) -> float:
     return total / n
 
 
-def train(c: Config, log=print) -> tuple[TinyMoE, dict]:
+def train(c: TrainConfig, log=print) -> tuple[TinyMoE, dict]:
     """Train from seed `c.seed`; returns the model and a report (loss curve, timings)."""
     torch.manual_seed(c.seed)
     train_ids, test_ids, info = corpus(c.holdout_every)

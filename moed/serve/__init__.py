@@ -3,6 +3,6 @@
 Modules, one job each: `lifecycle` (startup, serve, drain, stop), `front` (the ASGI
 app relaying each request to a worker), `pool` (which worker takes a request, the
 bounded wait), `supervisor` (a worker process: started, watched, restarted),
-`worker` (the worker process: moed.engines.serving's app on a Unix socket),
+`worker` (the worker process: moed.serve.app's app on a Unix socket),
 `metrics` (the front's Prometheus registry). docs/design.md, "Serving", says why.
 """

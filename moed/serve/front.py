@@ -37,6 +37,7 @@ from typing import Any
 import httpx2 as httpx
 
 from moed.serve import request_check
+from moed.serve.envelope import error_body
 from moed.serve.metrics import ServeMetrics
 from moed.serve.pool import NoWorker, QueueFull, WorkerPool, WorkerSlot
 
@@ -49,7 +50,7 @@ _ROLE_CHUNK = re.compile(rb'"delta": \{"role": "assistant"\}')
 
 
 def _error(message: str, kind: str, code: str | None = None, param: str | None = None) -> bytes:
-    return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}}).encode()
+    return error_body(message, kind, param, code)
 
 
 async def _answer(send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:

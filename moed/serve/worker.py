@@ -3,7 +3,7 @@
 What this module owns: the worker's process entry, `python -m moed.serve.worker
 SPEC INDEX`. SPEC is the JSON the front wrote (`WorkerSpec`): the engine options,
 the server settings, this model's settings and the socket path of each worker
-index. The app is moed.engines.serving's (StreamedLlama, the response guard, the
+index. The app is moed.serve.app's (StreamedLlama, the response guard, the
 error table), so a worker answers exactly as a one-process `moectl serve` would.
 
 Invariant: the worker dies with the front (PR_SET_PDEATHSIG: SIGTERM), so no
@@ -52,7 +52,7 @@ def main(argv: list[str]) -> int:
     from llama_cpp.server.settings import ModelSettings, ServerSettings
 
     from moed.engines.options import EngineOptions
-    from moed.engines.serving import create_app
+    from moed.serve.app import create_app
 
     app = create_app(
         EngineOptions(**spec.engine),

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moed.traces import BadTrace, Geometry, Trace, TraceWriter
+from moed.traces import BadTrace, Trace, TraceGeometry, TraceWriter
 
 NVMOE_SMOKE = Path(__file__).resolve().parents[1] / "data/olmoe-smoke.jsonl"  # MIT, from nvmoe
 
@@ -68,9 +68,9 @@ def test_empty_writer_and_bad_geometry():
     with pytest.raises(BadTrace):
         TraceWriter(3, 8, 2).finish()
     with pytest.raises(BadTrace):
-        Geometry(0, 8, 2)
+        TraceGeometry(0, 8, 2)
     with pytest.raises(BadTrace):
-        Geometry(2, 8, 2, layer_ids=(1,))
+        TraceGeometry(2, 8, 2, layer_ids=(1,))
 
 
 @pytest.mark.parametrize("suffix", [".npz", ".trace", ".tsv"])
@@ -106,7 +106,7 @@ def test_nvmoe_import(tmp_path):
     path = tmp_path / "x.jsonl"
     path.write_text("[[1, 5], [1, 2], [2, 7], [2, 0]]\n\n[[1, 2], [1, 3], [2, 1], [2, 0]]\n")
     t = Trace.load(path)
-    assert t.geometry == Geometry(2, 8, 2, None, (1, 2))
+    assert t.geometry == TraceGeometry(2, 8, 2, None, (1, 2))
     assert t.ids.tolist() == [[[5, 2], [7, 0]], [[2, 3], [1, 0]]]
     assert t.step_kinds.tobytes() == b"DD"
     assert Trace.load(path, n_experts=64).n_experts == 64

@@ -193,3 +193,108 @@ def test_unit_tests_run_no_llama_cpp():
         if takes or any(top(n) == "llama_cpp" for n in imports_of(path)):
             found.append(str(path.relative_to(ROOT)))
     assert found == []
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """moed's modules and, for each, the moed modules it imports (type-only imports
+    included): `from pkg import sub` is an edge to the module pkg.sub where that is a
+    module, else to pkg; a package's own __init__ is not counted as imported by its
+    submodules (Python runs it first, but it is no dependency of theirs)."""
+    paths = {module_name(p): p for p in sorted((ROOT / "moed").rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for mod, path in paths.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    source = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    source = node.module or ""
+                subs = {f"{source}.{a.name}" for a in node.names} & paths.keys()
+                deps |= subs if len(subs) == len(node.names) else subs | {source}
+        graph[mod] = {d for d in deps if d in paths and d != mod}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            scc = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                scc.append(w)
+                if w == v:
+                    break
+            if len(scc) > 1:
+                out.append(sorted(scc))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle_in_moed():
+    """No two modules of moed import each other, directly or round a longer circle:
+    a module is a part with its own state, not a piece of another in a second file."""
+    assert cycles(import_graph()) == []
+
+
+def test_the_circle_check_finds_a_circle():
+    graph = import_graph()
+    assert "moed.cache.records" in graph["moed.cache.store"]  # edges are found, relative ones too
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_two_classes_in_moed_share_a_name():
+    """A class name says which thing it is: two classes of one name (a protocol and the
+    class that is not its implementation; the daemon's lease record and the client's
+    Lease) make every reader check the import."""
+    where: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "moed").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(module_name(path))
+    assert {name: mods for name, mods in where.items() if len(mods) > 1} == {}
+
+
+def test_one_module_wraps_libc():
+    """moed/libc.py is the only module that opens libc (or the process's own symbols)."""
+    found = []
+    for path in sorted((ROOT / "moed").rglob("*.py")):
+        if path.name == "libc.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "CDLL":
+                first = node.args[0] if node.args else None
+                if isinstance(first, ast.Constant) and (first.value is None or "libc" in str(first.value)):
+                    found.append(str(path.relative_to(ROOT)))
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "find_library":
+                found.append(str(path.relative_to(ROOT)))
+    assert found == []

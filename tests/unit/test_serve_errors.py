@@ -1,4 +1,4 @@
-"""The server's error table (moed.engines.http_errors) and ServedLlama's mapping of moed's failures.
+"""The server's error table (moed.serve.http_errors) and ServedLlama's mapping of moed's failures.
 
 Pure: exceptions in, (status, OpenAI error) out. The same table answers real
 requests in tests/e2e/test_serve_requests.py.
@@ -14,9 +14,9 @@ pytest.importorskip("llama_cpp.server.app")  # the [server] extra
 
 from fastapi.exceptions import RequestValidationError  # noqa: E402
 
-from moed.engines import serving  # noqa: E402
-from moed.engines.http_errors import ExpertReadFailed, ModelNotFound, error_response, parse_body  # noqa: E402
 from moed.protocol import errors  # noqa: E402
+from moed.serve import app as serving  # noqa: E402
+from moed.serve.http_errors import ExpertReadFailed, ModelNotFound, error_response, parse_body  # noqa: E402
 
 
 def test_a_read_error_is_a_502_naming_the_expert():

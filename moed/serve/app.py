@@ -22,8 +22,8 @@ Requests:
   ends with finish_reason "interrupted";
 - a bad request (max_tokens below 0, prompt plus max_tokens past the context, an
   unknown model, a body that does not validate) is a 4xx through the error table
-  (moed.engines.http_errors), also when streamed: the response guard
-  (moed.engines.http_guard) holds a stream's 200 back until its first token;
+  (moed.serve.http_errors), also when streamed: the response guard
+  (moed.serve.http_guard) holds a stream's 200 back until its first token;
 - the context is exactly `n_ctx` (ServedLlama.n_ctx, whatever llama.cpp pads).
 
 When moed is down:
@@ -66,12 +66,12 @@ from llama_cpp.server.settings import ModelSettings, ServerSettings
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse
 
-from moed.engines import http_errors
-from moed.engines.http_errors import BadRequest, ExpertReadFailed, ModelNotFound, MoedUnavailable
-from moed.engines.http_guard import ResponseGuard
 from moed.engines.llama_cpp import StreamedLlama
 from moed.engines.options import EngineOptions
 from moed.protocol import errors
+from moed.serve import http_errors
+from moed.serve.http_errors import ExpertReadFailed, InvalidRequest, ModelNotFound, MoedUnavailable
+from moed.serve.http_guard import ResponseGuard
 
 UNAVAILABLE_PREFIX = "moed unavailable: "
 INTERRUPTED = "interrupted"  # the finish_reason of a stream cut for a waiting request
@@ -116,7 +116,7 @@ class ServedLlama(StreamedLlama):
         bound.apply_defaults()
         max_tokens = bound.arguments["max_tokens"]
         if max_tokens is not None and max_tokens < 0:
-            raise BadRequest(
+            raise InvalidRequest(
                 f"max_tokens must be at least 1, or 0 or null for up to the end of the context; got {max_tokens}",
                 "max_tokens",
             )
@@ -151,9 +151,11 @@ def _check_logit_bias(bias: dict | None, n_vocab: int) -> None:
         try:
             token = int(key)
         except (TypeError, ValueError):
-            raise BadRequest(f"logit_bias keys are token ids; got {key!r}", "logit_bias") from None
+            raise InvalidRequest(f"logit_bias keys are token ids; got {key!r}", "logit_bias") from None
         if not 0 <= token < n_vocab:
-            raise BadRequest(f"logit_bias token {token} is not in this model's vocabulary of {n_vocab}", "logit_bias")
+            raise InvalidRequest(
+                f"logit_bias token {token} is not in this model's vocabulary of {n_vocab}", "logit_bias"
+            )
 
 
 def _interrupted(last: dict) -> dict:
@@ -186,7 +188,7 @@ def _served_errors(llm: ServedLlama):
         raise ExpertReadFailed(_read_error_message(exc)) from exc
     except ValueError as exc:
         match = _CONTEXT_EXCEEDED.search(str(exc))
-        if match is None or isinstance(exc, BadRequest):
+        if match is None or isinstance(exc, InvalidRequest):
             raise
         raise ValueError(f"Requested tokens ({match.group(1)}) exceed context window of {llm.n_ctx()}") from exc
 

@@ -1,6 +1,6 @@
 """The server's error table: every failure of a request as one HTTP status and one OpenAI error.
 
-What this module owns: the typed errors `moectl serve` raises (`BadRequest`,
+What this module owns: the typed errors `moectl serve` raises (`InvalidRequest`,
 `ModelNotFound`, `ExpertReadFailed`) and `error_response`, the one function that
 turns any exception a request raised into `(status, ErrorResponse)`. Both the
 route handler of llama_cpp.server (its `RouteErrorHandler.error_message_wrapper`,
@@ -23,12 +23,14 @@ from __future__ import annotations
 import json
 import sys
 import traceback
-from typing import Any
+from typing import Any, cast
 
 from fastapi import HTTPException
 from fastapi.exceptions import RequestValidationError
 from llama_cpp.server.errors import ErrorResponse, RouteErrorHandler
 from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest
+
+from moed.serve.envelope import error_fields
 
 
 class ServeError(Exception):
@@ -43,17 +45,17 @@ class ServeError(Exception):
         self.param = param
 
     def response(self) -> tuple[int, ErrorResponse]:
-        return self.status, ErrorResponse(message=str(self), type=self.type, param=self.param, code=self.code)
+        return self.status, cast(ErrorResponse, error_fields(str(self), self.type, self.param, self.code))
 
 
-class BadRequest(ServeError, ValueError):
+class InvalidRequest(ServeError, ValueError):
     """The request asks for something no model can do (400)."""
 
     status = 400
     type = "invalid_request_error"
 
 
-class ModelNotFound(BadRequest):
+class ModelNotFound(InvalidRequest):
     """The request names a model this server does not serve (404, as OpenAI answers it)."""
 
     status = 404
@@ -146,7 +148,7 @@ def install() -> None:
 
 
 __all__ = [
-    "BadRequest",
+    "InvalidRequest",
     "ExpertReadFailed",
     "ModelNotFound",
     "MoedUnavailable",

@@ -28,7 +28,7 @@ from typing import Any
 
 import anyio
 
-from moed.engines.http_errors import error_response, parse_body
+from moed.serve.http_errors import error_response, parse_body
 
 
 def _leaf(exc: BaseException) -> BaseException:
