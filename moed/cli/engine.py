@@ -72,6 +72,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--batch", type=int, default=512, help="prompt batch size (default 512)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: llama.cpp's)")
+    p.add_argument(
+        "--n-gpu-layers",
+        type=int,
+        default=0,
+        help="dense layers on the GPU, the routed experts on the CPU from moed (llama.cpp's --n-cpu-moe); "
+        "needs a GPU build of llama.cpp (Vulkan) and a device (default 0: everything on the CPU)",
+    )
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     p.add_argument("--seed", type=int, default=0)
     EngineOptions.add_flags(p, RUN)  # --skeleton-dir, --prefetch, --prefetch-width, --subst, --subst-rule, --repack
@@ -124,7 +131,8 @@ class _Session:
         print(
             f"\n[moed] {n_tokens} tokens in {dt:.1f} s ({n_tokens / dt if dt else 0:.2f} tok/s); "
             f"daemon hit rate {rate} ({hits} hits, {misses} misses), read {format_size(read)}; "
-            f"{lookahead_line(self.llm.stream_stats())}{subst_line(self.llm.stream_stats())}",
+            f"{lookahead_line(self.llm.stream_stats())}{subst_line(self.llm.stream_stats())}"
+            f"{device_line(self.llm.stream_stats())}",
             file=out,
         )
 
@@ -138,6 +146,16 @@ def subst_line(st: dict) -> str:
         f"{st['subst_reads_avoided']} reads avoided of {st['subst_reads_needed']}, "
         f"{100 * st['subst_weight_share']:.2f}% of routing weight on stand-ins"
     )
+
+
+def device_line(st: dict) -> str:
+    """Where the dense layers ran, in one phrase (empty when everything ran on the CPU)."""
+    dev = st.get("devices", {})
+    if not dev.get("gpu"):
+        return ""
+    layers = dev["gpu_layers"]
+    span = f"layers {layers[0]}-{layers[1]}" if layers else "no layers"
+    return f"; dense {span}{' and output' if dev.get('output_on_gpu') else ''} on {dev['gpu']}, experts on the CPU"
 
 
 def lookahead_line(st: dict) -> str:
@@ -160,6 +178,7 @@ def _llama_settings(args) -> dict:
         n_batch=args.batch,
         n_ubatch=args.batch,
         n_threads=args.threads,
+        n_gpu_layers=args.n_gpu_layers,
         seed=args.seed,
         verbose=args.verbose,
     )

@@ -37,6 +37,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--alias", default=None, help="the model's name in the API (default: its path)")
     p.add_argument("--ctx", type=int, default=2048, help="context length in tokens, exactly (default 2048)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads of each worker (default: the server's)")
+    p.add_argument(
+        "--n-gpu-layers",
+        type=int,
+        default=None,
+        help="dense layers on the GPU, the routed experts on the CPU from moed (default 0: all on the CPU)",
+    )
     p.add_argument("--chat-format", default=None, help="chat template name (default: the model's own)")
     p.add_argument("--api-key", default=None, help="require this bearer token")
     p.add_argument("--workers", type=int, default=None, help="engine processes per model (default 1)")
@@ -107,7 +113,12 @@ def _settings(args: argparse.Namespace):
         pairs = [(m, n if n is not None else default) for m, n in zip(file_settings.models, counts)]
     else:
         server = ServerSettings(host="127.0.0.1", port=8000, interrupt_requests=False)
-        given = {"n_threads": args.threads, "chat_format": args.chat_format, "model_alias": args.alias}
+        given = {
+            "n_threads": args.threads,
+            "chat_format": args.chat_format,
+            "model_alias": args.alias,
+            "n_gpu_layers": args.n_gpu_layers,
+        }
         model = ModelSettings(
             model=args.model, n_ctx=args.ctx, verbose=args.verbose, **{k: v for k, v in given.items() if v is not None}
         )

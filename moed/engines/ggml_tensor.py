@@ -114,7 +114,7 @@ class PythonEvalCallback:
 
 
 # One symbol each library defines, to find it through libllama's own dependency tree.
-_LIBRARY_SYMBOL = {"ggml-base": "ggml_init", "ggml-cpu": "ggml_backend_cpu_reg"}
+_LIBRARY_SYMBOL = {"ggml-base": "ggml_init", "ggml-cpu": "ggml_backend_cpu_reg", "ggml": "ggml_backend_dev_count"}
 
 
 class LibraryMismatch(RuntimeError):
@@ -223,8 +223,8 @@ def rows_f32(tensor_ptr: int) -> np.ndarray:
     if n_rows == 0:
         return np.empty((0, n0), dtype=np.float32)
     span = (n_rows - 1) * nb1 + n0 * nb0
-    raw = (ctypes.c_char * span).from_address(t.data)
-    view = np.ndarray((n_rows, n0), dtype=np.float32, buffer=raw, strides=(nb1, nb0))  # type: ignore[arg-type]  # numpy's stubs list buffer types before 3.12; a ctypes array is one
+    raw = _bytes_at(t, span)
+    view = np.ndarray((n_rows, n0), dtype=np.float32, buffer=raw, strides=(nb1, nb0))
     view.flags.writeable = False
     return view
 
@@ -246,15 +246,54 @@ def topk_ids(tensor_ptr: int) -> np.ndarray:
 def topk_view(tensor_ptr: int) -> np.ndarray:
     """A writable strided view of the ids in place (benchmarks force routes through it)."""
     t = GgmlTensor.from_address(tensor_ptr)
-    return _rows_view(t, int(t.ne[1]), int(t.ne[0]))
+    return _rows_view(t, int(t.ne[1]), int(t.ne[0]), writable=True)
 
 
-def _rows_view(t: GgmlTensor, n_rows: int, k: int) -> np.ndarray:
-    """The tensor's first `n_rows` rows of `k` int32 ids, as a strided view of its buffer."""
+class DeviceTensors:
+    """ggml's backend calls for a computed node that may live in a device's memory (a layer
+    llama.cpp offloaded with n_gpu_layers): `is_host(buffer)` and `get(tensor, out, n)`."""
+
+    def __init__(self) -> None:
+        lib = ggml_base_library()
+        self._is_host = lib.ggml_backend_buffer_is_host
+        self._is_host.argtypes, self._is_host.restype = [ctypes.c_void_p], ctypes.c_bool
+        self._get = lib.ggml_backend_tensor_get
+        self._get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+        self._get.restype = None
+
+    def is_host(self, buffer: int) -> bool:
+        return bool(self._is_host(buffer))
+
+    def get(self, tensor: GgmlTensor, out, n_bytes: int) -> None:
+        self._get(ctypes.addressof(tensor), out, 0, n_bytes)
+
+
+@functools.cache
+def device_tensors() -> DeviceTensors:
+    return DeviceTensors()
+
+
+def _bytes_at(t: GgmlTensor, span: int, writable: bool = False):
+    """The `span` bytes of a computed tensor: its host buffer in place, or, for a tensor in a
+    device's memory (a GPU layer's router, norm or top-k), a copy read through ggml's
+    backend API (ggml_backend_tensor_get: the data pointer is the device's, never readable
+    here). `span` is the tensor's ggml_nbytes for the views this module reads."""
+    if not t.buffer or device_tensors().is_host(t.buffer):
+        return (ctypes.c_char * span).from_address(t.data)
+    if writable:
+        raise RuntimeError("a node in a device's memory cannot be rewritten in place (route_hook with n_gpu_layers)")
+    out = (ctypes.c_char * span)()
+    device_tensors().get(t, out, span)
+    return out
+
+
+def _rows_view(t: GgmlTensor, n_rows: int, k: int, writable: bool = False) -> np.ndarray:
+    """The tensor's first `n_rows` rows of `k` int32 ids, as a strided view of its buffer
+    (of a copy, for a tensor on a device: `_bytes_at`)."""
     nb0, nb1 = int(t.nb[0]), int(t.nb[1])
     span = (n_rows - 1) * nb1 + k * nb0
-    raw = (ctypes.c_char * span).from_address(t.data)
-    return np.ndarray((n_rows, k), dtype=np.int32, buffer=raw, strides=(nb1, nb0))  # type: ignore[arg-type]  # numpy's stubs list buffer types before 3.12; a ctypes array is one
+    raw = _bytes_at(t, span, writable)
+    return np.ndarray((n_rows, k), dtype=np.int32, buffer=raw, strides=(nb1, nb0))
 
 
 def name(tensor_ptr: int) -> bytes:
@@ -278,7 +317,7 @@ def matrix(tensor_ptr: int, dtype=np.float32) -> np.ndarray:
     if n_rows == 0 or n_cols == 0:
         return np.empty((n_rows, n_cols), dtype=dtype)
     span = (n_rows - 1) * nb[1] + (n_cols - 1) * nb[0] + np.dtype(dtype).itemsize
-    raw = (ctypes.c_char * span).from_address(t.data)
+    raw = _bytes_at(t, span)
     return np.ndarray((n_rows, n_cols), dtype=dtype, buffer=raw, strides=(nb[1], nb[0]))
 
 

@@ -112,6 +112,7 @@ class Ggml:
         dev_get = _bind(base, "ggml_backend_reg_dev_get", p, p, sz)
         reg = _bind(cpu, "ggml_backend_cpu_reg", p)()
         self.cpu_dev = dev_get(reg, 0)
+        self.cpu_buft = _bind(base, "ggml_backend_dev_buffer_type", p, p)(self.cpu_dev)
         extra = proc(reg, b"ggml_backend_dev_get_extra_bufts")
         self.extra_bufts: dict[bytes, int] = {}
         if extra:
@@ -331,8 +332,15 @@ class BuftOverride(ctypes.Structure):
     _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
 
 
+# The routed experts, by llama.cpp's tensor names: what `--n-cpu-moe` / `-ot exps=CPU` keep
+# on the CPU while the rest of a layer is offloaded.
+EXPERTS_PATTERN = rb"\.ffn_(?:gate|up|down|gate_up)_exps\.weight$"
+
+
 class DenseOverrides:
-    """llama.cpp's `tensor_buft_overrides` putting exactly `names` in CPU_REPACK at load.
+    """llama.cpp's `tensor_buft_overrides` putting exactly `names` in CPU_REPACK at load,
+    and, with `experts_on_cpu` (a GPU offload), the routed experts in the CPU's own buffer
+    type (EXPERTS_PATTERN), so they stay in the mapping at their file offsets.
 
     The loader takes an override's buffer type as given unless it is the plain CPU
     one, so each of these tensors is allocated in CPU_REPACK and repacked by ggml as
@@ -341,7 +349,7 @@ class DenseOverrides:
     small on a real model's hundreds of weights.
     """
 
-    def __init__(self, names: Iterable[str]):
+    def __init__(self, names: Iterable[str], experts_on_cpu: bool = False):
         kinds: dict[str, list[str]] = {}
         for name in names:
             m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
@@ -353,13 +361,16 @@ class DenseOverrides:
                 patterns.append(f"^{re.escape(kind)}$")
             else:
                 patterns.append(rf"^blk\.(?:{'|'.join(layers)})\.{re.escape(kind)}$")
-        self.patterns = [p.encode() for p in patterns]
         buft = ggml().repack_buft
-        if self.patterns and buft is None:
+        if patterns and buft is None:
             raise RuntimeError("this llama.cpp build has no CPU_REPACK buffer type")
-        self.array = (BuftOverride * (len(self.patterns) + 1))()
-        for k, pattern in enumerate(self.patterns):
-            self.array[k].pattern, self.array[k].buft = pattern, buft
+        placed = [(p.encode(), buft) for p in patterns]
+        if experts_on_cpu:  # first: the loader takes the first pattern that matches
+            placed.insert(0, (EXPERTS_PATTERN, ggml().cpu_buft))
+        self.patterns = [p for p, _ in placed]
+        self.array = (BuftOverride * (len(placed) + 1))()
+        for k, (pattern, target) in enumerate(placed):
+            self.array[k].pattern, self.array[k].buft = pattern, target
 
     def install(self, params) -> None:
         """Set on a `llama_model_params` before the load (a NULL-terminated list; none: NULL)."""

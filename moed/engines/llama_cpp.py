@@ -34,6 +34,7 @@ import llama_cpp.llama as _llama_module
 from llama_cpp import Llama
 
 from moed.engines import ggml_tensor
+from moed.engines.devices import gpu_devices, offload_for
 from moed.engines.lookahead import PredictHook
 from moed.engines.options import EngineOptions
 from moed.engines.sources import ExpertSource, MoedSource
@@ -86,9 +87,16 @@ def _unpacked_internals(
     real = _llama_module.internals
     proxy = types.ModuleType(real.__name__)
     proxy.__dict__.update(real.__dict__)
+    keep: list = []
 
     def load_model(*, path_model: str, params, verbose: bool = True):
         if stock:
+            if params.n_gpu_layers:  # llama.cpp's --n-cpu-moe: the experts stay on the CPU
+                from moed.engines.kernels import DenseOverrides
+
+                overrides = DenseOverrides((), experts_on_cpu=True)
+                overrides.install(params)
+                keep.append(overrides)  # the array must outlive the load
             return real.LlamaModel(path_model=path_model, params=params, verbose=verbose)
         params.use_extra_bufts = False
         if dense is None:
@@ -106,6 +114,8 @@ def _unpacked_internals(
     def new_context(*, model, params, verbose: bool = True):
         if route is not None:
             route.c_callback.install(params)
+        if keep:  # offloaded: no op offload either, as StreamedLlama computes
+            params.op_offload = False
         return real.LlamaContext(model=model, params=params, verbose=verbose)
 
     proxy.__dict__.update(LlamaModel=load_model, LlamaContext=new_context)
@@ -145,7 +155,9 @@ class UnpackedLlama(Llama):
 class StockLlama(Llama):
     """`llama_cpp.Llama` loaded as stock loads it (every repacked kernel), plus an optional
     `route_hook` that may rewrite the router's top-k ids: benchmarks run stock on the same
-    forced routes as the other engines."""
+    forced routes as the other engines. With `n_gpu_layers` (and a GPU), as llama.cpp's
+    `--n-cpu-moe`: the routed experts overridden to the CPU (`-ot exps=CPU`) and no op
+    offload, the reference StreamedLlama's GPU hybrid is bit-exact against."""
 
     def __init__(self, model_path: str, *, route_hook: RouteHook | None = None, **llama_kwargs):
         self._route = _RouteCallback(route_hook) if route_hook is not None else None
@@ -183,7 +195,8 @@ def _hooked_internals(streamer: ExpertStreamer) -> types.ModuleType:
     def load_model(*, path_model: str, params, verbose: bool = True):
         params.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP
         params.use_extra_bufts = False  # a repacked tensor would not sit at its file offset
-        params.n_gpu_layers = 0
+        if streamer.layout is None or streamer.layout.offload is None:
+            params.n_gpu_layers = 0  # no GPU device: nothing to offload (the layout plan checked)
         # the per-layer token embeddings (archs.LAZY_TENSORS) read by rows from the mapping, not
         # copied whole into anonymous memory: gigabytes in the real Gemma 4 and Qwen3.8 files
         params.lazy_mode = llama_cpp.LLAMA_LAZY_MODE_ON
@@ -201,6 +214,9 @@ def _hooked_internals(streamer: ExpertStreamer) -> types.ModuleType:
     class StreamedContext(real.LlamaContext):
         def __init__(self, *, model, params, verbose: bool = True):
             streamer.c_callback.install(params)
+            # Never copy a CPU weight to the GPU for a prompt batch: an expert tensor's
+            # pages are mapped by moed only for the experts a layer routes to.
+            params.op_offload = False
             super().__init__(model=model, params=params, verbose=verbose)
 
         def decode(self, batch):
@@ -302,7 +318,13 @@ class StreamedLlama(Llama):
         from moed.engines import repack as kernel_layout
         from moed.gguf.header import read_split
 
-        layout = kernel_layout.plan(read_split(model_path), repack, model_path)
+        headers = read_split(model_path)
+        offload = offload_for(headers, int(llama_kwargs.get("n_gpu_layers", 0) or 0))
+        if offload is not None and route_hook is not None:
+            raise ValueError(
+                "route_hook rewrites the router's ids in place: not with n_gpu_layers (they are on the GPU)"
+            )
+        layout = kernel_layout.plan(headers, repack, model_path, offload)
         # The value options as one EngineOptions (moed.engines.options declares them, defaults
         # included; tests/unit/test_options.py holds this signature's defaults to them).
         given = locals()
@@ -370,11 +392,17 @@ class StreamedLlama(Llama):
                 RuntimeWarning,
                 stacklevel=3,
             )
-        if kwargs.get("n_gpu_layers", 0):
+        if kwargs.get("n_gpu_layers", 0) and not gpu_devices():
             warnings.warn(
-                "StreamedLlama runs the experts on the CPU; n_gpu_layers is ignored", RuntimeWarning, stacklevel=3
+                "moed: n_gpu_layers is set but this llama.cpp sees no GPU device; everything runs on the CPU",
+                RuntimeWarning,
+                stacklevel=3,
             )
-            kwargs["n_gpu_layers"] = 0
+        if kwargs.get("op_offload"):
+            raise ValueError(
+                "StreamedLlama needs op_offload off: a prompt batch would copy whole expert tensors to the "
+                "GPU, experts moed has not mapped"
+            )
 
     def _check_capacity(self) -> None:
         """A single token's experts must fit in one acquire, or nothing can ever run."""
@@ -451,6 +479,8 @@ class StreamedLlama(Llama):
         out["dense_repacked_tensors"] = k.done.dense_tensors if k else 0
         out["dense_repacked_bytes"] = k.done.dense_bytes if k else 0
         out["dense_layouts"] = list(k.done.dense_layouts) if k else []
+        off = self.streamer.layout.offload if self.streamer.layout else None
+        out["devices"] = off.describe() if off is not None else {"gpu": "", "gpu_layers": [], "experts": "CPU"}
         return out
 
     def _close_client(self) -> None:

@@ -30,6 +30,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from moed.engines import kernels
+from moed.engines.devices import Offload
 from moed.gguf.catalog import EXPERT_RE
 from moed.gguf.header import Header, TensorInfo, type_name
 from moed.gguf.layouts import KEY_CPU, KEY_LAYOUTS, PLAIN, layout_refusal, parse_layouts, summary
@@ -45,10 +46,20 @@ class LayoutPlan:
     expert_layout: str = PLAIN
     expert_tensors: list[str] = field(default_factory=list)  # names switched to repacked kernels
     repack_dense: bool = False
+    # With a GPU offload (n_gpu_layers): the offloaded layers' dense weights are the GPU's,
+    # the experts stay on the CPU (moed.engines.devices).
+    offload: Offload | None = None
 
 
-def plan(headers: list[Header], mode: str, path: str) -> LayoutPlan:
-    """Check the file's expert layout against `mode` and this CPU; raise LayoutUnavailable."""
+def plan(headers: list[Header], mode: str, path: str, offload: Offload | None = None) -> LayoutPlan:
+    """Check the file's expert layout against `mode` and this CPU; raise LayoutUnavailable.
+    `offload`: the GPU placement the load will make (moed.engines.devices.offload_for)."""
+    layout = _plan(headers, mode, path)
+    layout.offload = offload
+    return layout
+
+
+def _plan(headers: list[Header], mode: str, path: str) -> LayoutPlan:
     if mode not in MODES:
         raise ValueError(f"repack must be one of {', '.join(MODES)}, not {mode!r}")
     file_layouts = parse_layouts(headers[0].get(KEY_LAYOUTS))
@@ -92,6 +103,21 @@ def dense_repacked(headers: list[Header], layout: LayoutPlan) -> list[tuple[int,
         for shard, h in enumerate(headers)
         for t in h.tensors
         if kernels.stock_repacks_dense(t.name.encode(), t.ggml_type, tuple(t.dims))
+        and not (layout.offload is not None and layout.offload.on_gpu(t.name))
+    ]
+
+
+def dense_offloaded(headers: list[Header], layout: LayoutPlan) -> list[tuple[int, TensorInfo]]:
+    """(shard, tensor) of every weight the load copies into a GPU's memory (none without an
+    offload): read from the mapping once, never again."""
+    off = layout.offload
+    if off is None:
+        return []
+    return [
+        (shard, t)
+        for shard, h in enumerate(headers)
+        for t in h.tensors
+        if off.on_gpu(t.name) and not EXPERT_RE.match(t.name)
     ]
 
 
@@ -99,7 +125,9 @@ def prepare(headers: list[Header], layout: LayoutPlan) -> kernels.KernelSwitch:
     """The kernel switch for a model about to load: its dense overrides (install them on the
     load's params) and whether repacked experts wait for `switch_experts`."""
     dense = dense_repacked(headers, layout)
-    ks = kernels.KernelSwitch(kernels.DenseOverrides(t.name for _, t in dense) if dense else None)
+    experts_on_cpu = layout.offload is not None
+    overrides = kernels.DenseOverrides((t.name for _, t in dense), experts_on_cpu) if dense or experts_on_cpu else None
+    ks = kernels.KernelSwitch(overrides)
     ks.done.expert_layout = layout.expert_layout
     ks.done.dense_tensors = len(dense)
     ks.done.dense_bytes = sum(t.n_bytes for _, t in dense)

@@ -52,7 +52,7 @@ from moed.engines.kernels import KernelSwitch
 from moed.engines.lane import MISSED, ExpertLane, LaneStats
 from moed.engines.lookahead import Lookahead, PredictHook
 from moed.engines.predictor import GATING_SOFTMAX, gate
-from moed.engines.repack import LayoutPlan, prepare
+from moed.engines.repack import LayoutPlan, dense_offloaded, prepare
 from moed.engines.skeleton import expert_ranges
 from moed.engines.sources import ExpertSource, Grant, MoedSource
 from moed.engines.substitute import Substituter
@@ -172,7 +172,15 @@ class ExpertStreamer:
         if not self.strict:
             self._zero_copy_layers = {layer for layer, ss in self._parts.items() if all(s.zero_copy for s in ss)}
         # MOED_LANE=0: every layer through Python's path (to measure the lane, or to rule it out).
-        if self._zero_copy_layers and isinstance(self.source, MoedSource) and os.environ.get("MOED_LANE") != "0":
+        # With a GPU offload the top-k may be in a device's memory, which the lane (C, raw
+        # pointers) cannot read: Python's path reads it through ggml's backend API.
+        offloaded = self.layout is not None and self.layout.offload is not None
+        if (
+            self._zero_copy_layers
+            and isinstance(self.source, MoedSource)
+            and os.environ.get("MOED_LANE") != "0"
+            and not offloaded
+        ):
             self.lane = ExpertLane(self.source, {layer: self._parts[layer] for layer in self._zero_copy_layers})
             if not self._experts_pending():  # else the lane starts once the experts are switched
                 self.c_callback.set_lane(self.lane.handle, False)  # the auto path is chosen per decode (begin)
@@ -285,18 +293,19 @@ class ExpertStreamer:
         The tables llama.cpp reads lazily (archs.LAZY_TENSORS: a few rows a token, loaded
         with LLAMA_LAZY_MODE_ON) stay unlocked, page-rounded inward: locking them would
         pin gigabytes (Gemma 4's and Qwen3.8's per-layer token embeddings) for rows the
-        page cache serves."""
+        page cache serves; so do the weights a GPU offload copied into the device's memory."""
         assert self.pages is not None, "install builds the pages before locking"
         vmas = []
         for base, path in zip(bases, self.mapped_files):
             vmas += vm.mapped_ranges(base, path)
-        lazy = sorted(
+        offloaded = {t.name for _, t in dense_offloaded(headers, self.layout)} if self.layout else set()
+        holes = sorted(
             (vm.page_ceil(bases[shard] + t.offset), vm.page_floor(bases[shard] + t.offset + t.n_bytes))
             for shard, h in enumerate(headers)
             for t in h.tensors
-            if t.name in LAZY_TENSORS
+            if t.name in LAZY_TENSORS or t.name in offloaded  # the GPU's copy is the one computed on
         )
-        runs = [run for lo, hi in self.pages.dense_runs(vmas) for run in gaps(lo, hi, lazy)]
+        runs = [run for lo, hi in self.pages.dense_runs(vmas) for run in gaps(lo, hi, holes)]
         for lo, hi in runs:
             try:
                 libc.mlock(lo, hi - lo)

@@ -11,8 +11,9 @@ the module-level `llama_cpp.server.app.LlamaProxy`; `install()` puts
 server's own loader with `llama_cpp.Llama` swapped (under a lock, for the length
 of that call) for a factory that builds a `ServedLlama`, so every setting the
 server maps (chat format, cache, draft model, kv overrides...) keeps its meaning.
-Settings moed cannot honour get a RuntimeWarning and are ignored: n_gpu_layers
-and use_mlock (when set explicitly: StreamedLlama's own warnings), use_mmap=false,
+`n_gpu_layers`, when set, is StreamedLlama's GPU hybrid (dense layers on the GPU, the
+experts on the CPU from moed). Settings moed cannot honour get a RuntimeWarning and are
+ignored: use_mlock (when set explicitly: StreamedLlama's own warning), use_mmap=false,
 lora, rpc servers; a Hugging Face repo is refused (moed streams local files).
 
 Requests:

@@ -1,0 +1,95 @@
+"""Where llama.cpp computes a model: the GPU devices ggml sees and the layers it offloads.
+
+What this module owns: `gpu_devices()` (the GPU and integrated-GPU devices of the
+llama.cpp build in this process, by name) and `Offload`, the placement llama.cpp makes
+for `n_gpu_layers` (llama-model.cpp's rule: the last `n_gpu_layers` of the blocks plus
+the output layer, the output first; the input embeddings always on the CPU), which the
+engine needs before the load to keep the routed experts on the CPU (the `-ot exps=CPU`
+of llama.cpp's `--n-cpu-moe`) and the dense weights where stock puts them.
+
+Invariants:
+- `offload_for` is None unless a GPU device exists and `n_gpu_layers` > 0: a CPU-only
+  build or host computes as before, whatever `n_gpu_layers` says (llama.cpp ignores it
+  there too).
+- A software Vulkan device (lavapipe, type CPU) is not a GPU to ggml unless
+  GGML_VK_VISIBLE_DEVICES names it; ggml then reports it as a GPU and it counts here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import re
+from dataclasses import dataclass
+
+from moed.engines.ggml_tensor import loaded_library
+
+GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU = 1, 2
+_BLOCK = re.compile(r"blk\.(\d+)\.")
+_INPUT = ("token_embd.", "per_layer_token_embd.")  # the input layer: always the CPU's
+
+
+@functools.cache
+def gpu_devices() -> tuple[str, ...]:
+    """'name (description)' of every GPU or integrated-GPU device ggml enumerates."""
+    lib = loaded_library("ggml")
+    count, get = lib.ggml_backend_dev_count, lib.ggml_backend_dev_get
+    count.restype, get.restype, get.argtypes = ctypes.c_size_t, ctypes.c_void_p, [ctypes.c_size_t]
+    base = loaded_library("ggml-base")
+    kind, name, desc = base.ggml_backend_dev_type, base.ggml_backend_dev_name, base.ggml_backend_dev_description
+    kind.restype, kind.argtypes = ctypes.c_int, [ctypes.c_void_p]
+    for fn in (name, desc):
+        fn.restype, fn.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
+    out = []
+    for i in range(count()):
+        dev = get(i)
+        if kind(dev) in (GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU):
+            out.append(f"{name(dev).decode()} ({desc(dev).decode()})")
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Offload:
+    """llama.cpp's placement of a model of `n_layer` blocks with `n_gpu_layers` on `devices`."""
+
+    n_layer: int
+    n_gpu_layers: int
+    devices: tuple[str, ...]
+
+    @property
+    def first_gpu_layer(self) -> int:
+        """The first block on the GPU (blocks before it, and the input layer, are the CPU's)."""
+        return max(self.n_layer + 1 - self.n_gpu_layers, 0)
+
+    def on_gpu(self, tensor: str) -> bool:
+        """Is this weight in a GPU's memory after the load? Block weights by their block;
+        the input embeddings never; every other model-level weight with the output layer
+        (block n_layer in llama.cpp's count, the first to be offloaded)."""
+        m = _BLOCK.match(tensor)
+        if m is not None:
+            return int(m.group(1)) >= self.first_gpu_layer
+        if tensor.startswith(_INPUT):
+            return False
+        return self.n_layer >= self.first_gpu_layer
+
+    def describe(self) -> dict:
+        """What computes where, for stream_stats: the dense layers' device, and the experts'."""
+        first = self.first_gpu_layer
+        return {
+            "gpu": ", ".join(self.devices),
+            "gpu_layers": [first, self.n_layer - 1] if first < self.n_layer else [],
+            "output_on_gpu": self.n_layer >= first,
+            "experts": "CPU",
+        }
+
+
+def offload_for(headers, n_gpu_layers: int) -> Offload | None:
+    """The model's offload with `n_gpu_layers`, or None where nothing would be offloaded."""
+    if n_gpu_layers <= 0:
+        return None
+    devices = gpu_devices()
+    if not devices:
+        return None
+    arch = str(headers[0].get("general.architecture", ""))
+    n_layer = int(headers[0].get(f"{arch}.block_count", 0))
+    return Offload(n_layer, n_gpu_layers, devices)
