@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from moed.engines import ggml_tensor
 from moed.engines.expert_pages import PartSpan
+from moed.engines.sources import LaneSource
 from moed.protocol import errors
 
 DECLINED = -1  # not a lane step (no region, not a lane layer, odd ids): Python may try a hit
@@ -47,12 +48,11 @@ class LaneStats:
 
 
 class ExpertLane:
-    def __init__(self, source, parts: dict[int, list[PartSpan]]):
+    def __init__(self, source: LaneSource, parts: dict[int, list[PartSpan]]):
         from moed import _evalcb
 
         self._evalcb = _evalcb
-        model = source.model
-        hits = model.local_hits()
+        hits = source.local_hits()
         n = source.n_experts
         # Two leases' worth of hold indexes (the one held, the next); none left: no hits.
         self.holds: list[int] = (hits.region.take(2 * n) or []) if hits is not None else []
@@ -69,13 +69,12 @@ class ExpertLane:
             ggml_tensor.LANE_LAYOUT,
         )
         for layer, spans in parts.items():
-            info = model.layer(layer)
-            seg = model.segment(info.class_id)
+            class_id, seg = source.layer_segment(layer)
             row, states = 0, None
             if hits is not None:
-                row, states = hits.rows[layer], hits.states[info.class_id].map
+                row, states = hits.rows[layer], hits.states[class_id].map
             args = [(s.addr, s.bytes_per_expert, seg.part_offset(0, s.part), seg.part_stride(s.part)) for s in spans]
-            _evalcb.lane_layer(self._c, layer, row, info.class_id, states, seg.fd, args)
+            _evalcb.lane_layer(self._c, layer, row, class_id, states, seg.fd, args)
         if hits is not None:
             hits.region.on_close(self.disable)
         self.layers = set(parts)

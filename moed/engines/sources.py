@@ -17,11 +17,15 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
 
 from moed.protocol.messages import PartExtent
+
+if TYPE_CHECKING:
+    from moed.client.local import LocalHits
+    from moed.client.segments import Segment
 
 
 class Grant(Protocol):
@@ -62,6 +66,24 @@ class ExpertSource(Protocol):
     def resident(self, layer: int, experts: Sequence[int]) -> np.ndarray:
         """Which of `experts` of `layer` are resident now, with no round trip (needed only
         with substitution on)."""
+
+    def lane(self) -> LaneSource | None:
+        """The source's hits for the C lane (moed.engines.lane), or None: no lane, every
+        layer goes through `acquire`."""
+
+
+class LaneSource(Protocol):
+    """What the C lane takes its hits through: the connection's local-hit state (region,
+    residency table, slot states: moed/_hitproto.h) and each layer's slot segment. The
+    lane asks the source for these and nothing else; it never reaches into the client."""
+
+    n_experts: int
+
+    def local_hits(self) -> LocalHits | None:
+        """The local-hit state, or None (local hits off: the lane maps, the daemon grants)."""
+
+    def layer_segment(self, layer: int) -> tuple[int, Segment]:
+        """(size class, segment) of `layer`'s slots."""
 
 
 class MoedGrant:
@@ -126,3 +148,13 @@ class MoedSource:
 
     def resident(self, layer: int, experts: Sequence[int]) -> np.ndarray:
         return self.model.resident(layer, experts)
+
+    def lane(self) -> MoedSource:
+        return self  # a LaneSource: the client's local hits and segments
+
+    def local_hits(self) -> LocalHits | None:
+        return self.model.local_hits()
+
+    def layer_segment(self, layer: int) -> tuple[int, Segment]:
+        class_id = self._layers[layer].class_id
+        return class_id, self.model.segment(class_id)

@@ -54,7 +54,7 @@ from moed.engines.lookahead import Lookahead, PredictHook
 from moed.engines.predictor import GATING_SOFTMAX, gate
 from moed.engines.repack import LayoutPlan, dense_offloaded, prepare
 from moed.engines.skeleton import expert_ranges
-from moed.engines.sources import ExpertSource, Grant, MoedSource
+from moed.engines.sources import ExpertSource, Grant
 from moed.engines.substitute import Substituter
 from moed.gguf.archs import LAZY_TENSORS
 from moed.gguf.header import read_split
@@ -175,13 +175,9 @@ class ExpertStreamer:
         # With a GPU offload the top-k may be in a device's memory, which the lane (C, raw
         # pointers) cannot read: Python's path reads it through ggml's backend API.
         offloaded = self.layout is not None and self.layout.offload is not None
-        if (
-            self._zero_copy_layers
-            and isinstance(self.source, MoedSource)
-            and os.environ.get("MOED_LANE") != "0"
-            and not offloaded
-        ):
-            self.lane = ExpertLane(self.source, {layer: self._parts[layer] for layer in self._zero_copy_layers})
+        lane_source = self.source.lane() if self._zero_copy_layers else None
+        if lane_source is not None and os.environ.get("MOED_LANE") != "0" and not offloaded:
+            self.lane = ExpertLane(lane_source, {layer: self._parts[layer] for layer in self._zero_copy_layers})
             if not self._experts_pending():  # else the lane starts once the experts are switched
                 self.c_callback.set_lane(self.lane.handle, False)  # the auto path is chosen per decode (begin)
         self._drop_expert_cache()
