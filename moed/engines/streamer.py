@@ -368,18 +368,17 @@ class ExpertStreamer:
             held = lane.step(tensor)  # raises LeaseLost if its previous lease was lost
             tried = held == MISSED
             if held >= 0:
-                prev, self.held = self.held, None
+                prev = self._take_held()
                 if prev is not None:  # a Python grant of an earlier layer
                     self._hide(prev)
                     self.source.release(prev)
-                    lane.python_held(False)
                 if self.lookahead is not None:
                     self.lookahead.routed(layer, ids, held, 0.0)  # the lane counts its own stall
                 return
         if lane is not None:
             lane.release()  # an earlier layer's lane lease, before this layer asks the daemon
         experts = [int(e) for e in np.unique(ids) if e >= 0]
-        prev, self.held = self.held, None
+        prev = self._take_held()
         if prev is not None:
             self._hide(prev)
         t0 = time.perf_counter()
@@ -390,9 +389,7 @@ class ExpertStreamer:
                 self._release_quietly(prev)
             raise
         t1 = time.perf_counter()
-        self.held = grant
-        if lane is not None:
-            lane.python_held(True)
+        self._hold(grant)
         self._show(grant)
         self.stats.acquire_s += t1 - t0
         self.stats.show_s += time.perf_counter() - t1
@@ -400,6 +397,22 @@ class ExpertStreamer:
         self.stats.experts += len(experts)
         if self.lookahead is not None:
             self.lookahead.routed(layer, ids, len(experts), t1 - t0)
+
+    # What Python's path holds: at most one grant, changed only by these two, which tell
+    # the lane (it must not take a layer while Python holds one: moed/_evalcb.c).
+
+    def _hold(self, grant: Grant) -> None:
+        assert self.held is None, "a grant is released (or handed to acquire) before the next"
+        self.held = grant
+        if self.lane is not None:
+            self.lane.python_held(True)
+
+    def _take_held(self) -> Grant | None:
+        """The grant Python holds (None if none), now no longer counted as held."""
+        prev, self.held = self.held, None
+        if prev is not None and self.lane is not None:
+            self.lane.python_held(False)
+        return prev
 
     def _show(self, grant: Grant) -> None:
         if self.lane is not None and grant.layer in self.lane.layers:
@@ -479,12 +492,11 @@ class ExpertStreamer:
         self.stats.decodes += 1
         if self.lookahead is not None:
             self.lookahead.end_decode()
-        prev, self.held = self.held, None
+        prev = self._take_held()
         if prev is not None:
             self._hide(prev)
             self.source.release(prev)
         if self.lane is not None:
-            self.lane.python_held(False)
             self.lane.release()
             if self.lookahead is not None:
                 for layer, experts in self.lane.take_log():
