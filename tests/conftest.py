@@ -30,6 +30,8 @@ into `tmp_path` first if a test needs to damage a model):
   and down), a dense MLP beside the experts, per-layer token embeddings, sliding-window layers.
 - `qwen4exp_model`: `qwen35moe_model`'s layers under 4 hyper-connection streams (the router
   reads the FFN mix of `hc_combine-L`), QSA indexers, one PLE layer, no output_norm.
+- `deepseek4_model`: `tiny_model`'s geometry as DeepSeek V4: MXFP4 experts under 4 hyper-connection
+  streams, sqrtsoftplus gating with `exp_probs_b`, layer 0 hash-routed (`ffn_gate_tid2eid`), CSA/HCA.
 - `trained_model`: the committed tiny trained MoE (`moed.data.TINY_MOE`: 6 layers, 16
   experts, top-2, d 128, q8_0, byte-level, learned routing), checked against its sha256.
 - `llama_cpp`: the llama_cpp module, or the test is skipped where it is not installed.
@@ -156,6 +158,11 @@ def gemma4_model(model_factory) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def qwen4exp_model(model_factory) -> pathlib.Path:
     return model_factory(arch="qwen4exp")
+
+
+@pytest.fixture(scope="session")
+def deepseek4_model(model_factory) -> pathlib.Path:
+    return model_factory(arch="deepseek4")
 
 
 @pytest.fixture(scope="session")

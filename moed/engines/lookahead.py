@@ -221,10 +221,12 @@ class Lookahead:
         return ids
 
     def _targets(self, layer: int):
+        """The layers `layer`'s rows predict; never a hashed one (deepseek4's first layers
+        select by token id, which the rows do not carry: no prediction, no prefetch)."""
         layers = self._gate.moe_layers
         i = layers.index(layer)
         for lead in self.leads:
-            if i + lead < len(layers):
+            if i + lead < len(layers) and layers[i + lead] not in self._gate.hashed:
                 yield layers[i + lead], lead
 
     def _prefetch_set(self, ids: np.ndarray) -> np.ndarray:

@@ -23,6 +23,13 @@ gate scales its output and takes no part in selection.
 gemma4's router reads no norm node: its input is rms_norm(attn_out) / sqrt(n_embd) *
 `ffn_gate_inp.scale`, so the predictor is given the residual `attn_out-L` and norms it
 itself (`router_rms_input`); `ffn_gate_inp.scale` then plays the norm weight's part.
+deepseek4 reads `ffn_norm-L` as the common case and gates with sqrt(softplus) (monotone:
+without a selection bias the logits' order is the probabilities'); its first
+`hash_layer_count` layers select no expert from the router: `ffn_gate_tid2eid` names each
+token's experts (`Router.token_experts`). Those layers are `GatePredictor.hashed`: exact
+from the token ids (`token_experts`), never from hidden rows, so the look-ahead, which
+sees rows and not tokens, predicts and prefetches no hashed layer (their rows still
+predict the routed layers after them).
 
 RMS norm's scale is per token and shared by every layer, and the residual stream
 changes little from one layer to the next, so rms_norm(h_M) ~ rms_norm(h_L) and
@@ -55,10 +62,12 @@ from moed.gguf.archs import (
     GATING_SIGMOID,
     GATING_SOFTMAX,
     GATING_SOFTMAX_WEIGHT,
+    GATING_SQRT_SOFTPLUS,
     ROUTER_BIAS,
     ROUTER_SCALE,
     ROUTER_WEIGHT,
     SELECTION_BIAS,
+    TOKEN_EXPERTS,
     arch_of,
     gating_of,
     router_input,
@@ -96,6 +105,9 @@ class Router:
     # Set where the node is the hyper-connection residual (Arch.hc_mix, qwen4exp): this
     # layer's FFN mixer, which turns any layer's residual rows into this router's input.
     hc: HcMix | None = None
+    # Set where the layer selects by token id (deepseek4's hash layers): (n_vocab, k) int32,
+    # each token's experts, `blk.L.ffn_gate_tid2eid`; the router then only weights them.
+    token_experts: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -147,15 +159,17 @@ class GatePredictor:
         self.gating = gating
         self.routers = routers
         self.n_experts = int(next(iter(routers.values())).weight.shape[0])
+        # Layers that select by token id: no hidden rows predict them (see `token_experts`).
+        self.hashed = frozenset(layer for layer, r in routers.items() if r.token_experts is not None)
         # (L, M) -> F[L, M].T, (n_embd, n_experts) C-contiguous: one matmul per target.
         # Folded once, by `prepare` at install or on first use: only the pairs a mode needs take memory.
         self._folded: dict[tuple[int, int], np.ndarray] = {}
 
     def prepare(self, leads: tuple[int, ...]) -> None:
-        """Fold every (L, L + lead) pair now, so that no decode pays for it."""
+        """Fold every (L, L + lead) pair now, so that no decode pays for it (none into a hashed layer)."""
         for i, layer in enumerate(self.moe_layers):
             for lead in leads:
-                if i + lead < len(self.moe_layers):
+                if i + lead < len(self.moe_layers) and self.moe_layers[i + lead] not in self.hashed:
                     self.folded(layer, self.moe_layers[i + lead])
 
     def folded(self, src: int, dst: int) -> np.ndarray:
@@ -184,9 +198,19 @@ class GatePredictor:
             x = hc_mix(x, hc)
         return x @ self.folded(src, dst)
 
+    def token_experts(self, layer: int, tokens) -> np.ndarray:
+        """The experts (n_tokens, k) a hashed layer routes `tokens` to: llama.cpp's own
+        `ffn_moe_topk-L` there (a gather of `ffn_gate_tid2eid` rows), exact, in its order."""
+        table = self.routers[layer].token_experts
+        if table is None:
+            raise ValueError(f"layer {layer} selects with its router, not by token id")
+        return table[np.asarray(tokens, dtype=np.int64)]
+
     def scores(self, x: np.ndarray, src: int, dst: int) -> np.ndarray:
         """What llama.cpp's selection sorts: the (router-biased) logits, or gating(logits) +
-        bias with a selection bias."""
+        bias with a selection bias. Not for a hashed `dst`: its choice is not in the rows."""
+        if dst in self.hashed:
+            raise ValueError(f"layer {dst} selects by token id: hidden rows do not predict it")
         logits = self.logits(x, src, dst)
         r = self.routers[dst]
         if r.logit_bias is not None:
@@ -206,10 +230,15 @@ def router_rms_input(x: np.ndarray, scale: np.ndarray, eps: float) -> np.ndarray
 
 
 def gate(logits: np.ndarray, gating: int) -> np.ndarray:
-    """The router's probabilities: softmax over experts, a per-expert sigmoid, or (SOFTMAX_WEIGHT)
-    the logits themselves, as llama.cpp's `ffn_moe_probs` is for that gating."""
+    """The router's probabilities: softmax over experts, a per-expert sigmoid, sqrt(softplus)
+    (ggml's softplus: x itself above 20), or (SOFTMAX_WEIGHT) the logits themselves, as
+    llama.cpp's `ffn_moe_probs` is for that gating."""
     if gating == GATING_SOFTMAX_WEIGHT:
         return logits
+    if gating == GATING_SQRT_SOFTPLUS:
+        x = np.asarray(logits, dtype=np.float32)
+        soft = np.log(np.float32(1.0) + np.exp(np.minimum(x, np.float32(20.0))))
+        return np.sqrt(np.where(x > np.float32(20.0), x, soft))
     if gating == GATING_SIGMOID:
         return 1.0 / (1.0 + np.exp(-logits))
     z = np.exp(logits - logits.max(axis=1, keepdims=True))
@@ -269,9 +298,28 @@ def load_routers(headers, bases: list[int], moe_layers: list[int]) -> tuple[dict
                 raise ValueError(f"layer {layer} has no {ROUTER_SCALE}: its router's input cannot be rebuilt")
         bias, logit_bias = read(f"blk.{layer}.{SELECTION_BIAS}"), read(f"blk.{layer}.{ROUTER_BIAS}")
         routers[layer] = Router(
-            w, norm.reshape(-1), bias, None if logit_bias is None else logit_bias.reshape(-1), rms_eps, hc
+            w,
+            norm.reshape(-1),
+            bias,
+            None if logit_bias is None else logit_bias.reshape(-1),
+            rms_eps,
+            hc,
+            _token_table(f"blk.{layer}.{TOKEN_EXPERTS}", bases, infos),
         )
     return routers, gating
+
+
+def _token_table(name: str, bases: list[int], infos) -> np.ndarray | None:
+    """A hash layer's (n_vocab, k) int32 token -> experts table, copied out of the mapping; None if absent."""
+    if name not in infos:
+        return None
+    from gguf import GGMLQuantizationType
+
+    shard, t = infos[name]
+    if int(t.ggml_type) != GGMLQuantizationType.I32:  # as llama.cpp's get_rows of it gives the top-k's I32
+        raise ValueError(f"{name} has ggml type {t.ggml_type}, expected I32")
+    raw = (ctypes.c_char * t.n_bytes).from_address(bases[shard] + t.offset)
+    return np.frombuffer(raw, dtype=np.int32).reshape(tuple(reversed(t.dims))).copy()
 
 
 # The dtype ggml's CPU matmul rounds an F32 activation to for a weight of this type (its

@@ -31,11 +31,15 @@ from dataclasses import dataclass
 GATING_SOFTMAX = 1
 GATING_SIGMOID = 2
 GATING_SOFTMAX_WEIGHT = 3  # llama.cpp's SOFTMAX_WEIGHT: select on the logits, softmax over the chosen k
+GATING_SQRT_SOFTPLUS = 4  # llama.cpp's SQRT_SOFTPLUS (deepseek4): sqrt(softplus(logits))
 
 # Router-side tensors of an MoE layer, as `blk.L.<name>`.
 ROUTER_WEIGHT = "ffn_gate_inp.weight"
 ROUTER_BIAS = "ffn_gate_inp.bias"  # added to the logits (llama.cpp's ffn_moe_logits_biased)
 SELECTION_BIAS = "exp_probs_b.bias"  # added to gating(logits) for selection only
+# deepseek4's hash routing: [vocab, top-k] I32, each token's experts in the first
+# `hash_layer_count` layers (a fact of the file, looked for by name, as SELECTION_BIAS).
+TOKEN_EXPERTS = "ffn_gate_tid2eid.weight"
 # Tables llama.cpp marks TENSOR_READ_LAZY (gemma4's and qwen4exp's per-layer token
 # embeddings): an engine loads with LLAMA_LAZY_MODE_ON and leaves them unlocked.
 LAZY_TENSORS = frozenset({"per_layer_token_embd.weight"})
@@ -54,10 +58,12 @@ DENSE_MATMUL_NAMES: tuple[str, ...] = (
     r"ssm_(?:in|out|alpha|beta|ba)",  # Gated DeltaNet (qwen35moe, qwen3next): projections in and out, beta/alpha
     r"inp_gate|proj",  # gemma4's per-layer embedding gate and projection
     r"hc_(?:attn|ffn)_(?:down|up|inject)|ple_(?:key|value)|indexer\.(?:q_proj|k_proj)",  # qwen4exp
+    # deepseek4 (attn_output_a is 3-D once loaded: stock does not repack it, so it is not here)
+    r"attn_(?:kv|output_b)|hc_(?:attn|ffn)_fn|(?:attn|indexer)_compressor_(?:kv|gate)|indexer\.(?:proj|attn_q_b)",
 )
 # The same for model-level weights (no `blk.N.`): gemma4's per_layer_model_proj is a
 # REPEATING MUL_MAT weight created with layer 0's buffer types, so it repacks as any layer's.
-DENSE_MATMUL_MODEL_NAMES: tuple[str, ...] = ("output", "per_layer_model_proj", r"output_hc_(?:down|up)")
+DENSE_MATMUL_MODEL_NAMES: tuple[str, ...] = ("output", "per_layer_model_proj", r"output_hc_(?:down|up)", "output_hc_fn")
 DENSE_MATMUL = re.compile(
     r"^(?:" + "|".join(DENSE_MATMUL_MODEL_NAMES) + r"|blk\.\d+\.(?:" + "|".join(DENSE_MATMUL_NAMES) + r"))\.weight$"
 )
@@ -99,6 +105,10 @@ class Arch:
     # (qwen4exp's hc_combine-L) and `router_input.norm` is that mixer's gamma: the
     # predictor computes the mix (blk.L.hc_ffn_{norm,down,up}) itself.
     hc_mix: bool = False
+    # The node is the residual the FFN's RMS norm reads (llama4's ffn_inp-L: its graph names
+    # no normed row) and `router_input.norm` that norm's weight: the predictor computes
+    # rms_norm(node) * norm itself (as gemma4's router_scale, without the 1/sqrt(n_embd)).
+    rms_node: bool = False
 
 
 # The architectures moed serves. gpt-oss norms the router's input with
@@ -129,6 +139,20 @@ ARCHS: Mapping[str, Arch] = {
     # attention mix shares), softmax fixed by the graph (qwen4exp.cpp); the look-ahead
     # stops at the one node named hc_combine-L, the residual after attention, and mixes it.
     "qwen4exp": Arch(RouterInput("hc_combine", "hc_ffn_norm"), gating=GATING_SOFTMAX, hc_mix=True),
+    # The router reads ffn_norm-L (rms_norm of the FFN's hyper-connection pre-mix, a plain row
+    # per token), sqrtsoftplus fixed by the loader, exp_probs_b on the routed layers; the first
+    # hash_layer_count layers select by token id (TOKEN_EXPERTS), still at ffn_moe_topk-L.
+    "deepseek4": Arch(gating=GATING_SQRT_SOFTPLUS),
+    # Llama 4: the router reads rms_norm(ffn_inp) * ffn_norm, but llama4.cpp's cb(cur, "ffn_norm")
+    # in an MoE layer names the attention output, not the normed row: the look-ahead stops at
+    # the residual ffn_inp-L and norms it (rms_node). Selection on the logits, sigmoid weights
+    # (fixed by the graph; the input is scaled by the weight before the experts).
+    "llama4": Arch(RouterInput("ffn_inp", "ffn_norm"), gating=GATING_SIGMOID, rms_node=True),
+    "dots1": Arch(),  # V3-style: ffn_norm-L, the file's sigmoid gating, exp_probs_b, leading dense layer
+    "ernie4_5-moe": Arch(gating=GATING_SOFTMAX),  # ffn_norm-L, softmax fixed by the graph, exp_probs_b
+    "hunyuan-moe": Arch(gating=GATING_SOFTMAX),  # ffn_norm-L, softmax fixed by the graph
+    "bailingmoe2": Arch(),  # ffn_norm-L, the file's sigmoid gating, exp_probs_b, leading dense layer
+    "minimax-m2": Arch(),  # ffn_norm-L, the file's sigmoid gating, exp_probs_b (required)
 }
 SERVED_ARCHS = tuple(ARCHS)
 _OTHER = Arch()  # what an architecture not in the table is taken to be

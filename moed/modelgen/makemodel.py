@@ -481,6 +481,8 @@ def _fill(spec: Spec, rng: np.random.Generator, random_experts: bool = False) ->
     def dense(values: np.ndarray) -> np.ndarray:  # F16, or the type a recipe gave it
         return values.astype(np.float16) if spec.qtype is None else quantize(values, spec.qtype)
 
+    if spec.values is not None:  # the plan's own contents, as the file's bytes
+        return np.ascontiguousarray(spec.values(rng)).view(np.uint8).reshape(spec.byte_shape)
     if spec.kind == "embd":
         return dense(rng.standard_normal(spec.shape, dtype=np.float32))
     if spec.kind == "norm":

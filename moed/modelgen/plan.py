@@ -58,6 +58,9 @@ class Spec:
     shape: tuple[int, ...]
     kind: str  # embd | norm | bias | f16 | router | router_bias | decay | experts
     qtype: GGMLQuantizationType | None = None
+    # Contents the plan computes itself, from the file's random stream (deepseek4's I32
+    # token -> experts table); None: made from `kind`.
+    values: Callable[[np.random.Generator], np.ndarray] | None = None
 
     @property
     def nbytes(self) -> int:

@@ -102,6 +102,9 @@ MODELS = {
     # hyper-connection down/inject (per layer and output_hc_down), ple_key/ple_value, the QSA indexer's
     # q/k projections in Q4_K, on CPU_REPACK where stock puts them
     "qwen4exp-q4_k_m": (dict(arch="qwen4exp", embd=256, ff=256, recipe="q4_k_m"), "1MiB", "mixed"),
+    # MLA-like q latent, attn_kv, attn_output_b, compressor and indexer matrices in Q4_K on CPU_REPACK as stock
+    # puts them (attn_output_a is 3-D once loaded: plain in both); hash-routed layer 0
+    "deepseek4-q4_k_m": (dict(arch="deepseek4", embd=256, ff=256, recipe="q4_k_m"), "1MiB", "mixed"),
 }
 
 

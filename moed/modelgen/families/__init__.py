@@ -13,10 +13,11 @@ architecture", says what else to check.
 
 from __future__ import annotations
 
-from moed.modelgen.families import gemma4, qwen3next, qwen4exp, qwen35moe
+from moed.modelgen.families import deepseek4, gemma4, qwen3next, qwen4exp, qwen35moe
 from moed.modelgen.plan import ArchPlan
 
 PLANS: dict[str, ArchPlan] = {
+    "deepseek4": deepseek4.PLAN,
     "gemma4": gemma4.PLAN,
     "qwen35moe": qwen35moe.PLAN,
     "qwen3next": qwen3next.PLAN,
