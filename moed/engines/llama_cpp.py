@@ -31,6 +31,7 @@ from collections.abc import Sequence
 
 import llama_cpp
 import llama_cpp.llama as _llama_module
+import numpy as np
 from llama_cpp import Llama
 
 from moed.engines import ggml_tensor
@@ -220,7 +221,9 @@ def _hooked_internals(streamer: ExpertStreamer) -> types.ModuleType:
             super().__init__(model=model, params=params, verbose=verbose)
 
         def decode(self, batch):
-            streamer.begin(int(batch.batch.n_tokens))
+            n = int(batch.batch.n_tokens)
+            ids = np.ctypeslib.as_array(batch.batch.token, shape=(n,)).copy() if batch.batch.token and n else None
+            streamer.begin(n, ids)
             # A callback that answers False stops the graph but llama_decode still
             # returns 0 (ggml's scheduler only breaks out of the split), so the
             # stored error is checked on success too: those logits are garbage.

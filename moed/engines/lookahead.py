@@ -163,13 +163,24 @@ class Lookahead:
 
     # ---- a decode ----------------------------------------------------------
 
-    def begin_decode(self, n_tokens: int) -> None:
+    def begin_decode(self, n_tokens: int, tokens: np.ndarray | None = None) -> None:
+        """Before llama_decode of `n_tokens`; `tokens`: the batch's token ids (None for
+        embeddings), from which a hashed layer's experts are known before the graph runs."""
         self._t0 = time.perf_counter()
         self.tokens += n_tokens
         self._step_named = [0, 0]
         if self.governor is not None:
             mode = self.governor.begin(n_tokens <= DECODE_ROWS)
             self._issuing, self._shadow = mode == ON, mode == SHADOW
+        if tokens is not None and self.mode != "off" and self.predictor is not None and self.predictor.hashed:
+            self._prefetch_hashed(tokens)
+
+    def _prefetch_hashed(self, tokens: np.ndarray) -> None:
+        """Each hashed layer's experts (deepseek4's first layers pick by token id), sent at
+        once: exact, so whatever the governor says about predictions, nothing is wasted."""
+        for layer in sorted(self._gate.hashed & self.layers.keys()):
+            experts = np.unique(self._gate.token_experts(layer, tokens))
+            self._send(layer, self._within_capacity(layer, experts, 0))
 
     def end_decode(self) -> None:
         """After llama_decode: what a stopped graph never routed is wasted."""

@@ -470,12 +470,12 @@ class ExpertStreamer:
         except Exception as exc:  # noqa: BLE001 - the lease may already be gone with the failed acquire
             log.debug("release after failed acquire: %s", exc)
 
-    def begin(self, n_tokens: int) -> None:
-        """Before llama_decode of a batch of `n_tokens`."""
+    def begin(self, n_tokens: int, tokens: np.ndarray | None = None) -> None:
+        """Before llama_decode of a batch of `n_tokens` (`tokens`: their ids, None for embeddings)."""
         self.stats.tokens += n_tokens
         la = self.lookahead
         if la is not None:
-            la.begin_decode(n_tokens)
+            la.begin_decode(n_tokens, tokens)
         self.c_callback.stop_at_norm(la is not None and la.observing, self.norm_prefix)
         if self.lane is not None:
             # Only with nothing for Python to do at a topk does the lane take it alone: no

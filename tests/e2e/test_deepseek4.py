@@ -75,3 +75,23 @@ def test_hash_layers_route_by_token_id_and_stream_bit_exact(start_daemon, refere
             assert not np.array_equal(ids, predictor.token_experts(0, fed))
     with pytest.raises(ValueError, match="token id"):
         predictor.scores(np.zeros((1, predictor.routers[0].weight.shape[1]), np.float32), 0, 0)
+
+
+def test_hash_layers_are_prefetched_exactly_from_the_batch_token_ids(start_daemon, deepseek4_model):
+    """Their experts are known before the graph runs: sent at the start of every decode,
+    each one then routed (issued == hits), so the layer never waits for a read it could
+    have started earlier."""
+    from moed.engines.llama_cpp import StreamedLlama
+
+    client = start_daemon("256KiB").client("e2e")
+    llm = StreamedLlama(str(deepseek4_model), client=client, prefetch="gate", **LLAMA_KW)
+    try:
+        greedy_fed(llm, llm.tokenize(PROMPT), steps=8)
+        stats = llm.stream_stats()
+        hashed = llm.streamer.lookahead.predictor.hashed
+    finally:
+        llm.close()
+        client.close()
+    for layer in hashed:
+        look = stats["per_layer"][layer]
+        assert look["issued"] > 0 and look["hits"] == look["issued"] and look["wasted"] == 0, look

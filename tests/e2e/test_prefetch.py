@@ -141,7 +141,9 @@ def assert_counters_add_up(st: dict) -> None:
     for layer in per:
         assert layer["issued"] == layer["hits"] + layer["wasted"] + layer["pending"]
     first = st["per_layer"][min(st["per_layer"])]
-    assert first["issued"] == 0 and first["recall"] is None  # nothing precedes the first layer
+    # nothing precedes the first layer; only its token ids, where it is hash-routed (deepseek4):
+    # then what was sent is exact
+    assert first["recall"] is None and first["wasted"] == 0
     assert st["stall_s"] == pytest.approx(sum(layer["stall_s"] for layer in per))
     assert st["stall_s_per_token"] == pytest.approx(sum(layer["stall_s_per_token"] for layer in per))
 
