@@ -28,6 +28,18 @@ into `tmp_path` first if a test needs to damage a model):
   `qwen3next_model`: the same as Qwen3-Next (fused `ssm_ba`, NeoX rope).
 - `gemma4_model`: `tiny_model`'s geometry as Gemma 4 MoE: fused `ffn_gate_up_exps` (parts gate_up
   and down), a dense MLP beside the experts, per-layer token embeddings, sliding-window layers.
+- `glm_dsa_model`: `tiny_model`'s geometry as GLM-5 (`glm-dsa`): MLA attention with the DSA
+  lightning indexer (top 16 keys; layer 3 shares layer 2's), a leading dense layer, sigmoid
+  gating with `exp_probs_b`, a shared expert.
+- `llama4_model`: `tiny_model`'s geometry as Llama 4 (Scout): every layer MoE with a shared
+  expert, selection on the logits with sigmoid weights on the experts' input, the router input
+  rebuilt from `ffn_inp-L`; chunked attention with a NoPE layer, `rope_freqs`.
+- `dots1_model`, `ernie4_5_moe_model`, `hunyuan_moe_model`, `bailingmoe2_model`,
+  `minimax_m2_model`: `tiny_model`'s geometry as those families (router at ffn_norm-L):
+  dots1 MHA with a leading dense layer, sigmoid + `exp_probs_b`, a shared expert; ernie4_5-moe
+  softmax + `exp_probs_b`, a leading dense layer, a shared expert; hunyuan-moe softmax with a
+  shared MLP in every layer; bailingmoe2 fused `attn_qkv`, a leading dense layer, sigmoid +
+  `exp_probs_b`; minimax-m2 whole-projection q/k norms, sigmoid + `exp_probs_b`, no shared expert.
 - `qwen4exp_model`: `qwen35moe_model`'s layers under 4 hyper-connection streams (the router
   reads the FFN mix of `hc_combine-L`), QSA indexers, one PLE layer, no output_norm.
 - `deepseek4_model`: `tiny_model`'s geometry as DeepSeek V4: MXFP4 experts under 4 hyper-connection
@@ -153,6 +165,41 @@ def qwen3next_model(model_factory) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def gemma4_model(model_factory) -> pathlib.Path:
     return model_factory(arch="gemma4")
+
+
+@pytest.fixture(scope="session")
+def glm_dsa_model(model_factory) -> pathlib.Path:
+    return model_factory(arch="glm-dsa")
+
+
+@pytest.fixture(scope="session")
+def llama4_model(model_factory) -> pathlib.Path:
+    return model_factory(arch="llama4")
+
+
+@pytest.fixture(scope="session")
+def dots1_model(model_factory) -> pathlib.Path:
+    return model_factory(arch="dots1")
+
+
+@pytest.fixture(scope="session")
+def ernie4_5_moe_model(model_factory) -> pathlib.Path:
+    return model_factory(arch="ernie4_5-moe")
+
+
+@pytest.fixture(scope="session")
+def hunyuan_moe_model(model_factory) -> pathlib.Path:
+    return model_factory(arch="hunyuan-moe")
+
+
+@pytest.fixture(scope="session")
+def bailingmoe2_model(model_factory) -> pathlib.Path:
+    return model_factory(arch="bailingmoe2")
+
+
+@pytest.fixture(scope="session")
+def minimax_m2_model(model_factory) -> pathlib.Path:
+    return model_factory(arch="minimax-m2")
 
 
 @pytest.fixture(scope="session")

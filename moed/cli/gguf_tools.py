@@ -25,7 +25,8 @@ def register(sub) -> None:
         help="llama.cpp architecture: qwen3moe, olmoe, qwen2moe, deepseek2, llama (Mixtral-style; also: mixtral), "
         "gpt-oss (MXFP4 experts with biases, attention sinks, sliding-window layers), glm4moe (GLM-4.5), "
         "qwen35moe (Qwen3.5/3.6-MoE: Gated DeltaNet + attention), qwen3next (Qwen3-Next), "
-        "qwen4exp (Qwen3.8-Flash-Next: hyper-connections) or gemma4 (Gemma 4 MoE: fused gate_up experts)",
+        "qwen4exp (Qwen3.8-Flash-Next: hyper-connections), deepseek4 (DeepSeek V4), gemma4 (Gemma 4 MoE: fused "
+        "gate_up experts), llama4, dots1, ernie4_5-moe, hunyuan-moe, bailingmoe2 or minimax-m2",
     )
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=8)

@@ -23,6 +23,9 @@ gate scales its output and takes no part in selection.
 gemma4's router reads no norm node: its input is rms_norm(attn_out) / sqrt(n_embd) *
 `ffn_gate_inp.scale`, so the predictor is given the residual `attn_out-L` and norms it
 itself (`router_rms_input`); `ffn_gate_inp.scale` then plays the norm weight's part.
+llama4's graph names no normed FFN row in an MoE layer (its `ffn_norm-L` is the attention
+output), so the predictor is given the residual `ffn_inp-L` and computes rms_norm(x) *
+`ffn_norm` itself (`Arch.rms_node`); it selects on the logits (sigmoid only weights).
 deepseek4 reads `ffn_norm-L` as the common case and gates with sqrt(softplus) (monotone:
 without a selection bias the logits' order is the probabilities'); its first
 `hash_layer_count` layers select no expert from the router: `ffn_gate_tid2eid` names each
@@ -108,6 +111,9 @@ class Router:
     # Set where the layer selects by token id (deepseek4's hash layers): (n_vocab, k) int32,
     # each token's experts, `blk.L.ffn_gate_tid2eid`; the router then only weights them.
     token_experts: np.ndarray | None = None
+    # With `rms_eps`: whether the normed rows are also scaled by 1/sqrt(n_embd) (gemma4's router)
+    # or not (llama4's, Arch.rms_node: the node is ffn_inp-L and `norm` is ffn_norm's weight).
+    rms_sqrt_n: bool = True
 
 
 @dataclass(frozen=True)
@@ -192,7 +198,7 @@ class GatePredictor:
         """Predicted router logits (n_rows, n_experts) of layer `dst` from layer `src`'s rows `x`."""
         r = self.routers[src]
         if r.rms_eps is not None:
-            x = router_rms_input(x, r.norm, r.rms_eps)
+            x = router_rms_input(x, r.norm, r.rms_eps, r.rms_sqrt_n)
         hc = self.routers[dst].hc
         if hc is not None:  # layer dst's own FFN mix of layer src's residual, then dst's router
             x = hc_mix(x, hc)
@@ -220,13 +226,16 @@ class GatePredictor:
         return gate(logits, self.gating) + r.bias
 
 
-def router_rms_input(x: np.ndarray, scale: np.ndarray, eps: float) -> np.ndarray:
+def router_rms_input(x: np.ndarray, scale: np.ndarray, eps: float, sqrt_n: bool = True) -> np.ndarray:
     """gemma4's router input from the residual rows `x`: rms_norm(x) / sqrt(n_embd) * scale, in
-    ggml's order and precision (squares summed in double, the mean and 1/sqrt in float)."""
+    ggml's order and precision (squares summed in double, the mean and 1/sqrt in float);
+    without `sqrt_n`, llama4's rms_norm(x) * scale (the FFN norm the graph leaves unnamed)."""
     x = np.asarray(x, dtype=np.float32)
     mean = (np.square(x).astype(np.float64).sum(axis=1, keepdims=True) / x.shape[1]).astype(np.float32)
     y = x * (np.float32(1.0) / np.sqrt(mean + np.float32(eps)))
-    return (y * np.float32(1.0 / np.sqrt(np.float32(x.shape[1])))) * scale.astype(np.float32)
+    if sqrt_n:
+        y = y * np.float32(1.0 / np.sqrt(np.float32(x.shape[1])))
+    return y * scale.astype(np.float32)
 
 
 def gate(logits: np.ndarray, gating: int) -> np.ndarray:
@@ -289,6 +298,8 @@ def load_routers(headers, bases: list[int], moe_layers: list[int]) -> tuple[dict
                 "needs both (this architecture is not supported for prefetch)"
             )
         rms_eps, hc = None, None
+        if arch_of(arch).rms_node:  # the node is ffn_inp-L: norm it here with the FFN norm's weight
+            rms_eps = float(headers[0].get(f"{arch}.{_RMS_EPS_KEY}", 1e-6))
         if arch_of(arch).hc_mix:
             n_hc = int(headers[0].get(f"{arch}.{_HC_COUNT_KEY}", 0) or 0)
             hc = _hc_mix(layer, norm, n_hc, float(headers[0].get(f"{arch}.{_RMS_EPS_KEY}", 1e-6)), read, infos)
@@ -305,6 +316,7 @@ def load_routers(headers, bases: list[int], moe_layers: list[int]) -> tuple[dict
             rms_eps,
             hc,
             _token_table(f"blk.{layer}.{TOKEN_EXPERTS}", bases, infos),
+            rms_sqrt_n=not arch_of(arch).rms_node,
         )
     return routers, gating
 

@@ -75,8 +75,15 @@ def engine(daemon, path, budget=None, **kw):
         "qwen35moe_model",  # DeltaNet and attention layers, all MoE; input at attn_post_norm-L
         "qwen3next_model",  # the same layout, fused ssm_ba
         "gemma4_model",  # router on rms_norm(attn_out) * ffn_gate_inp.scale, rebuilt from ffn_norm_2-L
+        "glm_dsa_model",  # sigmoid with exp_probs_b at ffn_norm-L after MLA + sparse (indexer) attention
         "qwen4exp_model",  # router on the FFN hyper-connection mix, computed from hc_combine-L
         "deepseek4_model",  # sqrtsoftplus with exp_probs_b at ffn_norm-L; layer 0 hash-routed: not predicted
+        "llama4_model",  # top-k on the logits; input rebuilt as rms_norm(ffn_inp-L) * ffn_norm
+        "dots1_model",  # sigmoid with exp_probs_b at ffn_norm-L, a leading dense layer
+        "ernie4_5_moe_model",  # softmax (fixed by the graph) with exp_probs_b, a leading dense layer
+        "hunyuan_moe_model",  # softmax fixed by the graph, a shared MLP in every layer
+        "bailingmoe2_model",  # sigmoid with exp_probs_b, a leading dense layer, fused attn_qkv
+        "minimax_m2_model",  # sigmoid with exp_probs_b, no shared expert
     ],
 )
 def test_predictor_at_zero_lead_is_llama_cpps_top_k(request, start_daemon, model):
@@ -107,6 +114,7 @@ def test_predictor_at_zero_lead_is_llama_cpps_top_k(request, start_daemon, model
         ("qwen35moe_model", "256KiB"),  # hybrid: DeltaNet layers between the MoE FFNs predicted across
         ("gemma4_model", "256KiB"),  # the look-ahead stops at the residual attn_out-L; fused gate_up parts
         ("deepseek4_model", "256KiB"),  # a hash-routed first layer predicts the routed layers after it
+        ("llama4_model", "256KiB"),  # the look-ahead stops at the residual ffn_inp-L and norms it
     ],
 )
 def test_logits_bit_exact_with_prefetch_at_an_evicting_budget(

@@ -105,6 +105,17 @@ MODELS = {
     # MLA-like q latent, attn_kv, attn_output_b, compressor and indexer matrices in Q4_K on CPU_REPACK as stock
     # puts them (attn_output_a is 3-D once loaded: plain in both); hash-routed layer 0
     "deepseek4-q4_k_m": (dict(arch="deepseek4", embd=256, ff=256, recipe="q4_k_m"), "1MiB", "mixed"),
+    # ungated shared expert beside the routed ones; the look-ahead's first node is ffn_inp-L (no norm)
+    "llama4-q4_k_m": (dict(arch="llama4", embd=256, ff=256, recipe="q4_k_m"), "1MiB", "mixed"),
+    # leading dense ffn_{gate,up,down} and shared experts on CPU_REPACK (dots1: MHA; bailingmoe2: fused attn_qkv)
+    "dots1-q4_k_m": (dict(arch="dots1", embd=256, ff=256, recipe="q4_k_m"), "1MiB", "mixed"),
+    "ernie4_5-moe-q4_k_m": (dict(arch="ernie4_5-moe", embd=256, ff=256, recipe="q4_k_m"), "1MiB", "mixed"),
+    "hunyuan-moe-q4_k_m": (dict(arch="hunyuan-moe", embd=256, ff=256, recipe="q4_k_m"), "1MiB", "mixed"),
+    "bailingmoe2-q4_k_m": (dict(arch="bailingmoe2", embd=256, ff=256, recipe="q4_k_m"), "1MiB", "mixed"),
+    "minimax-m2-q4_k_m": (dict(arch="minimax-m2", embd=256, ff=256, recipe="q4_k_m"), "1MiB", "mixed"),
+    # MLA q latent, kv_a_mqa, output and the lightning indexer's attn_q_b, attn_k, proj (8 rows) on CPU_REPACK
+    # as stock puts them (attn_k_b / attn_v_b are 3-D: plain in both); a leading dense layer, a shared expert
+    "glm-dsa-q4_k_m": (dict(arch="glm-dsa", embd=256, ff=256, recipe="q4_k_m"), "1MiB", "mixed"),
 }
 
 

@@ -13,12 +13,32 @@ architecture", says what else to check.
 
 from __future__ import annotations
 
-from moed.modelgen.families import deepseek4, gemma4, qwen3next, qwen4exp, qwen35moe
+from moed.modelgen.families import (
+    bailingmoe2,
+    deepseek4,
+    dots1,
+    ernie4_5_moe,
+    gemma4,
+    glm_dsa,
+    hunyuan_moe,
+    llama4,
+    minimax_m2,
+    qwen3next,
+    qwen4exp,
+    qwen35moe,
+)
 from moed.modelgen.plan import ArchPlan
 
 PLANS: dict[str, ArchPlan] = {
     "deepseek4": deepseek4.PLAN,
+    "llama4": llama4.PLAN,
+    "dots1": dots1.PLAN,
+    "ernie4_5-moe": ernie4_5_moe.PLAN,
+    "hunyuan-moe": hunyuan_moe.PLAN,
+    "bailingmoe2": bailingmoe2.PLAN,
+    "minimax-m2": minimax_m2.PLAN,
     "gemma4": gemma4.PLAN,
+    "glm-dsa": glm_dsa.PLAN,
     "qwen35moe": qwen35moe.PLAN,
     "qwen3next": qwen3next.PLAN,
     "qwen4exp": qwen4exp.PLAN,
