@@ -43,7 +43,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pin_budget_bytes: int = 0
     policy: str = "lru"  # a name in policy.POLICIES
     reader_threads: int = 8
-    chunk_bytes: int = 256 << 10
+    chunk_bytes: int = 1 << 20  # a Q4 expert part of a 30B-class model (0.9 MB) is one read: bench/RESULTS.md
     direct_io: Literal["auto", "on", "off"] = "auto"
     require_mlock: bool = False
     acquire_timeout_s: float = 60.0

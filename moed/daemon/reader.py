@@ -144,7 +144,7 @@ class ReaderPool:
     def __init__(
         self,
         threads: int = 8,
-        chunk_bytes: int = 256 << 10,
+        chunk_bytes: int = 1 << 20,
         retries: int = 2,
         retry_backoff_s: float = 0.01,
         health: DriveHealth | None = None,
