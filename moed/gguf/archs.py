@@ -60,6 +60,7 @@ DENSE_MATMUL_NAMES: tuple[str, ...] = (
     r"hc_(?:attn|ffn)_(?:down|up|inject)|ple_(?:key|value)|indexer\.(?:q_proj|k_proj)",  # qwen4exp
     # deepseek4 (attn_output_a is 3-D once loaded: stock does not repack it, so it is not here)
     r"attn_(?:kv|output_b)|hc_(?:attn|ffn)_fn|(?:attn|indexer)_compressor_(?:kv|gate)|indexer\.(?:proj|attn_q_b)",
+    r"indexer\.attn_k",  # glm-dsa's lightning-indexer key projection (its proj and attn_q_b are deepseek4's)
 )
 # The same for model-level weights (no `blk.N.`): gemma4's per_layer_model_proj is a
 # REPEATING MUL_MAT weight created with layer 0's buffer types, so it repacks as any layer's.
@@ -109,6 +110,9 @@ class Arch:
     # no normed row) and `router_input.norm` that norm's weight: the predictor computes
     # rms_norm(node) * norm itself (as gemma4's router_scale, without the 1/sqrt(n_embd)).
     rms_node: bool = False
+    # The gating the loader assumes when the file names none (glm-dsa's: sigmoid), where
+    # that is not softmax; the file's `expert_gating_func` wins when present.
+    default_gating: int | None = None
 
 
 # The architectures moed serves. gpt-oss norms the router's input with
@@ -153,6 +157,9 @@ ARCHS: Mapping[str, Arch] = {
     "hunyuan-moe": Arch(gating=GATING_SOFTMAX),  # ffn_norm-L, softmax fixed by the graph
     "bailingmoe2": Arch(),  # ffn_norm-L, the file's sigmoid gating, exp_probs_b, leading dense layer
     "minimax-m2": Arch(),  # ffn_norm-L, the file's sigmoid gating, exp_probs_b (required)
+    # GLM-5 (DSA): V3's FFN after MLA + lightning-indexer attention; ffn_norm-L, the file's gating,
+    # sigmoid when it names none (llama.cpp's loader), exp_probs_b, leading dense layers.
+    "glm-dsa": Arch(default_gating=GATING_SIGMOID),
 }
 SERVED_ARCHS = tuple(ARCHS)
 _OTHER = Arch()  # what an architecture not in the table is taken to be
@@ -170,6 +177,8 @@ def router_input(arch: str) -> RouterInput:
 
 def gating_of(header) -> int:
     """The router's gating: fixed by the architecture's graph, else the file's
-    `expert_gating_func` (softmax when it names none)."""
+    `expert_gating_func`, else what the loader assumes (softmax, or Arch.default_gating)."""
     arch = str(header.get("general.architecture", ""))
-    return arch_of(arch).gating or int(header.get(f"{arch}.expert_gating_func", GATING_SOFTMAX) or GATING_SOFTMAX)
+    facts = arch_of(arch)
+    default = facts.default_gating or GATING_SOFTMAX
+    return facts.gating or int(header.get(f"{arch}.expert_gating_func", default) or default)

@@ -113,9 +113,10 @@ MODELS = {
     "hunyuan-moe-q4_k_m": (dict(arch="hunyuan-moe", embd=256, ff=256, recipe="q4_k_m"), "1MiB", "mixed"),
     "bailingmoe2-q4_k_m": (dict(arch="bailingmoe2", embd=256, ff=256, recipe="q4_k_m"), "1MiB", "mixed"),
     "minimax-m2-q4_k_m": (dict(arch="minimax-m2", embd=256, ff=256, recipe="q4_k_m"), "1MiB", "mixed"),
-    # MLA q latent, kv_a_mqa, output and the lightning indexer's attn_q_b, attn_k, proj (8 rows) on CPU_REPACK
-    # as stock puts them (attn_k_b / attn_v_b are 3-D: plain in both); a leading dense layer, a shared expert
-    "glm-dsa-q4_k_m": (dict(arch="glm-dsa", embd=256, ff=256, recipe="q4_k_m"), "1MiB", "mixed"),
+    # MLA q latent, kv_a_mqa, output and the lightning indexer's attn_q_b, attn_k, proj (8 rows) in Q4_K on
+    # CPU_REPACK as stock puts them (attn_k_b / attn_v_b are 3-D: plain in both); 16 experts, so that
+    # Q4_K_M's 8-expert rule (attn_k, which indexer.attn_k matches, in Q8_0) is not taken, as in the real 256
+    "glm-dsa-q4_k_m": (dict(arch="glm-dsa", embd=256, ff=256, experts=16, recipe="q4_k_m"), "2MiB", "mixed"),
 }
 
 
