@@ -42,6 +42,12 @@ into `tmp_path` first if a test needs to damage a model):
   `exp_probs_b`; minimax-m2 whole-projection q/k norms, sigmoid + `exp_probs_b`, no shared expert.
 - `qwen4exp_model`: `qwen35moe_model`'s layers under 4 hyper-connection streams (the router
   reads the FFN mix of `hc_combine-L`), QSA indexers, one PLE layer, no output_norm.
+- `kimi_k3_model`: `tiny_model`'s geometry as Kimi-K3: three KDA layers and one MLA layer,
+  attention residuals, a leading dense layer, sigmoid + `exp_probs_b` at ffn_norm-L, routed
+  experts in a latent space half of embd wide (32 x 64 parts), a shared expert.
+- `minimax_m3_model`: `tiny_model`'s geometry as MiniMax-M3: per-head q/k norms, MSA indexers
+  (blocks of 16 tokens, top 2 + 1 local; sparse only with flash attention on), a leading dense
+  layer, swigluoai, sigmoid + `exp_probs_b` at ffn_norm-L, a shared expert.
 - `deepseek4_model`: `tiny_model`'s geometry as DeepSeek V4: MXFP4 experts under 4 hyper-connection
   streams, sqrtsoftplus gating with `exp_probs_b`, layer 0 hash-routed (`ffn_gate_tid2eid`), CSA/HCA.
 - `trained_model`: the committed tiny trained MoE (`moed.data.TINY_MOE`: 6 layers, 16
@@ -200,6 +206,16 @@ def bailingmoe2_model(model_factory) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def minimax_m2_model(model_factory) -> pathlib.Path:
     return model_factory(arch="minimax-m2")
+
+
+@pytest.fixture(scope="session")
+def kimi_k3_model(model_factory) -> pathlib.Path:
+    return model_factory(arch="kimi-k3")
+
+
+@pytest.fixture(scope="session")
+def minimax_m3_model(model_factory) -> pathlib.Path:
+    return model_factory(arch="minimax-m3")
 
 
 @pytest.fixture(scope="session")

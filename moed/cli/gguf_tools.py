@@ -26,7 +26,7 @@ def register(sub) -> None:
         "gpt-oss (MXFP4 experts with biases, attention sinks, sliding-window layers), glm4moe (GLM-4.5), "
         "qwen35moe (Qwen3.5/3.6-MoE: Gated DeltaNet + attention), qwen3next (Qwen3-Next), "
         "qwen4exp (Qwen3.8-Flash-Next: hyper-connections), deepseek4 (DeepSeek V4), gemma4 (Gemma 4 MoE: fused "
-        "gate_up experts), llama4, dots1, ernie4_5-moe, hunyuan-moe, bailingmoe2, minimax-m2 or glm-dsa",
+        "gate_up experts), llama4, dots1, ernie4_5-moe, hunyuan-moe, bailingmoe2, minimax-m2, minimax-m3, glm-dsa or kimi-k3",
     )
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=8)

@@ -61,6 +61,7 @@ DENSE_MATMUL_NAMES: tuple[str, ...] = (
     # deepseek4 (attn_output_a is 3-D once loaded: stock does not repack it, so it is not here)
     r"attn_(?:kv|output_b)|hc_(?:attn|ffn)_fn|(?:attn|indexer)_compressor_(?:kv|gate)|indexer\.(?:proj|attn_q_b)",
     r"indexer\.attn_k",  # glm-dsa's lightning-indexer key projection (its proj and attn_q_b are deepseek4's)
+    r"ssm_(?:f_a|f_b|g)|ffn_routed_(?:down|up)",  # kimi-k3: KDA decay and output gates, the latent MoE's projections
 )
 # The same for model-level weights (no `blk.N.`): gemma4's per_layer_model_proj is a
 # REPEATING MUL_MAT weight created with layer 0's buffer types, so it repacks as any layer's.
@@ -160,6 +161,13 @@ ARCHS: Mapping[str, Arch] = {
     # GLM-5 (DSA): V3's FFN after MLA + lightning-indexer attention; ffn_norm-L, the file's gating,
     # sigmoid when it names none (llama.cpp's loader), exp_probs_b, leading dense layers.
     "glm-dsa": Arch(default_gating=GATING_SIGMOID),
+    # Kimi-K3: KDA + MLA, a leading dense layer; the router reads ffn_norm-L at full width (its
+    # logits computed by kimi-k3.cpp and handed to build_moe_ffn), the file's sigmoid gating,
+    # exp_probs_b; the routed experts run on ffn_routed_down's latent projection of that row.
+    "kimi-k3": Arch(),
+    # MiniMax-M3: M2's GQA with MSA (the block-sparse indexer) in the MoE layers, a leading dense
+    # layer; ffn_norm-L, the file's sigmoid gating, exp_probs_b (required), a shared expert.
+    "minimax-m3": Arch(),
 }
 SERVED_ARCHS = tuple(ARCHS)
 _OTHER = Arch()  # what an architecture not in the table is taken to be

@@ -519,8 +519,14 @@ def _add_metadata(w: GGUFWriter, g: Geometry, tokens, scores, types, arch: str =
     w.add_uint32(Keys.LLM.EXPERT_COUNT.format(arch=a), g.experts)
     w.add_uint32(Keys.LLM.EXPERT_USED_COUNT.format(arch=a), g.used)
     w.add_uint32(Keys.Attention.HEAD_COUNT.format(arch=a), g.heads)
-    w.add_uint32(Keys.Attention.HEAD_COUNT_KV.format(arch=a), g.kv_heads)
     extra = dict(ARCHS[a].extra_kv(g))  # an arch's own keys; it may also set the head lengths
+    # and a per-layer kv head count (kimi-k3: 0 marks a recurrent layer)
+    kv_heads = extra.pop("attention.head_count_kv", g.kv_heads)
+    if isinstance(kv_heads, list):
+        w.add_array(Keys.Attention.HEAD_COUNT_KV.format(arch=a), kv_heads)
+    else:
+        assert isinstance(kv_heads, int), "attention.head_count_kv must be an int or a list"
+        w.add_uint32(Keys.Attention.HEAD_COUNT_KV.format(arch=a), kv_heads)
     for key, name in (
         (Keys.Attention.KEY_LENGTH, "attention.key_length"),
         (Keys.Attention.VALUE_LENGTH, "attention.value_length"),

@@ -84,6 +84,8 @@ def engine(daemon, path, budget=None, **kw):
         "hunyuan_moe_model",  # softmax fixed by the graph, a shared MLP in every layer
         "bailingmoe2_model",  # sigmoid with exp_probs_b, a leading dense layer, fused attn_qkv
         "minimax_m2_model",  # sigmoid with exp_probs_b, no shared expert
+        "kimi_k3_model",  # sigmoid with exp_probs_b at ffn_norm-L (full width); experts in the latent space
+        "minimax_m3_model",  # sigmoid with exp_probs_b at ffn_norm-L, a leading dense layer, MSA attention
     ],
 )
 def test_predictor_at_zero_lead_is_llama_cpps_top_k(request, start_daemon, model):
@@ -115,6 +117,7 @@ def test_predictor_at_zero_lead_is_llama_cpps_top_k(request, start_daemon, model
         ("gemma4_model", "256KiB"),  # the look-ahead stops at the residual attn_out-L; fused gate_up parts
         ("deepseek4_model", "256KiB"),  # a hash-routed first layer predicts the routed layers after it
         ("llama4_model", "256KiB"),  # the look-ahead stops at the residual ffn_inp-L and norms it
+        ("kimi_k3_model", "256KiB"),  # KDA/MLA hybrid; the experts' parts are latent-wide (32 x 64), not embd
     ],
 )
 def test_logits_bit_exact_with_prefetch_at_an_evicting_budget(

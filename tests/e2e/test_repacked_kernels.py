@@ -117,6 +117,11 @@ MODELS = {
     # CPU_REPACK as stock puts them (attn_k_b / attn_v_b are 3-D: plain in both); 16 experts, so that
     # Q4_K_M's 8-expert rule (attn_k, which indexer.attn_k matches, in Q8_0) is not taken, as in the real 256
     "glm-dsa-q4_k_m": (dict(arch="glm-dsa", embd=256, ff=256, experts=16, recipe="q4_k_m"), "2MiB", "mixed"),
+    # KDA's q/k/v, ssm_f_a, ssm_g, ssm_beta, attn_output and MLA's q latent, kv_a_mqa, attn_gate in Q4_K
+    # on CPU_REPACK as stock puts them, the latent MoE's ffn_routed_down/up too (the experts are 256 x 256)
+    "kimi-k3-q4_k_m": (dict(arch="kimi-k3", embd=256, ff=256, recipe="q4_k_m"), "1MiB", "mixed"),
+    # GQA, leading dense and shared swigluoai FFNs on CPU_REPACK; the MSA indexer's q/k projections stay F32
+    "minimax-m3-q4_k_m": (dict(arch="minimax-m3", embd=256, ff=256, recipe="q4_k_m"), "1MiB", "mixed"),
 }
 
 
