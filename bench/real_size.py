@@ -13,6 +13,7 @@ Engines (each in its own process; the capped ones inside one cgroup v1 memory gr
 `--cap` bytes, daemon and engine together):
   moed-gate  StreamedLlama, prefetch "gate" (the default), daemon budget `--budget`
   moed-off   StreamedLlama, prefetch off
+  (either with `@SIZE`, e.g. `moed-off@256KiB`: its daemon reads in chunks of SIZE)
   mmap       llama.cpp's mmap path (UnpackedLlama, use_mmap, no repack), in the cap
   stock      stock llama_cpp.Llama as users run it (resident, every repacked kernel), no
              cap; skipped with the reason when the box's MemAvailable cannot hold the model
@@ -90,7 +91,7 @@ def run_engine(kind: str, model: str, socket: str | None, prompt_n: int, tokens:
         from moed.engines.llama_cpp import StreamedLlama
 
         client = Client(socket, "real-size")
-        llm = StreamedLlama(model, client=client, prefetch="gate" if kind == "moed-gate" else "off", **kw)
+        llm = StreamedLlama(model, client=client, prefetch="gate" if kind.split("@")[0] == "moed-gate" else "off", **kw)
     elif kind == "mmap":
         from moed.engines.llama_cpp import UnpackedLlama
 
@@ -198,6 +199,16 @@ def mem_available() -> int:
     return 0
 
 
+def daemon_config(kind: str) -> tuple[str, ...]:
+    """`moed-off@256KiB`: that engine's daemon reads in chunks of 256 KiB (the default
+    before issue 32's change to 1 MiB), so before and after run in one invocation."""
+    if "@" not in kind:
+        return ()
+    path = pathlib.Path(f"/tmp/moed-real-{os.getpid()}-{kind.replace('@', '-')}.toml")
+    path.write_text(f'chunk_bytes = "{kind.split("@", 1)[1]}"\n')
+    return ("--config", str(path))
+
+
 def run_once(args, model: str, kinds: list[str]) -> list[dict]:
     results = []
     for kind in kinds:
@@ -215,7 +226,13 @@ def run_once(args, model: str, kinds: list[str]) -> list[dict]:
                 results.append(child(args, kind, model, group, None))
             else:
                 results.append(
-                    with_daemon(args, args.budget, group, lambda sock, k=kind, g=group: child(args, k, model, g, sock))
+                    with_daemon(
+                        args,
+                        args.budget,
+                        group,
+                        lambda sock, k=kind, g=group: child(args, k, model, g, sock),
+                        extra=daemon_config(kind),
+                    )
                 )
         finally:
             group.remove()
