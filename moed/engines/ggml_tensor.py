@@ -321,6 +321,14 @@ def matrix(tensor_ptr: int, dtype=np.float32) -> np.ndarray:
     return np.ndarray((n_rows, n_cols), dtype=dtype, buffer=raw, strides=(nb[1], nb[0]))
 
 
+def router_selected(topk_ptr: int) -> bool:
+    """Whether the router chose this `ffn_moe_topk-<n>` (a view of `ffn_moe_argsort-<n>`), not
+    a table (deepseek4's hash layers gather `ffn_gate_tid2eid` rows by token id): only a
+    router's choice has the ranking and probabilities `router_arrays` reads."""
+    t = GgmlTensor.from_address(topk_ptr)
+    return bool(t.view_src) and t.view_offs == 0 and name(t.view_src).startswith(b"ffn_moe_argsort")
+
+
 def router_arrays(topk_ptr: int) -> tuple[np.ndarray, np.ndarray]:
     """(ranked, probs) of a computed `ffn_moe_topk-<n>`: every expert best first
     (`ffn_moe_argsort-<n>`) and the routing probabilities (`ffn_moe_probs-<n>`), each

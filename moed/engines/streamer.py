@@ -350,7 +350,9 @@ class ExpertStreamer:
     def _route(self, layer: int, tensor: int) -> np.ndarray:
         if self.route_hook is not None:
             self.route_hook(layer, ggml_tensor.topk_view(tensor))
-        if self.substituter is not None:
+        # A layer whose experts a table chose by token id (deepseek4's hash layers) is left
+        # as it is: the model needs exactly those, and there is no ranking to substitute from.
+        if self.substituter is not None and ggml_tensor.router_selected(tensor):
             ranked, probs = ggml_tensor.router_arrays(tensor)
             if self.probs_are_logits:
                 probs = gate(probs, GATING_SOFTMAX)  # same ratios as exp(logit) differences: what r means

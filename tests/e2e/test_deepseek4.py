@@ -95,3 +95,25 @@ def test_hash_layers_are_prefetched_exactly_from_the_batch_token_ids(start_daemo
     for layer in hashed:
         look = stats["per_layer"][layer]
         assert look["issued"] > 0 and look["hits"] == look["issued"] and look["wasted"] == 0, look
+
+
+def test_substitution_leaves_the_hash_layers_as_the_table_chose(start_daemon, deepseek4_model):
+    """Substitution rewrites a router's choice; a hash layer's experts are the token's table
+    row, with no ranking to choose stand-ins from: they are served as chosen, and the
+    routed layers after them are substituted as usual."""
+    from moed.engines.llama_cpp import StreamedLlama
+
+    client = start_daemon("256KiB").client("e2e")
+    llm = StreamedLlama(str(deepseek4_model), client=client, prefetch="off", subst=1e-6, **LLAMA_KW)
+    try:
+        routes = Routes()
+        llm.streamer.observers.append(routes)
+        _, fed = greedy_fed(llm, llm.tokenize(PROMPT), steps=8)
+        predictor = llm.streamer.lookahead.predictor
+        stats = llm.stream_stats()
+    finally:
+        llm.close()
+        client.close()
+    for layer in predictor.hashed:
+        np.testing.assert_array_equal(np.concatenate(routes.ids[layer]), predictor.token_experts(layer, fed))
+    assert stats["subst_per_token"] > 0  # the routed layers were substituted (r = 1e-6: nearly any resident expert)
