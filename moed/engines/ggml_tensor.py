@@ -329,16 +329,19 @@ def router_selected(topk_ptr: int) -> bool:
     return bool(t.view_src) and t.view_offs == 0 and name(t.view_src).startswith(b"ffn_moe_argsort")
 
 
-def router_arrays(topk_ptr: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ranked, probs) of a computed `ffn_moe_topk-<n>`: every expert best first
-    (`ffn_moe_argsort-<n>`) and the routing probabilities (`ffn_moe_probs-<n>`), each
-    (n_tokens, n_experts), read-only strided views, valid only inside the callback.
+def router_arrays(topk_ptr: int) -> tuple[np.ndarray, np.ndarray, bool]:
+    """(ranked, scores, on_logits) of a computed `ffn_moe_topk-<n>`: every expert best first
+    (`ffn_moe_argsort-<n>`) and the scores it ranked, each (n_tokens, n_experts),
+    read-only strided views, valid only inside the callback. The scores are the routing
+    probabilities (`ffn_moe_probs-<n>`), or, where the graph selects on the router's
+    logits (llama4: `ffn_moe_logits-<n>`, `on_logits` True), the logits: the caller
+    gates them with the model's gating to get probabilities.
 
     The topk is the first k columns of the argsort (its `view_src`, offset 0); the
     argsort sorts the selection scores (`src[0]`: the probabilities, or
-    `ffn_moe_probs_biased-<n>` whose `src[0]` they are). Both are still live at the
-    topk: the argsort is the topk's own data, and the probabilities are an input of
-    the routing-weight gather that follows.
+    `ffn_moe_probs_biased-<n>` whose `src[0]` they are, or the logits). Both are still
+    live at the topk: the argsort is the topk's own data, and the scores are an input
+    of what follows (the routing-weight gather, or llama4's sigmoid of the chosen).
     """
     t = GgmlTensor.from_address(topk_ptr)
     src = t.view_src
@@ -348,14 +351,14 @@ def router_arrays(topk_ptr: int) -> tuple[np.ndarray, np.ndarray]:
     ranked = matrix(src, np.int32)[:n_rows]
     probs_ptr = GgmlTensor.from_address(src).src[0]
     for _ in range(3):
-        if not probs_ptr or name(probs_ptr).startswith(b"ffn_moe_probs-"):
+        if not probs_ptr or name(probs_ptr).startswith((b"ffn_moe_probs-", b"ffn_moe_logits-")):
             break
         probs_ptr = GgmlTensor.from_address(probs_ptr).src[0]
-    if not probs_ptr or not name(probs_ptr).startswith(b"ffn_moe_probs-"):
+    if not probs_ptr or not name(probs_ptr).startswith((b"ffn_moe_probs-", b"ffn_moe_logits-")):
         raise RuntimeError(f"no ffn_moe_probs behind {name(topk_ptr)!r}: unexpected graph")
     probs = matrix(probs_ptr, np.float32)[:n_rows]
     if probs.shape != ranked.shape:
         raise RuntimeError(f"ffn_moe_probs {probs.shape} and ffn_moe_argsort {ranked.shape} differ")
     ranked.flags.writeable = False
     probs.flags.writeable = False
-    return ranked, probs
+    return ranked, probs, name(probs_ptr).startswith(b"ffn_moe_logits-")

@@ -147,6 +147,7 @@ class ExpertStreamer:
         # SOFTMAX_WEIGHT gating (gpt-oss): `ffn_moe_probs-L` holds the logits, so the
         # substituter is given their softmax, the probabilities its `r` compares.
         self.probs_are_logits = False
+        self.router_gating = GATING_SOFTMAX
         # Which weights run on ggml's repacked kernels (moed.engines.repack); None: all plain.
         self.layout = layout
         self.kernels: KernelSwitch | None = prepare(read_split(self.mapped_files[0]), layout) if layout else None
@@ -226,7 +227,8 @@ class ExpertStreamer:
 
         arch = str(headers[0].get("general.architecture", ""))
         self.norm_prefix = router_input(arch).prefix
-        self.probs_are_logits = gating_of(headers[0]) == GATING_SOFTMAX_WEIGHT
+        self.router_gating = gating_of(headers[0])
+        self.probs_are_logits = self.router_gating == GATING_SOFTMAX_WEIGHT
         layers = graph_moe_layers(headers[0], self.source.moe_layers)  # no prefetch into MTP layers
         try:
             routers, gating = load_routers(headers, bases, layers)
@@ -353,8 +355,10 @@ class ExpertStreamer:
         # A layer whose experts a table chose by token id (deepseek4's hash layers) is left
         # as it is: the model needs exactly those, and there is no ranking to substitute from.
         if self.substituter is not None and ggml_tensor.router_selected(tensor):
-            ranked, probs = ggml_tensor.router_arrays(tensor)
-            if self.probs_are_logits:
+            ranked, probs, on_logits = ggml_tensor.router_arrays(tensor)
+            if on_logits:  # llama4 selects on the logits: its probabilities are their gating
+                probs = gate(probs, self.router_gating)
+            elif self.probs_are_logits:
                 probs = gate(probs, GATING_SOFTMAX)  # same ratios as exp(logit) differences: what r means
             self.substituter.rewrite(layer, ggml_tensor.topk_view(tensor), ranked, probs, self.source.resident)
         ids = ggml_tensor.topk_ids(tensor)

@@ -106,7 +106,7 @@ class Replay:
         from moed.engines.predictor import GATING_SOFTMAX, gate
 
         ids = ggml_tensor.topk_view(tensor)
-        ranked, raw = ggml_tensor.router_arrays(tensor)
+        ranked, raw, _ = ggml_tensor.router_arrays(tensor)
         probs = gate(raw, GATING_SOFTMAX) if self.softmax_weight else raw
         assert rec.layer == layer and rec.n_tokens == ids.shape[0], "the two runs route different graphs"
         for s in rec.swaps:
