@@ -3,7 +3,7 @@
 llama.cpp marks `per_layer_token_embd` TENSOR_READ_LAZY (rows read on demand from the
 mapping), but only with `llama_model_params.lazy_mode` ON, or AUTO (the default) for a
 tensor over 4 GiB. This script writes a gemma4 test model whose per-layer embeddings
-(256 MiB) dwarf the daemon's RAM budget (16 MiB) and the rest of the model, loads it in
+(`--embd 512`: 512 MiB; 256: 256 MiB) dwarf the daemon's RAM budget (16 MiB) and the rest of the model, loads it in
 one fresh process per engine, evaluates a prompt and 8 greedy steps, and prints one
 JSON line per engine: the process's anonymous, file-backed and locked resident bytes
 and the resident bytes of the model file's mapping, next to the embeddings' size.
@@ -13,7 +13,7 @@ wrapping llama_model_default_params, which Llama's constructor calls: bench-only
 `streamed` (StreamedLlama, which loads with lazy_mode ON and leaves the embeddings out
 of its mlock of the dense weights: archs.LAZY_TENSORS).
 
-    python bench/per_layer_embd_rss.py [--model /tmp/moed-ple/gemma4-ple.gguf]
+    python bench/per_layer_embd_rss.py [--embd 512] [--model PATH]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 ENGINES = ("stock", "stock-lazy", "streamed")
 PROMPT = b"the expert model reads memory pages from the drive, one token at a time"
 EMBD = "per_layer_token_embd.weight"
-GEOMETRY = dict(arch="gemma4", layers=16, embd=256, ff=256, vocab=131072, align=4096)  # embeddings: 256 MiB
+GEOMETRY = dict(arch="gemma4", layers=16, ff=256, vocab=131072, align=4096)  # embeddings: embd x 1 MiB
 
 
 def status() -> dict:
@@ -75,7 +75,8 @@ def child(kind: str, model: str, socket: str | None) -> dict:
 
     if "lazy" in kind:
         set_lazy()
-    kw = dict(n_ctx=256, n_batch=64, n_ubatch=64, logits_all=True, n_threads=2, verbose=False, seed=0)
+    # logits of the last token only, as users generate: logits_all would add a 128 MiB buffer
+    kw = dict(n_ctx=256, n_batch=64, n_ubatch=64, logits_all=False, n_threads=2, verbose=False, seed=0)
     before = status()
     if kind.startswith("stock"):
         import llama_cpp
@@ -103,6 +104,8 @@ def child(kind: str, model: str, socket: str | None) -> dict:
         "after_decode": after,
         "model_mapping_rss": mapping_rss(os.path.basename(model)),
     }
+    if client is not None:
+        res["daemon_used_bytes"] = client.stats()["used_bytes"]  # the RAM tier: experts only
     llm.close()
     if client is not None:
         client.close()
@@ -143,10 +146,12 @@ def run(kind: str, model: str, socket: str | None) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="/tmp/moed-ple/gemma4-ple.gguf")
+    ap.add_argument("--embd", type=int, default=512, help="hidden size: the per-layer embeddings are embd MiB")
+    ap.add_argument("--model", default=None, help="default: /tmp/moed-ple/gemma4-ple-EMBD.gguf, written if absent")
     ap.add_argument("--child", choices=ENGINES)
     ap.add_argument("--socket")
     args = ap.parse_args()
+    args.model = args.model or f"/tmp/moed-ple/gemma4-ple-{args.embd}.gguf"
     if args.child:
         print(json.dumps(child(args.child, args.model, args.socket)))
         return 0
@@ -154,7 +159,7 @@ def main() -> int:
         from moed.modelgen.makemodel import make_model
 
         print(f"writing {args.model} ...", file=sys.stderr)
-        make_model(args.model, **GEOMETRY)
+        make_model(args.model, embd=args.embd, **GEOMETRY)
     for kind in ENGINES:
         if kind.startswith("stock"):
             res = run(kind, args.model, None)
