@@ -69,7 +69,6 @@ def set_lazy() -> None:
 
 
 def child(kind: str, model: str, socket: str | None) -> dict:
-    import numpy as np
 
     from moed.gguf.header import read_header
 
@@ -92,7 +91,7 @@ def child(kind: str, model: str, socket: str | None) -> dict:
     loaded = status()
     llm.eval(llm.tokenize(PROMPT))
     for _ in range(8):
-        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        llm.eval([llm.sample(temp=0.0)])  # greedy, from the last logits (logits_all is off)
     after = status()
     embd = next(t.n_bytes for t in read_header(model).tensors if t.name == EMBD)
     res = {
