@@ -17,7 +17,7 @@ import pytest
 from moed.gguf.catalog import Catalog
 from moed.protocol import errors
 from moed.testing import file_bytes, wait_for
-from moed.testing.faultfs import BlkioThrottle, LoopBtrfs, unavailable
+from moed.testing.faultfs import BlkioThrottle, LoopBtrfs, drop_caches, unavailable
 
 pytestmark = pytest.mark.skipif(
     bool(unavailable(throttle=True)), reason=f"a throttled drive needs a loop btrfs and blkio: {unavailable(True)}"
@@ -52,6 +52,11 @@ def throttled(start_daemon, slow_fs):
     made = []
 
     def start(budget: str = "8MiB", **config):
+        # An earlier test's buffered check (file_bytes) leaves the model's pages cached, with
+        # readahead's neighbours, and btrfs serves O_DIRECT reads of cached pages with no I/O:
+        # a throttle would then limit nothing (seen in CI: layer 1's expert 9 came back in
+        # under a second at 4 KiB/s after expert 7 had been read buffered).
+        drop_caches()
         d = start_daemon(budget, config=config or None)
         t = BlkioThrottle(fs.major_minor)
         made.append(t)
