@@ -1,6 +1,7 @@
 """Everything fits: several engines in one process, decoding in turn token by token.
 
-Run: .venv/bin/python bench/engines_interleaved.py [--engines resident,moed-fit-off,stock,moed-fit] [--tokens 96]
+Run: .venv/bin/python bench/engines_interleaved.py [--engines resident,moed-fit-off,stock,moed-fit,moed-fit-stops]
+     [--tokens 96] [--routes model]
 
 Why: on a shared VM one engine's decode speed drifts by 15-20% from one minute to
 the next (bench/RESULTS.md), so engines timed one after another, as
@@ -18,7 +19,10 @@ Engines (all one llama.cpp thread, the trace's routes forced unless `--routes mo
   this against `resident`;
 - `stock`: llama_cpp.Llama as stock loads it (use_mmap=False, its repacked kernels);
 - `moed-fit`: StreamedLlama(repack="auto") on the `moectl align --repack` copy,
-  the same kernels as stock: what a user compares.
+  the same kernels as stock: what a user compares. With `--routes model` it takes
+  whole steps (every expert pinned: no per-layer stop, docs/design.md);
+- `moed-fit-stops`: the same with whole steps off (MOED_WHOLE_STEPS=0): it stops
+  at every routed layer, as moed-fit did before whole steps.
 
 The model is bench/engine_vs_mmap.py's (written there if missing), and so are the
 trace and the skeletons. Prints per engine the median ms a token and, per timed
@@ -40,10 +44,17 @@ from trace_routes import DEFAULT_TRACE, TraceRoutes
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-PAIRS = [("moed-fit-off", "resident"), ("moed-fit", "stock"), ("stock", "resident"), ("moed-fit", "moed-fit-off")]
+PAIRS = [
+    ("moed-fit-off", "resident"),
+    ("moed-fit", "stock"),
+    ("moed-fit-stops", "stock"),
+    ("moed-fit", "moed-fit-stops"),
+    ("stock", "resident"),
+    ("moed-fit", "moed-fit-off"),
+]
 
 
-ENGINES = ("resident", "moed-fit-off", "stock", "moed-fit")
+ENGINES = ("resident", "moed-fit-off", "stock", "moed-fit", "moed-fit-stops")
 
 
 def main() -> None:
@@ -76,7 +87,7 @@ def main() -> None:
     with DaemonProcess(budget, "--pin-budget", budget) as daemon:
         routes = {k: TraceRoutes(args.trace) if args.routes == "trace" else None for k in kinds}
         kw = dict(n_ctx=n_ctx, n_batch=32, n_ubatch=32, n_threads=1, n_threads_batch=1, verbose=False)
-        engines = {k: load_engine(k, args.model, daemon.socket, routes[k], prefetch=args.prefetch, **kw) for k in kinds}
+        engines = {k: _load(k, args.model, daemon.socket, routes[k], args.prefetch, kw) for k in kinds}
         try:
             for llm in engines.values():
                 if hasattr(llm, "warm"):  # every expert read and mapped, as the resident engines load
@@ -100,7 +111,7 @@ def main() -> None:
                         cpu[k][1] += r1.ru_stime - r0.ru_stime
                         cpu[k][2] += r1.ru_minflt - r0.ru_minflt
             lanes = {
-                k: (st["lane_layers"], st["layers"])
+                k: (st["lane_layers"], st["layers"], st["whole_decodes"], st["decodes"])
                 for k, st in ((k, e.stream_stats()) for k, e in engines.items() if hasattr(e, "stream_stats"))
             }
         finally:
@@ -117,13 +128,24 @@ def main() -> None:
             f"{1 / float(np.median(times[k])):6.3f} tok/s; a token: {1e3 * user:.1f} ms user, "
             f"{1e3 * system:.1f} ms system, {faults:.0f} minor faults"
         )
-    for k, (n, of) in lanes.items():
-        print(f"  {k}: the lane took {n} of {of} routed layers (local hits, in C)")
+    for k, (n, of, whole, decodes) in lanes.items():
+        print(f"  {k}: the lane took {n} of {of} routed layers (local hits, in C); {whole} of {decodes} decodes whole")
     for a, b in PAIRS:
         if a in times and b in times:
             ratio = np.asarray(times[b]) / np.asarray(times[a])  # speed of a over speed of b, per round
             q1, med, q3 = np.percentile(ratio, [25, 50, 75])
             print(f"  {a} vs {b}: {med:.3f}x speed (median of per-round ratios; quartiles {q1:.3f}-{q3:.3f})")
+
+
+def _load(kind: str, model: str, socket: str, routes, prefetch: str, kw: dict):
+    """load_engine's engine; `moed-fit-stops` is moed-fit with whole steps off."""
+    if kind != "moed-fit-stops":
+        return load_engine(kind, model, socket, routes, prefetch=prefetch, **kw)
+    os.environ["MOED_WHOLE_STEPS"] = "0"  # read when the engine's streamer is built
+    try:
+        return load_engine("moed-fit", model, socket, routes, prefetch=prefetch, **kw)
+    finally:
+        del os.environ["MOED_WHOLE_STEPS"]
 
 
 if __name__ == "__main__":

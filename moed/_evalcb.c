@@ -32,6 +32,18 @@
  *   lane_log(lane, on), lane_take_log(lane) -> ([(layer, [experts])], full): what it took
  *   set_lane(handle, lane | None, auto): with auto, a topk node tries the lane before Python
  *
+ * Whole steps: when every expert of the model is pinned (the table's pin word reads 1),
+ * a decode needs no per-layer stop at all. lane_whole_begin takes the region's pin hold
+ * (moed.protocol.residency_words: one word that keeps every pinned slot of the model),
+ * checks every expert is READY at the slot its addresses show (mapping those that are
+ * not), and set_whole makes the ask pass answer no to every node, so ggml computes the
+ * graph in one piece as it does with no callback; lane_whole_end lets the hold go.
+ *
+ *   lane_pins(lane, model_id, pin_word)    the model's id and its table's pin word
+ *   lane_whole_begin(lane) -> bool         True: the pin hold is taken, every expert mapped
+ *   lane_whole_end(lane, uses)             the pin hold let go; `uses` counted as local hits
+ *   set_whole(handle, on)
+ *
  * One owner for each thing the lane touches: it alone maps the addresses of the
  * layers given to it (the Python slow path maps through lane_place); its hold
  * indexes were handed to it by the client's region and are its own; the ring's
@@ -90,6 +102,9 @@ typedef struct {
     Py_ssize_t cur_n;   /* experts in the held lease (0: none) */
     LaneLayer *cur;     /* its layer */
     int disabled, python_held;
+    int64_t model_id, pin_word; /* pin_word < 0: no whole steps (lane_pins not called) */
+    int whole;                  /* the region's pin hold is ours: a whole step is under way */
+    uint64_t whole_steps;
     int pending;        /* an error met on the auto path, for Python's next lane_step */
     int pending_errno;
     LaneLayer *layers[LANE_MAX_LAYERS];
@@ -115,6 +130,7 @@ typedef struct {
     PyObject *lane_obj; /* the capsule, referenced while set */
     Lane *lane;
     int lane_auto;
+    int whole; /* a whole step: the ask pass wants no node */
 } Config;
 
 static int digits_to_end(const char *s) {
@@ -217,6 +233,7 @@ static int lane_step_core(Lane *L, const char *tensor) {
 
 static bool eval_callback(void *tensor, bool ask, void *user_data) {
     const Config *c = (const Config *)user_data;
+    if (c->whole) return false; /* no stop: ggml computes the graph in one piece */
     const char *name = (const char *)tensor + c->name_offset;
     if (!wanted(c, name)) return false;
     if (ask) return true;
@@ -254,7 +271,7 @@ static PyObject *make(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "need a callable and a name offset inside struct ggml_tensor");
         return NULL;
     }
-    Config *c = PyMem_Malloc(sizeof(Config));
+    Config *c = PyMem_Calloc(1, sizeof(Config)); /* every field not set below starts 0 (whole: off) */
     if (c == NULL) return PyErr_NoMemory();
     Py_INCREF(fn);
     c->fn = fn;
@@ -365,6 +382,7 @@ static PyObject *lane_new(PyObject *self, PyObject *args) {
     L->set_size = half;
     L->n_experts = n_experts;
     L->counter_word = counter;
+    L->pin_word = -1;
     L->name_off = (size_t)name_off; L->type_off = (size_t)type_off; L->ne_off = (size_t)ne_off;
     L->nb_off = (size_t)nb_off; L->data_off = (size_t)data_off;
     L->holds[0] = PyMem_Calloc((size_t)(half ? half : 1), sizeof(int64_t));
@@ -488,6 +506,51 @@ static PyObject *lane_place(PyObject *self, PyObject *args) {
     return PyBool_FromLong(rc);
 }
 
+/* Let the pin hold go (after the step's reads: ggml's threads are joined, so they came first). */
+static void lane_pin_release(Lane *L) {
+    if (!L->whole) return;
+    L->whole = 0;
+    __atomic_store_n(&((uint64_t *)L->region.buf)[HP_W_PIN_HOLD], 0, __ATOMIC_SEQ_CST);
+}
+
+/* The engine's side of the whole-step protocol: cas the pin hold, then the pin word must
+ * read 1 and the region be open (seq_cst loads after the cas: moed.protocol.residency_words
+ * says why the daemon then sees the hold before any pinned slot may leave); then every
+ * expert of every lane layer READY at its entry's slot, mapped there. Any doubt: let go. */
+static int lane_whole_core(Lane *L) {
+    if (!L->live || !L->has_region || L->disabled || L->pin_word < 0 || L->cur_n || L->whole) return 0;
+    uint64_t *region = (uint64_t *)L->region.buf;
+    const uint64_t *table = (const uint64_t *)L->table.buf;
+    Py_ssize_t n_table = L->table.len / 8;
+    uint64_t expect = 0;
+    if (!__atomic_compare_exchange_n(&region[HP_W_PIN_HOLD], &expect, (uint64_t)L->model_id + 1, 0,
+                                     __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+        return 0; /* another engine of this connection has it */
+    L->whole = 1;
+    if (__atomic_load_n(&table[L->pin_word], __ATOMIC_SEQ_CST) != 1 ||
+        __atomic_load_n(&region[HP_W_CLOSED], __ATOMIC_SEQ_CST) != 0)
+        goto fail;
+    for (int i = 0; i < LANE_MAX_LAYERS; i++) {
+        LaneLayer *ly = L->layers[i];
+        if (ly == NULL) continue;
+        const uint64_t *states = (const uint64_t *)ly->states.buf;
+        size_t n_states = (size_t)(ly->states.len / 8);
+        for (int64_t e = 0; e < L->n_experts; e++) {
+            if (ly->row_base + e >= n_table) goto fail;
+            uint64_t entry = __atomic_load_n(&table[ly->row_base + e], __ATOMIC_SEQ_CST);
+            uint64_t slot = (entry & 0xFFFFFF) - 1;
+            if (entry == 0 || slot >= n_states) goto fail;
+            if (__atomic_load_n(&states[slot], __ATOMIC_SEQ_CST) != (((entry >> 24) << 2) | 1)) goto fail;
+            if (lane_map(L, ly, e, slot, 0) < 0) goto fail;
+        }
+    }
+    L->whole_steps++;
+    return 1;
+fail:
+    lane_pin_release(L);
+    return 0;
+}
+
 /* Release the held lane lease, if any; 0: it was lost (a slot refilled while held). */
 static int lane_drop_lease(Lane *L) {
     int ok = 1;
@@ -555,8 +618,49 @@ static PyObject *lane_free(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O", &cap)) return NULL;
     Lane *L = (Lane *)PyCapsule_GetPointer(cap, "moed.lane");
     if (L == NULL) return NULL;
-    if (L->live) lane_drop_lease(L);
+    if (L->live) { lane_drop_lease(L); lane_pin_release(L); }
     lane_release_buffers(L);
+    Py_RETURN_NONE;
+}
+
+/* lane_pins(lane, model_id, pin_word): whole steps become possible (pin_word: a table word). */
+static PyObject *lane_pins(PyObject *self, PyObject *args) {
+    PyObject *cap; Py_ssize_t model_id, pin_word;
+    if (!PyArg_ParseTuple(args, "Onn", &cap, &model_id, &pin_word)) return NULL;
+    Lane *L = lane_of(cap);
+    if (L == NULL) return NULL;
+    if (!L->has_region || model_id < 0 || pin_word < 0 || pin_word >= L->table.len / 8) {
+        PyErr_SetString(PyExc_ValueError, "whole steps need a region, a model id and a pin word inside the table");
+        return NULL;
+    }
+    L->model_id = model_id; L->pin_word = pin_word;
+    Py_RETURN_NONE;
+}
+
+static PyObject *lane_whole_begin(PyObject *self, PyObject *args) {
+    PyObject *cap;
+    if (!PyArg_ParseTuple(args, "O", &cap)) return NULL;
+    Lane *L = lane_of(cap);
+    if (L == NULL) return NULL;
+    errno = 0;
+    int ok = lane_whole_core(L);
+    if (!ok && errno) return PyErr_SetFromErrno(PyExc_OSError); /* a mapping failed: not a plain no */
+    return PyBool_FromLong(ok);
+}
+
+/* lane_whole_end(lane, uses): the pin hold let go; `uses` added to the model's local-hit counter. */
+static PyObject *lane_whole_end(PyObject *self, PyObject *args) {
+    PyObject *cap; unsigned long long uses;
+    if (!PyArg_ParseTuple(args, "OK", &cap, &uses)) return NULL;
+    Lane *L = (Lane *)PyCapsule_GetPointer(cap, "moed.lane");
+    if (L == NULL) return NULL;
+    if (!L->live || !L->whole) Py_RETURN_NONE;
+    lane_pin_release(L);
+    if (L->counter_word >= 0) {
+        uint64_t *region = (uint64_t *)L->region.buf;
+        uint64_t n = __atomic_load_n(&region[L->counter_word], __ATOMIC_RELAXED);
+        __atomic_store_n(&region[L->counter_word], n + uses, __ATOMIC_RELAXED);
+    }
     Py_RETURN_NONE;
 }
 
@@ -565,9 +669,9 @@ static PyObject *lane_stats(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O", &cap)) return NULL;
     Lane *L = (Lane *)PyCapsule_GetPointer(cap, "moed.lane");
     if (L == NULL) return NULL;
-    return Py_BuildValue("{sKsKsKsKsKsKsn}", "layers", L->n_layers, "experts", L->n_experts_acq, "acquire_ns",
+    return Py_BuildValue("{sKsKsKsKsKsKsnsK}", "layers", L->n_layers, "experts", L->n_experts_acq, "acquire_ns",
                          L->acquire_ns, "show_ns", L->show_ns, "maps", L->maps, "declines", L->declines, "held",
-                         L->cur_n);
+                         L->cur_n, "whole_steps", L->whole_steps);
 }
 
 static PyObject *lane_layer_ns(PyObject *self, PyObject *args) {
@@ -595,6 +699,16 @@ static PyObject *set_lane(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* set_whole(handle, on) */
+static PyObject *set_whole(PyObject *self, PyObject *args) {
+    PyObject *cap; int on;
+    if (!PyArg_ParseTuple(args, "Op", &cap, &on)) return NULL;
+    Config *c = config_of(cap);
+    if (c == NULL) return NULL;
+    c->whole = on;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"make", make, METH_VARARGS, "make(fn, name_offset) -> handle"},
     {"set_norm", set_norm, METH_VARARGS, "set_norm(handle, on[, prefix]): also stop at <prefix><n> (ffn_norm-<n>)"},
@@ -613,6 +727,10 @@ static PyMethodDef methods[] = {
     {"lane_take_log", lane_take_log, METH_VARARGS, "the layers taken since the last take, and whether the log filled"},
     {"lane_layer_ns", lane_layer_ns, METH_VARARGS, "ns in one layer's lane acquires"},
     {"set_lane", set_lane, METH_VARARGS, "set_lane(handle, lane | None, auto)"},
+    {"set_whole", set_whole, METH_VARARGS, "set_whole(handle, on): the ask pass wants no node (a whole step)"},
+    {"lane_pins", lane_pins, METH_VARARGS, "lane_pins(lane, model_id, pin_word): whole steps possible"},
+    {"lane_whole_begin", lane_whole_begin, METH_VARARGS, "take the pin hold and check every expert; True: whole"},
+    {"lane_whole_end", lane_whole_end, METH_VARARGS, "let the pin hold go, counting `uses` local hits"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -20,6 +20,7 @@
 /* moed.protocol.residency_words: the hold region's layout, in words. */
 #define HP_W_RING_HEAD 1
 #define HP_W_CLOSED 2
+#define HP_W_PIN_HOLD 3 /* model id + 1 while a whole step reads its pinned experts */
 #define HP_HOLD_BASE 64
 #define HP_HOLD_WORDS 1024
 #define HP_RING_BASE (HP_HOLD_BASE + HP_HOLD_WORDS)

@@ -40,6 +40,10 @@ Invariants, kept here:
   chosen and claimed before anything is changed (moed.cache.room), so an
   acquire either finds all the room it needs or changes nothing; claimed
   slots that end up not evicted are handed back with `unclaim`.
+- A pinned slot leaves the pinned partition only after `pins_changing(model)`
+  said no engine reads the model's pinned experts in a whole step (a decode with
+  no per-layer holds: moed.protocol.residency_words); otherwise it stays pinned,
+  `unpin_pending`, in `unpin_waiting`, and `retry_unpins` tries again.
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ class HoldClaims(Protocol):
     def claim(self, slot: Slot) -> bool: ...
 
     def unclaim(self, slot: Slot) -> None: ...
+
+    def pins_changing(self, model_id: int) -> bool: ...
 
 
 class Store:
@@ -85,6 +91,8 @@ class Store:
         # answers `claim`; the defaults are a store with no local holds.
         self.claim: Callable[[Slot], bool] = holds.claim if holds else lambda slot: True
         self.unclaim: Callable[[Slot], None] = holds.unclaim if holds else lambda slot: None
+        self.pins_changing: Callable[[int], bool] = holds.pins_changing if holds else lambda model_id: False
+        self.unpin_waiting: set[Slot] = set()  # unpins a whole step holds off (`retry_unpins`)
         self.adopted: set[Slot] = set()
         self.room = RoomSearch(self, self._adopt)
 
@@ -315,7 +323,7 @@ class Store:
             self.policy.add(slot)
             self.evictable_bytes += slot.slot_bytes
         elif slot.unpin_pending and not slot.refs:
-            self._unpin_now(slot)
+            self._unpin_free(slot)
 
     def failed(self, slot: Slot) -> None:
         """A read failed: the slot is dropped; every holder's reference dies with it."""
@@ -335,7 +343,7 @@ class Store:
                 self.policy.add(slot)
                 self.evictable_bytes += slot.slot_bytes
             elif slot.unpin_pending:
-                self._unpin_now(slot)
+                self._unpin_free(slot)
 
     def touch_local(self, slot: Slot) -> None:
         """An engine hit this slot without a round trip: it is the most recently used."""
@@ -365,6 +373,7 @@ class Store:
         slot = self.table.get(want.key)
         if slot is not None and slot.pinned:
             slot.unpin_pending = False
+            self.unpin_waiting.discard(slot)
             return slot, False, False
         cls = self.classes[want.class_id]
         size = cls.slot_bytes
@@ -398,9 +407,33 @@ class Store:
             return False
         if slot.refs or slot.state is not READY:
             slot.unpin_pending = True
+            self.pins_changing(key.model_id)  # no new whole step: the pin word drops now
         else:
-            self._unpin_now(slot)
+            self._unpin_free(slot)
         return True
+
+    def _unpin_free(self, slot: Slot) -> None:
+        """Unpin a READY, unreferenced slot, unless a whole step reads its model's pinned
+        experts: then it waits, pinned, for `retry_unpins`."""
+        assert slot.key is not None
+        if self.pins_changing(slot.key.model_id):
+            slot.unpin_pending = True
+            self.unpin_waiting.add(slot)
+        else:
+            self.unpin_waiting.discard(slot)
+            self._unpin_now(slot)
+
+    def retry_unpins(self) -> list[Slot]:
+        """Unpin what whole steps held off, where none reads it now; returns the slots unpinned."""
+        done = []
+        for slot in list(self.unpin_waiting):
+            if not (slot.pinned and slot.unpin_pending and slot.state is READY and not slot.refs):
+                self.unpin_waiting.discard(slot)  # re-pinned, or taken over by a lease's release
+                continue
+            self._unpin_free(slot)
+            if slot not in self.unpin_waiting:
+                done.append(slot)
+        return done
 
     def _unpin_now(self, slot: Slot) -> None:
         size = slot.slot_bytes

@@ -24,6 +24,7 @@ import numpy as np
 
 from moed.protocol import errors
 from moed.protocol import messages as m
+from moed.protocol import residency_words as rz
 from moed.protocol.framing import FrameReader, encode, reply_decoder
 from moed.protocol.paths import default_socket_path  # also re-exported by moed.client
 
@@ -364,7 +365,18 @@ class ModelHandle:
         if self._table is None or region is None:
             return None
         states = {L.class_id: self.client._states[L.class_id] for L in self._layers.values()}
-        return local.LocalHits(region, self._table, dict(self._rows), states, region.counter_word(self.model_id))
+        n_entries = len(self._rows) * self.n_experts
+        # The pin word follows the entries (None: a table without one, no whole steps).
+        pin_word = rz.pin_word(n_entries) if len(self._table.words) > n_entries else None
+        return local.LocalHits(
+            region, self._table, dict(self._rows), states, region.counter_word(self.model_id), self.model_id, pin_word
+        )
+
+    def all_pinned(self) -> bool:
+        """Whether every expert of the model is pinned and READY now (the table's pin word:
+        engines then take whole steps); False without a table."""
+        hits = self.local_hits()
+        return hits is not None and hits.pin_word is not None and int(hits.table.words[hits.pin_word]) == 1
 
     def resident(self, layer: int, experts) -> np.ndarray:
         """Which of `experts` of `layer` are resident now: a bool array read from the

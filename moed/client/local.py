@@ -72,6 +72,8 @@ class LocalHits:
     rows: dict[int, int]  # layer -> its first table word
     states: dict[int, ReadOnlyWords]  # size class -> its slot states
     counter_word: int | None  # the region word counting the model's local hits
+    model_id: int
+    pin_word: int | None  # the table word saying every expert is pinned (whole steps), if any
 
 
 class HoldRegion:

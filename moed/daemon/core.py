@@ -362,7 +362,12 @@ class Daemon:
         """Nothing for the maintenance loop until a client comes: no session, no hold region
         (live, revoked or adopted) and no read queued or running (a stuck one is watched)."""
         res = self.residency
-        return not self.sessions and not (res.regions or res.revoked or self.store.adopted) and not self.reader.busy()
+        st = self.store
+        return (
+            not self.sessions
+            and not (res.regions or res.revoked or st.adopted or st.unpin_waiting)
+            and not self.reader.busy()
+        )
 
     async def _maintain(self, period_s: float = 0.02) -> None:
         """Every `period_s`: fold touches, sweep adopted slots; every 50 periods, counters.
@@ -388,9 +393,10 @@ class Daemon:
             except Exception:  # noqa: BLE001 - the next period tries again; never lose the loop
                 log.exception("revoked-region sweep failed")
             try:
-                if self.residency.regions or self.residency.revoked or self.store.adopted:
+                if self.residency.regions or self.residency.revoked or self.store.adopted or self.store.unpin_waiting:
                     self.holds.fold(counters=n % 50 == 0)
                     self.holds.sweep_adopted()
+                    self.holds.refresh_pins()
                     # Local hits check no file: find changes here, so a changed model stops
                     # being hit locally within one period (its table is zeroed when it retires).
                     self.registry.retire_changed()

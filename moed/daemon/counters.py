@@ -180,6 +180,7 @@ def _model_row(daemon, model) -> dict:
         expert_layout=model.catalog.expert_layout,
         users=users,
         quarantined=sorted([k.layer, k.expert] for k in daemon.faults.quarantine.entries(mid)),
+        all_pinned=daemon.residency.whole(mid),
     )
 
 
@@ -232,6 +233,7 @@ def snapshot(daemon) -> dict:
         "connections": len(daemon.sessions),
         "local_claims_refused": daemon.residency.claims_refused,
         "adopted_slots": len(daemon.store.adopted),
+        "unpins_held": len(daemon.store.unpin_waiting),
         "revoked_regions": len(daemon.residency.revoked),
         "limits": limits(daemon.config),
         "clients": [s.buffers() for s in daemon.sessions],

@@ -10,7 +10,9 @@ and whenever a connection with a region closes:
   give their reference back once nobody holds them; revoked regions stop
   counting once their holds clear or their grace ends;
 - bound: no tenant keeps another from room by holding more than
-  LOCAL_HOLD_SHARE of the budget locally.
+  LOCAL_HOLD_SHARE of the budget locally;
+- pins: each model's pin word says whether every expert is pinned (so engines
+  may take whole steps), and unpins a whole step held off go ahead once it ends.
 
 It owns no state of its own: the holds are the residency tables', the adopted
 slots the store's. What it keeps is the order: a region's counts are folded
@@ -22,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 
+from moed.cache.records import ExpertKey
 from moed.cache.store import Slot, SlotState
 from moed.protocol.sizes import format_size
 
@@ -50,6 +53,7 @@ class LocalHolds:
         else:
             self.residency.close_region(session)
         self.sweep_adopted()
+        self.refresh_pins()  # a whole step the region held is over
 
     def sweep_revoked(self) -> None:
         """Revoked regions that hold nothing live (or outlived the grace) stop counting;
@@ -117,6 +121,29 @@ class LocalHolds:
             self.slots.room_changed()
         if self.store.adopted:
             self._bound()
+
+    def refresh_pins(self) -> None:
+        """Unpins that waited on whole steps go ahead where none reads the model now (a stale
+        model may then go); every model whose pins changed gets its pin word recomputed."""
+        for slot in self.store.retry_unpins():
+            model = self.registry.models.get(slot.key.model_id) if slot.key is not None else None
+            if model is not None and model.stale:
+                self.registry.drop_if_drained(model)
+        res = self.residency
+        dirty, res.pins_dirty = res.pins_dirty, set()
+        for model_id in dirty:
+            model = self.registry.models.get(model_id)
+            res.set_whole(model_id, model is not None and not model.stale and self._all_pinned(model))
+
+    def _all_pinned(self, model) -> bool:
+        """Every expert of `model` pinned, READY and staying (no unpin waiting)."""
+        table, mid = self.store.table, model.model_id
+        for layer in model.layers:
+            for e in range(model.catalog.n_experts):
+                slot = table.get(ExpertKey(mid, layer, e))
+                if slot is None or not slot.pinned or slot.unpin_pending or slot.state is not SlotState.READY:
+                    return False
+        return True
 
     def _bound(self) -> None:
         """No tenant keeps another from room by holding more than LOCAL_HOLD_SHARE of the

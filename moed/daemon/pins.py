@@ -90,6 +90,7 @@ class Pins:
             if must_read:
                 self.slots.start_read(model, slot, demand=False)
         self.slots.room_changed()  # pinning resident keys freed room in the shared budget
+        self.slots.residency.pins_dirty.add(model.model_id)  # its pin word is recomputed next period
         return pinned, skipped, slots
 
     def unpin(self, model: Model, experts, all_experts: bool = False) -> int:

@@ -20,8 +20,14 @@ Invariants, kept here:
   store reads no hold of a published residency, or REVOKE_GRACE_S pass
   (`sweep_revoked`); an owner keeps at most `max_per_owner` revoked regions.
   Slots the store adopted for either are then released by the core's sweep.
+- A model's pin word (the table's last) reads 1 only while every expert of the
+  model is pinned, READY and published (`set_whole`, from the holds room's
+  refresh), and is cleared before any pinned slot of it may leave the pinned
+  partition (`pins_changing`, which the store asks first); a slot whose model a
+  region's pin hold names then stays pinned until the hold is gone.
 - Nothing a client writes in its region is trusted beyond "this word matches a
-  live residency": touch and counter words are bounds-checked and clamped.
+  live residency" (or, for the pin hold, "names this model"): touch and counter
+  words are bounds-checked and clamped.
 """
 
 from __future__ import annotations
@@ -101,6 +107,8 @@ class Residency:
         self.revoked: dict[Any, Region] = {}  # sessions the daemon closed whose holds still count
         self._published: dict = {}  # slot -> (model id, table word, generation)
         self._retired: set[int] = set()  # models that take no new local hits (stale or closed)
+        self.pin_words: dict[int, int] = {}  # model id -> its table's pin word
+        self.pins_dirty: set[int] = set()  # models whose pin word the next refresh recomputes
         self.claims_refused = 0
 
     # ---- tables ----------------------------------------------------------
@@ -114,7 +122,9 @@ class Residency:
             words.close()
 
     def add_model(self, model_id: int, layers: list[int], n_experts: int) -> None:
-        self.tables[model_id] = Words(f"moed-table-{model_id}", len(layers) * n_experts)
+        n_entries = len(layers) * n_experts
+        self.tables[model_id] = Words(f"moed-table-{model_id}", n_entries + 1)
+        self.pin_words[model_id] = rz.pin_word(n_entries)
         self.layer_index[model_id] = {layer: i for i, layer in enumerate(sorted(layers))}
         self.n_experts[model_id] = n_experts
 
@@ -123,6 +133,7 @@ class Residency:
         self._retired.add(model_id)
         table = self.tables.get(model_id)
         if table is not None:
+            _holds.store(table.map, self.pin_words[model_id], 0)  # no new whole steps either
             for mid, word, _ in list(self._published.values()):
                 if mid == model_id:
                     _holds.store(table.map, word, 0)
@@ -134,6 +145,8 @@ class Residency:
             table.close()
         self.layer_index.pop(model_id, None)
         self.n_experts.pop(model_id, None)
+        self.pin_words.pop(model_id, None)
+        self.pins_dirty.discard(model_id)
 
     def fds_for(self, model_id: int, class_ids: list[int]) -> list[int]:
         """Read-only descriptors: each class's states, in order, then the model's table."""
@@ -152,6 +165,33 @@ class Residency:
         _holds.store(self.states[slot.class_id].map, slot.index, rz.state(g, rz.READY))
         _holds.store(table.map, word, rz.entry(g, slot.index))
         self._published[slot] = (key.model_id, word, g)
+        if slot.pinned:
+            self.pins_dirty.add(key.model_id)  # perhaps the last of the model to be pinned
+
+    # ---- whole steps (the pin word and the regions' pin holds) ---------------
+
+    def set_whole(self, model_id: int, on: bool) -> None:
+        """Write the model's pin word: whether every expert is pinned, READY and published."""
+        table = self.tables.get(model_id)
+        if table is not None and (not on or model_id not in self._retired):
+            _holds.store(table.map, self.pin_words[model_id], 1 if on else 0)
+
+    def whole(self, model_id: int) -> bool:
+        table = self.tables.get(model_id)
+        return table is not None and _holds.load(table.map, self.pin_words[model_id]) == 1
+
+    def pins_changing(self, model_id: int) -> bool:
+        """A pinned slot of the model is about to leave the pinned partition: clear the pin
+        word (seq_cst), then True if some region's pin hold names the model (it must wait).
+        The store and the loads are the daemon's side of the whole-step protocol."""
+        table = self.tables.get(model_id)
+        if table is not None:
+            _holds.store(table.map, self.pin_words[model_id], 0)
+        self.pins_dirty.add(model_id)
+        target = model_id + 1
+        return any(
+            _holds.load(r.map, rz.W_PIN_HOLD) == target for r in [*self.regions.values(), *self.revoked.values()]
+        )
 
     def claim(self, slot) -> bool:
         """Take a published residency back unless some region holds it (then False)."""
@@ -264,10 +304,12 @@ class Residency:
     def _holds_in(region: Region, live: set[int]) -> int:
         """Hold words of `region` naming a live residency. `count` fences and loads every word
         first (after the closed store: the revoke's side); zero is then final."""
+        # A pin hold (a whole step under way) counts as one hold: it keeps pinned slots.
+        pin_hold = int(_holds.load(region.map, rz.W_PIN_HOLD) != 0)
         if _holds.count(region.map, rz.HOLD_BASE, rz.HOLD_WORDS) == 0:
-            return 0
+            return pin_hold
         words = np.frombuffer(region.map, dtype=np.uint64, count=rz.HOLD_WORDS, offset=rz.HOLD_BASE * 8)
-        return sum(1 for w in words[words != 0].tolist() if w in live)
+        return pin_hold + sum(1 for w in words[words != 0].tolist() if w in live)
 
     def holds_of(self, session) -> int:
         region = self.regions.get(session)

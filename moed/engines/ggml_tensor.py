@@ -90,6 +90,13 @@ class EvalCallback:
         """Also stop at `<prefix><n>` nodes (the router's input) while `on`."""
         self._evalcb.set_norm(self.handle, on, prefix)
 
+    # A whole step (every expert pinned and held by the region's pin hold) can skip every stop.
+    whole_steps = True
+
+    def set_whole(self, on: bool) -> None:
+        """While `on`, the ask pass wants no node: ggml computes the graph in one piece."""
+        self._evalcb.set_whole(self.handle, on)
+
     def install(self, params) -> None:
         """Put it in a llama_context_params (the object must outlive the context)."""
         params.cb_eval = self.function
@@ -107,6 +114,11 @@ class PythonEvalCallback:
 
     def stop_at_norm(self, on: bool, prefix: bytes = NORM_PREFIX) -> None:
         """The Python callback decides every node itself."""
+
+    whole_steps = False  # its tool wants its stops
+
+    def set_whole(self, on: bool) -> None:
+        raise RuntimeError("a Python eval callback takes no whole steps")
 
     def install(self, params) -> None:
         params.cb_eval = self.function

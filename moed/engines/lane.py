@@ -11,7 +11,13 @@ the callback runs with cold caches, and a fit-mode layer's Python acquire and sh
 cost 115 us where a warm loop says 22 (bench/RESULTS.md, issue 22). The lane does
 the layer in a few microseconds of C.
 
+Whole steps: when every expert of the model is pinned (the table's pin word), a
+decode takes the region's pin hold instead of per-layer holds (`whole_begin` /
+`whole_end`, moed.protocol.residency_words) and runs with no stop at all.
+
 Invariants:
+- a whole step runs only between a `whole_begin` that said True and its
+  `whole_end`, with no lane lease and no Python grant held;
 - the lane takes a layer only when every expert is a plain hit (the same steps as
   `ModelHandle.acquire`'s local path: moed/_hitproto.h), no Python grant is held,
   and its region is live; otherwise it declines and changes nothing;
@@ -45,6 +51,7 @@ class LaneStats:
     show_s: float = 0.0
     maps: int = 0
     declines: int = 0  # hits the lane tried and missed (each then went to the daemon)
+    whole_steps: int = 0  # decodes taken with no per-layer stop (every expert pinned)
 
 
 class ExpertLane:
@@ -77,6 +84,8 @@ class ExpertLane:
             _evalcb.lane_layer(self._c, layer, row, class_id, states, seg.fd, args)
         if hits is not None:
             hits.region.on_close(self.disable)
+            if hits.pin_word is not None:
+                _evalcb.lane_pins(self._c, hits.model_id, hits.pin_word)
         self.layers = set(parts)
 
     @property
@@ -114,12 +123,30 @@ class ExpertLane:
         taken, _full = self._evalcb.lane_take_log(self._c)
         return taken
 
+    def whole_begin(self) -> bool:
+        """Take the region's pin hold for a whole step: True when every expert of the model is
+        pinned and READY, and now mapped at its slot; False (nothing held) otherwise."""
+        return self._evalcb.lane_whole_begin(self._c)
+
+    def whole_end(self, uses: int) -> None:
+        """After the whole step's llama_decode: let the pin hold go; `uses` expert uses are
+        counted as the model's local hits."""
+        self._evalcb.lane_whole_end(self._c, uses)
+
     def disable(self) -> None:
         self._evalcb.lane_disable(self._c)
 
     def stats(self) -> LaneStats:
         d = self._evalcb.lane_stats(self._c)
-        return LaneStats(d["layers"], d["experts"], d["acquire_ns"] / 1e9, d["show_ns"] / 1e9, d["maps"], d["declines"])
+        return LaneStats(
+            d["layers"],
+            d["experts"],
+            d["acquire_ns"] / 1e9,
+            d["show_ns"] / 1e9,
+            d["maps"],
+            d["declines"],
+            d["whole_steps"],
+        )
 
     def layer_acquire_s(self, layer: int) -> float:
         return self._evalcb.lane_layer_ns(self._c, layer) / 1e9

@@ -19,6 +19,9 @@ Invariants (what must happen before what):
   slot, this process can no longer read it.
 - `finish` (after llama_decode returns) hides and releases what is still held, so
   an idle engine holds nothing.
+- A whole step (every expert pinned: `begin` took the lane's pin hold) makes no
+  stop at all and holds nothing per layer; `finish` lets the pin hold go. Only a
+  quiet engine (no hook, substitution or trace) takes one.
 - The look-ahead only reads the graph's tensors and sends prefetches; it never
   writes a tensor, so prefetch cannot change what llama.cpp computes.
 - Substitution (off unless a `Substituter` is given; moed.engines.substitute)
@@ -87,6 +90,7 @@ class StreamStats:
     acquire_s: float = 0.0  # time inside acquire (round trip + daemon reads)
     show_s: float = 0.0  # time mapping / copying pages
     decodes: int = 0
+    whole_decodes: int = 0  # decodes with no per-layer stop (every expert pinned: `begin`)
     tokens: int = 0  # tokens in all decodes (prompt and generated)
     dense_locked_bytes: int = 0
     dense_lock_error: str = ""
@@ -153,6 +157,9 @@ class ExpertStreamer:
         self.kernels: KernelSwitch | None = prepare(read_split(self.mapped_files[0]), layout) if layout else None
         self._headers: list = []
         self._bases: list[int] = []
+        self._whole_tokens = 0  # tokens of the whole step under way (0: none)
+        # MOED_WHOLE_STEPS=0: stop at every layer even with every expert pinned (to measure them).
+        self.whole_steps = os.environ.get("MOED_WHOLE_STEPS", "1") != "0"
 
     # ---- install ---------------------------------------------------------
 
@@ -479,6 +486,8 @@ class ExpertStreamer:
     def begin(self, n_tokens: int, tokens: np.ndarray | None = None) -> None:
         """Before llama_decode of a batch of `n_tokens` (`tokens`: their ids, None for embeddings)."""
         self.stats.tokens += n_tokens
+        if self._begin_whole(n_tokens):
+            return
         la = self.lookahead
         if la is not None:
             la.begin_decode(n_tokens, tokens)
@@ -488,14 +497,51 @@ class ExpertStreamer:
             # hook, no substitution, no trace, and no prediction this step (prefetch off,
             # or the governor has it off); the look-ahead's cache estimate then hears the
             # layers taken from the lane's log at the end of the decode (`finish`).
-            quiet = self.route_hook is None and self.substituter is None and not self.observers
-            auto = quiet and (la is None or not la.observing)
+            auto = self._quiet() and (la is None or not la.observing)
             self.c_callback.set_lane(self.lane.handle, auto)
             self.lane.log(auto and la is not None and la.mode != "off")
+
+    def _quiet(self) -> bool:
+        """Nothing for Python to do at a topk: no hook, no substitution, no trace."""
+        la = self.lookahead
+        return (
+            self.route_hook is None
+            and self.substituter is None
+            and not self.observers
+            and (la is None or not la.observers)
+        )
+
+    def _begin_whole(self, n_tokens: int) -> bool:
+        """A whole step: every expert of the model pinned and now held by the region's pin
+        hold (moed.engines.lane), so the graph runs with no stop at all, as with no callback.
+        Nothing to predict or prefetch either: the look-ahead sits the step out."""
+        lane = self.lane
+        if lane is None or not (self.whole_steps and self.c_callback.whole_steps) or not self._quiet():
+            return False
+        if self._experts_pending():
+            return False
+        if self.held is not None or not lane.whole_begin():
+            return False
+        self._whole_tokens = n_tokens
+        self.c_callback.set_whole(True)
+        return True
+
+    def _finish_whole(self) -> None:
+        assert self.lane is not None, "a whole step runs on the lane's pin hold"
+        self.c_callback.set_whole(False)
+        n, k = self._whole_tokens, self.source.n_expert_used
+        self._whole_tokens = 0
+        # What the step used, as the lane would have counted it: each layer's distinct
+        # experts, at most k a token and at most all of them.
+        self.lane.whole_end(len(self.lane.layers) * min(n * k, self.source.n_experts))
+        self.stats.whole_decodes += 1
 
     def finish(self) -> None:
         """After llama_decode: hide and release what the last layer holds."""
         self.stats.decodes += 1
+        if self._whole_tokens:
+            self._finish_whole()
+            return
         if self.lookahead is not None:
             self.lookahead.end_decode()
         prev = self._take_held()

@@ -4,7 +4,8 @@ Three kinds of shared memory, all naturally aligned little-endian uint64 words:
 
 - the **residency table** of a model (daemon writes, clients map read-only):
   word `layer_index * n_experts + expert` is 0 when that expert is not resident,
-  else `entry(generation, slot)`;
+  else `entry(generation, slot)`; one more word after the entries (`pin_word`) is
+  1 while every expert of the model is pinned and READY (whole steps, below);
 - the **slot states** of a size class (daemon writes, clients map read-only):
   word `slot` is `state(generation, READY)` while the slot holds the expert
   installed at `generation`, anything else otherwise (EVICTING, EMPTY);
@@ -67,6 +68,27 @@ should have released; its release then checks the held slots' states (after a
 fence) and raises LeaseLost if one got a new residency. A peer that breaks the
 protocol (a bad frame stream, no Hello) is treated as one that left: dropped.
 
+Whole steps: a decode with no per-layer stop. When every expert of a model is
+pinned (the host mirror holds it whole), an engine can let llama.cpp compute its
+graph in one piece instead of stopping at each routed layer to take holds. A
+pinned slot leaves the pinned partition only through the store's unpin, so one
+word per region stands for all the holds of a step, with the same argument:
+
+    engine, before llama_decode         daemon, before a pinned slot leaves
+    cas(pin_hold, 0 -> model + 1)       store(pin_word, 0)
+    a = load(pin_word)                  for every region: h = load(pin_hold)
+    a == 1, region not closed, every    h == model + 1: the unpin waits (retried
+      expert READY at the slot mapped:    each period), the slot stays pinned
+      compute whole; else clear, stop  else: the slot may leave
+      per layer as before
+    ... after llama_decode: store(pin_hold, 0)
+
+If the engine's load read 1, it came before the daemon's store of 0, so the
+engine's cas came before the daemon's loads, which see it. A pin hold protects
+only pinned slots (which nothing but an unpin can take), so what it can keep is
+what the operator pinned, for as long as the step runs; a revoked region's pin
+hold counts until the region ends, as its holds do.
+
 What a hostile client can do with its own region: write any words there. A
 hold word that matches a live residency keeps that slot from eviction (bounded
 by the region's HOLD_WORDS, charged to its tenant, gone when its connection
@@ -89,6 +111,7 @@ MAGIC = 0x6D6F65642D686F6C  # "moed-hol"
 W_MAGIC = 0
 W_RING_HEAD = 1  # touches ever written (the ring index is head % RING_WORDS)
 W_CLOSED = 2  # the daemon's word: nonzero once it revoked the region (moed/_holds.c's W_CLOSED)
+W_PIN_HOLD = 3  # the client's word: model id + 1 while a whole step reads that model's pinned experts
 COUNTER_BASE = 8  # pairs (model_id, local hits) from here
 MAX_MODEL_COUNTERS = 24
 HOLD_BASE = 64
@@ -96,6 +119,11 @@ HOLD_WORDS = 1024  # a connection holds at most this many slots locally
 RING_BASE = HOLD_BASE + HOLD_WORDS
 RING_WORDS = 4096
 REGION_WORDS = RING_BASE + RING_WORDS
+
+
+def pin_word(n_entries: int) -> int:
+    """The table word after its `n_entries` entries: 1 while every expert is pinned and READY."""
+    return n_entries
 
 
 def entry(generation: int, slot: int) -> int:

@@ -105,6 +105,8 @@ class ModelRow(_Row):
     read_errors: Annotated[int, counter("read_errors", "Reads of this model's experts that failed")] = 0
     quarantined: list[tuple[int, int]] = []  # (layer, expert) whose acquires fail at once for now
     expert_layout: str = "plain"  # the file's expert layout: plain or repacked (moed.gguf.layouts)
+    # Every expert pinned and READY: engines take whole steps (no per-layer stop)
+    all_pinned: Annotated[bool, gauge("all_pinned", "1 if every expert is pinned: engines take whole steps")] = False
 
 
 class TenantModelRow(_Row):
@@ -225,6 +227,7 @@ class Stats(_Row):
     local_hits: Annotated[int, counter("local_hits", "Hits engines served themselves with no round trip")] = 0
     local_claims_refused: int = 0  # evictions put off because an engine held the slot locally
     adopted_slots: int = 0  # slots the store holds for engines' local holds now
+    unpins_held: int = 0  # unpins waiting for a whole step that reads their model to end
     revoked_regions: int = 0  # hold regions of connections the daemon closed, still counting
     verified_reads: Annotated[
         int, counter("verified_reads", "Re-reads checked against the first read (verify mode)")

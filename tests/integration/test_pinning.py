@@ -140,3 +140,19 @@ def test_pinning_does_not_grow_memory_while_the_guard_holds_the_floor(start_daem
         c.request(m.SetMemFloor(0))
         r = c.request(m.Pin(h.model_id, [(0, 1), (0, 2)]))
         assert (r.pinned, r.skipped) == (2, 0)
+
+
+def test_the_pin_word_says_when_every_expert_is_pinned(start_daemon, model_factory):
+    """Engines take whole steps on a model whose table's pin word reads 1: only once every
+    expert is pinned and READY, and it drops at once when one is unpinned."""
+    model = str(model_factory(layers=2, experts=4, used=2))
+    slot = expert_bytes(model, 0)
+    d = start_daemon(str(4 * slot), "--pin-budget", str(8 * slot))
+    with d.client() as c:
+        h = c.open_model(model)  # the mirror pins it whole (8 experts fit)
+        wait_for(h.all_pinned, 5, what="the pin word once the mirror's reads are in")
+        assert c.stats()["models"][0]["all_pinned"] is True
+        c.request(m.Unpin(h.model_id, [(h.moe_layers[1], 3)]))
+        assert not h.all_pinned() and c.stats()["models"][0]["all_pinned"] is False
+        c.request(m.Pin(h.model_id, [(h.moe_layers[1], 3)]))
+        wait_for(h.all_pinned, 5, what="the pin word again once the expert is pinned again")

@@ -131,3 +131,82 @@ def test_the_c_release_checks_the_held_generations():
         _holds.store(region, rz.HOLD_BASE, rz.hold(3, slot, g))
         assert _holds.release(states, region, [rz.HOLD_BASE]) is ok
         assert _holds.load(region, rz.HOLD_BASE) == 0  # cleared either way
+
+
+def pinned_model(res: Residency):
+    """A store over `res` with model 7 (one layer of 4 experts) pinned whole and published,
+    and its pin word set as the holds room's refresh sets it."""
+    from moed.cache.records import Want
+    from moed.cache.store import Store
+
+    store = Store(budget_bytes=4 * 4096, pin_budget_bytes=4 * 4096, holds=res)
+    store.add_class(1, 4096, capacity=8)
+    res.add_class(1, capacity=8)
+    res.add_model(7, layers=[0], n_experts=4)
+    slots = []
+    for e in range(4):
+        got = store.pin(Want(ExpertKey(7, 0, e), 1))
+        assert got is not None
+        slot, _, must_read = got
+        if must_read:
+            store.loaded(slot)
+        res.publish(slot)
+        slots.append(slot)
+    assert res.pins_dirty == {7}
+    res.set_whole(7, True)
+    return store, slots
+
+
+def test_a_pin_hold_keeps_pinned_slots_until_it_is_let_go():
+    res = Residency()
+    store, slots = pinned_model(res)
+    assert res.whole(7) and _holds.load(res.tables[7].map, rz.pin_word(4)) == 1
+    session = object()
+    region = client_region(res, session)
+    _holds.store(region, rz.W_PIN_HOLD, 7 + 1)  # a whole step under way
+    assert store.unpin(slots[0].key)
+    assert not res.whole(7)  # the pin word dropped first: no new whole step
+    assert slots[0].pinned and slots[0].unpin_pending and store.unpin_waiting == {slots[0]}
+    assert store.retry_unpins() == [] and slots[0].pinned  # still held
+    _holds.store(region, rz.W_PIN_HOLD, 9)  # another model's step: not this one's
+    assert store.retry_unpins() == [slots[0]]
+    assert not slots[0].pinned and store.unpin_waiting == set()
+    assert store.pinned_bytes == 3 * 4096
+    region.close()
+    res.close_region(session)
+    res.close()
+
+
+def test_a_revoked_regions_pin_hold_counts_until_let_go():
+    res = Residency()
+    store, slots = pinned_model(res)
+    session = object()
+    region = client_region(res, session)
+    _holds.store(region, rz.W_PIN_HOLD, 7 + 1)
+    res.revoke(session, now_s=100.0)
+    assert res.sweep_revoked(100.5) == [] and list(res.revoked) == [session]  # held: it counts on
+    store.unpin(slots[1].key)
+    assert slots[1].pinned and store.retry_unpins() == []
+    _holds.store(region, rz.W_PIN_HOLD, 0)  # the step ends
+    assert res.sweep_revoked(100.6) == [] and res.revoked == {}
+    assert store.retry_unpins() == [slots[1]] and not slots[1].pinned
+    region.close()
+    res.close()
+
+
+def test_a_re_pin_cancels_a_waiting_unpin():
+    res = Residency()
+    store, slots = pinned_model(res)
+    session = object()
+    region = client_region(res, session)
+    _holds.store(region, rz.W_PIN_HOLD, 7 + 1)
+    store.unpin(slots[2].key)
+    from moed.cache.records import Want
+
+    store.pin(Want(slots[2].key, 1))
+    assert not slots[2].unpin_pending and store.unpin_waiting == set()
+    _holds.store(region, rz.W_PIN_HOLD, 0)
+    assert store.retry_unpins() == [] and slots[2].pinned
+    region.close()
+    res.close_region(session)
+    res.close()
