@@ -497,7 +497,9 @@ class ExpertStreamer:
             # hook, no substitution, no trace, and no prediction this step (prefetch off,
             # or the governor has it off); the look-ahead's cache estimate then hears the
             # layers taken from the lane's log at the end of the decode (`finish`).
-            auto = self._quiet() and (la is None or not la.observing)
+            # Repacked experts not yet switched to their kernels: Python must see this
+            # decode's first topk node (`_on_node` switches them there), so the lane waits.
+            auto = self._quiet() and (la is None or not la.observing) and not self._experts_pending()
             self.c_callback.set_lane(self.lane.handle, auto)
             self.lane.log(auto and la is not None and la.mode != "off")
 

@@ -243,3 +243,34 @@ def test_a_repacked_file_cannot_be_repacked_again(model_factory, tmp_path):
         timeout=120,
     )
     assert proc.returncode != 0 and "repacked already" in proc.stderr
+
+
+@pytest.mark.parametrize("pinned", [False, True], ids=["evicting", "whole-steps"])
+def test_prefetch_off_engine_switches_its_experts_before_the_lane_takes_a_layer(
+    model_factory, tmp_path, start_daemon, pinned
+):
+    """With prefetch off and no hook, nothing runs in Python at a topk once the lane takes
+    layers alone; the repacked experts are switched to their kernels at the first node
+    Python sees, so the lane (and whole steps) must wait for that first node."""
+    src = model_factory(quant="q4_0", embd=256, ff=256)
+    need_repack(src)
+    tokens, want = stock_logits(src)
+    from moed.engines.llama_cpp import StreamedLlama
+    from moed.testing import wait_for
+
+    daemon = start_daemon("1MiB", "--pin-budget", "64MiB") if pinned else start_daemon("1MiB")
+    client = daemon.client("e2e")
+    llm = StreamedLlama(repacked(src, tmp_path), client=client, prefetch="off", **LLAMA_KW)
+    try:
+        if pinned:
+            wait_for(llm.streamer.source.model.all_pinned, what="the mirror to pin the model whole")
+        assert_bit_equal(greedy_logits(llm, tokens), want)
+        engine = llm.stream_stats()
+    finally:
+        llm.close()
+        client.close()
+    assert engine["expert_layout"] == expected_layout(src)
+    if pinned:  # the first decode switches the experts (Python sees its first node); then no stop
+        assert engine["whole_decodes"] == engine["decodes"] - 1 and engine["lane_layers"] == engine["layers"]
+    else:
+        assert engine["lane_layers"] > 0 and engine["whole_decodes"] == 0
