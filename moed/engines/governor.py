@@ -20,7 +20,14 @@ The rule.
    and the run was 6% slower than off. Precision, not recall, because it counts
    what is read: gate2 and wider rows name more than they hit. While below the
    floor, probes are shadow probes: they predict and name but send nothing, so
-   the precision is re-measured without reading a byte.
+   the precision is re-measured without reading a byte. A shadow probe is
+   `shadow_probe` (2) shadow steps in a row, not a timed pairing: nothing is
+   timed below the floor, and 2 steps name k experts for every layer twice,
+   plenty for a precision. Each costs a decode step that stops at every router
+   input in Python; on the Qwen3-30B geometry in its cap (random weights: the
+   precision stays near 0.3) the 20 shadow steps of a 64-token decode under the
+   old schedule (8 cold ones, then half of each 16-step probe) made it 0.96x
+   prefetch off, and 7 make it 0.99x (bench/RESULTS.md, issue 32).
 2. Paired A/B. At or above the floor the engine alternates between a probe and
    a hold. A probe is `probe` decode steps that alternate on, off, on, off, ...;
    its verdict is the log of the ratio of the two arms' median step times. A
@@ -33,10 +40,13 @@ The rule.
    slower than the next whatever its arm). Medians, because a preempted step is
    an outlier, not a trend; several probes, because eight steps of each arm
    differ by their tokens' routes alone by ~10%.
-The first `skip` decode steps (cold cache, first-touch costs) are shadow steps:
-not timed, they only measure the precision before anything is sent (running
-them on, a recall-0.6 engine at a 25% budget read enough wrong experts during
-those steps to stay 3-4% behind an engine that never prefetched). A held-on arm whose precision falls below the floor turns off at once.
+The first `skip` decode steps (cold cache, first-touch costs) are not timed; the
+first `skip_shadow` of them are shadow steps that measure the precision before
+anything is sent (running them on, a recall-0.6 engine at a 25% budget read
+enough wrong experts during those steps to stay 3-4% behind an engine that never
+prefetched), and the rest stay shadow only while the precision is not known to
+be below the floor (off otherwise). A held-on arm whose precision falls below
+the floor turns off at once.
 
 Why measure instead of modelling the drive: prefetch pays when the reads it moves
 off the critical path (at most the compute they overlap) outweigh what it adds:
@@ -75,6 +85,8 @@ class PrefetchGovernor:
     hold: int = 32
     hold_max: int = 128
     skip: int = 8
+    skip_shadow: int = 3  # of the skip steps, how many shadow ones measure the precision first
+    shadow_probe: int = 2  # steps of a probe below the floor (all shadow, not timed)
     memory: int = 4
     precision_floor: float = 0.8
     precision_alpha: float = 0.1  # weight of the newest step in the running precision
@@ -90,6 +102,7 @@ class PrefetchGovernor:
     _step: int = 0
     _phase_left: int = 0
     _probing: bool = False
+    _shadow_probing: bool = False  # the probe under way started below the floor
     _hold_now: int = 0
     _held: str = ON
     _times: dict = field(default_factory=lambda: {ON: [], OFF: []})
@@ -109,11 +122,13 @@ class PrefetchGovernor:
             return SHADOW if self._batches % self.batch_probe_every == 0 else OFF
         self._step += 1
         if self._step <= self.skip:
-            self.mode = SHADOW
+            self.mode = SHADOW if self._step <= self.skip_shadow or not self._below_floor() else OFF
         else:
             if self._phase_left == 0 or (self.mode == ON and not self._probing and self._below_floor()):
                 self._next_phase()
-            if self._probing:
+            if self._shadow_probing:
+                self.mode = SHADOW
+            elif self._probing:
                 first = SHADOW if self._below_floor() else ON
                 self.mode = first if self._phase_left % 2 == 0 else OFF  # alternate (probe is even)
             self._phase_left -= 1
@@ -145,7 +160,9 @@ class PrefetchGovernor:
             self._hold_winner()
         else:
             self._times = {ON: [], OFF: []}
-            self._probing, self._phase_left = True, self.probe + self.probe % 2
+            self._shadow_probing = self._below_floor()
+            length = self.shadow_probe if self._shadow_probing else self.probe + self.probe % 2
+            self._probing, self._phase_left = True, length
 
     def _hold_winner(self) -> None:
         self.probes += 1
@@ -159,7 +176,7 @@ class PrefetchGovernor:
         same = self.probes > 1 and winner == self._held
         self._hold_now = min(self.hold_max, 2 * self._hold_now) if same else self.hold
         self.mode = self._held = winner
-        self._probing, self._phase_left = False, self._hold_now
+        self._probing, self._shadow_probing, self._phase_left = False, False, self._hold_now
 
     def state(self) -> dict:
         mean = sum(self.verdicts) / len(self.verdicts) if self.verdicts else None

@@ -34,7 +34,7 @@ import llama_cpp.llama as _llama_module
 import numpy as np
 from llama_cpp import Llama
 
-from moed.engines import ggml_tensor
+from moed.engines import blas, ggml_tensor
 from moed.engines.devices import gpu_devices, offload_for
 from moed.engines.lookahead import PredictHook
 from moed.engines.options import EngineOptions
@@ -228,7 +228,8 @@ def _hooked_internals(streamer: ExpertStreamer) -> types.ModuleType:
             # returns 0 (ggml's scheduler only breaks out of the split), so the
             # stored error is checked on success too: those logits are garbage.
             try:
-                super().decode(batch)
+                with blas.one_thread():  # numpy's BLAS must not spin beside ggml's threads
+                    super().decode(batch)
             except RuntimeError as exc:
                 err = streamer.take_error()
                 if err is not None:

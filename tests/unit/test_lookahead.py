@@ -232,12 +232,23 @@ def test_governor_holds_the_faster_arm_between_paired_probes(faster_on):
 
 
 def test_governor_below_the_precision_floor_stays_off_and_only_shadows():
-    g = PrefetchGovernor(probe=4, hold=8, hold_max=32, skip=2)
+    g = PrefetchGovernor(probe=4, hold=8, hold_max=32, skip=5, skip_shadow=2, shadow_probe=2)
     modes = drive_governor(g, 0.008, 0.012, 200, precision=0.6)  # faster on, but much of it wrong
-    assert modes[:2] == ["shadow", "shadow"]  # cold steps measure the precision
-    assert "on" not in modes[2:]  # never issues again
-    assert modes[2:6] == ["shadow", "off", "shadow", "off"]  # probes predict without sending
+    assert modes[:5] == ["shadow", "shadow", "off", "off", "off"]  # cold: measured, then known low
+    assert "on" not in modes[5:]  # never issues again
+    # a probe below the floor is 2 shadow steps (no timing to pair), then holds that double
+    assert modes[5:7] == ["shadow", "shadow"] and set(modes[7:15]) == {"off"}
+    assert modes[15:17] == ["shadow", "shadow"] and set(modes[17:33]) == {"off"}
+    assert modes[33:35] == ["shadow", "shadow"] and set(modes[35:67]) == {"off"}
+    assert g.steps["shadow"] == 2 + 2 * 7  # probes at steps 5, 15, 33, then every 34 (the hold at its 32)
     assert g.state()["prefetch_precision"] == pytest.approx(0.6)
+
+
+def test_governor_cold_steps_stay_shadow_while_the_precision_is_good():
+    g = PrefetchGovernor(probe=4, hold=8, skip=5, skip_shadow=2)
+    modes = drive_governor(g, 0.010, 0.012, 9, precision=0.9)
+    assert modes[:5] == ["shadow"] * 5  # nothing sent cold, the precision measured throughout
+    assert modes[5:9] == ["on", "off", "on", "off"]
 
 
 def test_governor_turns_off_at_once_when_precision_drops_during_a_hold():
