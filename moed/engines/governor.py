@@ -58,13 +58,22 @@ of probe / 2 / (probe + hold) of the steps: 1/5 while the hold is 32 steps, 1/18
 once it is 128.
 
 Prompt batches have their own precision (a batch names the union of its tokens'
-predictions, so it hits far more often than a decode step: the two do not mix). A
-batch runs on only once that precision is known and at or above the floor: the
-first batch is a shadow (it names and scores, reads nothing); below the floor
-batches run off, with every `batch_probe_every`-th one a shadow again. Why: a prompt in a
-cap is a read problem, so a wrong prefetch costs the drive time the prompt waits
-on (Qwen3-30B geometry, 25 tokens in a 6 GiB cap: 13% more bytes, prefill 0.83x
-prefetch off), while a right one only moves reads earlier.
+predictions, so it hits far more often than a decode step: the two do not mix).
+The first batch is a trial: it sends, and scores as it goes; once it has named
+`trial_min_named` experts, a precision below `trial_floor` (0.5: half of it
+wasted) turns the rest of it into a shadow (it names and scores, reads nothing
+more), so a model whose predictions are bad wastes a few hundred reads once. The
+trial's bar is lower than the floor because a network's first layers predict
+worse than its later ones: on the Qwen3-30B geometry the first 170 named were
+0.76 right and the whole batch 0.86, so a cut at the floor stopped a batch that
+paid. After it, batches run on at or above
+the floor; below it they run off, with every `batch_probe_every`-th one a shadow.
+Why: a prompt in a cap is a read problem, so a wrong prefetch costs the drive time
+the prompt waits on (Qwen3-30B geometry, 25 tokens in a 6 GiB cap: 13% more bytes,
+prefill 0.83x prefetch off, measured while numpy's BLAS still spun beside ggml),
+while a right one moves reads under the compute of the layer before. A first
+batch that only shadowed cost a one-batch prompt 3% and gained nothing; sent, the
+same batch (precision 0.86-0.93) ran 1.16-1.26x prefetch off (bench/RESULTS.md).
 
 Invariants: `begin` and `end` alternate; prompt batches never touch the decode
 schedule, its timings or its precision.
@@ -94,6 +103,9 @@ class PrefetchGovernor:
     precision: float | None = None
     batch_precision: float | None = None  # the same, over prompt batches' prefetches
     batch_probe_every: int = 8  # below the floor, every 8th prompt batch is a shadow
+    trial_min_named: int = 256  # what a trial batch names before its precision may cut it
+    trial_floor: float = 0.5  # below this a trial batch stops sending
+    _trial: bool = False  # the batch under way is the trial (sent before any batch precision)
     _batches: int = 0
     steps: dict = field(default_factory=lambda: {ON: 0, OFF: 0, SHADOW: 0})
     probes: int = 0
@@ -111,10 +123,12 @@ class PrefetchGovernor:
     def begin(self, decode_step: bool) -> str:
         """Start a step; returns ON, OFF or SHADOW."""
         self._counted = decode_step
+        self._trial = False
         if not decode_step:
             self._batches += 1
             if self.batch_precision is None:
-                return SHADOW
+                self._trial = True  # sent, and cut to a shadow by `cut` if it proves wrong
+                return ON
             if self.batch_precision >= self.precision_floor:
                 return ON
             # Below the floor: off, and a shadow batch now and then to see whether it rose
@@ -146,6 +160,15 @@ class PrefetchGovernor:
             return
         a = self.precision_alpha
         self.precision = p if self.precision is None else a * p + (1 - a) * self.precision
+
+    def cut(self, used: int, named: int) -> bool:
+        """Mid-step, of what it named so far the step's layers routed `used` of `named`:
+        True when the rest of a trial batch must only shadow (its precision is below
+        the floor on enough evidence). Only ever True once a step; other steps never."""
+        if self._trial and named >= self.trial_min_named and used < self.trial_floor * named:
+            self._trial = False
+            return True
+        return False
 
     def end(self, seconds: float) -> None:
         """The step started by the last `begin` took `seconds`."""

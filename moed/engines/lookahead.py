@@ -272,6 +272,8 @@ class Lookahead:
             if named is not None:
                 self._step_named[0] += int((named & used).sum())
                 self._step_named[1] += int(named.sum())
+                if self._issuing and self.governor is not None and self.governor.cut(*self._step_named):
+                    self._issuing, self._shadow = False, True  # a trial batch that proved wrong
             if mask is not None:
                 hit = int((mask & used).sum())
                 look.hits += hit

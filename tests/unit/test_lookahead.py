@@ -278,8 +278,12 @@ def test_governor_ignores_an_outlier_step():
 
 
 def test_governor_runs_prompt_batches_on_their_own_precision_and_uncounted():
-    g = PrefetchGovernor(probe=2, skip=0, batch_probe_every=8)
-    assert g.begin(decode_step=False) == "shadow"  # no batch precision yet: name, read nothing
+    g = PrefetchGovernor(probe=2, skip=0, batch_probe_every=8, trial_min_named=10)
+    assert g.begin(decode_step=False) == "on"  # the trial: sent, scored as it goes
+    assert not g.cut(2, 9)  # too little named to judge
+    assert not g.cut(6, 10)  # 0.6: below the floor, not the trial's bar (first layers predict worse)
+    assert g.cut(4, 10)  # 0.4 on enough: the rest of the batch only shadows
+    assert not g.cut(4, 10)  # once
     g.scored(6, 10)  # 0.6: below the floor
     g.end(5.0)
     assert g.last_median_s == {"on": None, "off": None} and g.steps == {"on": 0, "off": 0, "shadow": 0}
@@ -293,6 +297,16 @@ def test_governor_runs_prompt_batches_on_their_own_precision_and_uncounted():
     g.scored(10, 10)  # the shadow batch's score (scored before end, as the look-ahead does)
     assert g.batch_precision == 0.8
     assert g.begin(decode_step=False) == "on"
+    assert not g.cut(0, 100)  # not a trial: only the first batch is cut mid-way
+
+
+def test_a_trial_batch_that_predicts_well_is_sent_whole():
+    g = PrefetchGovernor(trial_min_named=10)
+    assert g.begin(decode_step=False) == "on"
+    assert not g.cut(9, 10) and not g.cut(90, 100)
+    g.scored(90, 100)
+    g.end(1.0)
+    assert g.batch_precision == 0.9 and g.begin(decode_step=False) == "on"
 
 
 def test_shadow_steps_name_prefetches_for_the_governor_but_send_nothing():
@@ -365,3 +379,17 @@ def test_multi_token_prediction_layers_are_not_graph_layers():
     assert graph_moe_layers(glm, range(1, 47)) == list(range(1, 46))
     assert graph_moe_layers({**glm, "glm4moe.nextn_predict_layers": 0}, range(1, 47)) == list(range(1, 47))
     assert graph_moe_layers({"general.architecture": "qwen3moe"}, [0, 1, 2]) == [0, 1, 2]
+
+
+def test_a_trial_batch_that_predicts_badly_stops_sending_mid_batch():
+    """The first prompt batch sends before any batch precision is known; once what it named
+    proves wrong, its later layers only name (a bad predictor wastes reads once, briefly)."""
+    x = np.random.default_rng(11).standard_normal((8, D)).astype(np.float32)  # a batch: over DECODE_ROWS
+    routes = {l: np.array([[0, 1]] * 8, dtype=np.int32) for l in LAYERS}  # whatever was predicted
+    p, drive = GatePredictor(routers(), LAYERS), Drive()
+    la = Lookahead(p, drive, "gate", width=2)
+    la.governor.trial_min_named = 3
+    run_step(la, x, routes)
+    assert [layer for layer, _ in drive.sent] == [2]  # sent for layer 2; layer 2's score cut the rest
+    assert la.governor.batch_precision is not None and la.governor.batch_precision < 0.8
+    assert counts_add_up(la.totals())
