@@ -10,6 +10,7 @@ killed and `DaemonUnavailable` carries the end of its log.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -55,6 +56,7 @@ class DaemonProcess:
         start_timeout_s: float = 20.0,
     ):
         self.dir = Path(socket_dir or tempfile.mkdtemp(prefix="moed-", dir="/tmp"))
+        self._own_dir = socket_dir is None  # made here: `close` removes it with the log
         self.socket = str(self.dir / "s")
         self.log_path = self.dir / "moed.log"
         cmd = [sys.executable, "-m", "moed.daemon.main", "--socket", self.socket, "--ram-budget", str(budget), *extra]
@@ -131,8 +133,19 @@ class DaemonProcess:
             self.proc.wait()
         self._log.close()
 
+    def close(self) -> None:
+        """Kill it (if running) and remove the directory this object made (socket and log):
+        a suite of hundreds of daemons must not leave hundreds of directories in /tmp."""
+        self.kill()
+        if self._own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
     def __enter__(self) -> DaemonProcess:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.stop()
+        try:
+            self.stop()
+        finally:
+            if self._own_dir:
+                shutil.rmtree(self.dir, ignore_errors=True)

@@ -261,7 +261,7 @@ def start_daemon():
 
     yield start
     for d in started:
-        d.kill()
+        d.close()
 
 
 @pytest.fixture

@@ -114,3 +114,22 @@ def test_unlockable_budget_starts_with_warning_and_says_so_in_stats(tiny_model):
         err = proc.communicate(timeout=15)[1]
     assert proc.returncode == 0
     assert "NOT be locked" in err
+
+
+def test_a_test_daemon_leaves_no_directory_behind():
+    """DaemonProcess removes the directory it made (socket, log) when it is done with:
+    a suite starts hundreds of daemons on a box others share."""
+    d = DaemonProcess("8MiB")
+    assert (d.dir / "moed.log").exists() and os.path.exists(d.socket)
+    d.close()
+    assert not d.dir.exists() and not d.running()
+    with DaemonProcess("8MiB") as e:
+        made = e.dir
+        e.client("x").close()
+    assert not made.exists()
+    kept = short_dir()
+    with DaemonProcess("8MiB", socket_dir=kept):
+        pass
+    assert os.path.isdir(kept)  # not its own: left where the caller put it
+    os.remove(os.path.join(kept, "moed.log"))
+    os.rmdir(kept)
