@@ -130,6 +130,7 @@ def print_stats(s: dict) -> None:
         t.add_row(k, v)
     console.print(t)
     _print_models(console, s["models"])
+    _print_engines(console, s.get("clients", []))
     tt = Table(title="tenants")
     for col in ("uid", "names", "hits", "misses", "hit rate", "read", "resident", "leases", "floor/ceiling"):
         tt.add_column(col)
@@ -167,6 +168,21 @@ def _connections_line(s: dict) -> str:
     if s.get("timed_out_connections"):
         line += f"; {s['timed_out_connections']} closed for silence"
     return line
+
+
+def _print_engines(console, clients: list[dict]) -> None:
+    """Each engine connected: whose, which model, and what computes where (OpenModel.compute)."""
+    from rich.table import Table
+
+    rows = [(c, mid, what) for c in clients for mid, what in c.get("engines", [])]
+    if not rows:
+        return
+    t = Table(title="engines")
+    for col in ("pid", "uid", "name", "model", "computes"):
+        t.add_column(col)
+    for c, mid, what in rows:
+        t.add_row(str(c["pid"]), str(c["uid"]), c.get("name", ""), str(mid), what)
+    console.print(t)
 
 
 def _print_models(console, models: list[dict]) -> None:

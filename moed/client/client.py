@@ -210,11 +210,12 @@ class Client:
     def models(self) -> list[dict]:
         return msgspec.to_builtins(self.request(m.ListModels()).models)
 
-    def open_model(self, path: str | os.PathLike, expert_layout: str = "") -> ModelHandle:
+    def open_model(self, path: str | os.PathLike, expert_layout: str = "", compute: str = "") -> ModelHandle:
         """Open a model; `expert_layout` ("plain", "q4_0_8x8", ...) is the layout the caller
-        computes on: a file in another raises LayoutUnavailable ("" takes it as it is)."""
+        computes on: a file in another raises LayoutUnavailable ("" takes it as it is).
+        `compute`: what computes where in the caller's engine, for `moectl stats`."""
         # the daemon resolves paths itself: never in its own working directory
-        info, fds = self._open(m.OpenModel(os.path.abspath(os.fspath(path)), expert_layout))
+        info, fds = self._open(m.OpenModel(os.path.abspath(os.fspath(path)), expert_layout, compute[:256]))
         n = len(info.segments)
         want = 2 * n + 1 if info.residency else n
         if len(fds) != want:

@@ -90,6 +90,8 @@ class Session(asyncio.Protocol):
         self.hello = False
         self.leases: dict[int, LeaseRecord] = {}
         self.models: set[int] = set()
+        self.name = ""  # the client's name (Hello), for stats
+        self.compute: dict[int, str] = {}  # model id -> what its engine computes where (OpenModel.compute)
         self.pid = self.uid = self.gid = -1
         self.task: asyncio.Future | None = None
         self.pending: PendingAcquire | None = None  # the acquire waiting for room or reads
@@ -258,6 +260,8 @@ class Session(asyncio.Protocol):
             "buffered_out_bytes": self.transport.get_write_buffer_size() if self.transport else 0,
             "local_holds": self.daemon.residency.holds_of(self),
             "reading": self.reading,
+            "name": self.name,
+            "engines": sorted([mid, what] for mid, what in self.compute.items()),
         }
 
     # ---- dispatch ------------------------------------------------------------
@@ -339,6 +343,7 @@ class Session(asyncio.Protocol):
             raise errors.VersionMismatch(f"client speaks protocol {msg.version}, daemon {PROTOCOL_VERSION}")
         self.hello = True
         self._arm(self.daemon.config.idle_timeout_s)  # 0: no idle limit, the Hello deadline is cancelled
+        self.name = msg.client_name[:64]
         if msg.client_name:
             if len(self.tenant.names) < MAX_NAMES_PER_TENANT:  # names are for display; never unbounded
                 self.tenant.names.add(msg.client_name[:64])
@@ -355,6 +360,8 @@ class Session(asyncio.Protocol):
         if msg.expert_layout and msg.expert_layout != info.expert_layout:
             raise errors.LayoutUnavailable(layout_refusal(info.path, info.expert_layout, msg.expert_layout))
         self.models.add(model.model_id)
+        if msg.compute:  # bounded: one short string per model this connection opened
+            self.compute[model.model_id] = msg.compute
         classes = [s.class_id for s in info.segments]
         d = self.daemon
 

@@ -83,6 +83,22 @@ class Offload:
         }
 
 
+def compute_line(offload: Offload | None) -> str:
+    """One line of what computes where, for the daemon's stats (`moectl stats`)."""
+    if offload is None:
+        return "experts and dense layers on the CPU"
+    d = offload.describe()
+    if not d["gpu_layers"]:
+        return (
+            f"experts on the CPU; output layer on {d['gpu']}"
+            if d["output_on_gpu"]
+            else "experts and dense layers on the CPU"
+        )
+    first, last = d["gpu_layers"]
+    output = " and the output layer" if d["output_on_gpu"] else ""
+    return f"experts on the CPU; layers {first}-{last}{output} on {d['gpu']}"
+
+
 def offload_for(headers, n_gpu_layers: int) -> Offload | None:
     """The model's offload with `n_gpu_layers`, or None where nothing would be offloaded."""
     if n_gpu_layers <= 0:

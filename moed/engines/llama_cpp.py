@@ -35,7 +35,7 @@ import numpy as np
 from llama_cpp import Llama
 
 from moed.engines import blas, ggml_tensor
-from moed.engines.devices import gpu_devices, offload_for
+from moed.engines.devices import compute_line, gpu_devices, offload_for
 from moed.engines.lookahead import PredictHook
 from moed.engines.options import EngineOptions
 from moed.engines.sources import ExpertSource, MoedSource
@@ -349,7 +349,13 @@ class StreamedLlama(Llama):
                 from moed.client import Client
 
                 client = self._own_client = Client(socket_path, client_name=f"StreamedLlama[{os.getpid()}]")
-            source = MoedSource(client, model_path, timeout_s=acquire_timeout_s, expert_layout=layout.expert_layout)
+            source = MoedSource(
+                client,
+                model_path,
+                timeout_s=acquire_timeout_s,
+                expert_layout=layout.expert_layout,
+                compute=compute_line(offload),
+            )
         self.moed_client = client
         substituter = None
         if subst is not None:

@@ -111,9 +111,11 @@ class MoedGrant:
 class MoedSource:
     """Experts served by a moed daemon through `moed.client`."""
 
-    def __init__(self, client, model_path: str, timeout_s: float | None = None, expert_layout: str = ""):
+    def __init__(
+        self, client, model_path: str, timeout_s: float | None = None, expert_layout: str = "", compute: str = ""
+    ):
         self.client = client
-        self.model = client.open_model(model_path, expert_layout)
+        self.model = client.open_model(model_path, expert_layout, compute)
         self.timeout_s = timeout_s
         self.files = list(self.model.files)
         self.moe_layers = list(self.model.moe_layers)

@@ -27,6 +27,7 @@ MAX_IDS = 4096
 MAX_PIN_PAIRS = 1 << 18
 MAX_PATH_CHARS = 4096
 MAX_NAME_CHARS = 256
+MAX_COMPUTE_CHARS = 256  # an engine's "what computes where" (OpenModel.compute)
 
 Ids = Annotated[list[int], msgspec.Meta(max_length=MAX_IDS)]
 Pairs = Annotated[list[tuple[int, int]], msgspec.Meta(max_length=MAX_PIN_PAIRS)]
@@ -53,6 +54,9 @@ class OpenModel(Message, tag="open_model"):
     # The expert layout the engine will compute on ("plain", "q4_0_8x8", ...; see
     # moed.gguf.layouts); "" takes the file as it is. A mismatch is LayoutUnavailable.
     expert_layout: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    # What computes where in the engine that opens it ("experts CPU; layers 12-23, output
+    # on Vulkan0"): shown per connection by `moectl stats`; "" for clients that compute nothing.
+    compute: Annotated[str, msgspec.Meta(max_length=MAX_COMPUTE_CHARS)] = ""
 
 
 class Acquire(Message, tag="acquire"):

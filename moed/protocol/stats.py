@@ -145,6 +145,8 @@ class ClientRow(_Row):
     buffered_out_bytes: int
     reading: bool
     local_holds: int = 0  # slots it holds in its hold region (no round trip)
+    name: str = ""  # the client's name (Hello)
+    engines: list[tuple[int, str]] = []  # (model id, what computes where) of the engines it runs
 
 
 class Limits(_Row):

@@ -53,7 +53,10 @@ else:
     client = Client(sock, "gpu-hybrid")
     llm = StreamedLlama(model, client=client, **kw)
 np.save(out, greedy_logits(llm, llm.tokenize(PROMPT), steps=8))
-print(json.dumps(llm.stream_stats() if which == "streamed" else {}))
+stats = llm.stream_stats() if which == "streamed" else {}
+if client is not None:  # what the daemon shows for this engine (moectl stats' engines table)
+    stats["engines"] = [what for c in client.stats()["clients"] for _, what in c["engines"]]
+print(json.dumps(stats))
 llm.close()
 if client is not None:
     client.close()
@@ -120,6 +123,10 @@ def test_dense_on_the_gpu_experts_from_moed_match_stock_with_the_same_offload(
     assert dev["gpu"] == vulkan_device and dev["experts"] == "CPU"
     n_layer = 4
     assert dev["gpu_layers"] == ([0, n_layer - 1] if n_gpu > n_layer else [n_layer + 1 - n_gpu, n_layer - 1])
+    first = dev["gpu_layers"][0]
+    assert stats["engines"] == [
+        f"experts on the CPU; layers {first}-{n_layer - 1} and the output layer on {vulkan_device}"
+    ]
     assert stats["lane_layers"] == 0  # the top-k is in the device's memory: Python's path reads it
     assert daemon.client("check").stats()["evictions"] > 0, "the budget must force eviction"
 

@@ -8,6 +8,10 @@ once it is done the engine goes back to stopping at each layer.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from moed.protocol import messages as m
@@ -82,6 +86,29 @@ def test_an_unpin_waits_for_the_step_that_holds_the_model(start_daemon, referenc
         assert_bit_equal(got, want)
         s = llm.stream_stats()
         assert s["whole_decodes"] == 0 and s["lane_layers"] > 0
+    finally:
+        llm.close()
+        client.close()
+
+
+def test_the_daemon_shows_what_each_engine_computes_where(start_daemon, aligned_model):
+    """`moectl stats` lists the connected engines: whose, which model, what computes where."""
+    d = start_daemon("16MiB")
+    llm, client = _engine(d, aligned_model, prefetch="off")
+    try:
+        mid = llm.streamer.source.model.model_id
+        with d.client("probe") as c:
+            rows = [r for r in c.stats()["clients"] if r["engines"]]
+        assert [(r["pid"], [tuple(e) for e in r["engines"]]) for r in rows] == [
+            (os.getpid(), [(mid, "experts and dense layers on the CPU")])
+        ]
+        out = subprocess.run(
+            [sys.executable, "-m", "moed.ctl", "--socket", d.socket, "stats"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0 and "engines" in out.stdout and "dense layers on the" in out.stdout, out.stdout
     finally:
         llm.close()
         client.close()
