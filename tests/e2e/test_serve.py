@@ -28,7 +28,7 @@ def served(tiny_model, tmp_path_factory):
     server = ServeProcess(d.socket, tiny_model, log_dir=tmp_path_factory.mktemp("serve"))
     yield d, server
     server.stop()
-    d.kill()
+    d.close()
 
 
 def test_completion_through_the_openai_client(served):
@@ -93,7 +93,7 @@ def test_two_servers_for_two_models_on_one_daemon(model_factory, tmp_path):
     finally:
         for s in servers:
             s.stop()
-        d.kill()
+        d.close()
 
 
 def test_daemon_killed_mid_request_is_a_503_and_a_restart_recovers(tiny_model, tmp_path):
@@ -143,7 +143,7 @@ def test_daemon_killed_mid_request_is_a_503_and_a_restart_recovers(tiny_model, t
     finally:
         if server is not None:
             server.stop()
-        d.kill()
+        d.close()
 
 
 def test_config_file_serves_two_models_and_warns_about_what_it_ignores(model_factory, tmp_path):
@@ -191,4 +191,4 @@ def test_config_file_serves_two_models_and_warns_about_what_it_ignores(model_fac
     finally:
         if server is not None:
             server.stop()
-        d.kill()
+        d.close()

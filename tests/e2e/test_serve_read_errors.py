@@ -61,4 +61,4 @@ def test_a_failed_expert_read_is_a_502_naming_it_and_the_next_request_is_served(
     finally:
         if server is not None:
             server.stop()
-        d.kill()
+        d.close()

@@ -36,7 +36,7 @@ INCOMPLETE = "ASGI callable returned without completing response"
 def daemon():
     d = DaemonProcess("512KiB")
     yield d
-    d.kill()
+    d.close()
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from tests.e2e.serving import BANNED, PROMPT, ServeProcess, complete, free_port 
 def daemon():
     d = DaemonProcess("1MiB")
     yield d
-    d.kill()
+    d.close()
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +208,7 @@ def test_a_stop_drains_the_request_and_exits_0_with_no_leases_left(tiny_model, t
     try:
         _drain_and_exit(daemon, tiny_model, tmp_path, to_group)
     finally:
-        daemon.kill()
+        daemon.close()
 
 
 def _drain_and_exit(daemon: DaemonProcess, tiny_model, tmp_path, to_group: bool) -> None:

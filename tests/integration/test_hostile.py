@@ -60,7 +60,7 @@ def hostile_daemon():
 
     yield start
     for d in made:
-        d.kill()
+        d.close()
 
 
 def raw(d, hello: bool = True) -> socket.socket:

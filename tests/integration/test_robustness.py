@@ -28,7 +28,7 @@ from tests.integration.test_daemon import check_lease, expert_bytes, worker
 def fuzz_daemon():
     d = DaemonProcess("8MiB")
     yield d
-    d.kill()
+    d.close()
 
 
 @pytest.fixture(scope="module")
