@@ -133,7 +133,12 @@ def run_engine(kind: str, model: str, socket: str | None, prompt_n: int, tokens:
             prefill_stall_s=round(s1 - s0, 2),
             decode_stall_s=round(s2 - s1, 2),
             decode_hit_rate=_rate(d1, d2),
-            governor={k: v for k, v in llm.stream_stats().items() if k.startswith("prefetch_steps")},
+            governor={
+                k: v
+                for k, v in llm.stream_stats().items()
+                if k.startswith("prefetch_steps")
+                or k in ("prefetch_precision", "prefetch_batch_precision", "prefetch_on_vs_off")
+            },
         )
     import resource
 

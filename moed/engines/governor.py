@@ -10,7 +10,7 @@ The rule.
 1. Precision floor. The engine keeps a running precision of its prefetches
    (experts named for a layer that the layer then routed, over all named; an
    exponential mean over the steps that named any). Below `precision_floor`
-   (0.8) prefetch stays off: too much of what it would read is wrong, and wrong
+   (0.65) prefetch stays off: too much of what it would read is wrong, and wrong
    prefetches evict slots of the shared cache that would have hit. That damage lasts beyond the step (it is
    the cache's contents), so a step-by-step A/B cannot see it, both arms share
    the polluted cache: measured in the 2.2 GB cap at recall 0.6, the steps a
@@ -97,7 +97,7 @@ class PrefetchGovernor:
     skip_shadow: int = 3  # of the skip steps, how many shadow ones measure the precision first
     shadow_probe: int = 2  # steps of a probe below the floor (all shadow, not timed)
     memory: int = 4
-    precision_floor: float = 0.8
+    precision_floor: float = 0.65
     precision_alpha: float = 0.1  # weight of the newest step in the running precision
     mode: str = ON
     precision: float | None = None
@@ -119,6 +119,7 @@ class PrefetchGovernor:
     _held: str = ON
     _times: dict = field(default_factory=lambda: {ON: [], OFF: []})
     _counted: bool = False
+    _cold: list = field(default_factory=lambda: [0, 0])  # used, named over the cold steps
 
     def begin(self, decode_step: bool) -> str:
         """Start a step; returns ON, OFF or SHADOW."""
@@ -157,6 +158,11 @@ class PrefetchGovernor:
         if not self._counted:  # a prompt batch
             b = self.batch_precision
             self.batch_precision = p if b is None else 0.5 * p + 0.5 * b  # few batches: weigh them alike
+            return
+        if self._step <= self.skip:  # cold steps: the plain ratio over all of them, not one step's
+            self._cold[0] += used
+            self._cold[1] += named
+            self.precision = self._cold[0] / self._cold[1]
             return
         a = self.precision_alpha
         self.precision = p if self.precision is None else a * p + (1 - a) * self.precision

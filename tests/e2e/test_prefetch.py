@@ -200,10 +200,10 @@ def test_adaptive_prefetch_measures_both_arms_and_stays_exact(start_daemon, refe
         client.close()
     assert_bit_equal(got, want)
     assert st["prefetch_probes"] >= 1 and 0 < st["prefetch_precision"] <= 1
-    if st["prefetch_precision"] >= 0.8:  # a timed probe: 8 cold shadow steps, then on and off paired
-        assert st["prefetch_steps_shadow"] >= 8 and st["prefetch_steps_off"] >= 8
-        assert st["prefetch_steps_on"] >= 8 and st["step_s_on"] > 0 and st["step_s_off"] > 0
-    else:  # 3 cold shadow steps, the other cold ones off, then 2-step shadow probes (predicted, not sent)
-        assert st["prefetch_steps_shadow"] >= 3 + 2 and st["prefetch_steps_on"] == 0
-        assert st["prefetch_steps_off"] >= 5
+    assert st["prefetch_steps_shadow"] >= 3  # the cold steps measure the precision first
+    if st["prefetch_on_vs_off"] is not None:  # a timed probe: both arms ran and were timed
+        assert st["prefetch_steps_on"] > 0 and st["prefetch_steps_off"] > 0
+        assert st["step_s_on"] > 0 and st["step_s_off"] > 0
+    else:  # only shadow probes (below the floor): nothing sent after the cold steps
+        assert st["prefetch_steps_off"] > 0
     assert_counters_add_up(st)
