@@ -656,11 +656,7 @@ static PyObject *lane_whole_end(PyObject *self, PyObject *args) {
     if (L == NULL) return NULL;
     if (!L->live || !L->whole) Py_RETURN_NONE;
     lane_pin_release(L);
-    if (L->counter_word >= 0) {
-        uint64_t *region = (uint64_t *)L->region.buf;
-        uint64_t n = __atomic_load_n(&region[L->counter_word], __ATOMIC_RELAXED);
-        __atomic_store_n(&region[L->counter_word], n + uses, __ATOMIC_RELAXED);
-    }
+    hp_count((uint64_t *)L->region.buf, L->counter_word, uses);
     Py_RETURN_NONE;
 }
 

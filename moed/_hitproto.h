@@ -82,6 +82,14 @@ static inline int hp_release(const uint64_t *states, size_t n_states, uint64_t *
     return ok;
 }
 
+/* Add `k` local hits to the model's counter word (counter_word < 0: none). Only this
+ * process writes it, and every writer holds the GIL, so a relaxed add is enough. */
+static inline void hp_count(uint64_t *region, int64_t counter_word, uint64_t k) {
+    if (counter_word < 0) return;
+    uint64_t n = __atomic_load_n(&region[counter_word], __ATOMIC_RELAXED);
+    __atomic_store_n(&region[counter_word], n + k, __ATOMIC_RELAXED);
+}
+
 /* Leave a hit's touches for the daemon's LRU and count it: the ring entries first,
  * then the head (a seq_cst store), so the daemon never reads a touch not written.
  * The head lives in the region (only this process writes it); the caller serializes
@@ -92,10 +100,7 @@ static inline void hp_record(uint64_t *region, uint64_t class_id, const uint64_t
     for (size_t j = 0; j < k; j++, head++)
         region[HP_RING_BASE + head % HP_RING_WORDS] = ((class_id & 0xFFFFFFFF) << 32) | (slots[j] & 0xFFFFFFFF);
     __atomic_store_n(&region[HP_W_RING_HEAD], head, __ATOMIC_SEQ_CST);
-    if (counter_word >= 0) {
-        uint64_t n = __atomic_load_n(&region[counter_word], __ATOMIC_RELAXED);
-        __atomic_store_n(&region[counter_word], n + k, __ATOMIC_RELAXED);
-    }
+    hp_count(region, counter_word, k);
 }
 
 #endif

@@ -361,13 +361,13 @@ class Daemon:
     def idle(self) -> bool:
         """Nothing for the maintenance loop until a client comes: no session, no hold region
         (live, revoked or adopted) and no read queued or running (a stuck one is watched)."""
-        res = self.residency
-        st = self.store
-        return (
-            not self.sessions
-            and not (res.regions or res.revoked or st.adopted or st.unpin_waiting)
-            and not self.reader.busy()
-        )
+        return not self.sessions and not self._holds_to_keep() and not self.reader.busy()
+
+    def _holds_to_keep(self) -> bool:
+        """Hold regions (live or revoked), adopted slots or unpins waiting on a whole step:
+        what the local-hold maintenance of each period looks after."""
+        res, st = self.residency, self.store
+        return bool(res.regions or res.revoked or st.adopted or st.unpin_waiting)
 
     async def _maintain(self, period_s: float = 0.02) -> None:
         """Every `period_s`: fold touches, sweep adopted slots; every 50 periods, counters.
@@ -393,7 +393,7 @@ class Daemon:
             except Exception:  # noqa: BLE001 - the next period tries again; never lose the loop
                 log.exception("revoked-region sweep failed")
             try:
-                if self.residency.regions or self.residency.revoked or self.store.adopted or self.store.unpin_waiting:
+                if self._holds_to_keep():
                     self.holds.fold(counters=n % 50 == 0)
                     self.holds.sweep_adopted()
                     self.holds.refresh_pins()

@@ -344,9 +344,9 @@ class Session(asyncio.Protocol):
         self.hello = True
         self._arm(self.daemon.config.idle_timeout_s)  # 0: no idle limit, the Hello deadline is cancelled
         self.name = msg.client_name[:64]
-        if msg.client_name:
+        if self.name:
             if len(self.tenant.names) < MAX_NAMES_PER_TENANT:  # names are for display; never unbounded
-                self.tenant.names.add(msg.client_name[:64])
+                self.tenant.names.add(self.name)
         d = self.daemon
         return m.HelloReply(PROTOCOL_VERSION, d.version, d.pid, self.uid, self.pid)
 

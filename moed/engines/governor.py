@@ -170,7 +170,7 @@ class PrefetchGovernor:
     def cut(self, used: int, named: int) -> bool:
         """Mid-step, of what it named so far the step's layers routed `used` of `named`:
         True when the rest of a trial batch must only shadow (its precision is below
-        the floor on enough evidence). Only ever True once a step; other steps never."""
+        `trial_floor` once it has named `trial_min_named`). Only ever True once a step; other steps never."""
         if self._trial and named >= self.trial_min_named and used < self.trial_floor * named:
             self._trial = False
             return True

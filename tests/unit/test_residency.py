@@ -5,6 +5,8 @@ from __future__ import annotations
 import mmap
 import os
 
+import pytest
+
 from moed import _holds
 from moed.cache.store import ExpertKey, Slot, SlotState
 from moed.daemon.residency import Residency
@@ -157,13 +159,24 @@ def pinned_model(res: Residency):
     return store, slots
 
 
-def test_a_pin_hold_keeps_pinned_slots_until_it_is_let_go():
+@pytest.fixture
+def whole_step():
+    """(residency, store, slots, session, region): model 7 pinned whole, and `session`'s
+    region holding its pin hold, as an engine's does during a whole step."""
     res = Residency()
     store, slots = pinned_model(res)
-    assert res.whole(7) and _holds.load(res.tables[7].map, rz.pin_word(4)) == 1
     session = object()
     region = client_region(res, session)
-    _holds.store(region, rz.W_PIN_HOLD, 7 + 1)  # a whole step under way
+    _holds.store(region, rz.W_PIN_HOLD, 7 + 1)
+    yield res, store, slots, session, region
+    region.close()
+    res.close_region(session)  # a no-op once revoked and ended
+    res.close()
+
+
+def test_a_pin_hold_keeps_pinned_slots_until_it_is_let_go(whole_step):
+    res, store, slots, _, region = whole_step
+    assert res.whole(7) and _holds.load(res.tables[7].map, rz.pin_word(4)) == 1
     assert store.unpin(slots[0].key)
     assert not res.whole(7)  # the pin word dropped first: no new whole step
     assert slots[0].pinned and slots[0].unpin_pending and store.unpin_waiting == {slots[0]}
@@ -172,17 +185,10 @@ def test_a_pin_hold_keeps_pinned_slots_until_it_is_let_go():
     assert store.retry_unpins() == [slots[0]]
     assert not slots[0].pinned and store.unpin_waiting == set()
     assert store.pinned_bytes == 3 * 4096
-    region.close()
-    res.close_region(session)
-    res.close()
 
 
-def test_a_revoked_regions_pin_hold_counts_until_let_go():
-    res = Residency()
-    store, slots = pinned_model(res)
-    session = object()
-    region = client_region(res, session)
-    _holds.store(region, rz.W_PIN_HOLD, 7 + 1)
+def test_a_revoked_regions_pin_hold_counts_until_let_go(whole_step):
+    res, store, slots, session, region = whole_step
     res.revoke(session, now_s=100.0)
     assert res.sweep_revoked(100.5) == [] and list(res.revoked) == [session]  # held: it counts on
     store.unpin(slots[1].key)
@@ -190,23 +196,14 @@ def test_a_revoked_regions_pin_hold_counts_until_let_go():
     _holds.store(region, rz.W_PIN_HOLD, 0)  # the step ends
     assert res.sweep_revoked(100.6) == [] and res.revoked == {}
     assert store.retry_unpins() == [slots[1]] and not slots[1].pinned
-    region.close()
-    res.close()
 
 
-def test_a_re_pin_cancels_a_waiting_unpin():
-    res = Residency()
-    store, slots = pinned_model(res)
-    session = object()
-    region = client_region(res, session)
-    _holds.store(region, rz.W_PIN_HOLD, 7 + 1)
-    store.unpin(slots[2].key)
+def test_a_re_pin_cancels_a_waiting_unpin(whole_step):
     from moed.cache.records import Want
 
+    _, store, slots, _, region = whole_step
+    store.unpin(slots[2].key)
     store.pin(Want(slots[2].key, 1))
     assert not slots[2].unpin_pending and store.unpin_waiting == set()
     _holds.store(region, rz.W_PIN_HOLD, 0)
     assert store.retry_unpins() == [] and slots[2].pinned
-    region.close()
-    res.close_region(session)
-    res.close()
