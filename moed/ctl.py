@@ -10,6 +10,7 @@ errors are raised, and reported here through moectl's one error path
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import pkgutil
 import sys
@@ -33,8 +34,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """`parser.parse_args`, but an unknown flag's error names the verb's nearest flag."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        verb = verbs.choices[args.verb]
+        flags = [s for a in verb._actions for s in a.option_strings] + [
+            s for a in parser._actions for s in a.option_strings
+        ]
+        hints = []
+        for arg in extra:
+            near = (
+                difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1, cutoff=0.6) if arg.startswith("-") else []
+            )
+            hints.append(f"{arg} (did you mean {near[0]}?)" if near else arg)
+        verb.error(f"unrecognized arguments: {' '.join(hints)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(build_parser(), argv)
     try:
         return int(args.func(args) or 0)
     except moed.cli.HANDLED as exc:  # the one error path: one line, one format (moed.cli)

@@ -76,8 +76,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         "--n-gpu-layers",
         type=int,
         default=0,
-        help="dense layers on the GPU, the routed experts on the CPU from moed (llama.cpp's --n-cpu-moe); "
-        "needs a GPU build of llama.cpp (Vulkan) and a device (default 0: everything on the CPU)",
+        help="dense layers on the GPU (the last N blocks and the output; -1: every layer), the routed "
+        "experts on the CPU from moed (llama.cpp's --n-cpu-moe); needs a GPU build of llama.cpp (Vulkan) "
+        "and a device (default 0: everything on the CPU)",
     )
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     p.add_argument("--seed", type=int, default=0)

@@ -41,7 +41,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--n-gpu-layers",
         type=int,
         default=None,
-        help="dense layers on the GPU, the routed experts on the CPU from moed (default 0: all on the CPU)",
+        help="dense layers on the GPU (the last N blocks and the output; -1: every layer), the routed "
+        "experts on the CPU from moed (default 0: all on the CPU)",
     )
     p.add_argument("--chat-format", default=None, help="chat template name (default: the model's own)")
     p.add_argument("--api-key", default=None, help="require this bearer token")

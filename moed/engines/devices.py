@@ -8,7 +8,11 @@ engine needs before the load to keep the routed experts on the CPU (the `-ot exp
 of llama.cpp's `--n-cpu-moe`) and the dense weights where stock puts them.
 
 Invariants:
-- `offload_for` is None unless a GPU device exists and `n_gpu_layers` > 0: a CPU-only
+- `n_gpu_layers` means what llama-cpp-python and llama.cpp mean: N > 0 the last N blocks
+  and the output layer, 0 nothing, a negative value (-1, as people write it) every layer
+  (llama-cpp-python passes 0x7FFFFFFF for -1; llama.cpp's `n_gpu_layers()` reads any other
+  negative value as every layer too).
+- `offload_for` is None unless a GPU device exists and `n_gpu_layers` != 0: a CPU-only
   build or host computes as before, whatever `n_gpu_layers` says (llama.cpp ignores it
   there too).
 - A software Vulkan device (lavapipe, type CPU) is not a GPU to ggml unless
@@ -100,12 +104,18 @@ def compute_line(offload: Offload | None) -> str:
 
 
 def offload_for(headers, n_gpu_layers: int) -> Offload | None:
-    """The model's offload with `n_gpu_layers`, or None where nothing would be offloaded."""
-    if n_gpu_layers <= 0:
+    """The model's offload with `n_gpu_layers` (negative: every layer), or None where nothing
+    would be offloaded."""
+    if n_gpu_layers == 0:
         return None
     devices = gpu_devices()
     if not devices:
         return None
     arch = str(headers[0].get("general.architecture", ""))
     n_layer = int(headers[0].get(f"{arch}.block_count", 0))
-    return Offload(n_layer, n_gpu_layers, devices)
+    return Offload(n_layer, every_layer(n_layer) if n_gpu_layers < 0 else n_gpu_layers, devices)
+
+
+def every_layer(n_layer: int) -> int:
+    """llama.cpp's count for "every layer": the blocks and the output layer."""
+    return n_layer + 1

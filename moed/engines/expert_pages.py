@@ -22,6 +22,10 @@ Invariants:
   when the count falls to zero, so a copy engine never accumulates the model.
 - Dense bytes that share a page with expert bytes are copied into a private
   anonymous page at install and stay readable; the expert bytes there are zeroed.
+- After a failed layer under a GPU offload (`open_zeros`), every expert address reads
+  zeros until `close_zeros`: ggml's scheduler only leaves the failing split, and a later
+  split's expert matmul must read mapped memory, not fault (docs/design.md §9.2). What
+  was shown before is forgotten then: every expert is hidden again by `close_zeros`.
 """
 
 from __future__ import annotations
@@ -117,6 +121,7 @@ class ExpertPages:
         self._mixed_pages = self._find_mixed_pages()
         self._page_refs: dict[int, int] = {}
         self._zc: dict[tuple[int, str, int], _ZeroCopyState] = {}
+        self.zeroed = False  # between open_zeros and close_zeros: every expert reads zeros
 
     # ---- install ---------------------------------------------------------
 
@@ -143,6 +148,35 @@ class ExpertPages:
         for page, content in saved.items():
             libc.mprotect(page, PAGE, PROT_READ | PROT_WRITE)
             ctypes.memmove(page, content, PAGE)
+        self._zero_mixed()
+
+    def _pure_runs(self) -> list[tuple[int, int]]:
+        """The page ranges that hold expert bytes only (no dense byte shares them)."""
+        pure = [(page_ceil(s), page_floor(e)) for s, e in self._expert_runs]
+        return [(s, e) for s, e in pure if s < e]
+
+    def open_zeros(self) -> None:
+        """Every expert address readable as zeros (private anonymous pages, read-only): the
+        graph of a failed decode may still run expert matmuls on any expert, and none of
+        them may fault. Shown experts are forgotten; `close_zeros` hides them all."""
+        for lo, hi in self._pure_runs():
+            libc.map_fixed(lo, hi - lo, PROT_READ)
+        self._zero_mixed()
+        self._page_refs.clear()
+        self._zc.clear()
+        self.zeroed = True
+
+    def close_zeros(self) -> None:
+        """After the failed decode: every expert inaccessible again, as after `install`."""
+        if not self.zeroed:
+            return
+        for lo, hi in self._pure_runs():
+            libc.map_fixed(lo, hi - lo, PROT_NONE)
+        self.zeroed = False
+
+    def _zero_mixed(self) -> None:
+        """Expert bytes on pages shared with dense bytes back to zero (a copied expert's)."""
+        for page in self._mixed_pages:
             for s, e in self._expert_runs:
                 lo, hi = max(s, page), min(e, page + PAGE)
                 if lo < hi:
@@ -150,8 +184,7 @@ class ExpertPages:
 
     def dense_runs(self, vmas: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """Parts of the model's mapping that are not pure expert pages (to lock)."""
-        pure = [(page_ceil(s), page_floor(e)) for s, e in self._expert_runs]
-        pure = [(s, e) for s, e in pure if s < e]
+        pure = self._pure_runs()
         out = []
         for lo, hi in merge(vmas + [(p, p + PAGE) for p in self._mixed_pages]):
             out += gaps(lo, hi, pure)
@@ -193,6 +226,8 @@ class ExpertPages:
         self.stats.copy_bytes += n
 
     def hide(self, span: PartSpan, expert: int) -> None:
+        if self.zeroed:
+            return  # open_zeros forgot what was shown; close_zeros hides everything
         if span.zero_copy:
             self._hide_mapped(span, expert)
         else:

@@ -45,6 +45,39 @@ from moed.protocol.errors import BudgetExhausted, RequestTooLarge
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 _HOOK_LOCK = threading.Lock()
+# Settings llama-cpp-python's server passes to every model it loads that `Llama` takes only
+# through its `**kwargs` (and ignores): accepted, so the server seam keeps working.
+SERVER_EXTRAS = ("rpc_servers", "mul_mat_q")
+
+
+def _init_params(cls: type) -> list[str]:
+    import inspect
+
+    init = cls.__dict__.get("__init__")
+    return list(inspect.signature(init).parameters) if init is not None else []
+
+
+def refuse_unknown(engine: type, llama_kwargs: dict) -> None:
+    """TypeError for a keyword neither `engine` nor `llama_cpp.Llama` declares: `Llama` takes
+    `**kwargs` and would ignore a misspelt option without a word. The error names the
+    nearest known option."""
+    import difflib
+    import inspect
+
+    llama = set(inspect.signature(Llama.__init__).parameters) - {"self", "kwargs"}
+    unknown = [k for k in llama_kwargs if k not in llama and k not in SERVER_EXTRAS]
+    if not unknown:
+        return
+    own = {name for cls in engine.__mro__[: engine.__mro__.index(Llama)] for name in _init_params(cls)}
+    known = sorted(llama | own - {"self", "args", "kwargs", "llama_kwargs"})
+    hints = []
+    for name in unknown:
+        near = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        hints.append(f"{name!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+    raise TypeError(
+        f"{engine.__name__}: unknown option{'s' if len(unknown) > 1 else ''} {', '.join(hints)}: "
+        f"neither {engine.__name__} nor llama_cpp.Llama takes {'them' if len(unknown) > 1 else 'it'}"
+    )
 
 
 @contextlib.contextmanager
@@ -138,6 +171,7 @@ class UnpackedLlama(Llama):
     """
 
     def __init__(self, model_path: str, *, route_hook: RouteHook | None = None, repack: str = "off", **llama_kwargs):
+        refuse_unknown(type(self), llama_kwargs)
         if repack not in ("off", "dense"):
             raise ValueError(f"UnpackedLlama's repack is 'off' or 'dense', not {repack!r}")
         self._route = _RouteCallback(route_hook) if route_hook is not None else None
@@ -161,9 +195,14 @@ class StockLlama(Llama):
     offload, the reference StreamedLlama's GPU hybrid is bit-exact against."""
 
     def __init__(self, model_path: str, *, route_hook: RouteHook | None = None, **llama_kwargs):
+        refuse_unknown(type(self), llama_kwargs)
         self._route = _RouteCallback(route_hook) if route_hook is not None else None
         with _constructing(_unpacked_internals(self._route, stock=True)):
             super().__init__(model_path=model_path, **llama_kwargs)
+
+    def close(self) -> None:
+        if hasattr(self, "_stack"):  # absent when __init__ failed before llama.cpp loaded
+            super().close()
 
 
 def _skeleton(source, skeleton_dir: str | os.PathLike) -> list[str]:
@@ -318,15 +357,18 @@ class StreamedLlama(Llama):
         warm: str = "off",
         **llama_kwargs,
     ):
+        refuse_unknown(type(self), llama_kwargs)
         self._check_kwargs(llama_kwargs)
         from moed.engines import repack as kernel_layout
         from moed.gguf.header import read_split
 
         headers = read_split(model_path)
         offload = offload_for(headers, int(llama_kwargs.get("n_gpu_layers", 0) or 0))
-        if offload is not None and route_hook is not None:
+        if offload is not None and (route_hook is not None or subst is not None):
+            what = "route_hook" if route_hook is not None else "subst"
             raise ValueError(
-                "route_hook rewrites the router's ids in place: not with n_gpu_layers (they are on the GPU)"
+                f"{what} rewrites the router's ids in place: not with n_gpu_layers (they are in the GPU's "
+                "memory); use n_gpu_layers=0 for it"
             )
         layout = kernel_layout.plan(headers, repack, model_path, offload)
         # The value options as one EngineOptions (moed.engines.options declares them, defaults

@@ -30,10 +30,15 @@ Invariants (what must happen before what):
   SOFTMAX_WEIGHT gating they are logits, and it is given their softmax), after the
   route hook and before the acquire, the observers and the look-ahead see them;
   off, nothing of it runs.
-- An exception in the callback is stored and the callback answers False, which
-  stops the graph (and every later graph of that decode at its first routed
-  layer); the decode wrapper re-raises the stored exception even though
-  llama_decode reports success. Nothing is swallowed.
+- An exception in the callback is stored, and the decode wrapper re-raises it even
+  though llama_decode reports success. Nothing is swallowed. On the CPU alone the
+  callback then answers False, which stops the graph (one split: nothing after the
+  failing node runs, and every later graph of that decode stops at its first routed
+  layer). Under a GPU offload, False would only leave the current split (ggml's
+  scheduler), and a later split's expert matmul would read pages nobody acquired: so
+  every expert address reads zeros from the failure to the end of the decode
+  (`ExpertPages.open_zeros`), the callback answers True to the end (every top-k is
+  computed, so every id a CPU matmul reads is in range), and `finish` hides them all.
 """
 
 from __future__ import annotations
@@ -160,6 +165,8 @@ class ExpertStreamer:
         self._whole_tokens = 0  # tokens of the whole step under way (0: none)
         # MOED_WHOLE_STEPS=0: stop at every layer even with every expert pinned (to measure them).
         self.whole_steps = os.environ.get("MOED_WHOLE_STEPS", "1") != "0"
+        # A device computes part of the graph: a failed decode runs on to its end (_fail).
+        self._offloaded = layout is not None and layout.offload is not None
 
     # ---- install ---------------------------------------------------------
 
@@ -182,7 +189,7 @@ class ExpertStreamer:
         # MOED_LANE=0: every layer through Python's path (to measure the lane, or to rule it out).
         # With a GPU offload the top-k may be in a device's memory, which the lane (C, raw
         # pointers) cannot read: Python's path reads it through ggml's backend API.
-        offloaded = self.layout is not None and self.layout.offload is not None
+        offloaded = self._offloaded
         lane_source = self.source.lane() if self._zero_copy_layers else None
         if lane_source is not None and os.environ.get("MOED_LANE") != "0" and not offloaded:
             self.lane = ExpertLane(lane_source, {layer: self._parts[layer] for layer in self._zero_copy_layers})
@@ -335,9 +342,10 @@ class ExpertStreamer:
                 return True
             kind, layer = hit
             if self.error is not None:
-                # An earlier layer failed: stop this graph at its next stop,
-                # before any expert matmul could read pages nobody acquired.
-                return False
+                # An earlier layer failed. On the CPU: stop this graph at its next stop,
+                # before any expert matmul could read pages nobody acquired. Offloaded:
+                # the experts read zeros (open_zeros), and the graph runs to its end.
+                return self._offloaded
             if self._experts_pending():
                 self._switch_experts(tensor)
             if kind == ggml_tensor.TOPK:
@@ -347,10 +355,24 @@ class ExpertStreamer:
                 self.lookahead.observe(layer, ggml_tensor.rows_f32(tensor))
             return True
         except BaseException as exc:  # noqa: BLE001 - must not unwind through C
-            self.error = exc
-            if self.lane is not None:  # every later topk of this decode must reach here and stop
-                self.c_callback.set_lane(self.lane.handle, False)
+            return self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> bool:
+        """Store the decode's error; the callback's answer: stop (CPU) or go on over zeros."""
+        self.error = exc
+        if self.lane is not None:  # every later topk of this decode must reach here and stop
+            self.c_callback.set_lane(self.lane.handle, False)
+        if not self._offloaded:
             return False
+        try:
+            assert self.pages is not None, "a decode runs after install"
+            self.pages.open_zeros()
+        except BaseException as again:  # noqa: BLE001 - must not unwind through C
+            # No readable zeros: the process cannot go on safely (a later split's matmul
+            # would fault on an expert nobody acquired). Say why before the fault would.
+            log.critical("moed: could not map zero experts after %r: %r", exc, again)
+            os.abort()
+        return True
 
     def _observing(self, layer: int) -> bool:
         la = self.lookahead
@@ -547,9 +569,13 @@ class ExpertStreamer:
         if self.lookahead is not None:
             self.lookahead.end_decode()
         prev = self._take_held()
-        if prev is not None:
-            self._hide(prev)
-            self.source.release(prev)
+        try:
+            if prev is not None:
+                self._hide(prev)
+                self.source.release(prev)
+        finally:
+            if self.pages is not None:
+                self.pages.close_zeros()  # after a failure under an offload: all hidden again
         if self.lane is not None:
             self.lane.release()
             if self.lookahead is not None:

@@ -37,3 +37,25 @@ def test_a_closed_pipe_and_ctrl_c_are_silent(capsys):
     assert exit_status(BrokenPipeError()) == 0
     assert exit_status(KeyboardInterrupt()) == EXIT_INTERRUPTED == 130
     assert capsys.readouterr().err == ""
+
+
+def test_an_unknown_flag_is_refused_naming_the_nearest_one(capsys):
+    from moed.ctl import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "m.gguf", "--prompt", "x", "--prefech", "off", "--n-gpu-layrs=2"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert (
+        "unrecognized arguments: --prefech (did you mean --prefetch?) off --n-gpu-layrs=2 (did you mean --n-gpu-layers?)"
+        in err
+    )
+    assert "moectl generate" in err  # the verb's own usage line
+
+
+def test_an_unknown_flag_with_nothing_near_gets_no_guess(capsys):
+    from moed.ctl import main
+
+    with pytest.raises(SystemExit):
+        main(["stats", "--zzzz"])
+    assert "unrecognized arguments: --zzzz\n" in capsys.readouterr().err

@@ -126,3 +126,33 @@ def test_dense_runs_exclude_pure_expert_pages(mapped):
     runs = pages.dense_runs([(base, base + 64 * PAGE)])
     # pages 2..6 are pure expert pages; page 1 and 7 are shared with dense bytes
     assert runs == [(base, base + 2 * PAGE), (base + 7 * PAGE, base + 64 * PAGE)]
+
+
+def test_after_a_failure_every_expert_reads_zeros_until_closed_then_all_are_hidden(mapped):
+    """A failed decode under a GPU offload (docs/design.md §9.2): a later split's expert
+    matmul may read any expert, shown or never acquired, and must read zeros, not fault;
+    after the decode everything is hidden again and shows work as before."""
+    base, data, fd = mapped
+    src = np.frombuffer(data, dtype=np.uint8)
+    copy = PartSpan(0, "gate", base + PAGE + 100, 3000, 8)  # shares pages with dense bytes
+    zc = PartSpan(0, "up", base + 16 * PAGE, PAGE, 8)
+    pages = ExpertPages([copy, zc])
+    pages.install()
+    pages.show_copied(copy, 2, src.ctypes.data + 40 * PAGE)
+    pages.show_mapped(zc, 1, "seg", fd, 3 * PAGE)
+    pages.open_zeros()
+    for span in (copy, zc):
+        for e in range(span.n_experts):
+            assert read(span.expert_addr(e), span.bytes_per_expert) == bytes(span.bytes_per_expert)
+    assert read(base + PAGE, 100) == data[PAGE : PAGE + 100], "dense bytes on a shared page stay"
+    pages.hide(copy, 2)  # what was shown before the failure: forgotten, nothing to undo
+    pages.hide(zc, 1)
+    pages.close_zeros()
+    assert perms_at(copy.expert_addr(4) + PAGE) == "---p" and perms_at(zc.expert_addr(1)) == "---p"
+    assert read(copy.addr, 10) == bytes(10) and read(base + PAGE, 100) == data[PAGE : PAGE + 100]
+    pages.show_mapped(zc, 1, "seg", fd, 3 * PAGE)  # shown again: mapped anew, not taken as still there
+    assert read(zc.expert_addr(1), PAGE) == data[3 * PAGE : 4 * PAGE]
+    pages.show_copied(copy, 2, src.ctypes.data + 40 * PAGE)
+    assert read(copy.expert_addr(2), 3000) == data[40 * PAGE : 40 * PAGE + 3000]
+    pages.hide(copy, 2)
+    assert perms_at(copy.expert_addr(2) + PAGE) == "---p"

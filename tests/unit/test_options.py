@@ -60,3 +60,30 @@ def test_readme_signature_lists_every_option_with_its_default():
     for name, default in declared().items():
         assert name in listed, f"README's signature leaves out {name}"
         assert listed[name] == default, f"README says {name}={listed[name]!r}, the declaration {default!r}"
+
+
+@pytest.mark.parametrize(
+    ("engine", "given", "hint"),
+    [
+        ("StreamedLlama", {"prefech": "off"}, "'prefech' (did you mean 'prefetch'?)"),
+        ("StreamedLlama", {"n_gpu_layer": 2}, "'n_gpu_layer' (did you mean 'n_gpu_layers'?)"),
+        ("UnpackedLlama", {"repak": "off"}, "'repak' (did you mean 'repack'?)"),
+        ("StockLlama", {"zzzz": 1}, "'zzzz': neither StockLlama"),
+    ],
+)
+def test_an_unknown_keyword_is_refused_naming_the_nearest_option(engine, given, hint):
+    """llama_cpp.Llama takes **kwargs and ignores what it does not know: a misspelt option
+    would silently be the default. The engines refuse it before loading anything."""
+    pytest.importorskip("llama_cpp")
+    from moed.engines import llama_cpp as engines
+
+    with pytest.raises(TypeError) as info:
+        getattr(engines, engine)("/nonexistent/model.gguf", **given)
+    assert hint in str(info.value), str(info.value)
+
+
+def test_the_settings_llama_cpp_pythons_server_passes_are_accepted():
+    pytest.importorskip("llama_cpp")
+    from moed.engines.llama_cpp import StreamedLlama, refuse_unknown
+
+    refuse_unknown(StreamedLlama, {"rpc_servers": None, "mul_mat_q": True, "n_gpu_layers": -1, "seed": 1})
