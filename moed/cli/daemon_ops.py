@@ -198,7 +198,7 @@ def _print_models(console, models: list[dict]) -> None:
             str(r["moe_layers"]),
             str(r["n_experts"]),
             str(r["n_expert_used"]),
-            r.get("expert_layout", "plain"),
+            r.get("expert_layout", "plain") + (" (made on read)" if r.get("repack_on_read") else ""),
             str(r["resident_experts"]),
             "direct" if r["direct_io"] else "buffered",
             ",".join(map(str, r["users"])),

@@ -192,8 +192,10 @@ class Daemon:
 
     # ---- models --------------------------------------------------------------
 
-    async def open_model(self, path: str, peer: Peer | None = None, tenant: Tenant | None = None) -> Model:
-        return await self.registry.open_model(path, peer, tenant)
+    async def open_model(
+        self, path: str, peer: Peer | None = None, tenant: Tenant | None = None, layout: str = ""
+    ) -> Model:
+        return await self.registry.open_model(path, peer, tenant, layout)
 
     def model_for(self, model_id: int) -> Model:
         return self.registry.model_for(model_id)

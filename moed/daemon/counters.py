@@ -91,6 +91,8 @@ class Counters:
     local_hits: int = 0  # hits engines served themselves (folded from hold regions)
     timed_out: int = 0  # connections closed for sending no Hello, or nothing, in time
     stale_detected: int = 0  # models found changed on disk (fstat) while open
+    repacked_bytes: int = 0  # expert bytes transformed on read (moed.daemon.onread)
+    repack_cpu_s: float = 0.0  # the reader threads' CPU time spent on it
     # Daemon acquires, from the request on the loop to its grant (hits granted at
     # once included; failed and local acquires not); reads, from submission to
     # completion on the loop (queueing behind other reads included).
@@ -177,7 +179,8 @@ def _model_row(daemon, model) -> dict:
         hits=sum(u.hits for u in uses),
         misses=sum(u.misses for u in uses),
         bytes_read=sum(u.bytes_read for u in uses),
-        expert_layout=model.catalog.expert_layout,
+        expert_layout=model.expert_layout,
+        repack_on_read=bool(model.layouts),
         users=users,
         quarantined=sorted([k.layer, k.expert] for k in daemon.faults.quarantine.entries(mid)),
         all_pinned=daemon.residency.whole(mid),

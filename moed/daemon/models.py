@@ -13,6 +13,11 @@ Size classes are keyed by their parts' names and byte sizes and shared across
 models: two models with the same expert geometry share a segment, provided
 both are readable by everyone (a client maps whole segments; a model that is
 not gets segments of its own, see access.world_readable).
+
+A plain file opened in a repacked layout (`layouts`: made on read, moed.daemon.onread)
+is a model of its own beside the file's plain one: same files and catalog, its own
+id and slots (the store keys slots by model id), the same size classes (a repacked
+expert is as large as its plain bytes).
 """
 
 from __future__ import annotations
@@ -24,9 +29,11 @@ from typing import TYPE_CHECKING
 
 from moed.gguf.catalog import Catalog
 from moed.gguf.header import identity_of
+from moed.gguf.layouts import summary
 from moed.protocol import errors
 from moed.protocol.messages import LayerInfo, ModelInfo, PartExtent
 
+from .onread import PartRepack, layout_key
 from .reader import ModelFile
 
 if TYPE_CHECKING:
@@ -38,6 +45,8 @@ class LayerPlan:
     class_id: int
     # per part, in the segment's part order: (file, offset of expert 0, bytes per expert)
     parts: list[tuple[ModelFile, int, int]]
+    # per part, the same order: its transform on read (moed.daemon.onread), or None
+    repacks: list[PartRepack | None] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -54,6 +63,19 @@ class Model:
     domain: object = None  # None: shares segments by geometry; else its files' identity (private)
     leases: int = 0  # leases held on it now, by every connection (kept by core)
     read_errors: int = 0  # reads of its experts that failed (after their retries)
+    layouts: dict[str, str] = field(default_factory=dict)  # {type: layout} made on read; empty: the file's bytes
+
+    @property
+    def key(self) -> tuple:
+        """What the registry knows it by: one model per (path, file identity, layouts made on read)."""
+        return (self.path, self.identity, layout_key(self.layouts))
+
+    @property
+    def expert_layout(self) -> str:
+        """The layout its experts are served in: the file's, or the one made on read."""
+        if not self.layouts:
+            return self.catalog.expert_layout
+        return summary(self.layouts, self.catalog.expert_types)
 
     @property
     def direct_io(self) -> bool:
@@ -117,5 +139,5 @@ def model_info(model: Model, class_segments: Mapping[int, TierSegment]) -> Model
         parts=list(dict.fromkeys(p for L in layers for p in (x.part for x in L.parts))),
         layers=layers,
         segments=[class_segments[c].info() for c in used],
-        expert_layout=cat.expert_layout,
+        expert_layout=model.expert_layout,
     )

@@ -134,6 +134,11 @@ class ReadJob:
     digest: int = 0  # verify mode: xxh3 of the bytes read (set by the completion callback)
     bytes_total: int = 0
     submitted_s: float = 0.0  # monotonic, at submit (how long its chunks have queued)
+    # per piece, its transform once read (repack on read, moed.daemon.onread; run by the
+    # completion callback), and what it cost: bytes transformed, the thread's CPU seconds
+    repacks: list | None = None
+    repacked_bytes: int = 0
+    repack_cpu_s: float = 0.0
     _left: int = 0
     _error: BaseException | None = None
     _chunks: list = field(default_factory=list)

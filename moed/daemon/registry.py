@@ -7,8 +7,10 @@ It owns:
 - the tenants, by uid, with their quotas set in the store when first seen.
 
 Invariants:
-- one `Model` per (path, file identity) that is not stale; a changed file is a
-  new identity, so a new model, and the old one drains;
+- one `Model` per (path, file identity, layouts made on read) that is not stale
+  (`Model.key`); a changed file is a new identity, so a new model, and the old
+  one drains (every layout of it); a layout is decided before any model is made
+  for it (moed.daemon.onread.served_layouts: a refused layout leaves nothing);
 - a model retires only when asked (`retire_stale`, `retire_changed`, the
   max_models bound, a newer version opened): asking whether a file changed
   (`Model.changed_file`) changes nothing;
@@ -33,6 +35,7 @@ from .access import Peer, check_open_files, check_readable, check_roots, world_r
 from .config import Config, resolve_tenants
 from .counters import Counters, Tenant
 from .models import LayerPlan, Model, file_identity, model_info, open_catalog
+from .onread import layout_key, repacks_for, served_layouts
 from .opener import Opener
 from .ramtier import RamTier
 from .reader import ModelFile
@@ -63,7 +66,7 @@ class Registry:
         self.tenant_quotas = resolve_tenants(config.tenants)
         self.tenants: dict[int, Tenant] = {}
         self.models: dict[int, Model] = {}
-        self._by_identity: dict[tuple, Model] = {}
+        self._by_identity: dict[tuple, Model] = {}  # Model.key -> the live model
         self._classes: dict[tuple, int] = {}  # (domain, size class) -> class id
         self._class_ids = itertools.count(1)
         self._model_ids = itertools.count(1)
@@ -71,9 +74,14 @@ class Registry:
 
     # ---- opening -------------------------------------------------------------
 
-    async def open_model(self, path: str, peer: Peer | None = None, tenant: Tenant | None = None) -> Model:
+    async def open_model(
+        self, path: str, peer: Peer | None = None, tenant: Tenant | None = None, layout: str = ""
+    ) -> Model:
         """Open (or share) a model; with `peer`, only if that peer could read every file itself.
 
+        `layout`: the expert layout the caller computes on ("" takes the file as it is); a
+        plain file asked for a repacked layout is served as its own model, transformed on
+        read (moed.daemon.onread), and anything else not in the file is LayoutUnavailable.
         The header parse runs in the opener (bounded per `tenant`, deadlined). The
         model's identity is that of the descriptors its headers were parsed from,
         and the files the reader opens must still be those same files.
@@ -92,18 +100,24 @@ class Registry:
             raise errors.BadModelFile(f"{path}: no such file") from None
         except OSError as exc:
             raise errors.BadModelFile(f"{path}: {exc.strerror}") from None
-        model = self._by_identity.get((real, identity))
-        if model is not None and not model.stale:
-            self._check_files(model, path, peer)
-            return model
-        catalog = await self.opener.run(tenant, path, open_catalog, real)
-        if catalog.identity[0] != identity:
-            raise errors.BadModelFile(f"{path}: the file changed while it was being opened; try again")
-        model = self._by_identity.get((real, identity))  # someone else opened it meanwhile
+        catalog = self._open_catalog(real, identity)
+        if catalog is None:
+            catalog = await self.opener.run(tenant, path, open_catalog, real)
+            if catalog.identity[0] != identity:
+                raise errors.BadModelFile(f"{path}: the file changed while it was being opened; try again")
+        made = served_layouts(catalog, layout)
+        model = self._by_identity.get((real, identity, layout_key(made)))  # someone may have opened it meanwhile
         if model is None or model.stale:
-            model = self._add_model(real, identity, catalog)
+            model = self._add_model(real, identity, catalog, made)
         self._check_files(model, path, peer)
         return model
+
+    def _open_catalog(self, path: str, identity: tuple):
+        """The catalog of a live model of this very file (any layout), or None: parse it."""
+        for (p, ident, _), model in self._by_identity.items():
+            if p == path and ident == identity and not model.stale:
+                return model.catalog
+        return None
 
     def _check_files(self, model: Model, shown: str, peer: Peer | None) -> None:
         """Every shard under the roots and readable by the peer, judged on the inodes we read."""
@@ -118,8 +132,8 @@ class Registry:
         if (st.st_dev, st.st_ino) != tuple(model.identity[:2]):
             raise errors.PermissionDenied(f"{shown}: the file changed while it was being opened")
 
-    def _add_model(self, path: str, identity: tuple, catalog) -> Model:
-        self._retire_older(path)
+    def _add_model(self, path: str, identity: tuple, catalog, made: dict[str, str]) -> Model:
+        self._retire_older(path, identity)
         self._make_room_for_model(path)
         files = self._open_files(path, catalog)
         layers = {}
@@ -132,8 +146,8 @@ class Registry:
             key = entry.size_class  # parts in catalog order, with sizes
             class_id = self._class_for(key, domain)
             parts = [(files[entry.parts[p].shard], entry.parts[p].offset, size) for p, size in key]
-            layers[layer] = LayerPlan(class_id, parts)
-        model = Model(next(self._model_ids), path, catalog, identity, files, layers, domain=domain)
+            layers[layer] = LayerPlan(class_id, parts, repacks_for(entry, made) if made else [])
+        model = Model(next(self._model_ids), path, catalog, identity, files, layers, domain=domain, layouts=made)
         model.wants = {
             layer: [Want(ExpertKey(model.model_id, layer, e), plan.class_id) for e in range(catalog.n_experts)]
             for layer, plan in layers.items()
@@ -141,15 +155,17 @@ class Registry:
         self.residency.add_model(model.model_id, list(layers), catalog.n_experts)
         model.info = model_info(model, self.ramtier.segments)
         self.models[model.model_id] = model
-        self._by_identity[(path, identity)] = model
+        self._by_identity[model.key] = model
         log.info(
-            "opened model %d: %s (%d MoE layers, %d experts, top-%d, direct_io=%s)",
+            "opened model %d: %s (%d MoE layers, %d experts, top-%d, direct_io=%s, experts %s%s)",
             model.model_id,
             path,
             len(layers),
             catalog.n_experts,
             catalog.n_expert_used,
             model.direct_io,
+            model.expert_layout,
+            " made on read" if made else "",
         )
         self._on_added(model)
         return model
@@ -225,10 +241,10 @@ class Registry:
             if changed is not None:
                 self.retire_stale(model, f"{changed.path} changed on disk")
 
-    def _retire_older(self, path: str) -> None:
-        """A changed file is a new model; the old one drains and goes."""
-        for (p, _), old in list(self._by_identity.items()):
-            if p == path and not old.stale:
+    def _retire_older(self, path: str, identity: tuple) -> None:
+        """A changed file is a new model; the old one drains and goes (each of its layouts)."""
+        for (p, ident, _), old in list(self._by_identity.items()):
+            if p == path and ident != identity and not old.stale:
                 log.info("model %d: %s changed on disk; draining the old version", old.model_id, path)
                 self._retire(old)
 
@@ -244,7 +260,8 @@ class Registry:
         if not any(key.model_id == model.model_id for key in self.store.table):
             self._retired.add(model.model_id)
             self.models.pop(model.model_id, None)
-            self._by_identity.pop((model.path, model.identity), None)
+            if self._by_identity.get(model.key) is model:
+                del self._by_identity[model.key]
             model.close()
             self.residency.drop_model(model.model_id)
             if self.verifier is not None:

@@ -39,7 +39,6 @@ from collections.abc import Coroutine
 
 import msgspec
 
-from moed.gguf.layouts import layout_refusal
 from moed.protocol import errors
 from moed.protocol import messages as m
 from moed.protocol.framing import MAX_REQUEST_FRAME_BYTES, FrameReader, decode, encode, request_decoder
@@ -354,11 +353,11 @@ class Session(asyncio.Protocol):
         return m.Pong(int(self.loop.time() * 1e9))
 
     async def on_open_model(self, msg: m.OpenModel):
-        model = await self.daemon.open_model(msg.path, peer_identity(self.pid, self.uid, self.gid), self.tenant)
+        peer = peer_identity(self.pid, self.uid, self.gid)
+        # The layout the engine computes on: the file's, made on read, or LayoutUnavailable (registry).
+        model = await self.daemon.open_model(msg.path, peer, self.tenant, msg.expert_layout)
         info = model.info
         assert info is not None  # set when the model was added
-        if msg.expert_layout and msg.expert_layout != info.expert_layout:
-            raise errors.LayoutUnavailable(layout_refusal(info.path, info.expert_layout, msg.expert_layout))
         self.models.add(model.model_id)
         if msg.compute:  # bounded: one short string per model this connection opened
             self.compute[model.model_id] = msg.compute

@@ -104,9 +104,11 @@ class ModelRow(_Row):
     users: list[int]  # uids with the model open
     read_errors: Annotated[int, counter("read_errors", "Reads of this model's experts that failed")] = 0
     quarantined: list[tuple[int, int]] = []  # (layer, expert) whose acquires fail at once for now
-    expert_layout: str = "plain"  # the file's expert layout: plain or repacked (moed.gguf.layouts)
+    expert_layout: str = "plain"  # the layout its experts are served in (moed.gguf.layouts)
     # Every expert pinned and READY: engines take whole steps (no per-layer stop)
     all_pinned: Annotated[bool, gauge("all_pinned", "1 if every expert is pinned: engines take whole steps")] = False
+    # expert_layout is made as the experts are read (the file is plain; moed.daemon.onread)
+    repack_on_read: bool = False
 
 
 class TenantModelRow(_Row):
@@ -264,3 +266,6 @@ class Stats(_Row):
     drive_behind_episodes: Annotated[
         int, counter("drive_behind_episodes", "Times the drive went behind (read-ahead held back)")
     ] = 0
+    # Repack on read (moed.daemon.onread): plain experts made in an engine's layout as they are read
+    repacked_bytes: Annotated[int, counter("repacked_bytes", "Expert bytes repacked on read")] = 0
+    repack_cpu_s: Annotated[float, counter("repack_cpu_seconds", "Reader threads' CPU time repacking on read")] = 0.0
