@@ -509,13 +509,10 @@ class StreamedLlama(Llama):
         read), `subst_weight_share` (routing probability on stand-ins over all chosen).
         """
         s = self.streamer.totals()
-        p = self.streamer.pages.stats if self.streamer.pages else None
         out = dict(vars(s))
         out["stall_s"] = s.acquire_s
         out["stall_s_per_token"] = s.acquire_s / s.tokens if s.tokens else 0.0
-        if p is not None:
-            out.update({f"pages_{k}": v for k, v in vars(p).items()})
-            out["pages_maps"] += self.streamer.lane_maps()  # the lane maps relaxed zero-copy layers
+        out.update(self.streamer.placement_stats())
         lane = self.streamer.lane
         out["lane_layers"] = lane.stats().layers if lane is not None else 0
         if self.streamer.lookahead is not None:

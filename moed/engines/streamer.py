@@ -59,6 +59,7 @@ from moed.engines.expert_pages import ExpertPages, PartSpan, gaps
 from moed.engines.kernels import KernelSwitch
 from moed.engines.lane import MISSED, ExpertLane, LaneStats
 from moed.engines.lookahead import Lookahead, PredictHook
+from moed.engines.placement import CpuPages, Placement
 from moed.engines.predictor import GATING_SOFTMAX, gate
 from moed.engines.repack import LayoutPlan, dense_offloaded, prepare
 from moed.engines.skeleton import expert_ranges
@@ -144,6 +145,10 @@ class ExpertStreamer:
         # Substitution (moed.engines.substitute): None is the exact path, untouched.
         self.substituter = substituter
         self._parts: dict[int, list[PartSpan]] = {}
+        # Where each layer's experts are made computable (moed.engines.placement): the CPU's
+        # pages unless a device placement took the layer at load. Fixed after install.
+        self.cpu: CpuPages | None = None
+        self._placements: dict[int, Placement] = {}
         # Relaxed mode on all-zero-copy layers: the lane (moed.engines.lane) takes a
         # layer of local hits in C and alone maps these layers' expert addresses.
         self._zero_copy_layers: set[int] = set()
@@ -195,6 +200,8 @@ class ExpertStreamer:
             self.lane = ExpertLane(lane_source, {layer: self._parts[layer] for layer in self._zero_copy_layers})
             if not self._experts_pending():  # else the lane starts once the experts are switched
                 self.c_callback.set_lane(self.lane.handle, False)  # the auto path is chosen per decode (begin)
+        self.cpu = CpuPages(self.pages, self._parts, self.lane)
+        self._placements = dict.fromkeys(self._parts, self.cpu)
         self._drop_expert_cache()
         headers = read_split(self.mapped_files[0])  # one header read serves the three steps below
         self._lock_dense(bases, headers)
@@ -365,8 +372,8 @@ class ExpertStreamer:
         if not self._offloaded:
             return False
         try:
-            assert self.pages is not None, "a decode runs after install"
-            self.pages.open_zeros()
+            for placement in self.placements():
+                placement.failed()
         except BaseException as again:  # noqa: BLE001 - must not unwind through C
             # No readable zeros: the process cannot go on safely (a later split's matmul
             # would fault on an expert nobody acquired). Say why before the fault would.
@@ -425,7 +432,7 @@ class ExpertStreamer:
             raise
         t1 = time.perf_counter()
         self._hold(grant)
-        self._show(grant)
+        self._placements[layer].show(grant, tensor)
         self.stats.acquire_s += t1 - t0
         self.stats.show_s += time.perf_counter() - t1
         self.stats.layers += 1
@@ -448,21 +455,6 @@ class ExpertStreamer:
         if prev is not None and self.lane is not None:
             self.lane.python_held(False)
         return prev
-
-    def _show(self, grant: Grant) -> None:
-        if self.lane is not None and grant.layer in self.lane.layers:
-            for expert in grant.experts:  # relaxed zero copy: the lane maps what changed slot
-                self.lane.place(grant.layer, expert, grant.slot(expert))
-            return
-        pages = self.pages
-        assert pages is not None, "install runs before the first decode"
-        for span in self._parts[grant.layer]:
-            for expert in grant.experts:
-                if span.zero_copy:
-                    key, fd, offset = grant.mapping(expert, span.part)
-                    pages.show_mapped(span, expert, key, fd, offset)
-                else:
-                    pages.show_copied(span, expert, grant.address(expert, span.part))
 
     def warm(self, everything: bool = False) -> int:
         """Map the experts the daemon holds now (`everything`: every expert, reading what it
@@ -491,13 +483,18 @@ class ExpertStreamer:
         return n
 
     def _hide(self, grant: Grant) -> None:
-        if grant.layer in self._zero_copy_layers:
-            return  # relaxed mode leaves zero-copy experts mapped to their last slot
-        pages = self.pages
-        assert pages is not None, "a grant is only held after install"
-        for span in self._parts[grant.layer]:
-            for expert in grant.experts:
-                pages.hide(span, expert)
+        self._placements[grant.layer].hide(grant)
+
+    def placements(self) -> list[Placement]:
+        """Every placement the model's layers use, each once."""
+        return list({id(p): p for p in self._placements.values()}.values())
+
+    def place_on(self, placement: Placement, layers: list[int]) -> None:
+        """`layers`' experts are made computable by `placement` (at load, before any decode)."""
+        for layer in layers:
+            if layer not in self._placements:
+                raise ValueError(f"layer {layer} has no routed experts")
+            self._placements[layer] = placement
 
     def _release_quietly(self, grant: Grant) -> None:
         try:
@@ -574,8 +571,8 @@ class ExpertStreamer:
                 self._hide(prev)
                 self.source.release(prev)
         finally:
-            if self.pages is not None:
-                self.pages.close_zeros()  # after a failure under an offload: all hidden again
+            for placement in self.placements():
+                placement.end_decode()  # after a failure under an offload: all hidden again
         if self.lane is not None:
             self.lane.release()
             if self.lookahead is not None:
@@ -595,8 +592,12 @@ class ExpertStreamer:
             out.show_s += lane.show_s
         return out
 
-    def lane_maps(self) -> int:
-        return self.lane.stats().maps if self.lane is not None else 0
+    def placement_stats(self) -> dict:
+        """Every placement's counters (the CPU pages', the lane's mappings included)."""
+        out: dict = {}
+        for placement in self.placements():
+            out.update(placement.stats())
+        return out
 
     def close(self) -> None:
         """Give the lane's lease, buffers and hold indexes back (the model is gone)."""

@@ -1,0 +1,101 @@
+"""Where a layer's granted experts are made computable: the engine's placement seam.
+
+What this module owns: the `Placement` interface the per-layer cycle
+(moed.engines.streamer) calls once it holds a layer's grant, and its CPU
+implementation, `CpuPages`: the experts shown at their own addresses in llama.cpp's
+mapping of the model (moed.engines.expert_pages), through the C lane's mapper for the
+lane's layers (moed.engines.lane: it alone maps those addresses). Device expert slots
+(moed.engines.device_slots) are the second implementation: a layer's placement is
+chosen at load, by where that layer's experts compute, and never changes.
+
+Invariants (the cycle keeps them; each placement relies on them):
+- `show(grant, node)` runs after the grant is held and before any expert matmul of
+  that layer reads; `node` is the graph node the cycle stopped at for that layer.
+- `hide(grant)` runs before the grant is released: once the daemon may reuse a slot,
+  nothing computes from it.
+- `failed()` runs once when a decode has failed while a device computes part of the
+  graph: whatever expert matmul still runs before llama_decode returns must read
+  mapped memory (no signal). `end_decode()` runs after every decode, failed or not.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+from moed.engines.expert_pages import ExpertPages, PartSpan
+from moed.engines.sources import Grant
+
+if TYPE_CHECKING:
+    from moed.engines.lane import ExpertLane
+
+
+class Placement(Protocol):
+    def show(self, grant: Grant, node: int | None) -> None:
+        """Make `grant`'s experts computable for its layer (`node`: the cycle's stop, or None)."""
+
+    def hide(self, grant: Grant) -> None:
+        """Before `grant` is released: nothing may compute from its slots any more."""
+
+    def failed(self) -> None:
+        """The decode failed under an offload: later expert matmuls must read mapped memory."""
+
+    def end_decode(self) -> None:
+        """After llama_decode returned (also when it failed)."""
+
+    def stats(self) -> dict[str, Any]:
+        """This placement's counters, for stream_stats."""
+
+
+class CpuPages:
+    """The CPU placement: each expert at its own address in the model's mapping.
+
+    Zero-copy layers map the daemon's slot pages there, other layers copy; the lane's
+    layers (relaxed zero copy) are mapped by the lane alone and stay mapped to their
+    last slot when released, so a repeated hit costs no syscall.
+    """
+
+    def __init__(self, pages: ExpertPages, parts: dict[int, list[PartSpan]], lane: ExpertLane | None = None):
+        self.pages = pages
+        self.parts = parts
+        self.lane = lane
+        # Relaxed mode on all-zero-copy layers: hiding leaves them mapped (ExpertPages' rule).
+        self.relaxed_layers = (
+            set() if pages.strict else {layer for layer, ss in parts.items() if all(s.zero_copy for s in ss)}
+        )
+
+    def show(self, grant: Grant, node: int | None = None) -> None:
+        lane = self.lane
+        if lane is not None and grant.layer in lane.layers:
+            for expert in grant.experts:  # relaxed zero copy: the lane maps what changed slot
+                lane.place(grant.layer, expert, grant.slot(expert))
+            return
+        pages = self.pages
+        for span in self.parts[grant.layer]:
+            for expert in grant.experts:
+                if span.zero_copy:
+                    key, fd, offset = grant.mapping(expert, span.part)
+                    pages.show_mapped(span, expert, key, fd, offset)
+                else:
+                    pages.show_copied(span, expert, grant.address(expert, span.part))
+
+    def hide(self, grant: Grant) -> None:
+        if grant.layer in self.relaxed_layers:
+            return  # relaxed mode leaves zero-copy experts mapped to their last slot
+        for span in self.parts[grant.layer]:
+            for expert in grant.experts:
+                self.pages.hide(span, expert)
+
+    def failed(self) -> None:
+        self.pages.open_zeros()
+
+    def end_decode(self) -> None:
+        self.pages.close_zeros()  # after a failure under an offload: every expert hidden again
+
+    def stats(self) -> dict[str, Any]:
+        out = {f"pages_{k}": v for k, v in vars(self.pages.stats).items()}
+        if self.lane is not None:
+            out["pages_maps"] += self.lane.stats().maps  # the lane maps relaxed zero-copy layers
+        return out
+
+
+__all__ = ["CpuPages", "Placement"]
