@@ -2,22 +2,35 @@
 
 What this module owns: the decision, for each weight of a model llama.cpp has
 loaded with `use_extra_bufts=False` (every tensor at its file offset), of whether
-it runs on ggml's repacked kernels, and the refusals when the file's expert bytes
-cannot serve that decision. `moed.engines.kernels` does the switching.
+it runs on ggml's repacked kernels, the layout the engine asks the daemon for, and
+the refusals when the file's expert bytes cannot serve that decision.
+`moed.engines.kernels` does the switching.
 
-- `repack="auto"` (the default): every dense weight that stock llama.cpp would
-  put in CPU_REPACK goes there, by ggml's own repack; the experts compute on the
-  layout their bytes are in. A file repacked by `moectl align --repack` on a host
-  like this one computes everything as stock `llama_cpp.Llama` does (bit-exact);
-  a plain file's experts stay on the plain kernels (with a warning when this CPU
-  has faster ones), and its reference is `UnpackedLlama(repack="dense")`.
-- `repack="off"`: everything on the plain kernels, as before (reference:
-  `UnpackedLlama()`); a repacked file is refused.
+- `repack="auto"` (the default): every weight runs on the kernels stock llama.cpp
+  would use for it. Dense weights go to CPU_REPACK at load, by ggml's own repack.
+  The experts: a file repacked by `moectl align --repack` on a host like this one
+  computes on its layout; a plain file's experts of every type this CPU repacks
+  are asked of the daemon in that layout, which it makes as it reads them (repack
+  on read, moed.daemon.onread; issue 41). Either way the engine computes everything
+  as stock `llama_cpp.Llama` does on the original file (bit-exact). A type the
+  daemon cannot make (none in 0.3.36 outside RISC-V) stays plain, with a warning.
+- `repack="dense"`: dense weights as stock, experts plain (the kernels of
+  `UnpackedLlama(repack="dense")`, its reference): what "auto" did before repack on
+  read, for a host where the transform's CPU costs more than the faster kernels
+  give back. A repacked file is refused.
+- `repack="off"`: everything on the plain kernels (reference: `UnpackedLlama()`);
+  a repacked file is refused.
 
 Invariants:
-- An expert tensor is switched to the repacked kernels only if the file records
-  that layout for its type and this CPU's ggml computes that type on that very
-  layout; anything else is `LayoutUnavailable` before the model serves a token.
+- An expert tensor is switched to the repacked kernels only if its bytes will be
+  in the layout this CPU's ggml computes that type on: the file records it, or the
+  daemon makes it on read (it refuses with `LayoutUnavailable` what it cannot make,
+  so a mismatch never reaches a kernel); anything else is `LayoutUnavailable`
+  before the model serves a token.
+- Layouts are decided per type, as ggml decides them (a q4_k_m file's Q6_K down
+  parts stay plain on x86, where ggml does not repack Q6_K); a type some of whose
+  tensors this CPU would not repack (rows not a multiple of the layout's) stays
+  plain.
 - The dense weights are placed at load by llama.cpp's own `tensor_buft_overrides`
   (`prepare`), from the header alone; a placed tensor's file range is read once, by
   the load, and no longer after. The repacked experts are switched from the first
@@ -31,21 +44,23 @@ from dataclasses import dataclass, field
 
 from moed.engines import kernels
 from moed.engines.devices import Offload
+from moed.gguf import interleave
 from moed.gguf.catalog import EXPERT_RE
 from moed.gguf.header import Header, TensorInfo, type_name
 from moed.gguf.layouts import KEY_CPU, KEY_LAYOUTS, PLAIN, layout_refusal, parse_layouts, summary
 from moed.protocol.errors import LayoutUnavailable
 
-MODES = ("auto", "off")
+MODES = ("auto", "dense", "off")
 
 
 @dataclass
 class LayoutPlan:
     """What the engine computes on: the experts' layout, which expert tensors switch, dense on or off."""
 
-    expert_layout: str = PLAIN
+    expert_layout: str = PLAIN  # what the engine computes the experts on, and asks the daemon for
     expert_tensors: list[str] = field(default_factory=list)  # names switched to repacked kernels
     repack_dense: bool = False
+    on_read: bool = False  # the file is plain: the daemon makes expert_layout as it reads
     # With a GPU offload (n_gpu_layers): the offloaded layers' dense weights are the GPU's,
     # the experts stay on the CPU (moed.engines.devices).
     offload: Offload | None = None
@@ -66,11 +81,29 @@ def _plan(headers: list[Header], mode: str, path: str) -> LayoutPlan:
     experts = [t for h in headers for t in h.tensors if EXPERT_RE.match(t.name)]
     types = {type_name(t.ggml_type) for t in experts}
     have = summary(file_layouts, types)
-    if mode == "off":
+    if mode != "auto":
         if file_layouts:
             raise LayoutUnavailable(layout_refusal(path, have, PLAIN))
-        return LayoutPlan()
-    slower = set()
+        return LayoutPlan(repack_dense=mode == "dense")
+    if file_layouts:
+        _check_file_layouts(headers, file_layouts, experts, path)
+        switched = [t.name for t in experts if type_name(t.ggml_type) in file_layouts]
+        return LayoutPlan(have, switched, True)
+    made, left = on_read_layouts(experts)
+    if left:
+        warnings.warn(
+            f"moed: {path}'s experts of {', '.join(sorted(left))} run on llama.cpp's plain kernels: this CPU "
+            f"computes {', '.join(f'{t} on {left[t]}' for t in sorted(left))}, which the daemon does not make "
+            "on read; `moectl align --repack` makes a copy whose experts are in that layout",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    switched = [t.name for t in experts if type_name(t.ggml_type) in made]
+    return LayoutPlan(summary(made, types), switched, True, on_read=bool(made))
+
+
+def _check_file_layouts(headers: list[Header], file_layouts: dict[str, str], experts, path: str) -> None:
+    """A repacked file's layouts must be what this CPU computes each expert on."""
     for t in experts:
         name, cpu = type_name(t.ggml_type), kernels.layout_of(t.ggml_type, tuple(t.dims[:2]))
         want = file_layouts.get(name, PLAIN)
@@ -80,18 +113,31 @@ def _plan(headers: list[Header], mode: str, path: str) -> LayoutPlan:
                 f"{layout_refusal(path, f'{want} (repacked for {made_for})', cpu)}; "
                 f"this host's llama.cpp computes {name} of shape {t.dims[0]}x{t.dims[1]} on {cpu}"
             )
-        if want == PLAIN and cpu != PLAIN:
-            slower.add(f"{name} on {cpu}")
-    if slower:
-        warnings.warn(
-            f"moed: {path}'s experts are plain, so they run on llama.cpp's plain kernels; this CPU "
-            f"computes {', '.join(sorted(slower))}, about 1.2x faster: `moectl align --repack` makes "
-            "a copy whose experts are in that layout",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-    switched = [t.name for t in experts if type_name(t.ggml_type) in file_layouts]
-    return LayoutPlan(have, switched, True)
+
+
+def on_read_layouts(experts: list[TensorInfo]) -> tuple[dict[str, str], dict[str, str]]:
+    """For a plain file's expert tensors: ({type: layout} to ask the daemon to make on read,
+    {type: layout} this CPU computes on but that stay plain: the daemon cannot make them).
+
+    Per type, as stock decides per tensor: a type is asked only when this CPU's ggml
+    computes every tensor of it on one layout, and the daemon makes that layout for
+    each of them (moed.gguf.interleave); a type no tensor of which repacks is plain."""
+    by_type: dict[str, set[str]] = {}
+    makeable: dict[str, bool] = {}
+    for t in experts:
+        name, cpu = type_name(t.ggml_type), kernels.layout_of(t.ggml_type, tuple(t.dims[:2]))
+        by_type.setdefault(name, set()).add(cpu)
+        ok = cpu != PLAIN and interleave.can_make(cpu, t.ggml_type, t.dims[:2])
+        makeable[name] = makeable.get(name, True) and ok
+    made, left = {}, {}
+    for name, cpus in by_type.items():
+        if cpus == {PLAIN}:
+            continue
+        if len(cpus) == 1 and makeable[name]:
+            made[name] = next(iter(cpus))
+        else:
+            left[name] = "+".join(sorted(cpus))
+    return made, left
 
 
 def dense_repacked(headers: list[Header], layout: LayoutPlan) -> list[tuple[int, TensorInfo]]:

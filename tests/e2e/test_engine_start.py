@@ -7,8 +7,9 @@ was imported through another path to the same files (the venv's `lib64 -> lib` l
 a symlinked checkout): moed then opened a second copy of libggml-cpu and gave
 llama.cpp's tensors that copy's CPU_REPACK buffers. Each case here starts the engine in
 a new interpreter, through a symlinked sys.path and through the plain one, and checks
-it bit for bit: against stock `llama_cpp.Llama` on the original file (repacked file),
-or against UnpackedLlama(repack="dense") (plain K-quant file).
+it bit for bit against stock `llama_cpp.Llama` on the original file: the repacked copy,
+and the plain Q4_0 and K-quant files themselves, whose experts the daemon repacks on read
+(issue 41).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.e2e.conftest import LLAMA_KW, PROMPT, assert_bit_equal, greedy_logits
+from tests.e2e.conftest import assert_bit_equal
 from tests.e2e.test_repacked_kernels import need_repack, repacked, stock_logits
 
 pytestmark = pytest.mark.e2e
@@ -84,22 +85,37 @@ def test_a_repacked_file_starts_and_matches_stock(symlinked, model_factory, tmp_
     assert daemon.client("check").stats()["evictions"] > 0, "the budget must force eviction"
 
 
-@pytest.mark.parametrize("symlinked", [True, False], ids=["symlinked-path", "plain-path"])
-def test_a_k_quant_file_starts_with_dense_repack_and_matches_resident(symlinked, model_factory, tmp_path, start_daemon):
-    from moed.engines import kernels
-    from moed.engines.llama_cpp import UnpackedLlama
+PLAIN_FILES = {
+    # name: (make_model kwargs, budget): every batch's experts fit, and it evicts
+    "q4_k_m": (dict(embd=512, ff=256, recipe="q4_k_m", align=4096), "3MiB"),  # 12 slots of ~250 KiB of 32
+    "q4_0": (dict(layers=4, experts=16, used=4, embd=512, ff=256, quant="q4_0", align=4096), "4MiB"),
+}
 
-    src = model_factory(embd=512, ff=256, recipe="q4_k_m", align=4096)
-    ref = UnpackedLlama(str(src), repack="dense", **LLAMA_KW)
-    tokens = ref.tokenize(PROMPT)
-    want = greedy_logits(ref, tokens)
-    ref.close()
-    daemon = start_daemon("3MiB")  # 12 slots of ~250 KiB, of 32 experts: every batch fits, and it evicts
+
+@pytest.mark.parametrize(
+    "name, symlinked",
+    [("q4_k_m", True), ("q4_k_m", False), ("q4_0", False)],
+    ids=["q4_k_m-symlinked-path", "q4_k_m-plain-path", "q4_0-plain-path"],
+)
+def test_a_plain_file_starts_repacked_on_read_and_matches_stock(name, symlinked, model_factory, tmp_path, start_daemon):
+    """The file people download, as they run it: the engine in a new process computes every
+    weight as stock does (experts this CPU repacks made so on read by the daemon, issue 41)."""
+    from moed.engines import kernels
+    from tests.e2e.test_repacked_kernels import expected_layout
+
+    kwargs, budget = PLAIN_FILES[name]
+    src = model_factory(**kwargs)
+    tokens, want = stock_logits(src)
+    daemon = start_daemon(budget)
     got, engine = start_engine(daemon, src, tokens, tmp_path, symlinked=symlinked)
     assert_bit_equal(got, want)
-    if kernels.layout_of(kernels.Q4_K, (512, 256)) != kernels.PLAIN:
+    layout = expected_layout(src)  # plain where this CPU repacks none of the expert types
+    stats = daemon.client("check").stats()
+    assert engine["expert_layout"] == layout == stats["models"][0]["expert_layout"]
+    assert stats["models"][0]["repack_on_read"] == (layout != "plain") == (stats["repacked_bytes"] > 0)
+    if name == "q4_k_m" and kernels.layout_of(kernels.Q4_K, (512, 256)) != kernels.PLAIN:
         assert engine["dense_repacked_tensors"] > 0, "the K-quant attention must be on CPU_REPACK, as stock puts it"
-    assert daemon.client("check").stats()["evictions"] > 0, "the budget must force eviction"
+    assert stats["evictions"] > 0, "the budget must force eviction"
 
 
 def test_moed_reaches_the_ggml_llama_cpp_runs_whatever_path_imported_it(tmp_path):

@@ -147,10 +147,9 @@ def test_repacked_file_is_bit_exact_with_stock(name, model_factory, tmp_path, st
         assert (engine["dense_repacked_tensors"] > 0) == (kernels.layout_of(kernels.Q4_K, (256, 256)) != "plain")
 
 
-def test_plain_file_auto_repacks_the_dense_weights_like_stock(q4_k_m_model, start_daemon):
-    """A plain file: dense weights as stock places them, experts plain; same as UnpackedLlama(repack="dense")."""
-    import warnings
-
+def test_repack_dense_keeps_a_plain_files_experts_plain(q4_k_m_model, start_daemon):
+    """repack="dense": dense weights as stock places them, experts plain (no repack on read);
+    the same as UnpackedLlama(repack="dense")."""
     from moed.engines import kernels
     from moed.engines.llama_cpp import UnpackedLlama
 
@@ -158,13 +157,10 @@ def test_plain_file_auto_repacks_the_dense_weights_like_stock(q4_k_m_model, star
     tokens = ref.tokenize(PROMPT)
     want = greedy_logits(ref, tokens)
     ref.close()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        got, engine, _ = streamed_logits(start_daemon("1MiB"), q4_k_m_model, tokens)
+    got, engine, stats = streamed_logits(start_daemon("1MiB"), q4_k_m_model, tokens, repack="dense")
     assert_bit_equal(got, want)
     assert engine["expert_layout"] == "plain"
-    faster = expected_layout(q4_k_m_model) != "plain"  # this CPU has faster kernels for some expert type
-    assert faster == any("align --repack" in str(w.message) for w in caught)
+    assert stats["models"][0]["expert_layout"] == "plain" and stats["repacked_bytes"] == 0
     if kernels.layout_of(kernels.Q4_K, (256, 256)) != kernels.PLAIN:
         assert engine["dense_repacked_tensors"] > 0 and "q4_K_8x8" in engine["dense_layouts"]
 
@@ -226,9 +222,11 @@ def test_a_file_repacked_for_another_layout_is_refused(model_factory, tmp_path, 
             StreamedLlama(foreign, client=client, **LLAMA_KW)
         with pytest.raises(LayoutUnavailable, match="repack='auto'"):
             StreamedLlama(foreign, client=client, repack="off", **LLAMA_KW)
-        # the daemon refuses a layout it cannot give, whoever asks
-        with pytest.raises(LayoutUnavailable, match="its experts are plain"):
-            client.open_model(src, expert_layout="q4_0_8x8")
+        with pytest.raises(LayoutUnavailable, match="repack='auto'"):
+            StreamedLlama(foreign, client=client, repack="dense", **LLAMA_KW)
+        # the daemon refuses a layout it cannot give, whoever asks (it makes q4_0_8x8 of Q4_0 on read)
+        with pytest.raises(LayoutUnavailable, match="its experts are plain.*no expert is Q4_K"):
+            client.open_model(src, expert_layout="q4_K_8x8")
         assert client.stats()["tenants"][0]["leases"] == 0
 
 
