@@ -11,6 +11,9 @@
  *   handle = make(fn, name_offset)   # fn(tensor_address) -> bool, called on the data pass
  *   set_norm(handle, on[, prefix])   # also stop at <prefix><n>; the prefix stays until
  *                                    # changed (b"ffn_norm-"; gpt-oss: b"attn_post_norm-")
+ *   set_route(handle, prefix)        # the routed layer's stop: b"ffn_moe_topk-" (default), or
+ *                                    # b"ffn_moe_weights-" for device expert slots (its ids are
+ *                                    # rewritten after the routing weights were gathered)
  *   callback_address(), user_data(handle): what goes into llama_context_params
  * The handle owns a reference to fn and must outlive the context.
  *
@@ -127,6 +130,8 @@ typedef struct {
     int norm;
     char norm_prefix[NORM_PREFIX_MAX + 1];
     size_t norm_len;
+    char route_prefix[NORM_PREFIX_MAX + 1];
+    size_t route_len;
     PyObject *lane_obj; /* the capsule, referenced while set */
     Lane *lane;
     int lane_auto;
@@ -141,7 +146,7 @@ static int digits_to_end(const char *s) {
 }
 
 static bool wanted(const Config *c, const char *name) {
-    if (strncmp(name, "ffn_moe_topk-", 13) == 0) return digits_to_end(name + 13);
+    if (strncmp(name, c->route_prefix, c->route_len) == 0) return digits_to_end(name + c->route_len);
     if (c->norm && strncmp(name, c->norm_prefix, c->norm_len) == 0) return digits_to_end(name + c->norm_len);
     return false;
 }
@@ -239,7 +244,7 @@ static bool eval_callback(void *tensor, bool ask, void *user_data) {
     if (ask) return true;
     PyGILState_STATE g = PyGILState_Ensure();
     bool ok = false;
-    if (c->lane != NULL && c->lane_auto && !c->lane->python_held) { /* a Python grant: Python releases it */
+    if (c->lane != NULL && c->lane_auto && !c->lane->python_held && c->route_len == 13) { /* the lane reads topk nodes */ /* a Python grant: Python releases it */
         int rc = lane_step_core(c->lane, (const char *)tensor);
         if (rc >= 0) { PyGILState_Release(g); return true; }
         if (rc != LANE_DECLINE) c->lane->pending = rc; /* Python's lane_step reports it */
@@ -282,6 +287,8 @@ static PyObject *make(PyObject *self, PyObject *args) {
     c->lane_auto = 0;
     strcpy(c->norm_prefix, "ffn_norm-");
     c->norm_len = strlen(c->norm_prefix);
+    strcpy(c->route_prefix, "ffn_moe_topk-");
+    c->route_len = strlen(c->route_prefix);
     PyObject *cap = PyCapsule_New(c, "moed.evalcb", config_free);
     if (cap == NULL) { Py_DECREF(fn); PyMem_Free(c); }
     return cap;
@@ -291,21 +298,34 @@ static Config *config_of(PyObject *cap) {
     return (Config *)PyCapsule_GetPointer(cap, "moed.evalcb");
 }
 
+/* Copy a 1..47-byte prefix with no NUL into `dst`; -1 with ValueError set otherwise. */
+static int set_prefix(char *dst, size_t *len_out, const char *prefix, Py_ssize_t len) {
+    if (len < 1 || len > NORM_PREFIX_MAX || memchr(prefix, 0, (size_t)len) != NULL) {
+        PyErr_SetString(PyExc_ValueError, "a node prefix must be 1..47 bytes with no NUL");
+        return -1;
+    }
+    memcpy(dst, prefix, (size_t)len);
+    dst[len] = 0;
+    *len_out = (size_t)len;
+    return 0;
+}
+
 static PyObject *set_norm(PyObject *self, PyObject *args) {
     PyObject *cap; int on; const char *prefix = NULL; Py_ssize_t len = 0;
     if (!PyArg_ParseTuple(args, "Op|y#", &cap, &on, &prefix, &len)) return NULL;
     Config *c = config_of(cap);
     if (c == NULL) return NULL;
-    if (prefix != NULL) {
-        if (len < 1 || len > NORM_PREFIX_MAX || memchr(prefix, 0, (size_t)len) != NULL) {
-            PyErr_SetString(PyExc_ValueError, "the norm prefix must be 1..47 bytes with no NUL");
-            return NULL;
-        }
-        memcpy(c->norm_prefix, prefix, (size_t)len);
-        c->norm_prefix[len] = 0;
-        c->norm_len = (size_t)len;
-    }
+    if (prefix != NULL && set_prefix(c->norm_prefix, &c->norm_len, prefix, len) < 0) return NULL;
     c->norm = on;
+    Py_RETURN_NONE;
+}
+
+static PyObject *set_route(PyObject *self, PyObject *args) {
+    PyObject *cap; const char *prefix; Py_ssize_t len;
+    if (!PyArg_ParseTuple(args, "Oy#", &cap, &prefix, &len)) return NULL;
+    Config *c = config_of(cap);
+    if (c == NULL) return NULL;
+    if (set_prefix(c->route_prefix, &c->route_len, prefix, len) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -708,6 +728,7 @@ static PyObject *set_whole(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"make", make, METH_VARARGS, "make(fn, name_offset) -> handle"},
     {"set_norm", set_norm, METH_VARARGS, "set_norm(handle, on[, prefix]): also stop at <prefix><n> (ffn_norm-<n>)"},
+    {"set_route", set_route, METH_VARARGS, "set_route(handle, prefix): the routed layer's stop (b'ffn_moe_topk-')"},
     {"user_data", user_data, METH_VARARGS, "the cb_eval_user_data pointer for a handle"},
     {"callback_address", callback_address, METH_NOARGS, "the address of the C eval callback"},
     {"lane_new", lane_new, METH_VARARGS, "a lane over a hold region and a residency table"},

@@ -59,6 +59,9 @@ NAME_OFFSET = GgmlTensor.name.offset
 # What moed/_evalcb.c's lane reads of a topk node: (name, type, ne, nb, data) offsets.
 LANE_LAYOUT = (NAME_OFFSET, GgmlTensor.type.offset, GgmlTensor.ne.offset, GgmlTensor.nb.offset, GgmlTensor.data.offset)
 TOPK_PREFIX = b"ffn_moe_topk-"
+# The routing weights gathered by the top-k's ids (llama-graph.cpp: before any expert matmul,
+# forced by ggml_build_forward_expand); its src[1] is the top-k. Device slots stop here.
+WEIGHTS_PREFIX = b"ffn_moe_weights-"
 NORM_PREFIX = b"ffn_norm-"
 _TOPK_NAME = re.compile(rb"ffn_moe_topk-(\d+)\Z")
 # Kinds of node the streamer's callback acts on (see `node`).
@@ -89,6 +92,10 @@ class EvalCallback:
     def stop_at_norm(self, on: bool, prefix: bytes = NORM_PREFIX) -> None:
         """Also stop at `<prefix><n>` nodes (the router's input) while `on`."""
         self._evalcb.set_norm(self.handle, on, prefix)
+
+    def set_route(self, prefix: bytes) -> None:
+        """Stop each routed layer at `<prefix><n>`: TOPK_PREFIX (default) or WEIGHTS_PREFIX."""
+        self._evalcb.set_route(self.handle, prefix)
 
     # A whole step (every expert pinned and held by the region's pin hold) can skip every stop.
     whole_steps = True
@@ -193,20 +200,33 @@ def topk_layer(tensor_ptr: int) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def node(tensor_ptr: int, norm_prefix: bytes = NORM_PREFIX) -> tuple[int, int] | None:
-    """(TOPK or NORM, layer) for `ffn_moe_topk-<layer>` / `<norm_prefix><layer>`, else None.
+def node(
+    tensor_ptr: int, norm_prefix: bytes = NORM_PREFIX, route_prefix: bytes = TOPK_PREFIX
+) -> tuple[int, int] | None:
+    """(TOPK or NORM, layer) for `<route_prefix><layer>` (`ffn_moe_topk-`, or `ffn_moe_weights-`
+    whose src[1] is the top-k: `topk_of`) / `<norm_prefix><layer>`, else None.
 
     One `string_at` of the longer prefix per graph node; parsing only on a match.
     """
-    head = ctypes.string_at(tensor_ptr + NAME_OFFSET, max(len(TOPK_PREFIX), len(norm_prefix)))
-    if head[: len(TOPK_PREFIX)] == TOPK_PREFIX:
-        kind, pattern = TOPK, _TOPK_NAME
+    head = ctypes.string_at(tensor_ptr + NAME_OFFSET, max(len(route_prefix), len(norm_prefix)))
+    if head[: len(route_prefix)] == route_prefix:
+        kind, pattern = TOPK, _TOPK_NAME if route_prefix == TOPK_PREFIX else _norm_name(route_prefix)
     elif head[: len(norm_prefix)] == norm_prefix:
         kind, pattern = NORM, _norm_name(norm_prefix)
     else:
         return None
     match = pattern.match(ctypes.string_at(tensor_ptr + NAME_OFFSET))
     return (kind, int(match.group(1))) if match else None
+
+
+def topk_of(tensor_ptr: int, route_prefix: bytes) -> int:
+    """The top-k node of a routed layer's stop: itself, or the weights' ids (src[1])."""
+    if route_prefix == TOPK_PREFIX:
+        return tensor_ptr
+    src = GgmlTensor.from_address(tensor_ptr).src[1]
+    if not src:
+        raise RuntimeError(f"{name(tensor_ptr)!r} has no ids source: not the routing weights' get_rows")
+    return int(src)
 
 
 @functools.cache

@@ -15,7 +15,9 @@ Invariants (the cycle keeps them; each placement relies on them):
   nothing computes from it.
 - `failed()` runs once when a decode has failed while a device computes part of the
   graph: whatever expert matmul still runs before llama_decode returns must read
-  mapped memory (no signal). `end_decode()` runs after every decode, failed or not.
+  mapped memory (no signal); `skip(layer, topk)` then runs at each later routed stop
+  of that decode, so a placement that remaps ids keeps every id in range.
+  `end_decode()` runs after every decode, failed or not.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ class Placement(Protocol):
 
     def failed(self) -> None:
         """The decode failed under an offload: later expert matmuls must read mapped memory."""
+
+    def skip(self, layer: int, topk: int) -> None:
+        """A routed stop after the decode failed: nothing acquired, ids must stay in range."""
 
     def end_decode(self) -> None:
         """After llama_decode returned (also when it failed)."""
@@ -87,6 +92,9 @@ class CpuPages:
 
     def failed(self) -> None:
         self.pages.open_zeros()
+
+    def skip(self, layer: int, topk: int) -> None:
+        """Every expert reads zeros already (failed): the ids index the model's own tensor."""
 
     def end_decode(self) -> None:
         self.pages.close_zeros()  # after a failure under an offload: every expert hidden again

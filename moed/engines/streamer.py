@@ -158,6 +158,8 @@ class ExpertStreamer:
         self.c_callback = ggml_tensor.EvalCallback(self._on_node)
         # The router's input node, `<prefix><layer>`: ffn_norm-, or the arch's own (set at install).
         self.norm_prefix = ggml_tensor.NORM_PREFIX
+        # Each routed layer's stop: its top-k, or (device slots) the routing weights after it.
+        self.route_prefix = ggml_tensor.TOPK_PREFIX
         # SOFTMAX_WEIGHT gating (gpt-oss): `ffn_moe_probs-L` holds the logits, so the
         # substituter is given their softmax, the probabilities its `r` compares.
         self.probs_are_logits = False
@@ -342,30 +344,37 @@ class ExpertStreamer:
     # ---- the eval callback -----------------------------------------------
 
     def _on_node(self, tensor: int) -> bool:
-        """A computed `ffn_moe_topk-<n>` or (while observing) `ffn_norm-<n>` node; False stops the graph."""
+        """A computed routed stop (`ffn_moe_topk-<n>`, or `ffn_moe_weights-<n>` for device
+        slots) or (while observing) `ffn_norm-<n>` node; False stops the graph."""
+        stop: tuple[int, int] | None = None  # (layer, top-k node) of a routed stop
         try:
-            hit = ggml_tensor.node(tensor, self.norm_prefix)
+            hit = ggml_tensor.node(tensor, self.norm_prefix, self.route_prefix)
             if hit is None:
                 return True
             kind, layer = hit
+            if kind == ggml_tensor.TOPK:
+                stop = (layer, ggml_tensor.topk_of(tensor, self.route_prefix))
             if self.error is not None:
                 # An earlier layer failed. On the CPU: stop this graph at its next stop,
                 # before any expert matmul could read pages nobody acquired. Offloaded:
                 # the experts read zeros (open_zeros), and the graph runs to its end.
+                if self._offloaded and stop is not None:
+                    self._placements[layer].skip(*stop)
                 return self._offloaded
             if self._experts_pending():
                 self._switch_experts(tensor)
-            if kind == ggml_tensor.TOPK:
-                self.on_layer(layer, self._route(layer, tensor), tensor)
+            if stop is not None:
+                self.on_layer(layer, self._route(layer, stop[1]), stop[1])
             elif self._observing(layer):
                 assert self.lookahead is not None  # _observing requires the look-ahead
                 self.lookahead.observe(layer, ggml_tensor.rows_f32(tensor))
             return True
         except BaseException as exc:  # noqa: BLE001 - must not unwind through C
-            return self._fail(exc)
+            return self._fail(exc, stop)
 
-    def _fail(self, exc: BaseException) -> bool:
-        """Store the decode's error; the callback's answer: stop (CPU) or go on over zeros."""
+    def _fail(self, exc: BaseException, stop: tuple[int, int] | None = None) -> bool:
+        """Store the decode's error; the callback's answer: stop (CPU) or go on over zeros
+        (`stop`: the routed layer that failed, whose ids its placement keeps in range)."""
         self.error = exc
         if self.lane is not None:  # every later topk of this decode must reach here and stop
             self.c_callback.set_lane(self.lane.handle, False)
@@ -374,6 +383,8 @@ class ExpertStreamer:
         try:
             for placement in self.placements():
                 placement.failed()
+            if stop is not None:
+                self._placements[stop[0]].skip(*stop)
         except BaseException as again:  # noqa: BLE001 - must not unwind through C
             # No readable zeros: the process cannot go on safely (a later split's matmul
             # would fault on an expert nobody acquired). Say why before the fault would.
@@ -489,8 +500,15 @@ class ExpertStreamer:
         """Every placement the model's layers use, each once."""
         return list({id(p): p for p in self._placements.values()}.values())
 
-    def place_on(self, placement: Placement, layers: list[int]) -> None:
-        """`layers`' experts are made computable by `placement` (at load, before any decode)."""
+    def place_on(self, placement: Placement, layers: list[int], stop: bytes | None = None) -> None:
+        """`layers`' experts are made computable by `placement` (at load, before any decode);
+        `stop`: every routed layer's stop becomes `<stop><n>` (ggml_tensor.WEIGHTS_PREFIX: a
+        placement that rewrites the ids after the routing weights were gathered by them)."""
+        if stop is not None:
+            if self.lane is not None:
+                raise RuntimeError("the C lane reads top-k nodes: no other stop with a lane")
+            self.route_prefix = stop
+            self.c_callback.set_route(stop)
         for layer in layers:
             if layer not in self._placements:
                 raise ValueError(f"layer {layer} has no routed experts")
