@@ -1,0 +1,310 @@
+"""Device expert slots (moed.engines.device_slots): the routed experts on the Vulkan device, fed from moed.
+
+Every layer on the device (`n_gpu_layers=-1`), its experts left in the CPU's buffer at
+load (`-ot exps=CPU`) and replaced, before the context exists, by S < n_expert device
+slots a layer; at each `ffn_moe_weights-L` the engine's callback reads the top-k ids,
+acquires the experts no slot holds from the real daemon (whose budget evicts), uploads
+them, and writes the slot ids back. Checked bit for bit against stock
+`llama_cpp.Llama(n_gpu_layers=-1)`, which loads and computes every expert on the device,
+on lavapipe (GGML_VK_VISIBLE_DEVICES=0), with Vulkan's op fusion off in both
+(GGML_VK_DISABLE_FUSION=1: the callback splits the device's graph where stock fuses).
+
+Until StreamedLlama takes `gpu_slots`, the engine here is a glue (`SlotsLlama`, run by
+`_child` in a new interpreter): llama_cpp.Llama loaded through moed's internals hook,
+DeviceSlots built between the load and the context, the daemon's grants as the bytes.
+
+Every engine runs in a new interpreter: the device must be chosen before llama.cpp first
+enumerates its backends, and a test process never computes with llama.cpp.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.e2e.conftest import LLAMA_KW, PROMPT, assert_bit_equal
+
+pytestmark = pytest.mark.e2e
+pytest.importorskip("llama_cpp")
+
+ROOT = Path(__file__).resolve().parents[2]
+VULKAN_ENV = {"GGML_VK_VISIBLE_DEVICES": "0", "GGML_VK_DISABLE_FUSION": "1"}
+GEOMETRY = dict(experts=16, used=2)  # 16 experts, 2 a token: S=8 holds any 4-token batch
+STEPS = 16
+
+# ---------------------------------------------------------------------- the engines (child side)
+
+
+class SlotsLlama:
+    """llama_cpp.Llama with device slots: what StreamedLlama(gpu_slots=S) will do, minus the
+    streamer (the glue the integration replaces)."""
+
+    def __init__(self, model: str, socket: str, gpu_slots: int, **llama_kw):
+        import llama_cpp
+        import llama_cpp.llama as llama_module
+
+        from moed.client import Client
+        from moed.engines import device_slots as ds
+        from moed.engines.kernels import DenseOverrides
+        from moed.engines.llama_cpp import _constructing
+        from moed.engines.sources import MoedSource
+
+        self.ds = ds
+        self.client = Client(socket, "gpu-slots")
+        self.source = MoedSource(self.client, model)
+        self.slots: ds.DeviceSlots | None = None
+        self.error: BaseException | None = None
+        self._keep: list = []
+        self.callback = llama_cpp.ggml_backend_sched_eval_callback(self._on_node)
+        engine = self
+        real = llama_module.internals
+        proxy = types.ModuleType(real.__name__)
+        proxy.__dict__.update(real.__dict__)
+
+        def load_model(*, path_model: str, params, verbose: bool = True):
+            overrides = DenseOverrides((), experts_on_cpu=True)  # the experts stay in the mapping, unread
+            overrides.install(params)
+            engine._keep.append(overrides)
+            model = real.LlamaModel(path_model=path_model, params=params, verbose=verbose)
+            engine.slots = ds.DeviceSlots(ds.probe(model.model), gpu_slots)  # before any context
+            return model
+
+        class Context(real.LlamaContext):
+            def __init__(self, *, model, params, verbose: bool = True):
+                params.cb_eval, params.cb_eval_user_data = engine.callback, None
+                params.op_offload = False
+                super().__init__(model=model, params=params, verbose=verbose)
+
+            def decode(self, batch):
+                try:
+                    super().decode(batch)
+                except RuntimeError as exc:
+                    err, engine.error = engine.error, None
+                    if err is not None:
+                        raise err from exc
+                    raise
+                err, engine.error = engine.error, None
+                if err is not None:
+                    raise err
+
+        proxy.__dict__.update(LlamaModel=load_model, LlamaContext=Context)
+        with _constructing(proxy):
+            self.llm = llama_cpp.Llama(model_path=model, **llama_kw)
+
+    def _on_node(self, tensor, ask, _user_data) -> bool:
+        layer = self.ds.weights_layer(tensor)
+        if ask:
+            return layer is not None and self.slots is not None and layer in self.slots
+        if layer is None:
+            return True
+        if self.error is not None:
+            return False  # an earlier layer failed: stop before this layer's matmuls
+        try:
+            assert self.slots is not None
+            fetch, held = self.ds.grant_fetch(self.slots, layer, lambda misses: self.source.acquire(layer, misses))
+            try:
+                self.slots.route(layer, self.ds.topk_of(tensor), fetch)
+            finally:
+                for grant in held:  # the bytes are on the device: the daemon may reuse its slots
+                    self.source.release(grant)
+            return True
+        except BaseException as exc:  # noqa: BLE001 - must not unwind through C
+            self.error = exc
+            return False
+
+    def eval(self, tokens: list[int]) -> None:
+        """Llama.eval, lowering n_batch while a batch names more experts than a layer's slots."""
+        from moed.protocol.errors import RequestTooLarge
+
+        start = self.llm.n_tokens
+        while True:
+            try:
+                return self.llm.eval(tokens[self.llm.n_tokens - start :])
+            except RequestTooLarge:
+                if self.llm.n_batch <= 1:
+                    raise
+                self.llm.n_batch = max(1, self.llm.n_batch // 2)
+
+    def close(self) -> None:
+        self.llm.close()
+        if self.slots is not None:
+            self.slots.close()  # after the model: nothing computes with the slots any more
+        self.client.close()
+
+
+def prompt_tokens(llm, kind: str) -> list[int]:
+    tokens = llm.tokenize(PROMPT)
+    if kind == "short":  # 4 tokens: at most 8 experts a layer
+        return tokens[:4]
+    if kind == "pair":  # 2 tokens: at most 4
+        return tokens[:2]
+    if kind == "repeat":  # one token 40 times: every row routes alike, k experts a layer
+        return [tokens[1]] * 40
+    return tokens
+
+
+def _child(argv: list[str]) -> None:
+    """which model out socket S prompt n_batch: one engine's greedy logits and stats, as JSON."""
+    which, model, out, socket, slots, prompt, n_batch = argv
+    kw = {**LLAMA_KW, "n_gpu_layers": -1, "n_batch": int(n_batch), "n_ubatch": int(n_batch)}
+    if which == "stock":
+        import llama_cpp
+
+        llm = llama_cpp.Llama(model_path=model, **kw)
+        engine = None
+        evaluate = llm.eval
+    else:
+        engine = SlotsLlama(model, socket, int(slots), **kw)
+        llm, evaluate = engine.llm, engine.eval
+    tokens = prompt_tokens(llm, prompt)
+    llm.reset()
+    evaluate(tokens)
+    rows = [llm.scores[: llm.n_tokens].copy()]
+    n_batch_used = llm.n_batch
+    for _ in range(STEPS):
+        evaluate([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        rows.append(llm.scores[llm.n_tokens - 1 : llm.n_tokens].copy())
+    np.save(out, np.concatenate(rows))
+    stats = {"n_batch": n_batch_used, "prompt_tokens": len(tokens)}
+    if engine is not None:
+        assert engine.slots is not None
+        stats["gpu_slots"] = engine.slots.totals()
+        stats["daemon_evictions"] = engine.client.stats()["evictions"]
+        engine.close()
+    else:
+        llm.close()
+    print(json.dumps(stats))
+
+
+# ---------------------------------------------------------------------- the tests (test process side)
+
+
+def run_engine(which, model, tmp_path, *, socket="", slots=8, prompt="short", n_batch=64, tag="") -> tuple:
+    out = tmp_path / f"{which}-{prompt}-{n_batch}{tag}.npy"
+    env = {**os.environ, **VULKAN_ENV, "PYTHONPATH": str(ROOT)}
+    code = "import sys\nfrom tests.e2e.test_gpu_slots import _child\n_child(sys.argv[1:])"
+    args = [which, str(model), str(out), socket, str(slots), prompt, str(n_batch)]
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    ), out
+
+
+def finish(started, what: str) -> tuple[np.ndarray, dict]:
+    proc, out = started
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, f"{what}: rc {proc.returncode}\n{stderr[-3000:]}"
+    return np.load(out), json.loads(stdout.strip().splitlines()[-1])
+
+
+def engine(which, model, tmp_path, **kw) -> tuple[np.ndarray, dict]:
+    return finish(run_engine(which, model, tmp_path, **kw), which)
+
+
+@pytest.fixture(scope="module")
+def vulkan_device() -> str:
+    """The Vulkan device's name, or a skip saying what is missing."""
+    probe = "import llama_cpp\nfrom moed.engines.devices import gpu_devices\nprint('|'.join(gpu_devices()))"
+    env = {**os.environ, **VULKAN_ENV, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    devices = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    if not devices:
+        pytest.skip(
+            "no Vulkan device: this llama.cpp was built without GGML_VULKAN, or no Vulkan driver "
+            "(lavapipe: mesa-vulkan-drivers) is installed; scripts/setup-system installs both where it can"
+        )
+    return devices
+
+
+def check_slots(stats: dict, slots: int) -> None:
+    g = stats["gpu_slots"]
+    assert g["slots"] == slots and g["layers"] > 0
+    assert g["uploads"] > 0 and g["upload_bytes"] > 0 and g["hits"] > 0
+    assert g["evictions"] > 0, "S below the expert count must evict device slots"
+    assert stats["daemon_evictions"] > 0, "the budget must force the daemon to evict"
+
+
+@pytest.mark.parametrize(
+    "arch, slots, prompt",
+    [
+        ("qwen3moe", 8, "short"),
+        ("deepseek2", 8, "short"),
+        ("gpt-oss", 8, "short"),
+        ("gemma4", 4, "pair"),  # the test model routes to 6 of its 16 experts: fewer slots, so they evict
+        ("qwen35moe", 8, "short"),
+    ],
+)
+def test_slots_on_the_device_match_stock_computing_every_expert_there(
+    vulkan_device, model_factory, start_daemon, tmp_path, arch, slots, prompt
+):
+    """A prompt whose experts fit the slots (4 tokens in 8 of 16 slots) and 16 greedy steps,
+    bit for bit; gpt-oss's expert biases (add_id) and gemma4's fused gate_up and per-expert
+    scale (get_rows) are indexed by slot too."""
+    model = model_factory(arch=arch, **GEOMETRY)
+    stock = run_engine("stock", model, tmp_path, prompt=prompt)
+    daemon = start_daemon("256KiB")
+    got, stats = engine("slots", model, tmp_path, socket=daemon.socket, slots=slots, prompt=prompt)
+    want, _ = finish(stock, "stock")
+    assert stats["n_batch"] == 64, "the prompt's experts fit the slots: one batch"
+    assert_bit_equal(got, want)
+    check_slots(stats, slots)
+
+
+def test_a_prompt_whose_experts_exceed_the_slots_is_split_and_matches_stock_on_the_same_split(
+    vulkan_device, model_factory, start_daemon, tmp_path
+):
+    model = model_factory(**GEOMETRY)
+    daemon = start_daemon("256KiB")
+    got, stats = engine("slots", model, tmp_path, socket=daemon.socket, slots=4, prompt="long")
+    n_batch = stats["n_batch"]
+    assert n_batch < 64 and stats["prompt_tokens"] > n_batch, "4 slots cannot hold the whole prompt's experts"
+    want, _ = engine("stock", model, tmp_path, prompt="long", n_batch=n_batch)
+    assert_bit_equal(got, want)
+    check_slots(stats, 4)
+
+
+def test_a_batch_over_8_tokens_runs_the_matmul_shaders_over_the_slots(
+    vulkan_device, model_factory, start_daemon, tmp_path
+):
+    """40 rows of one token: k experts a layer, one batch of 40 (ggml-vulkan's matrix-matrix
+    path, not the matrix-vector one of batches up to 8). Its tile choice depends on
+    ceil(40 * k / ne[2]): 20 over 4 slots, 5 over stock's 16 (the aligned shader past 8).
+    On lavapipe that changes nothing: bit-exact (measured for q8_0 and q4_K at 3/12, 6/24,
+    10/40 and 25/100 rows an expert). A device whose shaders reduce differently by tile
+    would differ here by rounding only: bounded, and said."""
+    model = model_factory(**GEOMETRY)
+    stock = run_engine("stock", model, tmp_path, prompt="repeat")
+    daemon = start_daemon("256KiB")
+    got, stats = engine("slots", model, tmp_path, socket=daemon.socket, slots=4, prompt="repeat")
+    want, _ = finish(stock, "stock")
+    assert stats["n_batch"] == 64 and stats["prompt_tokens"] == 40, "one batch of 40 rows"
+    differ = got.view(np.uint32) != want.view(np.uint32)
+    if differ.any():
+        diff = float(np.abs(got - want).max())
+        warnings.warn(
+            f"{vulkan_device}: the slots' tile choice changed {int(differ.any(axis=1).sum())} rows, max |diff| {diff}",
+            RuntimeWarning,
+            stacklevel=1,
+        )
+        assert diff < 1e-3, f"more than a shader's rounding: max |diff| {diff}"
+        assert (got.argmax(axis=1) == want.argmax(axis=1)).all()
+
+
+def test_two_slot_engines_on_one_daemon_each_keep_their_own_slots(vulkan_device, model_factory, start_daemon, tmp_path):
+    """Two processes, one daemon: each has its own device slots, both read moed's one RAM tier."""
+    model = model_factory(**GEOMETRY)
+    want, _ = engine("stock", model, tmp_path)
+    daemon = start_daemon("256KiB")
+    runs = [run_engine("slots", model, tmp_path, socket=daemon.socket, slots=8, tag=f"-{i}") for i in range(2)]
+    for i, started in enumerate(runs):
+        got, stats = finish(started, f"slots engine {i}")
+        assert_bit_equal(got, want)
+        check_slots(stats, 8)
