@@ -38,10 +38,12 @@ Invariants:
   llama-graph.cpp's build_moe_ffn); slot ids written at the top-k gather the wrong
   weights (measured: max |diff| 4.2 in the logits).
 - The top-k is a strided view of the argsort (rows `nb[1]` apart): it is read and
-  written as one span of those bytes; the argsort's other columns go back unchanged.
+  written row by row through those strides (ggml_backend_tensor_{get,set}_2d, one
+  copy each), and the argsort's other columns are never written.
 - A slot the batch in flight uses is never evicted. A batch naming more distinct
   experts in a layer than it has slots raises `SlotsExceeded` (a `RequestTooLarge`, on
-  which the engine lowers `n_batch`), and every failed `route` first writes slot 0
+  which the engine lowers `n_batch`; `missing` raises it before anything is acquired),
+  and a failed `route`, like `skip` at a later stop of a failed decode, writes slot 0
   for every id, so no matmul can read past a slot tensor.
 - An expert enters a slot's LRU entry only once all its parts (and rows) are on the
   device; a failed upload leaves the slots it was filling free.
@@ -111,12 +113,32 @@ class _Api:
         self.buft_name = bind("ggml_backend_buft_name", ctypes.c_char_p, p)
         self.tensor_set = bind("ggml_backend_tensor_set", None, p, p, sz, sz)
         self.tensor_get = bind("ggml_backend_tensor_get", None, p, p, sz, sz)
+        # (tensor, data, offset, size, n_copies, stride_tensor, stride_data): rows of a strided view
+        self.tensor_set_2d = bind("ggml_backend_tensor_set_2d", None, p, p, sz, sz, sz, sz, sz)
+        self.tensor_get_2d = bind("ggml_backend_tensor_get_2d", None, p, p, sz, sz, sz, sz, sz)
         self.nbytes = bind("ggml_nbytes", sz, p)
 
 
 @functools.cache
 def _api() -> _Api:
     return _Api()
+
+
+def _topk_shape(layer: int, topk: int) -> tuple[int, int, int]:
+    """(rows, k, row stride in bytes) of a top-k tensor: int32 ids, contiguous within a row."""
+    t = GgmlTensor.from_address(topk)
+    if t.type != GGML_TYPE_I32 or int(t.nb[0]) != 4:
+        raise RuntimeError(f"the top-k of layer {layer} has ggml type {t.type}, nb[0] {t.nb[0]}: expected I32 rows")
+    if int(t.ne[2]) * int(t.ne[3]) != 1:
+        raise RuntimeError(f"the top-k of layer {layer} has more than two dimensions: unexpected graph")
+    return int(t.ne[1]), int(t.ne[0]), int(t.nb[1])
+
+
+def _write_ids(topk: int, ids: np.ndarray, nb1: int) -> None:
+    """(rows, k) int32 ids into the top-k view: k ids a row, rows `nb1` bytes apart (the
+    argsort's other columns untouched); one 2-D copy into the device's memory."""
+    n_rows, k = ids.shape
+    _api().tensor_set_2d(topk, ids.ctypes.data, 0, 4 * k, n_rows, nb1, 4 * k)
 
 
 # ---------------------------------------------------------------------- finding the tensors
@@ -400,53 +422,64 @@ class DeviceSlots:
 
     # ---- the per-layer cycle
 
-    def route(self, layer: int, topk: int, fetch: Fetch) -> np.ndarray:
+    def missing(self, layer: int, experts) -> list[int]:
+        """Which of `experts` (a batch's distinct experts of `layer`) no slot holds: the ones a
+        cycle must acquire from moed before `route`. Raises SlotsExceeded, before any
+        acquire, when they are more than the layer's slots."""
+        L = self._layers[layer]
+        want = self._checked(layer, L, np.unique(np.asarray(experts, np.int64)))
+        return [e for e in want.tolist() if e not in L.lru]
+
+    def route(self, layer: int, topk: int, fetch: Fetch, ids: np.ndarray | None = None) -> np.ndarray:
         """Make every expert `topk` names resident in the layer's slots and rewrite its ids
         into slot ids, in the device's memory; returns the (n_tokens, k) expert ids.
 
         `topk`: the graph's top-k tensor (`topk_of(ffn_moe_weights node)`), computed, its
         readers not yet; `fetch(misses)`: called once, only when some expert is not in a
         slot, with those experts; returns their bytes (e.g. `grant_reader` of moed's
-        acquire of exactly them), read before `route` returns.
+        acquire of them), read before `route` returns. `ids`: the top-k's ids where the
+        caller read them already (one device read less).
         """
         t0 = time.perf_counter()
         L = self._layers[layer]
-        api = _api()
-        t = GgmlTensor.from_address(topk)
-        if t.type != GGML_TYPE_I32:
-            raise RuntimeError(f"the top-k of layer {layer} has ggml type {t.type}, expected I32")
-        k, n_rows = int(t.ne[0]), int(t.ne[1]) * int(t.ne[2]) * int(t.ne[3])
-        if int(t.ne[2]) * int(t.ne[3]) != 1:
-            raise RuntimeError(f"the top-k of layer {layer} has more than two dimensions: unexpected graph")
+        n_rows, k, nb1 = _topk_shape(layer, topk)
         if k == 0 or n_rows == 0:
             return np.empty((n_rows, k), np.int32)
-        nb0, nb1 = int(t.nb[0]), int(t.nb[1])
-        span = (n_rows - 1) * nb1 + (k - 1) * nb0 + 4
-        raw = np.empty(span, np.uint8)
-        api.tensor_get(topk, raw.ctypes.data, 0, span)
-        view = np.ndarray((n_rows, k), np.int32, buffer=raw, strides=(nb1, nb0))
-        ids = view.copy()
+        if ids is None:
+            ids = np.empty((n_rows, k), np.int32)
+            _api().tensor_get_2d(topk, ids.ctypes.data, 0, 4 * k, n_rows, nb1, 4 * k)
+        elif ids.shape != (n_rows, k):
+            raise ValueError(f"layer {layer}: ids of shape {ids.shape} for a top-k of ({n_rows}, {k})")
         try:
             slot_of = self._place(layer, L, ids, fetch)
-            view[...] = slot_of[ids]
+            _write_ids(topk, np.ascontiguousarray(slot_of[ids], np.int32), nb1)
         except BaseException:
-            view[...] = 0  # in range of every slot tensor, whatever runs before the graph stops
-            api.tensor_set(topk, raw.ctypes.data, 0, span)
+            self.skip(layer, topk)  # in range of every slot tensor, whatever computes before the graph stops
             raise
-        api.tensor_set(topk, raw.ctypes.data, 0, span)
         self.stats.cycles += 1
         self.stats.cycle_s += time.perf_counter() - t0
-        return ids
+        return np.array(ids, np.int32)
 
-    def _place(self, layer: int, L: _Layer, ids: np.ndarray, fetch: Fetch) -> np.ndarray:
-        """Every expert of `ids` in a slot (uploading the misses); returns expert -> slot."""
-        want = np.unique(ids)
-        if want[0] < 0 or want[-1] >= L.n_expert:
+    def skip(self, layer: int, topk: int) -> None:
+        """Slot 0 for every id of `topk`: a decode that failed (nothing placed for this layer)
+        computes on to its end over in-range slots, never past a slot tensor."""
+        n_rows, k, nb1 = _topk_shape(layer, topk)
+        if k and n_rows:
+            _write_ids(topk, np.zeros((n_rows, k), np.int32), nb1)
+
+    def _checked(self, layer: int, L: _Layer, want: np.ndarray) -> np.ndarray:
+        """`want` (sorted distinct experts), checked against the layer's expert count and slots."""
+        if len(want) and (want[0] < 0 or want[-1] >= L.n_expert):
             raise RuntimeError(f"layer {layer}: expert id {int(want[0] if want[0] < 0 else want[-1])} out of range")
         if len(want) > L.n_slots:
             raise SlotsExceeded(
                 f"layer {layer}: the batch routes to {len(want)} experts, the layer has {L.n_slots} device slots"
             )
+        return want
+
+    def _place(self, layer: int, L: _Layer, ids: np.ndarray, fetch: Fetch) -> np.ndarray:
+        """Every expert of `ids` in a slot (uploading the misses); returns expert -> slot."""
+        want = self._checked(layer, L, np.unique(ids))
         lru, misses = L.lru, []
         for e in want.tolist():
             if e in lru:
@@ -516,27 +549,63 @@ class DeviceSlots:
         self._layers.clear()
 
 
-def grant_fetch(slots: DeviceSlots, layer: int, acquire: Callable[[list[int]], Grant]) -> tuple[Fetch, list[Grant]]:
-    """A `fetch` for `route` that acquires the misses with `acquire` (moed: `source.acquire(layer,
-    misses, release=prev)`); the grant lands in the returned list, for the caller to release
-    once `route` returned (the bytes are on the device by then)."""
-    held: list[Grant] = []
+class SlotPlacement:
+    """Device slots as the engine's placement (moed.engines.placement.Placement) of their layers.
 
-    def fetch(misses: list[int]) -> ExpertBytes:
-        grant = acquire(misses)
-        held.append(grant)
-        return slots.grant_reader(layer, grant)
+    The cycle may ask `needs(layer, ids)` first and acquire only what it names (the
+    experts no slot holds; none on a full hit, which then needs no grant: `show(None,
+    node, layer)`); `show` uploads from the grant and writes the slot ids over the top-k
+    `node`. The grant's bytes are on the device when `show` returns, so `hide` has nothing
+    to do and the grant may go at once; a failed decode's expert matmuls read device
+    slots, always mapped (`failed`: nothing), over ids `skip` keeps in range.
+    """
 
-    return fetch, held
+    def __init__(self, slots: DeviceSlots):
+        self.slots = slots
+        self._ids: tuple[int, np.ndarray] | None = None  # (layer, ids) named by needs, for show
+
+    def needs(self, layer: int, ids: np.ndarray) -> list[int]:
+        """The experts of the batch's `ids` ((n_tokens, k), read at the stop) to acquire."""
+        self._ids = (layer, ids)
+        return self.slots.missing(layer, ids)
+
+    def show(self, grant: Grant | None, node: int | None, layer: int | None = None) -> None:
+        layer = grant.layer if grant is not None else layer
+        if layer is None or node is None:
+            raise ValueError("device slots need the layer's top-k node (and the layer, without a grant)")
+        ids, self._ids = (self._ids[1] if self._ids is not None and self._ids[0] == layer else None), None
+
+        def fetch(misses: list[int]) -> ExpertBytes:
+            if grant is None:
+                raise RuntimeError(f"layer {layer}: experts {misses} are in no slot and nothing was acquired")
+            return self.slots.grant_reader(layer, grant)
+
+        self.slots.route(layer, node, fetch, ids)
+
+    def hide(self, grant: Grant) -> None:
+        """Nothing: `show` copied the grant's bytes into device memory."""
+
+    def failed(self) -> None:
+        """Nothing: the slot layers' matmuls read device memory, mapped whatever failed."""
+
+    def skip(self, layer: int, topk: int) -> None:
+        self._ids = None
+        self.slots.skip(layer, topk)
+
+    def end_decode(self) -> None:
+        self._ids = None
+
+    def stats(self) -> dict:
+        return {"gpu_slots": self.slots.totals()}
 
 
 __all__ = [
     "DeviceSlots",
     "ModelTensors",
     "SlotStats",
+    "SlotPlacement",
     "SlotsExceeded",
     "WEIGHTS_PREFIX",
-    "grant_fetch",
     "model_tensors",
     "probe",
     "topk_of",

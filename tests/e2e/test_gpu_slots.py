@@ -61,6 +61,7 @@ class SlotsLlama:
         self.client = Client(socket, "gpu-slots")
         self.source = MoedSource(self.client, model)
         self.slots: ds.DeviceSlots | None = None
+        self.placement: ds.SlotPlacement
         self.error: BaseException | None = None
         self._keep: list = []
         self.callback = llama_cpp.ggml_backend_sched_eval_callback(self._on_node)
@@ -75,6 +76,7 @@ class SlotsLlama:
             engine._keep.append(overrides)
             model = real.LlamaModel(path_model=path_model, params=params, verbose=verbose)
             engine.slots = ds.DeviceSlots(ds.probe(model.model), gpu_slots)  # before any context
+            engine.placement = ds.SlotPlacement(engine.slots)
             return model
 
         class Context(real.LlamaContext):
@@ -100,25 +102,33 @@ class SlotsLlama:
             self.llm = llama_cpp.Llama(model_path=model, **llama_kw)
 
     def _on_node(self, tensor, ask, _user_data) -> bool:
+        """The per-layer cycle as the streamer runs it through SlotPlacement: read the ids,
+        acquire what no slot holds, show (upload, write slot ids), release. After a failure
+        the graph runs to its end, each later stop's ids kept in range (`skip`)."""
+        from moed.engines import ggml_tensor
+
         layer = self.ds.weights_layer(tensor)
         if ask:
             return layer is not None and self.slots is not None and layer in self.slots
         if layer is None:
             return True
+        topk = self.ds.topk_of(tensor)
         if self.error is not None:
-            return False  # an earlier layer failed: stop before this layer's matmuls
-        try:
-            assert self.slots is not None
-            fetch, held = self.ds.grant_fetch(self.slots, layer, lambda misses: self.source.acquire(layer, misses))
-            try:
-                self.slots.route(layer, self.ds.topk_of(tensor), fetch)
-            finally:
-                for grant in held:  # the bytes are on the device: the daemon may reuse its slots
-                    self.source.release(grant)
+            self.placement.skip(layer, topk)
             return True
+        grant = None
+        try:
+            need = self.placement.needs(layer, ggml_tensor.topk_ids(topk))
+            grant = self.source.acquire(layer, need) if need else None
+            self.placement.show(grant, topk, layer)
         except BaseException as exc:  # noqa: BLE001 - must not unwind through C
             self.error = exc
-            return False
+            self.placement.skip(layer, topk)
+        finally:
+            if grant is not None:  # the bytes are on the device: the daemon may reuse its slots
+                self.placement.hide(grant)
+                self.source.release(grant)
+        return True
 
     def eval(self, tokens: list[int]) -> None:
         """Llama.eval, lowering n_batch while a batch names more experts than a layer's slots."""
