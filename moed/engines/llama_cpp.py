@@ -508,29 +508,7 @@ class StreamedLlama(Llama):
         (distinct missing experts per layer whose every use went to a stand-in, so no
         read), `subst_weight_share` (routing probability on stand-ins over all chosen).
         """
-        s = self.streamer.totals()
-        out = dict(vars(s))
-        out["stall_s"] = s.acquire_s
-        out["stall_s_per_token"] = s.acquire_s / s.tokens if s.tokens else 0.0
-        out.update(self.streamer.placement_stats())
-        lane = self.streamer.lane
-        out["lane_layers"] = lane.stats().layers if lane is not None else 0
-        if self.streamer.lookahead is not None:
-            out.update(self.streamer.lookahead.totals())
-            if lane is not None:  # the lane's acquires, per layer (it counts its own stall)
-                for layer, d in out["per_layer"].items():
-                    d["stall_s"] += lane.layer_acquire_s(layer)
-                    d["stall_s_per_token"] = d["stall_s"] / s.tokens if s.tokens else 0.0
-        if self.streamer.substituter is not None:
-            out.update(self.streamer.substituter.totals(s.tokens))
-        k = self.streamer.kernels
-        out["expert_layout"] = k.done.expert_layout if k else "plain"
-        out["dense_repacked_tensors"] = k.done.dense_tensors if k else 0
-        out["dense_repacked_bytes"] = k.done.dense_bytes if k else 0
-        out["dense_layouts"] = list(k.done.dense_layouts) if k else []
-        off = self.streamer.layout.offload if self.streamer.layout else None
-        out["devices"] = off.describe() if off is not None else {"gpu": "", "gpu_layers": [], "experts": "CPU"}
-        return out
+        return self.streamer.report()
 
     def _close_client(self) -> None:
         client, self._own_client = getattr(self, "_own_client", None), None

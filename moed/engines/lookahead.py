@@ -146,6 +146,22 @@ class Lookahead:
     def mode_leads(self) -> tuple[int, ...]:
         return LEADS[self.mode]
 
+    def record(self, observer, width: int) -> None:
+        """Also predict one and two layers ahead, `width` per token, for `observer` (traces)."""
+        if self.predictor is None:
+            raise RuntimeError("this model has no gate-ahead predictor: no predictions to record")
+        self.record_width = width
+        self.leads = (1, 2)
+        self.predictor.prepare(self.leads)
+        self.observers.append(observer)
+
+    def stop_recording(self, observer) -> None:
+        """`observer` sees no more predictions; with none left, the mode's own leads again."""
+        self.observers.remove(observer)
+        if not self.observers:
+            self.record_width = 0
+            self.leads = self.mode_leads()
+
     @property
     def _gate(self) -> GatePredictor:
         """The predictor, on the paths that only `observe` opens (predictions, their prefetches).

@@ -273,21 +273,13 @@ class ExpertStreamer:
 
     def record_predictions(self, observer: AheadObserver, width: int) -> None:
         """Also predict one and two layers ahead, `width` per token, for `observer` (traces)."""
-        la = self.lookahead
-        if la is None or la.predictor is None:
+        if self.lookahead is None:
             raise RuntimeError("this model has no gate-ahead predictor: no predictions to record")
-        la.record_width = width
-        la.leads = (1, 2)
-        la.predictor.prepare(la.leads)
-        la.observers.append(observer)
+        self.lookahead.record(observer, width)
 
     def stop_recording(self, observer: AheadObserver) -> None:
-        la = self.lookahead
-        assert la is not None, "stop_recording follows record_predictions, which needs the look-ahead"
-        la.observers.remove(observer)
-        if not la.observers:
-            la.record_width = 0
-            la.leads = la.mode_leads()
+        assert self.lookahead is not None, "stop_recording follows record_predictions, which needs the look-ahead"
+        self.lookahead.stop_recording(observer)
 
     def _find_bases(self, bases_before: set[int]) -> list[int]:
         bases = []
@@ -608,6 +600,34 @@ class ExpertStreamer:
             out.experts += lane.experts
             out.acquire_s += lane.acquire_s
             out.show_s += lane.show_s
+        return out
+
+    def report(self) -> dict:
+        """This engine's counters as `StreamedLlama.stream_stats()` gives them (its docstring
+        says what each means): the cycle's, every placement's, the look-ahead's, the
+        substituter's, the kernels' and where the layers compute."""
+        s = self.totals()
+        out = dict(vars(s))
+        out["stall_s"] = s.acquire_s
+        out["stall_s_per_token"] = s.acquire_s / s.tokens if s.tokens else 0.0
+        out.update(self.placement_stats())
+        lane = self.lane
+        out["lane_layers"] = lane.stats().layers if lane is not None else 0
+        if self.lookahead is not None:
+            out.update(self.lookahead.totals())
+            if lane is not None:  # the lane's acquires, per layer (it counts its own stall)
+                for layer, d in out["per_layer"].items():
+                    d["stall_s"] += lane.layer_acquire_s(layer)
+                    d["stall_s_per_token"] = d["stall_s"] / s.tokens if s.tokens else 0.0
+        if self.substituter is not None:
+            out.update(self.substituter.totals(s.tokens))
+        k = self.kernels
+        out["expert_layout"] = k.done.expert_layout if k else "plain"
+        out["dense_repacked_tensors"] = k.done.dense_tensors if k else 0
+        out["dense_repacked_bytes"] = k.done.dense_bytes if k else 0
+        out["dense_layouts"] = list(k.done.dense_layouts) if k else []
+        off = self.layout.offload if self.layout else None
+        out["devices"] = off.describe() if off is not None else {"gpu": "", "gpu_layers": [], "experts": "CPU"}
         return out
 
     def placement_stats(self) -> dict:
