@@ -1,8 +1,8 @@
 """Repack on read (issue 41): a plain file's experts made by the daemon in the layout this CPU's
 llama.cpp computes on, checked against ggml itself.
 
-- Bytes: every layout moed.gguf.interleave makes equals ggml's repack of the same bytes,
-  through ggml's own code: the repack member of ggml's `tensor_traits` for that layout
+- Bytes: every layout moed.gguf.interleave makes (with its C moves and with numpy's)
+  equals ggml's repack of the same bytes, through ggml's own code: the repack member of ggml's `tensor_traits` for that layout
   (exported by libggml-cpu, so every layout is checked on any CPU), and, for the layouts
   this CPU's ggml chooses, a CPU_REPACK tensor's `ggml_backend_tensor_set` (what stock's
   load does).
@@ -79,17 +79,20 @@ def shapes(layout) -> list[tuple[int, int]]:
 
 
 @pytest.mark.parametrize("name", layouts())
-def test_every_layout_is_ggmls_repack(name):
+@pytest.mark.parametrize("native", [True, False], ids=["c", "numpy"])
+def test_every_layout_is_ggmls_repack(name, native):
     from moed.engines import kernels
     from moed.gguf import interleave
 
+    if native and interleave.native_moves is None:
+        pytest.skip("moed._interleave is not built (scripts/setup-venv builds it)")
     lay = interleave.LAYOUTS[name]
     rng = np.random.default_rng(sum(map(ord, name)))
     for ne0, ne1 in shapes(lay):
         n = ne1 * ne0 // lay.block.per_block * lay.block.block_bytes
         plain = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
         out = bytearray(n)
-        interleave.transform(lay, plain, out, ne0, ne1)
+        interleave.transform(lay, plain, out, ne0, ne1, native=native)
         assert bytes(out) == ggml_traits_repack(lay, plain, ne0, ne1), (name, ne0, ne1)
         if kernels.layout_of(lay.ggml_type, (ne0, ne1)) == name:  # this CPU's choice: stock's own path
             rp = kernels.Repacker(lay.ggml_type, ne0, ne1)

@@ -8,7 +8,8 @@
 - the libc wrapper (moed/libc.py), shared by the daemon and the engines, imports
   only the standard library;
 - the model-file layer (moed.gguf) imports only the protocol, gguf-py and numpy
-  (and rich, for align's progress bar; and moed.badinput, for budget specs);
+  (and rich, for align's progress bar; moed.badinput, for budget specs; and
+  moed._interleave, repack on read's byte moves in C);
 - the lab never imports the daemon;
 - the trace format (moed/traces.py) imports only the standard library, numpy,
   msgspec and the tools' input error (moed/badinput.py, itself standard library
@@ -106,11 +107,11 @@ STDLIB = set(sys.stdlib_module_names) | {"__future__"}
         ("moed/libc.py", "the standard library only", lambda n: top(n) in STDLIB),
         (
             "moed/gguf",
-            "the protocol, gguf-py, numpy and moed.badinput",
+            "the protocol, gguf-py, numpy, moed.badinput and moed._interleave (C, no imports)",
             lambda n: (
                 top(n) in STDLIB | {"gguf", "numpy", "rich"}
                 or n.startswith(("moed.protocol", "moed.gguf"))
-                or n == "moed.badinput"
+                or n in ("moed.badinput", "moed._interleave")
             ),
         ),
         ("moed/lab", "never the daemon", lambda n: not n.startswith("moed.daemon")),

@@ -107,17 +107,46 @@ def _pack(out: bytearray, at: int, s: list[int], m: list[int]) -> None:
         out[at + 8 + c] = ((s[c + 4] & 15) + ((m[c + 4] & 15) << 4)) & 255
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["c", "numpy"])
 @pytest.mark.parametrize(
     "layout, reference, ne0, ne1",
     [("q4_0_8x8", ggml_q4_0_8x8, 128, 16), ("q4_0_8x8", ggml_q4_0_8x8, 64, 24), ("q4_K_8x8", ggml_q4_K_8x8, 512, 16)],
 )
-def test_transform_is_ggmls_loops(layout, reference, ne0, ne1):
+def test_transform_is_ggmls_loops(layout, reference, ne0, ne1, native):
+    if native and interleave.native_moves is None:
+        pytest.skip("moed._interleave is not built (scripts/setup-venv builds it)")
     lay = interleave.LAYOUTS[layout]
     n = ne1 * ne0 // lay.block.per_block * lay.block.block_bytes
     plain = np.random.default_rng(ne0 + ne1).integers(0, 256, n, dtype=np.uint8).tobytes()
     out = bytearray(n)
-    interleave.transform(layout, plain, out, ne0, ne1)
+    interleave.transform(layout, plain, out, ne0, ne1, native=native)
     assert bytes(out) == reference(plain, ne0, ne1)
+
+
+def test_native_moves_check_every_bound():
+    """moed._interleave never reads or writes past its buffers: a geometry or field that does not
+    fit them is a ValueError, before any byte moves."""
+    m = interleave.native_moves
+    if m is None:
+        pytest.skip("moed._interleave is not built")
+    src, dst = bytes(18 * 8), bytearray(18 * 8)  # one group of 8 rows of one Q4_0 block
+    m.chunks(src, dst, 1, 1, 8, 18, 2, 16, 8, 16, 0)
+    for bad in (
+        (2, 1, 8, 18, 2, 16, 8, 16, 0),  # two groups: past both buffers
+        (1, 1, 8, 18, 2, 17, 8, 16, 0),  # field not whole pieces
+        (1, 1, 8, 18, 4, 16, 8, 16, 0),  # field past its block
+        (1, 1, 8, 18, 2, 16, 8, 24, 0),  # written past the interleaved block
+        (1, 1, 8, 18, 2, 16, 3, 16, 0),  # a piece of 3 bytes
+        (-1, 1, 8, 18, 2, 16, 8, 16, 0),
+    ):
+        with pytest.raises(ValueError):
+            m.chunks(src, dst, *bad)
+    m.kscales(bytes(144 * 8), bytearray(144 * 8), 1, 1, 144, 4, 32)  # one group of 8 rows of one Q4_K block
+    for bad in ((1, 1, 144, 136, 32), (1, 1, 144, 4, 1100), (2, 1, 144, 4, 32)):  # scales, output, rows past
+        with pytest.raises(ValueError):
+            m.kscales(bytes(144 * 8), bytearray(144 * 8), *bad)
+    with pytest.raises(BufferError):
+        m.chunks(src, bytes(18 * 8), 1, 1, 8, 18, 2, 16, 8, 16, 0)  # a read-only destination
 
 
 def test_transform_refuses_wrong_sizes():
