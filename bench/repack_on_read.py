@@ -10,7 +10,8 @@ each, on disjoint layers of the same file (so no phase reads what another read):
 1. raw: the drive's O_DIRECT read rate, 1 MiB reads (the daemon's chunk), `--threads`
    in flight, over the expert extents of the first layers;
 2. transform: moed.gguf.interleave on those bytes, one expert part at a time (the
-   daemon's unit), one thread: MB/s and CPU seconds per GB (thread time), per layout;
+   daemon's unit), one thread: MB/s and CPU seconds per GB (thread time), per layout,
+   with moed._interleave's C moves (what the daemon runs when built) and with numpy's;
 3. daemon: a real daemon (budget one layer, so every miss evicts; `--threads` readers)
    reading the next layers' experts through acquires, opened plain and then in the
    layout, on other layers each: GB/s, the daemon process's CPU seconds per GB read,
@@ -126,19 +127,22 @@ def raw_read(cat, layers, threads: int) -> tuple[float, list[tuple[bytes, object
 
 
 def transform_rate(parts, made: dict[str, str]) -> dict[str, dict]:
-    """Per layout: MB/s (wall) and CPU s/GB (thread time) of transforming each part once."""
+    """Per layout and implementation (moed._interleave's C moves, numpy's): MB/s (wall) and
+    CPU s/GB (thread time) of transforming each part once."""
     from moed.gguf import interleave
 
     rows = {}
+    impls = [("c", True)] if interleave.native_moves is not None else []
     for type_name, layout in sorted(made.items()):
         mine = [(b, p) for b, p in parts if p.type_name == type_name]
         out = np.empty(max(len(b) for b, _ in mine), np.uint8)
-        t0, c0 = time.perf_counter(), time.thread_time()
-        for b, p in mine:
-            interleave.transform(layout, b, out[: len(b)], p.shape[0], p.shape[1])
-        dt, cpu = time.perf_counter() - t0, time.thread_time() - c0
-        n = sum(len(b) for b, _ in mine)
-        rows[layout] = {"mb_s": n / dt / 1e6, "cpu_s_per_gb": cpu / (n / 1e9), "bytes": n}
+        for impl, native in [*impls, ("numpy", False)]:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            for b, p in mine:
+                interleave.transform(layout, b, out[: len(b)], p.shape[0], p.shape[1], native=native)
+            dt, cpu = time.perf_counter() - t0, time.thread_time() - c0
+            n = sum(len(b) for b, _ in mine)
+            rows[f"{layout} ({impl})"] = {"mb_s": n / dt / 1e6, "cpu_s_per_gb": cpu / (n / 1e9), "bytes": n}
     return rows
 
 
