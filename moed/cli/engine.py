@@ -156,7 +156,14 @@ def device_line(st: dict) -> str:
         return ""
     layers = dev["gpu_layers"]
     span = f"layers {layers[0]}-{layers[1]}" if layers else "no layers"
-    return f"; dense {span}{' and output' if dev.get('output_on_gpu') else ''} on {dev['gpu']}, experts on the CPU"
+    where = f"{span}{' and output' if dev.get('output_on_gpu') else ''} on {dev['gpu']}"
+    if "gpu_slots" in dev:
+        slots = st.get("gpu_slots", {})
+        return (
+            f"; {where}, their experts in {dev['gpu_slots']} device slots a layer "
+            f"(hits {slots.get('hits', 0)}, uploads {slots.get('uploads', 0)})"
+        )
+    return f"; dense {where}, experts on the CPU"
 
 
 def lookahead_line(st: dict) -> str:

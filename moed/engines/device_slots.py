@@ -107,6 +107,7 @@ class _Api:
         self.alloc_ctx_tensors = bind("ggml_backend_alloc_ctx_tensors_from_buft", p, p, p)
         self.buffer_free = bind("ggml_backend_buffer_free", None, p)
         self.buffer_set_usage = bind("ggml_backend_buffer_set_usage", None, p, i)
+        self.buffer_clear = bind("ggml_backend_buffer_clear", None, p, ctypes.c_uint8)
         self.buffer_usage = bind("ggml_backend_buffer_get_usage", i, p)
         self.buffer_type = bind("ggml_backend_buffer_get_type", p, p)
         self.buffer_is_host = bind("ggml_backend_buffer_is_host", ctypes.c_bool, p)
@@ -374,6 +375,11 @@ class DeviceSlots:
                     f"({sum(api.nbytes(m) for *_, m in made)} bytes)"
                 )
             api.buffer_set_usage(out.buffer, GGML_BACKEND_BUFFER_USAGE_WEIGHTS)  # the scheduler's cue
+            # Zeros, never what the allocator left: a failed decode computes on to its end over
+            # slot 0 (`skip`), and NaN there would stay in the KV cache's freed cells, where a
+            # later batch's masked attention multiplies it by 0 (NaN; measured: wrong logits
+            # after a split batch). Zero quantized blocks decode to zero weights.
+            api.buffer_clear(out.buffer, 0)
             for part, kind, addr, mine in made:
                 t, m = GgmlTensor.from_address(addr), GgmlTensor.from_address(mine)
                 stride = int(t.nb[_EXPERT_AXIS[kind]])
@@ -397,6 +403,10 @@ class DeviceSlots:
     @property
     def layers(self) -> list[int]:
         return sorted(self._layers)
+
+    def n_slots(self, layer: int) -> int:
+        """The layer's device slots: gpu_slots, or its expert count where that is fewer."""
+        return self._layers[layer].n_slots
 
     def __contains__(self, layer: int) -> bool:
         return layer in self._layers

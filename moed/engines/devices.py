@@ -59,6 +59,9 @@ class Offload:
     n_layer: int
     n_gpu_layers: int
     devices: tuple[str, ...]
+    # Device expert slots a layer (moed.engines.device_slots): the offloaded layers' routed
+    # experts computed on the GPU; 0: every routed expert on the CPU (`--n-cpu-moe`).
+    gpu_slots: int = 0
 
     @property
     def first_gpu_layer(self) -> int:
@@ -79,12 +82,17 @@ class Offload:
     def describe(self) -> dict:
         """What computes where, for stream_stats: the dense layers' device, and the experts'."""
         first = self.first_gpu_layer
-        return {
+        gpu_layers = [first, self.n_layer - 1] if first < self.n_layer else []
+        out = {
             "gpu": ", ".join(self.devices),
-            "gpu_layers": [first, self.n_layer - 1] if first < self.n_layer else [],
+            "gpu_layers": gpu_layers,
             "output_on_gpu": self.n_layer >= first,
             "experts": "CPU",
         }
+        if self.gpu_slots and gpu_layers:
+            out["experts"] = "GPU slots" if first == 0 else "GPU slots and CPU"
+            out["gpu_slots"] = self.gpu_slots
+        return out
 
 
 def compute_line(offload: Offload | None) -> str:
@@ -100,12 +108,17 @@ def compute_line(offload: Offload | None) -> str:
         )
     first, last = d["gpu_layers"]
     output = " and the output layer" if d["output_on_gpu"] else ""
+    if "gpu_slots" in d:
+        cpu = f"; layers 0-{first - 1}'s experts on the CPU" if first else ""
+        return (
+            f"layers {first}-{last}{output} on {d['gpu']}, their experts in {d['gpu_slots']} device slots a layer{cpu}"
+        )
     return f"experts on the CPU; layers {first}-{last}{output} on {d['gpu']}"
 
 
-def offload_for(headers, n_gpu_layers: int) -> Offload | None:
-    """The model's offload with `n_gpu_layers` (negative: every layer), or None where nothing
-    would be offloaded."""
+def offload_for(headers, n_gpu_layers: int, gpu_slots: int = 0) -> Offload | None:
+    """The model's offload with `n_gpu_layers` (negative: every layer) and `gpu_slots` device
+    expert slots a layer, or None where nothing would be offloaded."""
     if n_gpu_layers == 0:
         return None
     devices = gpu_devices()
@@ -113,7 +126,7 @@ def offload_for(headers, n_gpu_layers: int) -> Offload | None:
         return None
     arch = str(headers[0].get("general.architecture", ""))
     n_layer = int(headers[0].get(f"{arch}.block_count", 0))
-    return Offload(n_layer, every_layer(n_layer) if n_gpu_layers < 0 else n_gpu_layers, devices)
+    return Offload(n_layer, every_layer(n_layer) if n_gpu_layers < 0 else n_gpu_layers, devices, gpu_slots)
 
 
 def every_layer(n_layer: int) -> int:

@@ -226,6 +226,25 @@ def _skeleton(source, skeleton_dir: str | os.PathLike) -> list[str]:
         return list(source.files)
 
 
+def _device_slots(model, streamer: ExpertStreamer):
+    """The offloaded layers' device slots (moed.engines.device_slots), found by a probe
+    context and switched in now; kept on the streamer, closed after the model."""
+    from moed.engines.device_slots import DeviceSlots, probe
+
+    streamer.slots = slots = DeviceSlots(probe(model.model), streamer.gpu_slots)
+    src = streamer.source
+    for layer in slots.layers:
+        served = {e.part: e.bytes_per_expert for e in src.extents(layer)}
+        if slots.part_bytes(layer) != served:
+            raise RuntimeError(f"layer {layer}: device slot parts {slots.part_bytes(layer)} but moed serves {served}")
+        if slots.n_slots(layer) < src.n_expert_used:
+            raise ValueError(
+                f"gpu_slots={streamer.gpu_slots}: layer {layer} has {slots.n_slots(layer)} slots, "
+                f"one token routes to {src.n_expert_used} experts"
+            )
+    return slots
+
+
 def _hooked_internals(streamer: ExpertStreamer) -> types.ModuleType:
     """A copy of `llama_cpp._internals` whose model and context classes stream experts."""
     real = _llama_module.internals
@@ -245,9 +264,18 @@ def _hooked_internals(streamer: ExpertStreamer) -> types.ModuleType:
         before = snapshot_bases(streamer.mapped_files)
         model = real.LlamaModel(path_model=path_model, params=params, verbose=verbose)
         try:
+            # Device slots replace the offloaded layers' expert tensors before any context
+            # exists: ggml's scheduler places a MUL_MAT_ID when it splits a graph.
+            slots = _device_slots(model, streamer) if streamer.gpu_slots else None
             streamer.install(before)
+            if slots is not None:
+                from moed.engines.device_slots import SlotPlacement
+
+                streamer.place_on(SlotPlacement(slots), slots.layers, stop=ggml_tensor.WEIGHTS_PREFIX)
         except BaseException:
             model.close()
+            if streamer.slots is not None:
+                streamer.slots.close()
             raise
         return model
 
@@ -282,6 +310,24 @@ def _hooked_internals(streamer: ExpertStreamer) -> types.ModuleType:
 
     proxy.__dict__.update(LlamaModel=load_model, LlamaContext=StreamedContext)
     return proxy
+
+
+def _slots_repack(repack: str, offload, path: str) -> str:
+    """The repack mode with device slots: their uploads need the file's plain bytes, so the
+    experts stay plain for every layer (the daemon holds one layout of a model for an
+    engine); the dense weights are repacked as stock does. A repacked file is refused."""
+    if offload is None or not offload.gpu_slots or repack == "off":
+        return repack
+    from moed.gguf.catalog import Catalog
+    from moed.gguf.layouts import PLAIN
+    from moed.protocol.errors import LayoutUnavailable
+
+    if Catalog.open(path).expert_layout != PLAIN:
+        raise LayoutUnavailable(
+            f"{path}: its experts are repacked for the CPU (moectl align --repack); device slots upload "
+            "the plain bytes ggml's GPU kernels read: use the original file"
+        )
+    return "dense"
 
 
 class StreamedLlama(Llama):
@@ -355,6 +401,7 @@ class StreamedLlama(Llama):
         subst_window: int | None = None,
         repack: str = "auto",
         warm: str = "off",
+        gpu_slots: int = 0,
         **llama_kwargs,
     ):
         refuse_unknown(type(self), llama_kwargs)
@@ -363,14 +410,20 @@ class StreamedLlama(Llama):
         from moed.gguf.header import read_split
 
         headers = read_split(model_path)
-        offload = offload_for(headers, int(llama_kwargs.get("n_gpu_layers", 0) or 0))
+        n_gpu_layers = int(llama_kwargs.get("n_gpu_layers", 0) or 0)
+        if gpu_slots and not n_gpu_layers:
+            raise ValueError(
+                f"gpu_slots={gpu_slots} puts the offloaded layers' experts on the GPU: set n_gpu_layers too "
+                "(-1: every layer)"
+            )
+        offload = offload_for(headers, n_gpu_layers, gpu_slots if gpu_slots > 0 else 0)
         if offload is not None and (route_hook is not None or subst is not None):
             what = "route_hook" if route_hook is not None else "subst"
             raise ValueError(
                 f"{what} rewrites the router's ids in place: not with n_gpu_layers (they are in the GPU's "
                 "memory); use n_gpu_layers=0 for it"
             )
-        layout = kernel_layout.plan(headers, repack, model_path, offload)
+        layout = kernel_layout.plan(headers, _slots_repack(repack, offload, model_path), model_path, offload)
         # The value options as one EngineOptions (moed.engines.options declares them, defaults
         # included; tests/unit/test_options.py holds this signature's defaults to them).
         given = locals()
@@ -410,6 +463,7 @@ class StreamedLlama(Llama):
                 raise
         self.streamer = ExpertStreamer(
             source,
+            gpu_slots=offload.gpu_slots if offload is not None else 0,
             route_hook=route_hook,
             predict_hook=predict_hook,
             substituter=substituter,
@@ -523,6 +577,9 @@ class StreamedLlama(Llama):
             streamer.close()  # after the model: nothing reads its expert addresses any more
             if streamer.kernels is not None:
                 streamer.kernels.close()  # after the model: nothing computes with those tensors any more
+            if streamer.slots is not None:
+                streamer.slots.close()  # after the model: its expert tensors pointed at these slots
+                streamer.slots = None
         self._close_client()
 
 

@@ -160,6 +160,19 @@ class EngineOptions:
             choices=WARM_CHOICES,
         ),
     )
+    gpu_slots: int = _option(
+        0,
+        Flag(
+            "--gpu-slots",
+            dict.fromkeys(
+                (RUN, SERVE),
+                "with --n-gpu-layers: compute the offloaded layers' routed experts on the GPU, from S device "
+                "slots a layer fed from moed's RAM tier (an LRU; default 0: those experts on the CPU)",
+            ),
+            type=int,
+            metavar="S",
+        ),
+    )
     # The server's connection to the daemon (moed.serve.app opens it, with this
     # timeout); not StreamedLlama's, whose own client keeps Client's default.
     client_timeout_s: float = 30.0
@@ -187,6 +200,8 @@ class EngineOptions:
             raise ValueError(f"warm must be one of {', '.join(WARM_CHOICES)}, not {self.warm!r}")
         if self.prefetch_width is not None and self.prefetch_width < 1:
             raise ValueError(f"prefetch_width must be >= 1, not {self.prefetch_width}")
+        if self.gpu_slots < 0:
+            raise ValueError(f"gpu_slots must be >= 0 (0: the experts on the CPU), not {self.gpu_slots}")
 
     @classmethod
     def add_flags(cls, parser: argparse.ArgumentParser, group: str) -> None:

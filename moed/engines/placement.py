@@ -9,8 +9,11 @@ lane's layers (moed.engines.lane: it alone maps those addresses). Device expert 
 chosen at load, by where that layer's experts compute, and never changes.
 
 Invariants (the cycle keeps them; each placement relies on them):
-- `show(grant, node)` runs after the grant is held and before any expert matmul of
-  that layer reads; `node` is the graph node the cycle stopped at for that layer.
+- At a routed stop the cycle asks `needs(layer, ids)` which experts to acquire (the
+  CPU: every distinct expert; device slots: those no slot holds, none on a full hit),
+  acquires exactly those (no acquire, and no grant, when none), then calls
+  `show(grant, node, layer)` before any expert matmul of that layer reads; `node` is
+  the layer's top-k node.
 - `hide(grant)` runs before the grant is released: once the daemon may reuse a slot,
   nothing computes from it.
 - `failed()` runs once when a decode has failed while a device computes part of the
@@ -24,6 +27,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
+
 from moed.engines.expert_pages import ExpertPages, PartSpan
 from moed.engines.sources import Grant
 
@@ -32,8 +37,12 @@ if TYPE_CHECKING:
 
 
 class Placement(Protocol):
-    def show(self, grant: Grant, node: int | None) -> None:
-        """Make `grant`'s experts computable for its layer (`node`: the cycle's stop, or None)."""
+    def needs(self, layer: int, ids: np.ndarray) -> list[int]:
+        """The experts of the batch's `ids` ((n_tokens, k), as routed) to acquire from moed."""
+
+    def show(self, grant: Grant | None, node: int | None, layer: int) -> None:
+        """Make the layer's routed experts computable (`grant`: what `needs` named, None when
+        it named none; `node`: the layer's top-k node, or None outside a graph)."""
 
     def hide(self, grant: Grant) -> None:
         """Before `grant` is released: nothing may compute from its slots any more."""
@@ -68,7 +77,12 @@ class CpuPages:
             set() if pages.strict else {layer for layer, ss in parts.items() if all(s.zero_copy for s in ss)}
         )
 
-    def show(self, grant: Grant, node: int | None = None) -> None:
+    def needs(self, layer: int, ids: np.ndarray) -> list[int]:
+        return [int(e) for e in np.unique(ids) if e >= 0]
+
+    def show(self, grant: Grant | None, node: int | None = None, layer: int = -1) -> None:
+        if grant is None:
+            return  # needs() names every routed expert: no grant, no expert routed
         lane = self.lane
         if lane is not None and grant.layer in lane.layers:
             for expert in grant.experts:  # relaxed zero copy: the lane maps what changed slot

@@ -49,7 +49,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -67,6 +67,9 @@ from moed.engines.sources import ExpertSource, Grant
 from moed.engines.substitute import Substituter
 from moed.gguf.archs import LAZY_TENSORS
 from moed.gguf.header import read_split
+
+if TYPE_CHECKING:
+    from moed.engines.device_slots import DeviceSlots
 
 log = logging.getLogger("moed.engine")
 
@@ -122,6 +125,7 @@ class ExpertStreamer:
         predict_hook: PredictHook | None = None,
         substituter: Substituter | None = None,
         layout: LayoutPlan | None = None,
+        gpu_slots: int = 0,
     ):
         if not ggml_tensor.layout_matches():
             raise RuntimeError(
@@ -172,6 +176,10 @@ class ExpertStreamer:
         self._whole_tokens = 0  # tokens of the whole step under way (0: none)
         # MOED_WHOLE_STEPS=0: stop at every layer even with every expert pinned (to measure them).
         self.whole_steps = os.environ.get("MOED_WHOLE_STEPS", "1") != "0"
+        # Device expert slots a layer for the offloaded layers (moed.engines.device_slots): built
+        # by the load, between llama.cpp's model and its context; None without.
+        self.gpu_slots = gpu_slots
+        self.slots: DeviceSlots | None = None
         # A device computes part of the graph: a failed decode runs on to its end (_fail).
         self._offloaded = layout is not None and layout.offload is not None
 
@@ -422,26 +430,34 @@ class ExpertStreamer:
                 return
         if lane is not None:
             lane.release()  # an earlier layer's lane lease, before this layer asks the daemon
-        experts = [int(e) for e in np.unique(ids) if e >= 0]
-        prev = self._take_held()
-        if prev is not None:
-            self._hide(prev)
+        placement = self._placements[layer]
+        experts = placement.needs(layer, ids)
         t0 = time.perf_counter()
-        try:
-            grant = self.source.acquire(layer, experts, release=prev, local=not tried)
-        except BaseException:
-            if prev is not None:
-                self._release_quietly(prev)
-            raise
+        grant = self._acquire(layer, experts, tried) if experts else None
         t1 = time.perf_counter()
-        self._hold(grant)
-        self._placements[layer].show(grant, tensor)
+        placement.show(grant, tensor, layer)
         self.stats.acquire_s += t1 - t0
         self.stats.show_s += time.perf_counter() - t1
         self.stats.layers += 1
         self.stats.experts += len(experts)
         if self.lookahead is not None:
             self.lookahead.routed(layer, ids, len(experts), t1 - t0)
+
+    def _acquire(self, layer: int, experts: list[int], tried: bool) -> Grant:
+        """Hold `experts` of `layer`, the grant held before hidden and released in the same
+        round trip; `tried`: this layer's hit was tried already (then the daemon at once).
+        A layer that needs nothing keeps the earlier grant held until a later one goes."""
+        prev = self._take_held()
+        if prev is not None:
+            self._hide(prev)
+        try:
+            grant = self.source.acquire(layer, experts, release=prev, local=not tried)
+        except BaseException:
+            if prev is not None:
+                self._release_quietly(prev)
+            raise
+        self._hold(grant)
+        return grant
 
     # What Python's path holds: at most one grant, changed only by these two, which tell
     # the lane (it must not take a layer while Python holds one: moed/_evalcb.c).

@@ -9,9 +9,8 @@ them, and writes the slot ids back. Checked bit for bit against stock
 on lavapipe (GGML_VK_VISIBLE_DEVICES=0), with Vulkan's op fusion off in both
 (GGML_VK_DISABLE_FUSION=1: the callback splits the device's graph where stock fuses).
 
-Until StreamedLlama takes `gpu_slots`, the engine here is a glue (`SlotsLlama`, run by
-`_child` in a new interpreter): llama_cpp.Llama loaded through moed's internals hook,
-DeviceSlots built between the load and the context, the daemon's grants as the bytes.
+The engine is `StreamedLlama(n_gpu_layers=-1, gpu_slots=S)`, run by `_child` in a new
+interpreter, with the real daemon's grants as the bytes.
 
 Every engine runs in a new interpreter: the device must be chosen before llama.cpp first
 enumerates its backends, and a test process never computes with llama.cpp.
@@ -23,7 +22,6 @@ import json
 import os
 import subprocess
 import sys
-import types
 import warnings
 from pathlib import Path
 
@@ -41,113 +39,6 @@ GEOMETRY = dict(experts=16, used=2)  # 16 experts, 2 a token: S=8 holds any 4-to
 STEPS = 16
 
 # ---------------------------------------------------------------------- the engines (child side)
-
-
-class SlotsLlama:
-    """llama_cpp.Llama with device slots: what StreamedLlama(gpu_slots=S) will do, minus the
-    streamer (the glue the integration replaces)."""
-
-    def __init__(self, model: str, socket: str, gpu_slots: int, **llama_kw):
-        import llama_cpp
-        import llama_cpp.llama as llama_module
-
-        from moed.client import Client
-        from moed.engines import device_slots as ds
-        from moed.engines.kernels import DenseOverrides
-        from moed.engines.llama_cpp import _constructing
-        from moed.engines.sources import MoedSource
-
-        self.ds = ds
-        self.client = Client(socket, "gpu-slots")
-        self.source = MoedSource(self.client, model)
-        self.slots: ds.DeviceSlots | None = None
-        self.placement: ds.SlotPlacement
-        self.error: BaseException | None = None
-        self._keep: list = []
-        self.callback = llama_cpp.ggml_backend_sched_eval_callback(self._on_node)
-        engine = self
-        real = llama_module.internals
-        proxy = types.ModuleType(real.__name__)
-        proxy.__dict__.update(real.__dict__)
-
-        def load_model(*, path_model: str, params, verbose: bool = True):
-            overrides = DenseOverrides((), experts_on_cpu=True)  # the experts stay in the mapping, unread
-            overrides.install(params)
-            engine._keep.append(overrides)
-            model = real.LlamaModel(path_model=path_model, params=params, verbose=verbose)
-            engine.slots = ds.DeviceSlots(ds.probe(model.model), gpu_slots)  # before any context
-            engine.placement = ds.SlotPlacement(engine.slots)
-            return model
-
-        class Context(real.LlamaContext):
-            def __init__(self, *, model, params, verbose: bool = True):
-                params.cb_eval, params.cb_eval_user_data = engine.callback, None
-                params.op_offload = False
-                super().__init__(model=model, params=params, verbose=verbose)
-
-            def decode(self, batch):
-                try:
-                    super().decode(batch)
-                except RuntimeError as exc:
-                    err, engine.error = engine.error, None
-                    if err is not None:
-                        raise err from exc
-                    raise
-                err, engine.error = engine.error, None
-                if err is not None:
-                    raise err
-
-        proxy.__dict__.update(LlamaModel=load_model, LlamaContext=Context)
-        with _constructing(proxy):
-            self.llm = llama_cpp.Llama(model_path=model, **llama_kw)
-
-    def _on_node(self, tensor, ask, _user_data) -> bool:
-        """The per-layer cycle as the streamer runs it through SlotPlacement: read the ids,
-        acquire what no slot holds, show (upload, write slot ids), release. After a failure
-        the graph runs to its end, each later stop's ids kept in range (`skip`)."""
-        from moed.engines import ggml_tensor
-
-        layer = self.ds.weights_layer(tensor)
-        if ask:
-            return layer is not None and self.slots is not None and layer in self.slots
-        if layer is None:
-            return True
-        topk = self.ds.topk_of(tensor)
-        if self.error is not None:
-            self.placement.skip(layer, topk)
-            return True
-        grant = None
-        try:
-            need = self.placement.needs(layer, ggml_tensor.topk_ids(topk))
-            grant = self.source.acquire(layer, need) if need else None
-            self.placement.show(grant, topk, layer)
-        except BaseException as exc:  # noqa: BLE001 - must not unwind through C
-            self.error = exc
-            self.placement.skip(layer, topk)
-        finally:
-            if grant is not None:  # the bytes are on the device: the daemon may reuse its slots
-                self.placement.hide(grant)
-                self.source.release(grant)
-        return True
-
-    def eval(self, tokens: list[int]) -> None:
-        """Llama.eval, lowering n_batch while a batch names more experts than a layer's slots."""
-        from moed.protocol.errors import RequestTooLarge
-
-        start = self.llm.n_tokens
-        while True:
-            try:
-                return self.llm.eval(tokens[self.llm.n_tokens - start :])
-            except RequestTooLarge:
-                if self.llm.n_batch <= 1:
-                    raise
-                self.llm.n_batch = max(1, self.llm.n_batch // 2)
-
-    def close(self) -> None:
-        self.llm.close()
-        if self.slots is not None:
-            self.slots.close()  # after the model: nothing computes with the slots any more
-        self.client.close()
 
 
 def prompt_tokens(llm, kind: str) -> list[int]:
@@ -168,29 +59,34 @@ def _child(argv: list[str]) -> None:
     if which == "stock":
         import llama_cpp
 
-        llm = llama_cpp.Llama(model_path=model, **kw)
-        engine = None
-        evaluate = llm.eval
+        llm, client = llama_cpp.Llama(model_path=model, **kw), None
     else:
-        engine = SlotsLlama(model, socket, int(slots), **kw)
-        llm, evaluate = engine.llm, engine.eval
+        from moed.client import Client
+        from moed.engines.llama_cpp import StreamedLlama
+
+        client = Client(socket, "gpu-slots")
+        llm = StreamedLlama(model, client=client, gpu_slots=int(slots), **kw)
     tokens = prompt_tokens(llm, prompt)
     llm.reset()
-    evaluate(tokens)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # StreamedLlama says when it lowers n_batch
+        llm.eval(tokens)
     rows = [llm.scores[: llm.n_tokens].copy()]
     n_batch_used = llm.n_batch
     for _ in range(STEPS):
-        evaluate([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
         rows.append(llm.scores[llm.n_tokens - 1 : llm.n_tokens].copy())
     np.save(out, np.concatenate(rows))
     stats = {"n_batch": n_batch_used, "prompt_tokens": len(tokens)}
-    if engine is not None:
-        assert engine.slots is not None
-        stats["gpu_slots"] = engine.slots.totals()
-        stats["daemon_evictions"] = engine.client.stats()["evictions"]
-        engine.close()
-    else:
-        llm.close()
+    if client is not None:
+        st = llm.stream_stats()
+        stats["gpu_slots"], stats["devices"] = st["gpu_slots"], st["devices"]
+        daemon = client.stats()
+        stats["daemon_evictions"] = daemon["evictions"]
+        stats["engines"] = [what for c in daemon["clients"] for _, what in c["engines"]]
+    llm.close()
+    if client is not None:
+        client.close()
     print(json.dumps(stats))
 
 
@@ -235,6 +131,8 @@ def vulkan_device() -> str:
 
 
 def check_slots(stats: dict, slots: int) -> None:
+    assert stats["devices"]["experts"] == "GPU slots" and stats["devices"]["gpu_slots"] == slots
+    assert stats["engines"] and all(f"their experts in {slots} device slots a layer" in e for e in stats["engines"])
     g = stats["gpu_slots"]
     assert g["slots"] == slots and g["layers"] > 0
     assert g["uploads"] > 0 and g["upload_bytes"] > 0 and g["hits"] > 0
