@@ -211,9 +211,12 @@ class Client:
         return msgspec.to_builtins(self.request(m.ListModels()).models)
 
     def open_model(self, path: str | os.PathLike, expert_layout: str = "", compute: str = "") -> ModelHandle:
-        """Open a model; `expert_layout` ("plain", "q4_0_8x8", ...) is the layout the caller
-        computes on: a file in another raises LayoutUnavailable ("" takes it as it is).
-        `compute`: what computes where in the caller's engine, for `moectl stats`."""
+        """Open a model; `expert_layout` ("plain", "q4_0_8x8", "q4_K_8x8+plain", ...) is the
+        layout the caller computes on ("" takes the file as it is): a plain file's experts
+        are made in it as the daemon reads them (a model of its own, shared by every caller
+        asking the same layout), and what the daemon can neither find in the file nor make
+        raises LayoutUnavailable. `compute`: what computes where in the caller's engine, for
+        `moectl stats`."""
         # the daemon resolves paths itself: never in its own working directory
         info, fds = self._open(m.OpenModel(os.path.abspath(os.fspath(path)), expert_layout, compute[:256]))
         n = len(info.segments)

@@ -52,7 +52,9 @@ class Ping(Message, tag="ping"):
 class OpenModel(Message, tag="open_model"):
     path: Annotated[str, msgspec.Meta(max_length=MAX_PATH_CHARS)]
     # The expert layout the engine will compute on ("plain", "q4_0_8x8", ...; see
-    # moed.gguf.layouts); "" takes the file as it is. A mismatch is LayoutUnavailable.
+    # moed.gguf.layouts); "" takes the file as it is. A plain file asked for a repacked
+    # layout is made in it on read (moed.daemon.onread); what the daemon can neither find
+    # nor make is LayoutUnavailable.
     expert_layout: Annotated[str, msgspec.Meta(max_length=64)] = ""
     # What computes where in the engine that opens it ("experts CPU; layers 12-23, output
     # on Vulkan0"): shown per connection by `moectl stats`; "" for clients that compute nothing.
@@ -164,7 +166,7 @@ class ModelInfo(Message, tag="model_info"):
     # True: after the segments' descriptors come each segment's slot-state words
     # (same order) and then the model's residency table (moed.protocol.residency_words).
     residency: bool = False
-    expert_layout: str = "plain"  # the file's expert layout (moed.gguf.layouts)
+    expert_layout: str = "plain"  # the layout its experts are served in: the file's, or made on read
 
 
 class Granted(Message, tag="granted"):
