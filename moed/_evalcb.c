@@ -558,9 +558,9 @@ static int lane_whole_core(Lane *L) {
         for (int64_t e = 0; e < L->n_experts; e++) {
             if (ly->row_base + e >= n_table) goto fail;
             uint64_t entry = __atomic_load_n(&table[ly->row_base + e], __ATOMIC_SEQ_CST);
-            uint64_t slot = (entry & 0xFFFFFF) - 1;
+            uint64_t slot = hp_entry_slot(entry);
             if (entry == 0 || slot >= n_states) goto fail;
-            if (__atomic_load_n(&states[slot], __ATOMIC_SEQ_CST) != (((entry >> 24) << 2) | 1)) goto fail;
+            if (__atomic_load_n(&states[slot], __ATOMIC_SEQ_CST) != hp_ready_state(hp_entry_gen(entry))) goto fail;
             if (lane_map(L, ly, e, slot, 0) < 0) goto fail;
         }
     }

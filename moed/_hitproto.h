@@ -29,6 +29,20 @@
 
 enum { HP_MISS = 0, HP_HIT = 1, HP_BAD = -1 };
 
+/* The word codec, the one copy in C (moed.protocol.residency_words is Python's). */
+#define HP_READY 1
+#define HP_EVICTING 2
+static inline uint64_t hp_entry_slot(uint64_t entry) { return (entry & 0xFFFFFF) - 1; } /* entry != 0 */
+static inline uint64_t hp_entry_gen(uint64_t entry) { return entry >> 24; }
+static inline uint64_t hp_ready_state(uint64_t gen) { return (gen << 2) | HP_READY; }
+static inline uint64_t hp_state_kind(uint64_t state) { return state & 3; }
+static inline uint64_t hp_state_gen24(uint64_t state) { return (state >> 2) & 0xFFFFFF; }
+static inline uint64_t hp_hold_word(uint64_t class_id, uint64_t slot, uint64_t gen) {
+    return ((class_id & 0xFFFF) << 48) | ((slot & 0xFFFFFF) << 24) | (gen & 0xFFFFFF);
+}
+static inline size_t hp_hold_slot(uint64_t word) { return (size_t)((word >> 24) & 0xFFFFFF); }
+static inline uint64_t hp_hold_gen24(uint64_t word) { return word & 0xFFFFFF; }
+
 /* The hit: for each expert read its entry (0: miss, nothing left written) and store a
  * hold in region word hidx[j]; one fence; every state must still read READY with the
  * entry's generation and the region must not be revoked, else the holds are cleared
@@ -42,12 +56,11 @@ static inline int hp_hit(const uint64_t *entries, const int64_t *rows, size_t k,
     for (size_t j = 0; j < k; j++) {
         uint64_t entry = __atomic_load_n(&entries[rows[j]], __ATOMIC_ACQUIRE);
         if (entry == 0) goto clear;
-        uint64_t slot = (entry & 0xFFFFFF) - 1, gen = entry >> 24;
+        uint64_t slot = hp_entry_slot(entry), gen = hp_entry_gen(entry);
         if (slot >= n_states) { rc = HP_BAD; goto clear; }
         slots[j] = slot;
-        expect[j] = (gen << 2) | 1;
-        uint64_t word = ((class_id & 0xFFFF) << 48) | ((slot & 0xFFFFFF) << 24) | (gen & 0xFFFFFF);
-        __atomic_store_n(&region[hidx[j]], word, __ATOMIC_SEQ_CST);
+        expect[j] = hp_ready_state(gen);
+        __atomic_store_n(&region[hidx[j]], hp_hold_word(class_id, slot, gen), __ATOMIC_SEQ_CST);
         written = j + 1;
     }
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
@@ -74,9 +87,10 @@ static inline int hp_release(const uint64_t *states, size_t n_states, uint64_t *
     int ok = 1;
     for (size_t j = 0; j < k; j++) {
         uint64_t word = __atomic_load_n(&region[hidx[j]], __ATOMIC_RELAXED); /* only we write it */
-        size_t slot = (size_t)((word >> 24) & 0xFFFFFF);
+        size_t slot = hp_hold_slot(word);
         uint64_t st = slot < n_states ? __atomic_load_n(&states[slot], __ATOMIC_SEQ_CST) : 0;
-        if (((st & 3) != 1 && (st & 3) != 2) || ((st >> 2) & 0xFFFFFF) != (word & 0xFFFFFF)) ok = 0;
+        uint64_t kind = hp_state_kind(st);
+        if ((kind != HP_READY && kind != HP_EVICTING) || hp_state_gen24(st) != hp_hold_gen24(word)) ok = 0;
         __atomic_store_n(&region[hidx[j]], 0, __ATOMIC_RELEASE);
     }
     return ok;

@@ -55,8 +55,8 @@ def resident(table: ReadOnlyWords, row_base: int, experts: np.ndarray, states: R
     """Which of `experts` are READY now, by the table and the states (a hint: no holds taken,
     so it may be stale at once; a hit still goes through `HoldRegion.hit`)."""
     entries = table.words[row_base + experts]
-    slots = (entries & np.uint64(0xFFFFFF)).astype(np.int64) - 1
-    ready = (entries >> np.uint64(24) << np.uint64(2)) | np.uint64(rz.READY)
+    slots = rz.entry_slot(entries)
+    ready = rz.ready_state(rz.entry_generation(entries))
     in_range = (entries != 0) & (slots >= 0) & (slots < len(states.words))
     out = np.zeros(len(experts), dtype=bool)
     out[in_range] = states.words[slots[in_range]] == ready[in_range]

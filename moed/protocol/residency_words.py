@@ -142,3 +142,23 @@ def hold(class_id: int, slot: int, generation: int) -> int:
 
 def touch(class_id: int, slot: int) -> int:
     return ((class_id & 0xFFFFFFFF) << 32) | (slot & 0xFFFFFFFF)
+
+
+# Decoding, on ints and on numpy arrays of uint64 words alike (numpy >= 2 keeps a Python
+# int operand in the array's type, so no numpy import here): the one copy in Python
+# (moed/_hitproto.h's hp_entry_slot and friends are C's).
+
+
+def entry_slot(entries):
+    """The slot an entry names; an entry of 0 (no slot) gives -1: check `entries != 0`."""
+    slots = entries & 0xFFFFFF
+    return slots - 1 if isinstance(entries, int) else slots.astype("int64") - 1
+
+
+def entry_generation(entries):
+    return entries >> 24
+
+
+def ready_state(generations):
+    """The state word a READY slot of that generation holds (`state(generation, READY)`)."""
+    return ((generations & GEN_MASK) << 2) | READY
