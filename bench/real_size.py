@@ -23,6 +23,11 @@ on the model file, 1 MiB reads, 8 in flight), the yardstick for the prompt's rea
 
 Prints one JSON line per engine (load, prefill and decode tok/s, daemon bytes read in
 the prompt and in decode, stall, decode hit rate, peak cgroup usage) and the ratios.
+Then the bounds of each moed engine's prompt and decode, from this run's own figures:
+the bytes it read at the drive's raw rate (`read_s`) and stock's resident time for the
+same work (`compute_s`); serialized = read_s + compute_s (reads, then compute, nothing
+overlapped), overlapped = max(read_s, compute_s) (each hidden behind the other). moed's
+time is printed against both: `of_serialized` below 1 means reads and compute overlap.
 
     python bench/real_size.py [--geometry q30|small] [--cap 6GiB] [--budget 4GiB] [--rounds 2]
 """
@@ -274,7 +279,10 @@ def main() -> int:
     for kind in kinds:
         rows = [r for rnd in rounds for r in rnd if r["engine"] == kind and "error" not in r and "skipped" not in r]
         if rows:
-            med[kind] = {k: statistics.median(r[k] for r in rows) for k in ("prefill_tok_s", "decode_tok_s")}
+            med[kind] = {
+                k: statistics.median(r[k] for r in rows)
+                for k in ("prefill_tok_s", "decode_tok_s", "prefill_s", "decode_s")
+            }
             for k in ("prefill_read_gbps", "decode_hit_rate", "prefill_bytes_read", "decode_bytes_read"):
                 vals = [r[k] for r in rows if r.get(k) is not None]
                 if vals:
@@ -289,7 +297,34 @@ def main() -> int:
                 print(f"  moed-gate / {base} {k}: {med['moed-gate'][k] / med[base][k]:.3f}")
     if "moed-gate" in med and "prefill_read_gbps" in med["moed-gate"]:
         print(f"  prompt reads / raw drive: {med['moed-gate']['prefill_read_gbps'] / drive['raw_gbps']:.3f}")
+    for kind, row in med.items():
+        if kind.startswith("moed") and "stock" in med:
+            for phase, b in bounds(row, med["stock"], drive["raw_gbps"]).items():
+                print(f"  {kind} {phase} bounds: {json.dumps(b)}")
     return 0
+
+
+def bounds(moed: dict, stock: dict, raw_gbps: float) -> dict[str, dict]:
+    """The serialized and overlapped bounds of a moed engine's prompt and decode (module
+    docstring), from its bytes read at the drive's raw rate and stock's resident time."""
+    out = {}
+    for phase in ("prefill", "decode"):
+        if f"{phase}_bytes_read" not in moed:
+            continue
+        read_s = moed[f"{phase}_bytes_read"] / (raw_gbps * 1e9)
+        compute_s = stock[f"{phase}_s"]
+        serialized, overlapped = read_s + compute_s, max(read_s, compute_s)
+        took = moed[f"{phase}_s"]
+        out[phase] = {
+            "moed_s": round(took, 2),
+            "read_s": round(read_s, 2),
+            "compute_s": round(compute_s, 2),
+            "serialized_s": round(serialized, 2),
+            "overlapped_s": round(overlapped, 2),
+            "of_serialized": round(took / serialized, 3),
+            "of_overlapped": round(took / overlapped, 3),
+        }
+    return out
 
 
 if __name__ == "__main__":
