@@ -226,13 +226,30 @@ def _skeleton(source, skeleton_dir: str | os.PathLike) -> list[str]:
         return list(source.files)
 
 
-def _device_slots(model, streamer: ExpertStreamer):
+def _device_slots(model, streamer: ExpertStreamer, host: list | None = None):
     """The offloaded layers' device slots (moed.engines.device_slots), found by a probe
-    context and switched in now; kept on the streamer, closed after the model."""
+    context and switched in now; kept on the streamer, closed after the model. `host` (a
+    list): zero copy instead (moed.engines.device_host: moed's segments imported into the
+    device), the HostSlots appended to it, closed after the model and before the client."""
     from moed.engines.device_slots import DeviceSlots, probe
 
-    streamer.slots = slots = DeviceSlots(probe(model.model), streamer.gpu_slots)
+    found = probe(model.model)
     src = streamer.source
+    if host is not None:
+        from moed.engines.device_host import HostImportUnavailable, HostSlots
+        from moed.gguf.layouts import PLAIN
+
+        layout = getattr(getattr(src, "model", None), "expert_layout", PLAIN)
+        if layout != PLAIN:
+            raise HostImportUnavailable(
+                f"gpu_zero_copy: moed serves this model's experts in the {layout} layout; the device reads "
+                "the plain one in place"
+            )
+        if streamer.gpu_slots < src.n_expert_used:
+            raise ValueError(f"gpu_slots={streamer.gpu_slots}: one token routes to {src.n_expert_used} experts a layer")
+        host.append(zero_copy := HostSlots(found, src, streamer.gpu_slots))
+        return zero_copy
+    streamer.slots = slots = DeviceSlots(found, streamer.gpu_slots)
     for layer in slots.layers:
         served = {e.part: e.bytes_per_expert for e in src.extents(layer)}
         if slots.part_bytes(layer) != served:
@@ -245,8 +262,9 @@ def _device_slots(model, streamer: ExpertStreamer):
     return slots
 
 
-def _hooked_internals(streamer: ExpertStreamer) -> types.ModuleType:
-    """A copy of `llama_cpp._internals` whose model and context classes stream experts."""
+def _hooked_internals(streamer: ExpertStreamer, host: list | None = None) -> types.ModuleType:
+    """A copy of `llama_cpp._internals` whose model and context classes stream experts; `host`
+    (a list): the device slots read moed's segments in place (gpu_zero_copy)."""
     real = _llama_module.internals
     proxy = types.ModuleType(real.__name__)
     proxy.__dict__.update(real.__dict__)
@@ -266,16 +284,21 @@ def _hooked_internals(streamer: ExpertStreamer) -> types.ModuleType:
         try:
             # Device slots replace the offloaded layers' expert tensors before any context
             # exists: ggml's scheduler places a MUL_MAT_ID when it splits a graph.
-            slots = _device_slots(model, streamer) if streamer.gpu_slots else None
+            slots = _device_slots(model, streamer, host) if streamer.gpu_slots else None
             streamer.install(before)
             if slots is not None:
+                from moed.engines.device_host import HostPlacement, HostSlots
                 from moed.engines.device_slots import SlotPlacement
 
-                streamer.place_on(SlotPlacement(slots), slots.layers, stop=ggml_tensor.WEIGHTS_PREFIX)
+                placement = HostPlacement(slots) if isinstance(slots, HostSlots) else SlotPlacement(slots)
+                streamer.place_on(placement, slots.layers, stop=ggml_tensor.WEIGHTS_PREFIX)
         except BaseException:
             model.close()
             if streamer.slots is not None:
                 streamer.slots.close()
+                streamer.slots = None
+            while host:
+                host.pop().close()
             raise
         return model
 
@@ -370,10 +393,17 @@ class StreamedLlama(Llama):
     on the plain kernels (bit-exact with `UnpackedLlama`). moed.engines.repack.
     `warm`: "off" (default); "resident" maps the experts the daemon holds at load,
     "all" reads and maps every expert (see `warm()`).
+    `gpu_slots`: with `n_gpu_layers`, the offloaded layers' routed experts computed on
+    the GPU from S device slots a layer (moed.engines.device_slots). `gpu_zero_copy`
+    (with `gpu_slots`; off by default): the device reads them in place from moed's RAM
+    tier, imported as host memory, and nothing is uploaded (moed.engines.device_host;
+    a real integrated GPU read imported host memory at about 1 GB/s).
     The value options are declared once, in `moed.engines.options.EngineOptions`
     (defaults, flags, help); `self.options` holds them, and `from_options` builds
     an engine from one.
     """
+
+    _ZERO_COPY = ", read in place from moed's RAM tier (zero copy)"
 
     @classmethod
     def from_options(cls, model_path: str, options: EngineOptions, **kwargs):
@@ -402,6 +432,7 @@ class StreamedLlama(Llama):
         repack: str = "auto",
         warm: str = "off",
         gpu_slots: int = 0,
+        gpu_zero_copy: bool = False,
         **llama_kwargs,
     ):
         refuse_unknown(type(self), llama_kwargs)
@@ -424,6 +455,9 @@ class StreamedLlama(Llama):
                 "memory); use n_gpu_layers=0 for it"
             )
         layout = kernel_layout.plan(headers, _slots_repack(repack, offload, model_path), model_path, offload)
+        # Zero copy (moed.engines.device_host) where the experts are on a device at all.
+        zero_copy = bool(gpu_zero_copy and offload is not None and offload.gpu_slots)
+        self._host_slots: list = []  # the HostSlots of the load, closed after the model
         # The value options as one EngineOptions (moed.engines.options declares them, defaults
         # included; tests/unit/test_options.py holds this signature's defaults to them).
         given = locals()
@@ -449,7 +483,7 @@ class StreamedLlama(Llama):
                 model_path,
                 timeout_s=acquire_timeout_s,
                 expert_layout=layout.expert_layout,
-                compute=compute_line(offload),
+                compute=compute_line(offload) + (self._ZERO_COPY if zero_copy else ""),
             )
         self.moed_client = client
         substituter = None
@@ -474,7 +508,7 @@ class StreamedLlama(Llama):
             if skeleton_dir is not None:
                 self.streamer.mapped_files = _skeleton(source, skeleton_dir)
                 model_path = self.streamer.mapped_files[0]
-            with _constructing(_hooked_internals(self.streamer)):
+            with _constructing(_hooked_internals(self.streamer, self._host_slots if zero_copy else None)):
                 super().__init__(model_path=model_path, **llama_kwargs)
             if not self._logits_all:  # Llama.eval asks for the last token's logits only
                 # The load above ran streamer.install, which builds the look-ahead.
@@ -580,6 +614,9 @@ class StreamedLlama(Llama):
             if streamer.slots is not None:
                 streamer.slots.close()  # after the model: its expert tensors pointed at these slots
                 streamer.slots = None
+        for host in getattr(self, "_host_slots", ()):
+            host.close()  # after the model, before the client unmaps the segments they import
+        self._host_slots = []
         self._close_client()
 
 

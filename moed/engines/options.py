@@ -45,6 +45,7 @@ class Flag:
     type: Callable[[str], Any] | None = None
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
+    action: str | None = None  # "store_true": a switch (a bool option whose default is False)
 
     @property
     def dest(self) -> str:
@@ -173,6 +174,19 @@ class EngineOptions:
             metavar="S",
         ),
     )
+    gpu_zero_copy: bool = _option(
+        False,
+        Flag(
+            "--gpu-zero-copy",
+            dict.fromkeys(
+                (RUN, SERVE),
+                "with --gpu-slots: the device reads the experts in place from moed's RAM tier (its segments "
+                "imported as host memory), nothing uploaded; off by default: a real integrated GPU read imported "
+                "host memory at about 1 GB/s (the reference page), below its own memory",
+            ),
+            action="store_true",
+        ),
+    )
     # The server's connection to the daemon (moed.serve.app opens it, with this
     # timeout); not StreamedLlama's, whose own client keeps Client's default.
     client_timeout_s: float = 30.0
@@ -202,13 +216,18 @@ class EngineOptions:
             raise ValueError(f"prefetch_width must be >= 1, not {self.prefetch_width}")
         if self.gpu_slots < 0:
             raise ValueError(f"gpu_slots must be >= 0 (0: the experts on the CPU), not {self.gpu_slots}")
+        if self.gpu_zero_copy and not self.gpu_slots:
+            raise ValueError(
+                "gpu_zero_copy feeds the device slots from moed's RAM tier in place: set gpu_slots too (S bounds "
+                "a batch's distinct experts in a layer, as without it)"
+            )
 
     @classmethod
     def add_flags(cls, parser: argparse.ArgumentParser, group: str) -> None:
         """The flags `group` (RUN or SERVE) shows, with their defaults and that group's help."""
         for name, flag in _flags(group):
             kw: dict[str, Any] = {"default": cls.__dataclass_fields__[name].default, "help": flag.help[group]}
-            kw |= {k: v for k in ("type", "choices", "metavar") if (v := getattr(flag, k)) is not None}
+            kw |= {k: v for k in ("type", "choices", "metavar", "action") if (v := getattr(flag, k)) is not None}
             parser.add_argument(flag.name, **kw)
 
     @classmethod
