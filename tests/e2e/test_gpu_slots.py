@@ -10,7 +10,10 @@ on lavapipe (GGML_VK_VISIBLE_DEVICES=0), with Vulkan's op fusion off in both
 (GGML_VK_DISABLE_FUSION=1: the callback splits the device's graph where stock fuses).
 
 The engine is `StreamedLlama(n_gpu_layers=-1, gpu_slots=S)`, run by `_child` in a new
-interpreter, with the real daemon's grants as the bytes.
+interpreter, with the real daemon's grants as the bytes. With `gpu_zero_copy=True`
+(moed.engines.device_host) the device reads the experts in place from moed's RAM tier
+(its segments imported with buffer_from_host_ptr) and the ids become moed slots: nothing
+is uploaded, and the same comparison holds.
 
 Every engine runs in a new interpreter: the device must be chosen before llama.cpp first
 enumerates its backends, and a test process never computes with llama.cpp.
@@ -65,7 +68,8 @@ def _child(argv: list[str]) -> None:
         from moed.engines.llama_cpp import StreamedLlama
 
         client = Client(socket, "gpu-slots")
-        llm = StreamedLlama(model, client=client, gpu_slots=int(slots), **kw)
+        zero_copy = which == "zero-copy"
+        llm = StreamedLlama(model, client=client, gpu_slots=int(slots), gpu_zero_copy=zero_copy, **kw)
     tokens = prompt_tokens(llm, prompt)
     llm.reset()
     with warnings.catch_warnings():
@@ -216,3 +220,88 @@ def test_two_slot_engines_on_one_daemon_each_keep_their_own_slots(vulkan_device,
         got, stats = finish(started, f"slots engine {i}")
         assert_bit_equal(got, want)
         check_slots(stats, 8)
+
+
+# ---------------------------------------------------------------------- zero copy (moed.engines.device_host)
+
+# Parts whose size is a multiple of the page, so moed's slots are a whole number of blocks
+# apart (ggml-vulkan finds an expert at nb[2] / block bytes): 256 x 256 q8_0 is 17 pages;
+# gpt-oss's MXFP4 (17-byte blocks) needs 512 x 256.
+ZERO_COPY_GEOMETRY = {
+    "qwen3moe": dict(experts=16, used=2, embd=256, ff=256),
+    "gpt-oss": dict(experts=16, used=2, embd=512, ff=256),
+    "gemma4": dict(experts=16, used=2, embd=256, ff=256),
+}
+# About 10 moed slots of 3 such parts (208,896 bytes a slot): a batch's 8 fit, 64 experts do not.
+ZERO_COPY_BUDGET = "2MiB"
+
+
+def check_zero_copy(stats: dict, slots: int) -> None:
+    assert stats["devices"]["experts"] == "GPU slots" and stats["devices"]["gpu_slots"] == slots
+    assert stats["engines"] and all("read in place from moed's RAM tier (zero copy)" in e for e in stats["engines"])
+    g = stats["gpu_slots"]
+    assert g["zero_copy"] and g["slots"] == slots and g["layers"] > 0
+    assert g["segments"] >= 1 and g["imported_bytes"] > 0
+    assert g["read_only"], "the import is of the client's read-only mapping (PROT_READ, MAP_SHARED)"
+    assert g["hits"] > 0 and g["cycles"] > 0
+    assert g["uploads"] == g["upload_bytes"] == g["evictions"] == 0, "zero copy uploads no expert"
+    assert stats["daemon_evictions"] > 0, "the budget must force the daemon to evict"
+
+
+@pytest.mark.parametrize("arch", sorted(ZERO_COPY_GEOMETRY))
+def test_zero_copy_reads_moeds_slots_in_place_and_matches_stock(
+    vulkan_device, model_factory, start_daemon, tmp_path, arch
+):
+    """The device computes every expert from moed's imported segments, the ids rewritten to
+    moed slots at each layer: a 4-token prompt and 16 greedy steps, bit for bit against stock
+    computing every expert from its own device memory, with the daemon evicting. gpt-oss's
+    expert biases (add_id) and gemma4's fused gate_up and per-expert scale are indexed by moed
+    slot too (their rows copied where a slot changed expert)."""
+    model = model_factory(arch=arch, **ZERO_COPY_GEOMETRY[arch])
+    stock = run_engine("stock", model, tmp_path)
+    daemon = start_daemon(ZERO_COPY_BUDGET)
+    got, stats = engine("zero-copy", model, tmp_path, socket=daemon.socket, slots=8)
+    want, _ = finish(stock, "stock")
+    assert stats["n_batch"] == 64, "the prompt's experts fit: one batch"
+    assert_bit_equal(got, want)
+    check_zero_copy(stats, 8)
+    if arch in ("gpt-oss", "gemma4"):
+        assert stats["gpu_slots"]["row_uploads"] > 0, "biases and scales follow the moed slots"
+
+
+def test_zero_copy_splits_a_prompt_whose_experts_exceed_s_and_matches_stock_on_the_same_split(
+    vulkan_device, model_factory, start_daemon, tmp_path
+):
+    """S still bounds a batch's distinct experts in a layer (as for the copying slots), so a
+    long prompt lowers n_batch alike, and matches stock run on that split."""
+    model = model_factory(**ZERO_COPY_GEOMETRY["qwen3moe"])
+    daemon = start_daemon(ZERO_COPY_BUDGET)
+    got, stats = engine("zero-copy", model, tmp_path, socket=daemon.socket, slots=4, prompt="long")
+    n_batch = stats["n_batch"]
+    assert n_batch < 64 and stats["prompt_tokens"] > n_batch, "4 experts a layer cannot hold the whole prompt's"
+    want, _ = engine("stock", model, tmp_path, prompt="long", n_batch=n_batch)
+    assert_bit_equal(got, want)
+    check_zero_copy(stats, 4)
+
+
+def test_zero_copy_refuses_slots_that_are_not_a_whole_number_of_blocks_apart(
+    vulkan_device, model_factory, start_daemon, tmp_path
+):
+    """64 x 64 q8_0 parts are 4,352 bytes, in slots 8,192 bytes apart: not a whole number of
+    34-byte blocks, which ggml-vulkan would read 7,680 elements apart (NaN logits, measured).
+    Refused at load, saying why and what to use instead."""
+    model = model_factory(**GEOMETRY)
+    daemon = start_daemon("256KiB")
+    proc, _ = run_engine("zero-copy", model, tmp_path, socket=daemon.socket, slots=8)
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode != 0
+    assert "HostImportUnavailable" in stderr and "not a whole number of q8_0 blocks" in stderr, stderr[-3000:]
+    assert "gpu_zero_copy=False" in stderr
+
+
+def test_zero_copy_needs_gpu_slots():
+    from moed.engines.options import EngineOptions
+
+    with pytest.raises(ValueError, match="set gpu_slots too"):
+        EngineOptions(gpu_zero_copy=True).check()
+    EngineOptions(gpu_zero_copy=True, gpu_slots=8).check()
