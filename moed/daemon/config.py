@@ -72,6 +72,9 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     read_quarantine_s: float = 30.0
     read_stall_warn_s: float = 10.0  # a read running longer is logged and a spare reader started (0: off)
     prefetch_backoff: bool = True  # no read-ahead while the drive is behind (latency or queue)
+    # The RAM tier's pages made in the background after a model opens, up to the budget, so a
+    # first fill costs the drive's time only, not the kernel's page zeroing (moed.daemon.prefault).
+    prefault: bool = True
 
     def __post_init__(self):
         checks = [

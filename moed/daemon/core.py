@@ -57,6 +57,7 @@ from .memguard import MemGuard
 from .models import Model
 from .opener import Opener
 from .pins import Pins
+from .prefault import Prefaulter
 from .prefetch import Prefetches
 from .ramtier import RamTier
 from .reader import ReaderPool
@@ -157,12 +158,19 @@ class Daemon:
             heat=heat,
             on_stale=self._read_found_stale,
         )
+        self.prefault = Prefaulter(self.store, self.ramtier, config.prefault)
+        self.ramtier.on_remove.append(self.prefault.forget)
         self.memguard = MemGuard(
-            self.store, config.mem_floor_bytes, config.mem_sample_s, settle=s.settle, room_changed=s.room_changed
+            self.store,
+            config.mem_floor_bytes,
+            config.mem_sample_s,
+            settle=s.settle,
+            room_changed=s.room_changed,
+            trim=self.prefault.trim,
         )
         self.pins = Pins(s, self.memguard)
         opener = Opener(config.max_opens_per_tenant, config.open_timeout_s)
-        self.registry = Registry(config, s, opener, self.counters, self._models_in_use, on_added=self.pins.mirror)
+        self.registry = Registry(config, s, opener, self.counters, self._models_in_use, on_added=self._model_added)
         self.holds = LocalHolds(config, s, self.registry, self.counters)
         self.prefetches = Prefetches(s)
         self.sessions: set = set()
@@ -186,6 +194,11 @@ class Daemon:
 
     def mem_available_bytes(self) -> int:
         return self.memguard.available_bytes()
+
+    def _model_added(self, model: Model) -> None:
+        """A new model is in: the pinned partition may mirror it, its classes' pages are made."""
+        self.pins.mirror(model)
+        self.prefault.plan_model(model)
 
     def _models_in_use(self) -> set[int]:
         return {mid for s in self.sessions for mid in s.models}
@@ -410,6 +423,7 @@ class Daemon:
         self._maintain_task = None
 
     def close(self) -> None:
+        self.prefault.close()
         self.reader.close()
         self.registry.close()
         self.ramtier.close()

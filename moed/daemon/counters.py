@@ -238,6 +238,7 @@ def snapshot(daemon) -> dict:
         "adopted_slots": len(daemon.store.adopted),
         "unpins_held": len(daemon.store.unpin_waiting),
         "revoked_regions": len(daemon.residency.revoked),
+        **daemon.prefault.stats(),
         "limits": limits(daemon.config),
         "clients": [s.buffers() for s in daemon.sessions],
         "models": [_model_row(daemon, m) for m in models],

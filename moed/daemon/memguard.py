@@ -168,10 +168,13 @@ class MemGuard:
         reader: MemoryReader | None = None,
         settle=lambda: None,
         room_changed=lambda: None,
+        trim=lambda: 0,
     ):
-        """`settle` gives dropped slots' pages back; `room_changed` wakes acquires waiting for room."""
+        """`settle` gives dropped slots' pages back; `room_changed` wakes acquires waiting for room;
+        `trim` gives back pages made ahead of use (moed.daemon.prefault) and returns their bytes."""
         self.store = store
         self.settle = settle
+        self.trim = trim
         self.room_changed = room_changed
         self.floor_bytes = floor_bytes
         self.sample_s = sample_s
@@ -222,7 +225,8 @@ class MemGuard:
         limit = decide_limit(avail, self.floor_bytes, store.used_bytes, old, store.budget_bytes)
         freed = 0
         if limit < old:
-            freed = store.shrink(limit)
+            freed = self.trim()  # pages no slot uses yet go first
+            freed += store.shrink(limit)
             self.settle()
             # leases and pins may hold more than the target: then just stop growing
             limit = max(limit, store.used_bytes)

@@ -5,7 +5,8 @@ daemon, kill -9 included) mapped shared and read-write in the daemon only.
 Clients get a read-only descriptor of it (reopened through /proc with O_RDONLY)
 and can map it only PROT_READ.
 
-The segment is sparse: a slot's pages exist only once it is filled. A slot is
+The segment is sparse: a slot's pages exist only once it is filled, or once the
+prefaulter (moed.daemon.prefault) made them ahead of the first fill. A slot is
 mlocked right after its bytes are read in (by the reader thread, before the
 slot is READY) and its pages are given back with MADV_REMOVE when the store
 drops it, so locked memory follows the store's `used_bytes`, never the
@@ -88,6 +89,7 @@ class RamTier:
         self.locked_bytes = 0
         self._locked: set[tuple[int, int]] = set()  # (class id, slot index) now locked: counted once
         self._mutex = threading.Lock()
+        self.on_remove: list = []  # called with a class id before its segment is unmapped (prefault)
 
     def add_segment(self, class_id: int, part_names: list[str], part_bytes: list[int]) -> TierSegment:
         capacity = max(1, self.capacity_bytes // slot_bytes(part_bytes))
@@ -137,6 +139,8 @@ class RamTier:
 
     def remove_segment(self, class_id: int) -> None:
         """Unmap a class's segment once nothing in it is held (engines keep their own mappings)."""
+        for hook in self.on_remove:
+            hook(class_id)
         seg = self.segments.pop(class_id)
         with self._mutex:
             gone = {k for k in self._locked if k[0] == class_id}

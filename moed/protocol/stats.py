@@ -269,3 +269,8 @@ class Stats(_Row):
     # Repack on read (moed.daemon.onread): plain experts made in an engine's layout as they are read
     repacked_bytes: Annotated[int, counter("repacked_bytes", "Expert bytes repacked on read")] = 0
     repack_cpu_s: Annotated[float, counter("repack_cpu_seconds", "Reader threads' CPU time repacking on read")] = 0.0
+    # Prefault (moed.daemon.prefault): RAM-tier pages made ahead of their first fill
+    prefaulted_bytes: Annotated[
+        int, gauge("prefaulted_bytes", "RAM-tier bytes made ahead of their first fill (given back first)")
+    ] = 0
+    prefault_error: str = ""  # why prefaulting stopped, if it did
