@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import subprocess
+import sys
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -199,3 +201,27 @@ def bad_expert(model_factory, texts=ROUTE_TEXTS) -> Iterator[BadExpert]:
         _, off, _ = Catalog.open(str(path)).extent(layer, expert, "down")
         fs.corrupt(path, off + 2 * 4096)
         yield BadExpert(path, Path(src), a, b, ta, tb, layer, expert)
+
+
+# ---- a Vulkan device (the GPU tests: test_gpu_hybrid, test_gpu_faults, test_gpu_slots) --------
+
+ROOT = Path(__file__).resolve().parents[2]
+# lavapipe, Mesa's software Vulkan device, is a CPU-type device ggml uses only where named; Vulkan's
+# op fusion off, as the engines' callbacks split the device's graph where stock would fuse.
+VULKAN_ENV = {"GGML_VK_VISIBLE_DEVICES": "0", "GGML_VK_DISABLE_FUSION": "1"}
+PROBE = "import llama_cpp\nfrom moed.engines.devices import gpu_devices\nprint('|'.join(gpu_devices()))"
+
+
+@pytest.fixture(scope="module")
+def vulkan_device() -> str:
+    """The Vulkan device's name, or a skip saying what is missing."""
+    env = {**os.environ, **VULKAN_ENV, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    devices = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    if not devices:
+        pytest.skip(
+            "no Vulkan device: this llama.cpp was built without GGML_VULKAN, or no Vulkan driver "
+            "(lavapipe: mesa-vulkan-drivers) is installed; scripts/setup-system installs both where it can"
+        )
+    return devices

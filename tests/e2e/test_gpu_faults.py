@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.e2e.conftest import assert_bit_equal, bad_expert
-from tests.e2e.test_gpu_hybrid import ROOT, VULKAN_ENV, plain_experts, vulkan_device  # noqa: F401 - a fixture
+from tests.e2e.conftest import ROOT, VULKAN_ENV, assert_bit_equal, bad_expert
+from tests.e2e.test_gpu_hybrid import plain_experts
 
 # Every probe needs the device (the fixture skips, saying what is missing, where there is none).
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("vulkan_device")]

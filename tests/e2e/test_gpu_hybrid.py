@@ -24,18 +24,15 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.e2e.conftest import assert_bit_equal
+from tests.e2e.conftest import ROOT, VULKAN_ENV, assert_bit_equal
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("llama_cpp")
 
-ROOT = Path(__file__).resolve().parents[2]
-VULKAN_ENV = {"GGML_VK_VISIBLE_DEVICES": "0", "GGML_VK_DISABLE_FUSION": "1"}
 
 # Run in a new interpreter: one engine's logits of a prompt and greedy steps, and its stats.
 ENGINE = """
@@ -62,8 +59,6 @@ if client is not None:
     client.close()
 """
 
-PROBE = "import llama_cpp\nfrom moed.engines.devices import gpu_devices\nprint('|'.join(gpu_devices()))"
-
 
 def run_engine(which: str, model, tmp_path, n_gpu: int, socket: str = "") -> tuple[np.ndarray, dict]:
     out = tmp_path / f"{which}-{n_gpu}.npy"
@@ -77,21 +72,6 @@ def run_engine(which: str, model, tmp_path, n_gpu: int, socket: str = "") -> tup
     )
     assert proc.returncode == 0, f"{which} engine: rc {proc.returncode}\n{proc.stderr[-3000:]}"
     return np.load(out), json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-@pytest.fixture(scope="module")
-def vulkan_device() -> str:
-    """The Vulkan device's name, or a skip saying what is missing."""
-    env = {**os.environ, **VULKAN_ENV, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    devices = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-    if not devices:
-        pytest.skip(
-            "no Vulkan device: this llama.cpp was built without GGML_VULKAN, or no Vulkan driver "
-            "(lavapipe: mesa-vulkan-drivers) is installed; scripts/setup-system installs both where it can"
-        )
-    return devices
 
 
 def plain_experts(path) -> None:

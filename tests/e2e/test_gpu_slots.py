@@ -26,18 +26,15 @@ import os
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.e2e.conftest import LLAMA_KW, PROMPT, assert_bit_equal
+from tests.e2e.conftest import LLAMA_KW, PROMPT, ROOT, VULKAN_ENV, assert_bit_equal
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("llama_cpp")
 
-ROOT = Path(__file__).resolve().parents[2]
-VULKAN_ENV = {"GGML_VK_VISIBLE_DEVICES": "0", "GGML_VK_DISABLE_FUSION": "1"}
 GEOMETRY = dict(experts=16, used=2)  # 16 experts, 2 a token: S=8 holds any 4-token batch
 STEPS = 16
 
@@ -116,22 +113,6 @@ def finish(started, what: str) -> tuple[np.ndarray, dict]:
 
 def engine(which, model, tmp_path, **kw) -> tuple[np.ndarray, dict]:
     return finish(run_engine(which, model, tmp_path, **kw), which)
-
-
-@pytest.fixture(scope="module")
-def vulkan_device() -> str:
-    """The Vulkan device's name, or a skip saying what is missing."""
-    probe = "import llama_cpp\nfrom moed.engines.devices import gpu_devices\nprint('|'.join(gpu_devices()))"
-    env = {**os.environ, **VULKAN_ENV, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    devices = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-    if not devices:
-        pytest.skip(
-            "no Vulkan device: this llama.cpp was built without GGML_VULKAN, or no Vulkan driver "
-            "(lavapipe: mesa-vulkan-drivers) is installed; scripts/setup-system installs both where it can"
-        )
-    return devices
 
 
 def check_slots(stats: dict, slots: int) -> None:
