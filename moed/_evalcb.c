@@ -1,62 +1,104 @@
-/* llama.cpp's eval callback with the "ask" pass in C.
+/* llama.cpp's eval callback with the "ask" pass in C, and the layer holds.
  *
  * ggml's scheduler calls the eval callback twice for the nodes it cares about:
  * once with ask=true for EVERY node of the graph ("do you want this one?"), and
  * once with ask=false for those the answer was yes to, after computing them. A
  * Python callback pays a ctypes transition and a name read on each of the ~500
  * ask calls a token makes on a 16-layer MoE; here the ask pass is a prefix
- * compare in C, and only the wanted nodes (`ffn_moe_topk-<n>`, and the router's
- * input `ffn_norm-<n>` while observing) reach Python, with the GIL taken for the call.
+ * compare in C, and only the wanted nodes (each routed layer's stop,
+ * `ffn_moe_topk-<n>`, and the router's input `ffn_norm-<n>` while observing)
+ * reach the layer holds or Python, with the GIL taken for the call.
  *
- *   handle = make(fn, name_offset)   # fn(tensor_address) -> bool, called on the data pass
+ *   handle = make(fn, name_offset)   # fn(tensor_address) -> bool: the norm stops (and the
+ *                                    # routed ones of a handle with no layer holds)
  *   set_norm(handle, on[, prefix])   # also stop at <prefix><n>; the prefix stays until
  *                                    # changed (b"ffn_norm-"; gpt-oss: b"attn_post_norm-")
  *   set_route(handle, prefix)        # the routed layer's stop: b"ffn_moe_topk-" (default), or
  *                                    # b"ffn_moe_weights-" for device expert slots (its ids are
  *                                    # rewritten after the routing weights were gathered)
+ *   set_holds(handle, holds | None)  # the routed stops go to these layer holds
  *   callback_address(), user_data(handle): what goes into llama_context_params
- * The handle owns a reference to fn and must outlive the context.
+ * The handle owns a reference to fn and to the holds and must outlive the context.
  *
- * The lane: a routed layer whose experts are all local hits, taken without Python.
- * Between two layers' callbacks the matmuls stream tens of MB of weights, so the
- * callback runs with cold caches and every Python instruction costs several times
- * what a warm loop says (bench/RESULTS.md: 115 us a layer of Python acquire and
- * show against 22 us warm). The lane does one layer's whole cycle in C: read the
- * topk ids, take the hit (moed/_hitproto.h: the same steps as moed._holds), release
- * the previous layer's lane lease, leave the touches, and map every expert whose
- * slot changed (MAP_FIXED of the daemon's read-only memfd; relaxed zero copy).
+ * THE LAYER HOLDS: the one owner of what a streamed model's routed layers hold. At
+ * any time it holds at most one of three things:
+ *   - its own local lease (a layer's hit taken here: hold words in the connection's
+ *     region, moed/_hitproto.h, the same steps as moed._holds);
+ *   - a Python grant it was handed (`holds_hold`: what Python acquired from moed);
+ *   - the whole step's pin hold (every expert pinned: no per-layer stop at all).
+ * It chooses each routed stop's path and lets go of what it held. Every streamed
+ * model has one, lane layers or not, local hits or not.
  *
- *   lane = lane_new(region, table, n_experts, hold_indexes, counter_word, tensor_layout)
- *   lane_layer(lane, layer, row_base, class_id, states, fd, [(addr, bytes, part_off, part_stride)])
- *   lane_step(lane, tensor) -> experts held | -1 (declined: ask Python's path) | -2 (lease lost)
- *   lane_place(lane, layer, expert, slot[, populate]) -> bool   (the slow path's show: mapped now?)
- *   lane_release(lane) -> bool, lane_python_held(lane, on), lane_disable(lane), lane_free(lane)
- *   lane_stats(lane), lane_layer_ns(lane, layer)
- *   lane_log(lane, on), lane_take_log(lane) -> ([(layer, [experts])], full): what it took
- *   set_lane(handle, lane | None, auto): with auto, a topk node tries the lane before Python
+ * A routed stop (the GIL held):
+ *   1. When the ids are final (no route hook or substitution may change them: the
+ *      per-decode `try_hits` Python sets in `holds_begin`) and the layer is a lane
+ *      layer (relaxed zero copy, mapped by the holds alone), the holds take the hit:
+ *      read the top-k ids through the node's strides, hp_hit, release the earlier
+ *      lease, leave the touches and the counter, and map every expert whose slot
+ *      changed (MAP_FIXED of the daemon's read-only memfd). A hit with nothing for
+ *      Python this step (`alone`: no look-ahead, observer or trace at the stop) and
+ *      no Python grant to let go is the whole layer: C only, a few microseconds
+ *      (between two layers' callbacks the matmuls stream tens of MB of weights, so
+ *      the callback runs with cold caches, and a Python acquire and show cost
+ *      115 us a layer where a warm loop says 22: bench/RESULTS.md, issue 22).
+ *   2. Otherwise exactly one call into Python: route_fn(tensor, layer, status, grant):
+ *        status > 0      HIT: this many experts held by the holds' lease; Python only
+ *                        scores and prefetches (and lets `grant` go);
+ *        MISSED (-4)     the hit was tried and missed: Python asks the daemon, with no
+ *                        second try (one hp_hit a layer);
+ *        NOT_TRIED (-1)  not a lane layer, the ids not final, odd ids, no region:
+ *                        Python acquires with its own local try;
+ *        LOST (-2), MAP_FAILED (-3): an earlier lease was lost, a mapping failed;
+ *      `grant` is the Python grant held until now (None if none): Python lets it go,
+ *      piggybacked on its acquire. On MISSED and NOT_TRIED the holds' own lease is
+ *      released first, before Python asks the daemon. Python then hands its grant
+ *      back with ONE call, `holds_hold`, which records it as held and maps its
+ *      experts on a lane layer. A missed layer: one call C->Python, one Python->C.
+ *   3. A Python grant is let go by Python: at the next stop (passed to it) or after
+ *      the decode (`holds_end` gives it back). After a failure (`holds_fail`) no hit
+ *      is tried and no grant is passed until `holds_end`.
+ * The holds count their crossings by the stop's outcome (alone, hit, missed,
+ * not_tried, failed): stops, calls into Python, calls from Python during the stop,
+ * and the most calls from Python at one stop (`holds_crossings`).
+ *
+ * Under a GPU offload the top-k may sit in device memory, which these raw-pointer
+ * reads cannot see. The holds do not read the device's top-k themselves
+ * (ggml_backend_tensor_get): an offloaded model gets layer holds with no lane layers
+ * and no region, so every routed stop is NOT_TRIED and goes through Python, which
+ * reads the top-k through ggml's backend API (moed.engines.ggml_tensor) and acquires
+ * with its own local try; the holds still own the grant and its release. The device
+ * slots (moed.engines.device_slots) build on that: their stop is the routing weights.
+ *
+ *   holds = holds_new(route_fn, region | None, table | None, n_experts, hold_indexes,
+ *                     counter_word, tensor_layout)
+ *   holds_layer(holds, layer, row_base, class_id, states, fd, [(addr, bytes, part_off, part_stride)])
+ *   holds_begin(holds, try_hits, alone, log)       a decode's path choice
+ *   holds_hold(holds, grant[, layer, experts, slots]) -> None   the grant held (mapped on a lane layer)
+ *   holds_fail(holds)                              the decode failed: nothing more until end
+ *   holds_end(holds) -> (grant | None, lease_ok)   the lease let go, the grant given back
+ *   holds_place(holds, layer, expert, slot[, populate]) -> bool   map outside a decode (warm)
+ *   holds_held(holds) -> None | ("lease", n) | ("grant", grant) | ("pin", model_id)
+ *   holds_disable(holds), holds_free(holds) -> grant | None
+ *   holds_stats(holds), holds_crossings(holds), holds_layer_ns(holds, layer), holds_map_errno(holds)
+ *   holds_take_log(holds) -> ([(layer, [experts])], full): the layers done alone, while logging
  *
  * Whole steps: when every expert of the model is pinned (the table's pin word reads 1),
- * a decode needs no per-layer stop at all. lane_whole_begin takes the region's pin hold
+ * a decode needs no per-layer stop at all. holds_whole_begin takes the region's pin hold
  * (moed.protocol.residency_words: one word that keeps every pinned slot of the model),
  * checks every expert is READY at the slot its addresses show (mapping those that are
- * not), and set_whole makes the ask pass answer no to every node, so ggml computes the
- * graph in one piece as it does with no callback; lane_whole_end lets the hold go.
+ * not), and while it is held the ask pass answers no to every node, so ggml computes the
+ * graph in one piece as it does with no callback; holds_whole_end lets the hold go.
  *
- *   lane_pins(lane, model_id, pin_word)    the model's id and its table's pin word
- *   lane_whole_begin(lane) -> bool         True: the pin hold is taken, every expert mapped
- *   lane_whole_end(lane, uses)             the pin hold let go; `uses` counted as local hits
- *   set_whole(handle, on)
+ *   holds_pins(holds, model_id, pin_word)   the model's id and its table's pin word
+ *   holds_whole_begin(holds) -> bool        True: the pin hold is taken, every expert mapped
+ *   holds_whole_end(holds, uses)            the pin hold let go; `uses` counted as local hits
  *
- * One owner for each thing the lane touches: it alone maps the addresses of the
- * layers given to it (the Python slow path maps through lane_place); its hold
- * indexes were handed to it by the client's region and are its own; the ring's
- * head is the region's word, which every recorder writes holding the GIL (the
- * lane always runs holding it). A lane declines (-1) whenever anything is not a
- * plain hit: a revoked or disabled region, an id out of range; nothing is
- * changed then, and Python's path does the layer. A hit tried and missed is
- * LANE_MISSED (-4), kept for Python's lane_step as any result of the callback's
- * try is: Python then asks the daemon with no second try (one hp_hit a layer). The auto path also leaves
- * the layer to Python while Python holds a grant (it must release it).
+ * One owner for each thing the holds touch: they alone map the addresses of their lane
+ * layers (Python's path maps them through holds_hold, warm through holds_place); their
+ * hold indexes were handed to them by the client's region and are their own; the ring's
+ * head is the region's word, which every recorder writes holding the GIL (the holds
+ * always run holding it). A hit tried on anything but a plain hit (a revoked or
+ * disabled region, an id out of range) changes nothing.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -72,12 +114,17 @@
 
 #define LANE_MAX_PARTS 4
 #define LANE_MAX_LAYERS 4096
-#define LANE_DECLINE (-1)
-#define LANE_LOST (-2)
-#define LANE_MAPERR (-3)
-#define LANE_MISSED (-4) /* hp_hit tried and missed: Python asks the daemon, with no second try */
+/* A routed stop's status, as route_fn is given it (> 0: a hit of that many experts). */
+#define ST_NOT_TRIED (-1)
+#define ST_LOST (-2)
+#define ST_MAP_FAILED (-3)
+#define ST_MISSED (-4)
 #define LANE_LOG_LAYERS 1024
 #define LANE_LOG_EXPERTS 16384
+
+/* The outcomes a routed stop's crossings are counted by. */
+enum { OUT_ALONE, OUT_HIT, OUT_MISSED, OUT_NOT_TRIED, OUT_FAILED, N_OUT };
+static const char *const OUT_NAMES[N_OUT] = {"alone", "hit", "missed", "not_tried", "failed"};
 
 typedef struct {
     int64_t row_base;
@@ -89,40 +136,47 @@ typedef struct {
     size_t bytes[LANE_MAX_PARTS];
     uint64_t part_off[LANE_MAX_PARTS], part_stride[LANE_MAX_PARTS];
     int64_t *placed; /* slot mapped at each expert's addresses, -1: none (PROT_NONE) */
-    uint64_t ns;     /* time in this layer's lane acquires */
+    uint64_t ns;     /* time in this layer's hits */
 } LaneLayer;
 
 typedef struct {
     int live;
     int has_region;
+    PyObject *route_fn; /* route_fn(tensor, layer, status, grant | None) -> bool */
     Py_buffer region, table;
     int64_t n_experts;
     int64_t counter_word;
     size_t name_off, type_off, ne_off, nb_off, data_off;
+    /* ---- what is held: at most one of the three ---- */
     int64_t *holds[2]; /* two sets of hold indexes: the lease held, and the next */
     Py_ssize_t set_size;
     int cur_set;        /* the set the held lease uses */
     Py_ssize_t cur_n;   /* experts in the held lease (0: none) */
     LaneLayer *cur;     /* its layer */
-    int disabled, python_held;
-    int64_t model_id, pin_word; /* pin_word < 0: no whole steps (lane_pins not called) */
-    int whole;                  /* the region's pin hold is ours: a whole step is under way */
+    PyObject *grant;    /* a Python grant handed by holds_hold (NULL: none) */
+    int whole;          /* the region's pin hold is ours: a whole step is under way */
+    /* ---- the decode's path choice (holds_begin) ---- */
+    int try_hits, alone, stopped, disabled;
+    int64_t model_id, pin_word; /* pin_word < 0: no whole steps (holds_pins not called) */
     uint64_t whole_steps;
-    int pending;        /* an error met on the auto path, for Python's next lane_step */
-    int pending_errno;
+    int map_errno; /* the last mapping's errno (ST_MAP_FAILED) */
     LaneLayer *layers[LANE_MAX_LAYERS];
     unsigned char *mark;
     int64_t *experts, *rows;
     uint64_t *slots;
-    uint64_t n_layers, n_experts_acq, acquire_ns, show_ns, maps, declines;
-    /* While logging: the (layer, experts) of every layer taken, for the engine's cache
-     * estimate (lane_take_log); a full log drops the rest and says so. */
+    uint64_t n_layers, n_experts_acq, acquire_ns, show_ns, maps, misses;
+    /* ---- crossings, by a stop's outcome ---- */
+    int in_stop;          /* inside route_fn: calls from Python count against the stop */
+    uint64_t stop_calls;  /* calls from Python during the stop under way */
+    uint64_t stops[N_OUT], to_python[N_OUT], from_python[N_OUT], most_from_python[N_OUT];
+    /* While logging: the (layer, experts) of every layer done alone, for the engine's cache
+     * estimate (holds_take_log); a full log drops the rest and says so. */
     int logging, log_full;
     Py_ssize_t log_n, log_used;
     int32_t log_layer[LANE_LOG_LAYERS];
     Py_ssize_t log_start[LANE_LOG_LAYERS + 1];
     int32_t log_experts[LANE_LOG_EXPERTS];
-} Lane;
+} Holds;
 
 typedef struct {
     PyObject *fn;
@@ -132,11 +186,12 @@ typedef struct {
     size_t norm_len;
     char route_prefix[NORM_PREFIX_MAX + 1];
     size_t route_len;
-    PyObject *lane_obj; /* the capsule, referenced while set */
-    Lane *lane;
-    int lane_auto;
-    int whole; /* a whole step: the ask pass wants no node */
+    int route_topk;       /* the routed stop is the top-k node itself (the holds may read its ids) */
+    PyObject *holds_obj;  /* the capsule, referenced while set */
+    Holds *holds;
 } Config;
+
+enum { NODE_NONE, NODE_ROUTE, NODE_NORM };
 
 static int digits_to_end(const char *s) {
     if (!*s) return 0;
@@ -145,10 +200,12 @@ static int digits_to_end(const char *s) {
     return 1;
 }
 
-static bool wanted(const Config *c, const char *name) {
-    if (strncmp(name, c->route_prefix, c->route_len) == 0) return digits_to_end(name + c->route_len);
-    if (c->norm && strncmp(name, c->norm_prefix, c->norm_len) == 0) return digits_to_end(name + c->norm_len);
-    return false;
+static int wanted(const Config *c, const char *name) {
+    if (strncmp(name, c->route_prefix, c->route_len) == 0)
+        return digits_to_end(name + c->route_len) ? NODE_ROUTE : NODE_NONE;
+    if (c->norm && strncmp(name, c->norm_prefix, c->norm_len) == 0)
+        return digits_to_end(name + c->norm_len) ? NODE_NORM : NODE_NONE;
+    return NODE_NONE;
 }
 
 static uint64_t now_ns(void) {
@@ -157,15 +214,8 @@ static uint64_t now_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
-/* The layer number of a `ffn_moe_topk-<n>` name, or -1. */
-static int topk_layer(const char *name) {
-    if (strncmp(name, "ffn_moe_topk-", 13) != 0 || !digits_to_end(name + 13)) return -1;
-    long n = strtol(name + 13, NULL, 10);
-    return n >= 0 && n < LANE_MAX_LAYERS ? (int)n : -1;
-}
-
 /* Map every expert of the layer whose slot changed; MAP_FIXED replaces what was there. */
-static int lane_map(Lane *L, LaneLayer *ly, int64_t expert, uint64_t slot, int populate) {
+static int lane_map(Holds *H, LaneLayer *ly, int64_t expert, uint64_t slot, int populate) {
     if (ly->placed[expert] == (int64_t)slot && !populate) return 0;
     ly->placed[expert] = -1; /* until every part is mapped: a failure leaves it unknown */
     for (int p = 0; p < ly->n_parts; p++) {
@@ -175,83 +225,150 @@ static int lane_map(Lane *L, LaneLayer *ly, int64_t expert, uint64_t slot, int p
         if (mmap(addr, ly->bytes[p], PROT_READ, flags, ly->fd, off) == MAP_FAILED) return -1;
     }
     ly->placed[expert] = (int64_t)slot;
-    L->maps++;
+    H->maps++;
     return 1;
 }
 
-/* One layer's cycle (the module comment); the GIL is held. */
-static int lane_step_core(Lane *L, const char *tensor) {
-    if (!L->live || !L->has_region || L->disabled) return LANE_DECLINE;
-    int layer = topk_layer(tensor + L->name_off);
-    LaneLayer *ly = layer >= 0 ? L->layers[layer] : NULL;
-    if (ly == NULL || *(const int *)(tensor + L->type_off) != 26 /* GGML_TYPE_I32 */) return LANE_DECLINE;
-    const int64_t *ne = (const int64_t *)(tensor + L->ne_off);
-    const size_t *nb = (const size_t *)(tensor + L->nb_off);
-    const char *data = *(const char *const *)(tensor + L->data_off);
-    int64_t n = L->n_experts, m = 0;
+/* Release the held lease, if any; 0: it was lost (a slot refilled while held). */
+static int drop_lease(Holds *H) {
+    int ok = 1;
+    if (H->cur_n)
+        ok = hp_release((const uint64_t *)H->cur->states.buf, (size_t)(H->cur->states.len / 8),
+                        (uint64_t *)H->region.buf, H->holds[H->cur_set], (size_t)H->cur_n);
+    H->cur_n = 0; H->cur = NULL;
+    return ok;
+}
+
+/* The hit of a lane layer at its top-k node (the module comment, step 1): experts held
+ * (> 0), ST_MISSED, ST_NOT_TRIED (nothing changed), ST_LOST (the hit is held; the earlier
+ * lease was lost) or ST_MAP_FAILED (held; map_errno says why). The GIL is held. */
+static int lane_try(Holds *H, const char *tensor, long layer) {
+    if (!H->live || !H->has_region || H->disabled) return ST_NOT_TRIED;
+    LaneLayer *ly = layer >= 0 && layer < LANE_MAX_LAYERS ? H->layers[layer] : NULL;
+    if (ly == NULL || *(const int *)(tensor + H->type_off) != 26 /* GGML_TYPE_I32 */) return ST_NOT_TRIED;
+    const int64_t *ne = (const int64_t *)(tensor + H->ne_off);
+    const size_t *nb = (const size_t *)(tensor + H->nb_off);
+    const char *data = *(const char *const *)(tensor + H->data_off);
+    int64_t n = H->n_experts, m = 0;
     int bad = 0;
     for (int64_t t = 0; t < ne[1]; t++)
         for (int64_t j = 0; j < ne[0]; j++) {
             int32_t id = *(const int32_t *)(data + t * nb[1] + j * nb[0]);
             if (id >= n) bad = 1;
-            else if (id >= 0) L->mark[id] = 1;
+            else if (id >= 0) H->mark[id] = 1;
         }
     for (int64_t e = 0; e < n; e++)
-        if (L->mark[e]) { L->mark[e] = 0; L->experts[m++] = e; } /* ascending, as np.unique */
-    if (bad || m == 0 || m > L->set_size) return LANE_DECLINE;
+        if (H->mark[e]) { H->mark[e] = 0; H->experts[m++] = e; } /* ascending, as np.unique */
+    if (bad || m == 0 || m > H->set_size) return ST_NOT_TRIED;
     uint64_t t0 = now_ns();
-    const uint64_t *table = (const uint64_t *)L->table.buf;
-    Py_ssize_t n_table = L->table.len / 8;
+    const uint64_t *table = (const uint64_t *)H->table.buf;
+    Py_ssize_t n_table = H->table.len / 8;
     for (int64_t j = 0; j < m; j++) {
-        L->rows[j] = ly->row_base + L->experts[j];
-        if (L->rows[j] >= n_table) return LANE_DECLINE;
+        H->rows[j] = ly->row_base + H->experts[j];
+        if (H->rows[j] >= n_table) return ST_NOT_TRIED;
     }
-    uint64_t *region = (uint64_t *)L->region.buf;
-    int next = L->cur_n ? 1 - L->cur_set : L->cur_set;
-    int rc = hp_hit(table, L->rows, (size_t)m, (const uint64_t *)ly->states.buf, (size_t)(ly->states.len / 8),
-                    region, L->holds[next], ly->class_id, L->slots);
-    if (rc != HP_HIT) { L->declines++; return LANE_MISSED; }
+    uint64_t *region = (uint64_t *)H->region.buf;
+    int next = H->cur_n ? 1 - H->cur_set : H->cur_set;
+    int rc = hp_hit(table, H->rows, (size_t)m, (const uint64_t *)ly->states.buf, (size_t)(ly->states.len / 8),
+                    region, H->holds[next], ly->class_id, H->slots);
+    if (rc != HP_HIT) { H->misses++; return ST_MISSED; }
     int lost = 0;
-    if (L->cur_n)
-        lost = !hp_release((const uint64_t *)L->cur->states.buf, (size_t)(L->cur->states.len / 8), region,
-                           L->holds[L->cur_set], (size_t)L->cur_n);
-    L->cur_set = next; L->cur_n = m; L->cur = ly;
-    hp_record(region, ly->class_id, L->slots, (size_t)m, L->counter_word);
+    if (H->cur_n)
+        lost = !hp_release((const uint64_t *)H->cur->states.buf, (size_t)(H->cur->states.len / 8), region,
+                           H->holds[H->cur_set], (size_t)H->cur_n);
+    H->cur_set = next; H->cur_n = m; H->cur = ly;
+    hp_record(region, ly->class_id, H->slots, (size_t)m, H->counter_word);
     uint64_t t1 = now_ns();
     for (int64_t j = 0; j < m; j++)
-        if (lane_map(L, ly, L->experts[j], L->slots[j], 0) < 0) { L->pending_errno = errno; return LANE_MAPERR; }
+        if (lane_map(H, ly, H->experts[j], H->slots[j], 0) < 0) { H->map_errno = errno; return ST_MAP_FAILED; }
     uint64_t t2 = now_ns();
-    if (L->logging) {
-        if (L->log_n < LANE_LOG_LAYERS && L->log_used + m <= LANE_LOG_EXPERTS) {
-            L->log_layer[L->log_n] = layer;
-            L->log_start[L->log_n] = L->log_used;
-            for (int64_t j = 0; j < m; j++) L->log_experts[L->log_used++] = (int32_t)L->experts[j];
-            L->log_n++;
-        } else {
-            L->log_full = 1;
+    H->n_layers++; H->n_experts_acq += (uint64_t)m;
+    H->acquire_ns += t1 - t0; H->show_ns += t2 - t1; ly->ns += t1 - t0;
+    return lost ? ST_LOST : (int)m;
+}
+
+/* The layer just taken (H->experts[0..m)) into the log, while logging. */
+static void log_layer(Holds *H, long layer, int64_t m) {
+    if (!H->logging) return;
+    if (H->log_n < LANE_LOG_LAYERS && H->log_used + m <= LANE_LOG_EXPERTS) {
+        H->log_layer[H->log_n] = (int32_t)layer;
+        H->log_start[H->log_n] = H->log_used;
+        for (int64_t j = 0; j < m; j++) H->log_experts[H->log_used++] = (int32_t)H->experts[j];
+        H->log_n++;
+    } else {
+        H->log_full = 1;
+    }
+}
+
+/* One routed stop (the module comment); the GIL is held and the caller keeps H alive. */
+static bool holds_stop(Holds *H, const char *tensor, long layer, int topk) {
+    if (H->route_fn == NULL) return false; /* freed: nobody may compute from these pages */
+    int rc = ST_NOT_TRIED;
+    if (H->try_hits && topk) {
+        rc = lane_try(H, tensor, layer);
+        if (rc > 0 && H->alone && H->grant == NULL) {
+            log_layer(H, layer, rc);
+            H->stops[OUT_ALONE]++;
+            return true;
         }
     }
-    L->n_layers++; L->n_experts_acq += (uint64_t)m;
-    L->acquire_ns += t1 - t0; L->show_ns += t2 - t1; ly->ns += t1 - t0;
-    return lost ? LANE_LOST : (int)m;
+    if ((rc == ST_MISSED || rc == ST_NOT_TRIED) && !H->stopped && H->live && !drop_lease(H))
+        rc = ST_LOST; /* the earlier lease, let go before Python asks the daemon */
+    int out = rc > 0 ? OUT_HIT : rc == ST_MISSED ? OUT_MISSED : rc == ST_NOT_TRIED ? OUT_NOT_TRIED : OUT_FAILED;
+    PyObject *grant = Py_None;
+    if (H->grant != NULL && !H->stopped) {
+        grant = H->grant; /* Python's to let go now: the reference moves with it */
+        H->grant = NULL;
+    } else {
+        Py_INCREF(grant);
+    }
+    H->stops[out]++;
+    H->to_python[out]++;
+    H->in_stop = 1;
+    H->stop_calls = 0;
+    PyObject *r = PyObject_CallFunction(H->route_fn, "KliO", (unsigned long long)(uintptr_t)tensor, layer, rc, grant);
+    H->in_stop = 0;
+    H->from_python[out] += H->stop_calls;
+    if (H->stop_calls > H->most_from_python[out]) H->most_from_python[out] = H->stop_calls;
+    Py_DECREF(grant);
+    bool ok = false;
+    if (r == NULL) {
+        PyErr_WriteUnraisable(H->route_fn); /* the Python side catches its own errors; a bug stops the graph */
+    } else {
+        ok = PyObject_IsTrue(r) == 1;
+        Py_DECREF(r);
+    }
+    return ok;
+}
+
+/* The layer number after a matched prefix (digits only, checked by `wanted`). */
+static long stop_layer(const char *digits) {
+    errno = 0;
+    long n = strtol(digits, NULL, 10);
+    return errno ? -1 : n;
 }
 
 static bool eval_callback(void *tensor, bool ask, void *user_data) {
     const Config *c = (const Config *)user_data;
-    if (c->whole) return false; /* no stop: ggml computes the graph in one piece */
+    Holds *H = c->holds;
+    if (H != NULL && H->whole) return false; /* a whole step: ggml computes the graph in one piece */
     const char *name = (const char *)tensor + c->name_offset;
-    if (!wanted(c, name)) return false;
+    int kind = wanted(c, name);
+    if (kind == NODE_NONE) return false;
     if (ask) return true;
     PyGILState_STATE g = PyGILState_Ensure();
     bool ok = false;
-    if (c->lane != NULL && c->lane_auto && !c->lane->python_held && c->route_len == 13) { /* the lane reads topk nodes */ /* a Python grant: Python releases it */
-        int rc = lane_step_core(c->lane, (const char *)tensor);
-        if (rc >= 0) { PyGILState_Release(g); return true; }
-        if (rc != LANE_DECLINE) c->lane->pending = rc; /* Python's lane_step reports it */
+    if (kind == NODE_ROUTE && H != NULL) {
+        PyObject *keep = c->holds_obj; /* Python might drop the holds inside its call */
+        Py_INCREF(keep);
+        ok = holds_stop(H, (const char *)tensor, stop_layer(name + c->route_len), c->route_topk);
+        Py_DECREF(keep);
+        PyGILState_Release(g);
+        return ok;
     }
     PyObject *r = PyObject_CallFunction(c->fn, "K", (unsigned long long)(uintptr_t)tensor);
     if (r == NULL) {
-        PyErr_WriteUnraisable(c->fn);     /* the Python side catches its own errors; a bug stops the graph */
+        PyErr_WriteUnraisable(c->fn); /* the Python side catches its own errors; a bug stops the graph */
     } else {
         ok = PyObject_IsTrue(r) == 1;
         Py_DECREF(r);
@@ -264,7 +381,7 @@ static void config_free(PyObject *capsule) {
     Config *c = (Config *)PyCapsule_GetPointer(capsule, "moed.evalcb");
     if (c != NULL) {
         Py_XDECREF(c->fn);
-        Py_XDECREF(c->lane_obj);
+        Py_XDECREF(c->holds_obj);
         PyMem_Free(c);
     }
 }
@@ -276,19 +393,16 @@ static PyObject *make(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "need a callable and a name offset inside struct ggml_tensor");
         return NULL;
     }
-    Config *c = PyMem_Calloc(1, sizeof(Config)); /* every field not set below starts 0 (whole: off) */
+    Config *c = PyMem_Calloc(1, sizeof(Config)); /* every field not set below starts 0 (no holds) */
     if (c == NULL) return PyErr_NoMemory();
     Py_INCREF(fn);
     c->fn = fn;
     c->name_offset = (size_t)off;
-    c->norm = 0;
-    c->lane_obj = NULL;
-    c->lane = NULL;
-    c->lane_auto = 0;
     strcpy(c->norm_prefix, "ffn_norm-");
     c->norm_len = strlen(c->norm_prefix);
     strcpy(c->route_prefix, "ffn_moe_topk-");
     c->route_len = strlen(c->route_prefix);
+    c->route_topk = 1;
     PyObject *cap = PyCapsule_New(c, "moed.evalcb", config_free);
     if (cap == NULL) { Py_DECREF(fn); PyMem_Free(c); }
     return cap;
@@ -326,6 +440,7 @@ static PyObject *set_route(PyObject *self, PyObject *args) {
     Config *c = config_of(cap);
     if (c == NULL) return NULL;
     if (set_prefix(c->route_prefix, &c->route_len, prefix, len) < 0) return NULL;
+    c->route_topk = strcmp(c->route_prefix, "ffn_moe_topk-") == 0;
     Py_RETURN_NONE;
 }
 
@@ -342,128 +457,141 @@ static PyObject *callback_address(PyObject *self, PyObject *noargs) {
 }
 
 
-/* ---- the lane's Python interface ---------------------------------------- */
+/* ---- the layer holds' Python interface ---------------------------------- */
 
-static void lane_release_buffers(Lane *L) {
-    if (!L->live) return;
-    L->live = 0;
+static void holds_release_buffers(Holds *H) {
+    if (!H->live) return;
+    H->live = 0;
     for (int i = 0; i < LANE_MAX_LAYERS; i++) {
-        LaneLayer *ly = L->layers[i];
+        LaneLayer *ly = H->layers[i];
         if (ly == NULL) continue;
         PyBuffer_Release(&ly->states);
         PyMem_Free(ly->placed);
         PyMem_Free(ly);
-        L->layers[i] = NULL;
+        H->layers[i] = NULL;
     }
-    if (L->has_region) {
-        PyBuffer_Release(&L->region);
-        PyBuffer_Release(&L->table);
+    if (H->has_region) {
+        PyBuffer_Release(&H->region);
+        PyBuffer_Release(&H->table);
     }
 }
 
-static void lane_capsule_free(PyObject *capsule) {
-    Lane *L = (Lane *)PyCapsule_GetPointer(capsule, "moed.lane");
-    if (L == NULL) return;
-    lane_release_buffers(L);
-    PyMem_Free(L->holds[0]); PyMem_Free(L->holds[1]);
-    PyMem_Free(L->mark); PyMem_Free(L->experts); PyMem_Free(L->rows); PyMem_Free(L->slots);
-    PyMem_Free(L);
+static void holds_capsule_free(PyObject *capsule) {
+    Holds *H = (Holds *)PyCapsule_GetPointer(capsule, "moed.holds");
+    if (H == NULL) return;
+    holds_release_buffers(H);
+    Py_XDECREF(H->route_fn);
+    Py_XDECREF(H->grant);
+    PyMem_Free(H->holds[0]); PyMem_Free(H->holds[1]);
+    PyMem_Free(H->mark); PyMem_Free(H->experts); PyMem_Free(H->rows); PyMem_Free(H->slots);
+    PyMem_Free(H);
 }
 
-static Lane *lane_of(PyObject *cap) {
-    Lane *L = (Lane *)PyCapsule_GetPointer(cap, "moed.lane");
-    if (L != NULL && !L->live) {
-        PyErr_SetString(PyExc_ValueError, "the lane was freed");
+/* The holds of a capsule; a call from Python inside a stop counts against it. */
+static Holds *holds_any(PyObject *cap) {
+    Holds *H = (Holds *)PyCapsule_GetPointer(cap, "moed.holds");
+    if (H != NULL && H->in_stop) H->stop_calls++;
+    return H;
+}
+
+/* The same, live (not freed). */
+static Holds *holds_of(PyObject *cap) {
+    Holds *H = holds_any(cap);
+    if (H != NULL && !H->live) {
+        PyErr_SetString(PyExc_ValueError, "the layer holds were freed");
         return NULL;
     }
-    return L;
+    return H;
 }
 
-/* lane_new(region | None, table | None, n_experts, hold_indexes, counter_word,
- *          (name_off, type_off, ne_off, nb_off, data_off)) -> lane
- * Without a region (local hits off) the lane only maps (lane_place); lane_step declines. */
-static PyObject *lane_new(PyObject *self, PyObject *args) {
-    PyObject *robj, *tobj, *holds; Py_ssize_t n_experts, counter;
+/* holds_new(route_fn, region | None, table | None, n_experts, hold_indexes, counter_word,
+ *           (name_off, type_off, ne_off, nb_off, data_off)) -> holds
+ * Without a region (local hits off, or no lane layers) no hit is tried: every stop is Python's. */
+static PyObject *holds_new(PyObject *self, PyObject *args) {
+    PyObject *fn, *robj, *tobj, *holds; Py_ssize_t n_experts, counter;
     Py_ssize_t name_off, type_off, ne_off, nb_off, data_off;
-    if (!PyArg_ParseTuple(args, "OOnOn(nnnnn)", &robj, &tobj, &n_experts, &holds, &counter, &name_off, &type_off,
-                          &ne_off, &nb_off, &data_off))
+    if (!PyArg_ParseTuple(args, "OOOnOn(nnnnn)", &fn, &robj, &tobj, &n_experts, &holds, &counter, &name_off,
+                          &type_off, &ne_off, &nb_off, &data_off))
         return NULL;
-    if (!PyList_Check(holds) || PyList_GET_SIZE(holds) % 2 || n_experts < 1 || n_experts > 65536) {
-        PyErr_SetString(PyExc_ValueError, "need an even list of hold indexes and 1..65536 experts");
+    if (!PyCallable_Check(fn) || !PyList_Check(holds) || PyList_GET_SIZE(holds) % 2 || n_experts < 1 ||
+        n_experts > 65536) {
+        PyErr_SetString(PyExc_ValueError, "need a route callable, an even list of hold indexes and 1..65536 experts");
         return NULL;
     }
     if ((robj == Py_None) != (tobj == Py_None)) {
         PyErr_SetString(PyExc_ValueError, "a region and a table, or neither");
         return NULL;
     }
-    Lane *L = PyMem_Calloc(1, sizeof(Lane));
-    if (L == NULL) return PyErr_NoMemory();
+    Holds *H = PyMem_Calloc(1, sizeof(Holds));
+    if (H == NULL) return PyErr_NoMemory();
     Py_ssize_t half = PyList_GET_SIZE(holds) / 2;
-    L->set_size = half;
-    L->n_experts = n_experts;
-    L->counter_word = counter;
-    L->pin_word = -1;
-    L->name_off = (size_t)name_off; L->type_off = (size_t)type_off; L->ne_off = (size_t)ne_off;
-    L->nb_off = (size_t)nb_off; L->data_off = (size_t)data_off;
-    L->holds[0] = PyMem_Calloc((size_t)(half ? half : 1), sizeof(int64_t));
-    L->holds[1] = PyMem_Calloc((size_t)(half ? half : 1), sizeof(int64_t));
-    L->mark = PyMem_Calloc((size_t)n_experts, 1);
-    L->experts = PyMem_Calloc((size_t)n_experts, sizeof(int64_t));
-    L->rows = PyMem_Calloc((size_t)n_experts, sizeof(int64_t));
-    L->slots = PyMem_Calloc((size_t)n_experts, sizeof(uint64_t));
+    H->set_size = half;
+    H->n_experts = n_experts;
+    H->counter_word = counter;
+    H->pin_word = -1;
+    H->name_off = (size_t)name_off; H->type_off = (size_t)type_off; H->ne_off = (size_t)ne_off;
+    H->nb_off = (size_t)nb_off; H->data_off = (size_t)data_off;
+    H->holds[0] = PyMem_Calloc((size_t)(half ? half : 1), sizeof(int64_t));
+    H->holds[1] = PyMem_Calloc((size_t)(half ? half : 1), sizeof(int64_t));
+    H->mark = PyMem_Calloc((size_t)n_experts, 1);
+    H->experts = PyMem_Calloc((size_t)n_experts, sizeof(int64_t));
+    H->rows = PyMem_Calloc((size_t)n_experts, sizeof(int64_t));
+    H->slots = PyMem_Calloc((size_t)n_experts, sizeof(uint64_t));
     PyObject *cap = NULL;
-    if (!L->holds[0] || !L->holds[1] || !L->mark || !L->experts || !L->rows || !L->slots) {
+    if (!H->holds[0] || !H->holds[1] || !H->mark || !H->experts || !H->rows || !H->slots) {
         PyErr_NoMemory();
         goto fail;
     }
     if (robj != Py_None) {
-        if (PyObject_GetBuffer(robj, &L->region, PyBUF_WRITABLE) < 0) goto fail;
-        if (PyObject_GetBuffer(tobj, &L->table, PyBUF_SIMPLE) < 0) { PyBuffer_Release(&L->region); goto fail; }
-        L->has_region = 1;
-        Py_ssize_t words = L->region.len / 8;
-        int ok = ((uintptr_t)L->region.buf % 8 == 0) && ((uintptr_t)L->table.buf % 8 == 0) &&
+        if (PyObject_GetBuffer(robj, &H->region, PyBUF_WRITABLE) < 0) goto fail;
+        if (PyObject_GetBuffer(tobj, &H->table, PyBUF_SIMPLE) < 0) { PyBuffer_Release(&H->region); goto fail; }
+        H->has_region = 1;
+        Py_ssize_t words = H->region.len / 8;
+        int ok = ((uintptr_t)H->region.buf % 8 == 0) && ((uintptr_t)H->table.buf % 8 == 0) &&
                  words >= HP_REGION_WORDS && counter < words;
         for (Py_ssize_t i = 0; ok && i < 2 * half; i++) {
             Py_ssize_t h = PyLong_AsSsize_t(PyList_GET_ITEM(holds, i));
             if (PyErr_Occurred()) { PyErr_Clear(); ok = 0; break; }
             if (h < HP_HOLD_BASE || h >= HP_HOLD_BASE + HP_HOLD_WORDS) ok = 0; /* the region's hold words */
-            L->holds[i / half][i % half] = h;
+            H->holds[i / half][i % half] = h;
         }
         if (!ok) {
-            PyBuffer_Release(&L->region); PyBuffer_Release(&L->table);
-            L->has_region = 0;
+            PyBuffer_Release(&H->region); PyBuffer_Release(&H->table);
+            H->has_region = 0;
             PyErr_SetString(PyExc_ValueError, "not a hold region and table, or a hold index outside its hold words");
             goto fail;
         }
     }
-    L->live = 1;
-    cap = PyCapsule_New(L, "moed.lane", lane_capsule_free);
-    if (cap == NULL) { lane_release_buffers(L); goto fail; }
+    Py_INCREF(fn);
+    H->route_fn = fn;
+    H->live = 1;
+    cap = PyCapsule_New(H, "moed.holds", holds_capsule_free);
+    if (cap == NULL) { holds_release_buffers(H); Py_DECREF(fn); goto fail; }
     return cap;
 fail:
-    PyMem_Free(L->holds[0]); PyMem_Free(L->holds[1]);
-    PyMem_Free(L->mark); PyMem_Free(L->experts); PyMem_Free(L->rows); PyMem_Free(L->slots);
-    PyMem_Free(L);
+    PyMem_Free(H->holds[0]); PyMem_Free(H->holds[1]);
+    PyMem_Free(H->mark); PyMem_Free(H->experts); PyMem_Free(H->rows); PyMem_Free(H->slots);
+    PyMem_Free(H);
     return NULL;
 }
 
-/* lane_layer(lane, layer, row_base, class_id, states | None, fd, [(addr, bytes, part_off, part_stride), ...]) */
-static PyObject *lane_layer(PyObject *self, PyObject *args) {
+/* holds_layer(holds, layer, row_base, class_id, states | None, fd, [(addr, bytes, part_off, part_stride), ...]) */
+static PyObject *holds_layer(PyObject *self, PyObject *args) {
     PyObject *cap, *sobj, *parts; Py_ssize_t layer, row_base; unsigned long long class_id; int fd;
     if (!PyArg_ParseTuple(args, "OnnKOiO", &cap, &layer, &row_base, &class_id, &sobj, &fd, &parts)) return NULL;
-    Lane *L = lane_of(cap);
-    if (L == NULL) return NULL;
-    if (layer < 0 || layer >= LANE_MAX_LAYERS || L->layers[layer] != NULL || !PyList_Check(parts) ||
+    Holds *H = holds_of(cap);
+    if (H == NULL) return NULL;
+    if (layer < 0 || layer >= LANE_MAX_LAYERS || H->layers[layer] != NULL || !PyList_Check(parts) ||
         PyList_GET_SIZE(parts) < 1 || PyList_GET_SIZE(parts) > LANE_MAX_PARTS || row_base < 0 || fd < 0 ||
-        (L->has_region && sobj == Py_None)) {
+        (H->has_region && sobj == Py_None)) {
         PyErr_SetString(PyExc_ValueError, "a new layer 0..4095, 1..4 parts, a row base, an fd and its states");
         return NULL;
     }
     LaneLayer *ly = PyMem_Calloc(1, sizeof(LaneLayer));
     if (ly == NULL) return PyErr_NoMemory();
-    ly->placed = PyMem_Malloc((size_t)L->n_experts * sizeof(int64_t));
+    ly->placed = PyMem_Malloc((size_t)H->n_experts * sizeof(int64_t));
     if (ly->placed == NULL) { PyMem_Free(ly); return PyErr_NoMemory(); }
-    for (int64_t e = 0; e < L->n_experts; e++) ly->placed[e] = -1;
+    for (int64_t e = 0; e < H->n_experts; e++) ly->placed[e] = -1;
     ly->row_base = row_base; ly->class_id = class_id; ly->fd = fd;
     ly->n_parts = (int)PyList_GET_SIZE(parts);
     for (int p = 0; p < ly->n_parts; p++) {
@@ -488,240 +616,298 @@ static PyObject *lane_layer(PyObject *self, PyObject *args) {
             return NULL;
         }
     }
-    L->layers[layer] = ly;
+    H->layers[layer] = ly;
     Py_RETURN_NONE;
 }
 
-static PyObject *lane_step(PyObject *self, PyObject *args) {
-    PyObject *cap; unsigned long long tensor;
-    if (!PyArg_ParseTuple(args, "OK", &cap, &tensor)) return NULL;
-    Lane *L = lane_of(cap);
-    if (L == NULL) return NULL;
-    int rc = L->pending;
-    if (rc == 0) rc = lane_step_core(L, (const char *)(uintptr_t)tensor);
-    L->pending = 0;
-    if (rc == LANE_MAPERR) {
-        errno = L->pending_errno;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    return PyLong_FromLong(rc);
+/* holds_begin(holds, try_hits, alone, log): a decode's path choice. try_hits: the ids are
+ * final at the stop (no hook, no substitution), so the holds try a lane layer's hit before
+ * Python sees it; alone: nothing for Python at a stop either (a hit is the whole layer);
+ * log: keep the layers done alone for take_log (cleared). */
+static PyObject *holds_begin(PyObject *self, PyObject *args) {
+    PyObject *cap; int try_hits, alone, logging;
+    if (!PyArg_ParseTuple(args, "Oppp", &cap, &try_hits, &alone, &logging)) return NULL;
+    Holds *H = holds_of(cap);
+    if (H == NULL) return NULL;
+    H->try_hits = try_hits; H->alone = try_hits && alone; H->stopped = 0;
+    H->logging = logging; H->log_n = 0; H->log_used = 0; H->log_full = 0;
+    Py_RETURN_NONE;
 }
 
-/* lane_place(lane, layer, expert, slot[, populate]): populate maps it again, page-table
- * entries made now (StreamedLlama.warm), so its first use in a matmul takes no fault. */
-static PyObject *lane_place(PyObject *self, PyObject *args) {
+/* holds_hold(holds, grant[, layer, experts, slots]): `grant` is held now (Python's acquire);
+ * with a layer, its experts are mapped at `slots` (a lane layer: the holds map it). */
+static PyObject *holds_hold(PyObject *self, PyObject *args) {
+    PyObject *cap, *grant, *experts = Py_None, *slots = Py_None; Py_ssize_t layer = -1;
+    if (!PyArg_ParseTuple(args, "OO|nOO", &cap, &grant, &layer, &experts, &slots)) return NULL;
+    Holds *H = holds_of(cap);
+    if (H == NULL) return NULL;
+    if (H->grant != NULL || H->cur_n || H->whole || grant == Py_None) {
+        PyErr_SetString(PyExc_ValueError, "the layer holds hold something already (or no grant was given)");
+        return NULL;
+    }
+    LaneLayer *ly = NULL;
+    Py_ssize_t n = 0;
+    if (layer >= 0) {
+        ly = layer < LANE_MAX_LAYERS ? H->layers[layer] : NULL;
+        if (ly == NULL || !PyList_Check(experts) || !PyList_Check(slots) ||
+            (n = PyList_GET_SIZE(experts)) != PyList_GET_SIZE(slots)) {
+            PyErr_Format(PyExc_ValueError, "layer %zd is not a lane layer, or experts and slots differ", layer);
+            return NULL;
+        }
+    }
+    Py_INCREF(grant);
+    H->grant = grant; /* held before anything is mapped: a failure below still lets it go at the end */
+    uint64_t t0 = now_ns();
+    for (Py_ssize_t j = 0; j < n; j++) {
+        long long e = PyLong_AsLongLong(PyList_GET_ITEM(experts, j));
+        unsigned long long s = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(slots, j));
+        if (PyErr_Occurred()) return NULL;
+        if (e < 0 || e >= H->n_experts) {
+            PyErr_Format(PyExc_ValueError, "expert %lld out of range", e);
+            return NULL;
+        }
+        if (lane_map(H, ly, (int64_t)e, (uint64_t)s, 0) < 0) {
+            H->show_ns += now_ns() - t0;
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+    }
+    H->show_ns += now_ns() - t0;
+    Py_RETURN_NONE;
+}
+
+/* holds_place(holds, layer, expert, slot[, populate]): map outside a decode (warm); populate
+ * maps it again, page-table entries made now, so its first use in a matmul takes no fault. */
+static PyObject *holds_place(PyObject *self, PyObject *args) {
     PyObject *cap; Py_ssize_t layer, expert; unsigned long long slot; int populate = 0;
     if (!PyArg_ParseTuple(args, "OnnK|p", &cap, &layer, &expert, &slot, &populate)) return NULL;
-    Lane *L = lane_of(cap);
-    if (L == NULL) return NULL;
-    LaneLayer *ly = layer >= 0 && layer < LANE_MAX_LAYERS ? L->layers[layer] : NULL;
-    if (ly == NULL || expert < 0 || expert >= L->n_experts) {
-        PyErr_Format(PyExc_ValueError, "layer %zd expert %zd is not the lane's", layer, expert);
+    Holds *H = holds_of(cap);
+    if (H == NULL) return NULL;
+    LaneLayer *ly = layer >= 0 && layer < LANE_MAX_LAYERS ? H->layers[layer] : NULL;
+    if (ly == NULL || expert < 0 || expert >= H->n_experts) {
+        PyErr_Format(PyExc_ValueError, "layer %zd expert %zd is not a lane layer's", layer, expert);
         return NULL;
     }
     uint64_t t0 = now_ns();
-    int rc = lane_map(L, ly, expert, slot, populate);
-    L->show_ns += now_ns() - t0;
+    int rc = lane_map(H, ly, expert, slot, populate);
+    H->show_ns += now_ns() - t0;
     if (rc < 0) return PyErr_SetFromErrno(PyExc_OSError);
     return PyBool_FromLong(rc);
 }
 
+/* holds_fail(holds): the decode failed; no hit is tried and no grant passed until holds_end. */
+static PyObject *holds_fail(PyObject *self, PyObject *args) {
+    PyObject *cap;
+    if (!PyArg_ParseTuple(args, "O", &cap)) return NULL;
+    Holds *H = holds_any(cap);
+    if (H == NULL) return NULL;
+    H->try_hits = 0; H->alone = 0; H->stopped = 1;
+    Py_RETURN_NONE;
+}
+
+/* holds_end(holds) -> (grant | None, lease_ok): after a decode, the lease let go (lease_ok
+ * False: it was lost) and the Python grant given back for Python to let go. */
+static PyObject *holds_end(PyObject *self, PyObject *args) {
+    PyObject *cap;
+    if (!PyArg_ParseTuple(args, "O", &cap)) return NULL;
+    Holds *H = holds_any(cap);
+    if (H == NULL) return NULL;
+    int ok = H->live ? drop_lease(H) : 1;
+    H->try_hits = 0; H->alone = 0; H->stopped = 0;
+    PyObject *grant = H->grant != NULL ? H->grant : Py_None;
+    if (H->grant == NULL) Py_INCREF(grant);
+    H->grant = NULL;
+    return Py_BuildValue("(NO)", grant, ok ? Py_True : Py_False);
+}
+
+/* holds_held(holds) -> None | ("lease", n) | ("grant", grant) | ("pin", model_id) */
+static PyObject *holds_held(PyObject *self, PyObject *args) {
+    PyObject *cap;
+    if (!PyArg_ParseTuple(args, "O", &cap)) return NULL;
+    Holds *H = holds_any(cap);
+    if (H == NULL) return NULL;
+    if (H->cur_n) return Py_BuildValue("(sn)", "lease", H->cur_n);
+    if (H->grant != NULL) return Py_BuildValue("(sO)", "grant", H->grant);
+    if (H->whole) return Py_BuildValue("(sL)", "pin", (long long)H->model_id);
+    Py_RETURN_NONE;
+}
+
 /* Let the pin hold go (after the step's reads: ggml's threads are joined, so they came first). */
-static void lane_pin_release(Lane *L) {
-    if (!L->whole) return;
-    L->whole = 0;
-    __atomic_store_n(&((uint64_t *)L->region.buf)[HP_W_PIN_HOLD], 0, __ATOMIC_SEQ_CST);
+static void pin_release(Holds *H) {
+    if (!H->whole) return;
+    H->whole = 0;
+    __atomic_store_n(&((uint64_t *)H->region.buf)[HP_W_PIN_HOLD], 0, __ATOMIC_SEQ_CST);
 }
 
 /* The engine's side of the whole-step protocol: cas the pin hold, then the pin word must
  * read 1 and the region be open (seq_cst loads after the cas: moed.protocol.residency_words
  * says why the daemon then sees the hold before any pinned slot may leave); then every
  * expert of every lane layer READY at its entry's slot, mapped there. Any doubt: let go. */
-static int lane_whole_core(Lane *L) {
-    if (!L->live || !L->has_region || L->disabled || L->pin_word < 0 || L->cur_n || L->whole) return 0;
-    uint64_t *region = (uint64_t *)L->region.buf;
-    const uint64_t *table = (const uint64_t *)L->table.buf;
-    Py_ssize_t n_table = L->table.len / 8;
+static int whole_core(Holds *H) {
+    if (!H->live || !H->has_region || H->disabled || H->pin_word < 0 || H->cur_n || H->grant != NULL || H->whole)
+        return 0;
+    uint64_t *region = (uint64_t *)H->region.buf;
+    const uint64_t *table = (const uint64_t *)H->table.buf;
+    Py_ssize_t n_table = H->table.len / 8;
     uint64_t expect = 0;
-    if (!__atomic_compare_exchange_n(&region[HP_W_PIN_HOLD], &expect, (uint64_t)L->model_id + 1, 0,
+    if (!__atomic_compare_exchange_n(&region[HP_W_PIN_HOLD], &expect, (uint64_t)H->model_id + 1, 0,
                                      __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
         return 0; /* another engine of this connection has it */
-    L->whole = 1;
-    if (__atomic_load_n(&table[L->pin_word], __ATOMIC_SEQ_CST) != 1 ||
+    H->whole = 1;
+    if (__atomic_load_n(&table[H->pin_word], __ATOMIC_SEQ_CST) != 1 ||
         __atomic_load_n(&region[HP_W_CLOSED], __ATOMIC_SEQ_CST) != 0)
         goto fail;
     for (int i = 0; i < LANE_MAX_LAYERS; i++) {
-        LaneLayer *ly = L->layers[i];
+        LaneLayer *ly = H->layers[i];
         if (ly == NULL) continue;
         const uint64_t *states = (const uint64_t *)ly->states.buf;
         size_t n_states = (size_t)(ly->states.len / 8);
-        for (int64_t e = 0; e < L->n_experts; e++) {
+        for (int64_t e = 0; e < H->n_experts; e++) {
             if (ly->row_base + e >= n_table) goto fail;
             uint64_t entry = __atomic_load_n(&table[ly->row_base + e], __ATOMIC_SEQ_CST);
             uint64_t slot = hp_entry_slot(entry);
             if (entry == 0 || slot >= n_states) goto fail;
             if (__atomic_load_n(&states[slot], __ATOMIC_SEQ_CST) != hp_ready_state(hp_entry_gen(entry))) goto fail;
-            if (lane_map(L, ly, e, slot, 0) < 0) goto fail;
+            if (lane_map(H, ly, e, slot, 0) < 0) goto fail;
         }
     }
-    L->whole_steps++;
+    H->whole_steps++;
     return 1;
 fail:
-    lane_pin_release(L);
+    pin_release(H);
     return 0;
 }
 
-/* Release the held lane lease, if any; 0: it was lost (a slot refilled while held). */
-static int lane_drop_lease(Lane *L) {
-    int ok = 1;
-    if (L->cur_n)
-        ok = hp_release((const uint64_t *)L->cur->states.buf, (size_t)(L->cur->states.len / 8),
-                        (uint64_t *)L->region.buf, L->holds[L->cur_set], (size_t)L->cur_n);
-    L->cur_n = 0; L->cur = NULL;
-    return ok;
-}
-
-static PyObject *lane_release(PyObject *self, PyObject *args) {
+static PyObject *holds_disable(PyObject *self, PyObject *args) {
     PyObject *cap;
     if (!PyArg_ParseTuple(args, "O", &cap)) return NULL;
-    Lane *L = lane_of(cap);
-    if (L == NULL) return NULL;
-    return PyBool_FromLong(lane_drop_lease(L));
-}
-
-static PyObject *lane_flag(PyObject *args, int which) {
-    PyObject *cap; int on = 1;
-    if (!PyArg_ParseTuple(args, which ? "Op" : "O", &cap, &on)) return NULL;
-    Lane *L = (Lane *)PyCapsule_GetPointer(cap, "moed.lane"); /* a freed lane takes flags too: no-ops */
-    if (L == NULL) return NULL;
-    if (which) L->python_held = on; else L->disabled = 1;
-    Py_RETURN_NONE;
-}
-static PyObject *lane_python_held(PyObject *self, PyObject *args) { return lane_flag(args, 1); }
-static PyObject *lane_disable(PyObject *self, PyObject *args) { return lane_flag(args, 0); }
-
-/* lane_log(lane, on): keep a log of the layers taken (cleared). */
-static PyObject *lane_log(PyObject *self, PyObject *args) {
-    PyObject *cap; int on;
-    if (!PyArg_ParseTuple(args, "Op", &cap, &on)) return NULL;
-    Lane *L = lane_of(cap);
-    if (L == NULL) return NULL;
-    L->logging = on; L->log_n = 0; L->log_used = 0; L->log_full = 0;
+    Holds *H = holds_any(cap); /* freed holds take it too: a no-op */
+    if (H == NULL) return NULL;
+    H->disabled = 1;
     Py_RETURN_NONE;
 }
 
-/* lane_take_log(lane) -> ([(layer, [experts]), ...], full): the log since the last take, emptied. */
-static PyObject *lane_take_log(PyObject *self, PyObject *args) {
+/* holds_take_log(holds) -> ([(layer, [experts]), ...], full): the log since the last take, emptied. */
+static PyObject *holds_take_log(PyObject *self, PyObject *args) {
     PyObject *cap;
     if (!PyArg_ParseTuple(args, "O", &cap)) return NULL;
-    Lane *L = lane_of(cap);
-    if (L == NULL) return NULL;
-    PyObject *out = PyList_New(L->log_n);
+    Holds *H = holds_of(cap);
+    if (H == NULL) return NULL;
+    PyObject *out = PyList_New(H->log_n);
     if (out == NULL) return NULL;
-    for (Py_ssize_t i = 0; i < L->log_n; i++) {
-        Py_ssize_t a = L->log_start[i], b = i + 1 < L->log_n ? L->log_start[i + 1] : L->log_used;
+    for (Py_ssize_t i = 0; i < H->log_n; i++) {
+        Py_ssize_t a = H->log_start[i], b = i + 1 < H->log_n ? H->log_start[i + 1] : H->log_used;
         PyObject *ex = PyList_New(b - a);
         if (ex == NULL) { Py_DECREF(out); return NULL; }
-        for (Py_ssize_t j = a; j < b; j++) PyList_SET_ITEM(ex, j - a, PyLong_FromLong(L->log_experts[j]));
-        PyObject *item = Py_BuildValue("(iN)", L->log_layer[i], ex);
+        for (Py_ssize_t j = a; j < b; j++) PyList_SET_ITEM(ex, j - a, PyLong_FromLong(H->log_experts[j]));
+        PyObject *item = Py_BuildValue("(iN)", H->log_layer[i], ex);
         if (item == NULL) { Py_DECREF(out); return NULL; }
         PyList_SET_ITEM(out, i, item);
     }
-    PyObject *res = Py_BuildValue("(NO)", out, L->log_full ? Py_True : Py_False);
-    L->log_n = 0; L->log_used = 0; L->log_full = 0;
+    PyObject *res = Py_BuildValue("(NO)", out, H->log_full ? Py_True : Py_False);
+    H->log_n = 0; H->log_used = 0; H->log_full = 0;
     return res;
 }
 
-/* lane_free(lane): release the buffers now (a lease still held is released first). */
-static PyObject *lane_free(PyObject *self, PyObject *args) {
+/* holds_free(holds) -> grant | None: let the lease and the pin hold go and release the
+ * buffers now; a Python grant still held is given back (for Python to let go). */
+static PyObject *holds_free(PyObject *self, PyObject *args) {
     PyObject *cap;
     if (!PyArg_ParseTuple(args, "O", &cap)) return NULL;
-    Lane *L = (Lane *)PyCapsule_GetPointer(cap, "moed.lane");
-    if (L == NULL) return NULL;
-    if (L->live) { lane_drop_lease(L); lane_pin_release(L); }
-    lane_release_buffers(L);
-    Py_RETURN_NONE;
+    Holds *H = holds_any(cap);
+    if (H == NULL) return NULL;
+    if (H->live) { drop_lease(H); pin_release(H); }
+    holds_release_buffers(H);
+    PyObject *grant = H->grant != NULL ? H->grant : Py_None;
+    if (H->grant == NULL) Py_INCREF(grant);
+    H->grant = NULL;
+    Py_CLEAR(H->route_fn); /* the streamer's bound method: no cycle outlives the model */
+    return grant;
 }
 
-/* lane_pins(lane, model_id, pin_word): whole steps become possible (pin_word: a table word). */
-static PyObject *lane_pins(PyObject *self, PyObject *args) {
+/* holds_pins(holds, model_id, pin_word): whole steps become possible (pin_word: a table word). */
+static PyObject *holds_pins(PyObject *self, PyObject *args) {
     PyObject *cap; Py_ssize_t model_id, pin_word;
     if (!PyArg_ParseTuple(args, "Onn", &cap, &model_id, &pin_word)) return NULL;
-    Lane *L = lane_of(cap);
-    if (L == NULL) return NULL;
-    if (!L->has_region || model_id < 0 || pin_word < 0 || pin_word >= L->table.len / 8) {
+    Holds *H = holds_of(cap);
+    if (H == NULL) return NULL;
+    if (!H->has_region || model_id < 0 || pin_word < 0 || pin_word >= H->table.len / 8) {
         PyErr_SetString(PyExc_ValueError, "whole steps need a region, a model id and a pin word inside the table");
         return NULL;
     }
-    L->model_id = model_id; L->pin_word = pin_word;
+    H->model_id = model_id; H->pin_word = pin_word;
     Py_RETURN_NONE;
 }
 
-static PyObject *lane_whole_begin(PyObject *self, PyObject *args) {
+static PyObject *holds_whole_begin(PyObject *self, PyObject *args) {
     PyObject *cap;
     if (!PyArg_ParseTuple(args, "O", &cap)) return NULL;
-    Lane *L = lane_of(cap);
-    if (L == NULL) return NULL;
+    Holds *H = holds_of(cap);
+    if (H == NULL) return NULL;
     errno = 0;
-    int ok = lane_whole_core(L);
+    int ok = whole_core(H);
     if (!ok && errno) return PyErr_SetFromErrno(PyExc_OSError); /* a mapping failed: not a plain no */
     return PyBool_FromLong(ok);
 }
 
-/* lane_whole_end(lane, uses): the pin hold let go; `uses` added to the model's local-hit counter. */
-static PyObject *lane_whole_end(PyObject *self, PyObject *args) {
+/* holds_whole_end(holds, uses): the pin hold let go; `uses` added to the model's local-hit counter. */
+static PyObject *holds_whole_end(PyObject *self, PyObject *args) {
     PyObject *cap; unsigned long long uses;
     if (!PyArg_ParseTuple(args, "OK", &cap, &uses)) return NULL;
-    Lane *L = (Lane *)PyCapsule_GetPointer(cap, "moed.lane");
-    if (L == NULL) return NULL;
-    if (!L->live || !L->whole) Py_RETURN_NONE;
-    lane_pin_release(L);
-    hp_count((uint64_t *)L->region.buf, L->counter_word, uses);
+    Holds *H = holds_any(cap);
+    if (H == NULL) return NULL;
+    if (!H->live || !H->whole) Py_RETURN_NONE;
+    pin_release(H);
+    hp_count((uint64_t *)H->region.buf, H->counter_word, uses);
     Py_RETURN_NONE;
 }
 
-static PyObject *lane_stats(PyObject *self, PyObject *args) {
+static PyObject *holds_stats(PyObject *self, PyObject *args) {
     PyObject *cap;
     if (!PyArg_ParseTuple(args, "O", &cap)) return NULL;
-    Lane *L = (Lane *)PyCapsule_GetPointer(cap, "moed.lane");
-    if (L == NULL) return NULL;
-    return Py_BuildValue("{sKsKsKsKsKsKsnsK}", "layers", L->n_layers, "experts", L->n_experts_acq, "acquire_ns",
-                         L->acquire_ns, "show_ns", L->show_ns, "maps", L->maps, "declines", L->declines, "held",
-                         L->cur_n, "whole_steps", L->whole_steps);
+    Holds *H = holds_any(cap);
+    if (H == NULL) return NULL;
+    return Py_BuildValue("{sKsKsKsKsKsKsKsi}", "layers", H->n_layers, "experts", H->n_experts_acq, "acquire_ns",
+                         H->acquire_ns, "show_ns", H->show_ns, "maps", H->maps, "misses", H->misses, "whole_steps",
+                         H->whole_steps, "map_errno", H->map_errno);
 }
 
-static PyObject *lane_layer_ns(PyObject *self, PyObject *args) {
+/* holds_crossings(holds) -> {outcome: (stops, to_python, from_python, most_from_python)} */
+static PyObject *holds_crossings(PyObject *self, PyObject *args) {
+    PyObject *cap;
+    if (!PyArg_ParseTuple(args, "O", &cap)) return NULL;
+    Holds *H = holds_any(cap);
+    if (H == NULL) return NULL;
+    PyObject *out = PyDict_New();
+    if (out == NULL) return NULL;
+    for (int i = 0; i < N_OUT; i++) {
+        PyObject *v = Py_BuildValue("(KKKK)", H->stops[i], H->to_python[i], H->from_python[i], H->most_from_python[i]);
+        if (v == NULL || PyDict_SetItemString(out, OUT_NAMES[i], v) < 0) { Py_XDECREF(v); Py_DECREF(out); return NULL; }
+        Py_DECREF(v);
+    }
+    return out;
+}
+
+static PyObject *holds_layer_ns(PyObject *self, PyObject *args) {
     PyObject *cap; Py_ssize_t layer;
     if (!PyArg_ParseTuple(args, "On", &cap, &layer)) return NULL;
-    Lane *L = lane_of(cap);
-    if (L == NULL) return NULL;
-    LaneLayer *ly = layer >= 0 && layer < LANE_MAX_LAYERS ? L->layers[layer] : NULL;
+    Holds *H = holds_of(cap);
+    if (H == NULL) return NULL;
+    LaneLayer *ly = layer >= 0 && layer < LANE_MAX_LAYERS ? H->layers[layer] : NULL;
     return PyLong_FromUnsignedLongLong(ly ? ly->ns : 0);
 }
 
-/* set_lane(handle, lane | None, auto) */
-static PyObject *set_lane(PyObject *self, PyObject *args) {
-    PyObject *cap, *lane; int on;
-    if (!PyArg_ParseTuple(args, "OOp", &cap, &lane, &on)) return NULL;
+/* set_holds(handle, holds | None) */
+static PyObject *set_holds(PyObject *self, PyObject *args) {
+    PyObject *cap, *hobj;
+    if (!PyArg_ParseTuple(args, "OO", &cap, &hobj)) return NULL;
     Config *c = config_of(cap);
     if (c == NULL) return NULL;
-    Lane *L = NULL;
-    if (lane != Py_None && (L = lane_of(lane)) == NULL) return NULL;
-    Py_XINCREF(lane == Py_None ? NULL : lane);
-    Py_XDECREF(c->lane_obj);
-    c->lane_obj = lane == Py_None ? NULL : lane;
-    c->lane = L;
-    c->lane_auto = L != NULL && on;
-    Py_RETURN_NONE;
-}
-
-/* set_whole(handle, on) */
-static PyObject *set_whole(PyObject *self, PyObject *args) {
-    PyObject *cap; int on;
-    if (!PyArg_ParseTuple(args, "Op", &cap, &on)) return NULL;
-    Config *c = config_of(cap);
-    if (c == NULL) return NULL;
-    c->whole = on;
+    Holds *H = NULL;
+    if (hobj != Py_None && (H = holds_of(hobj)) == NULL) return NULL;
+    Py_XINCREF(hobj == Py_None ? NULL : hobj);
+    Py_XDECREF(c->holds_obj);
+    c->holds_obj = hobj == Py_None ? NULL : hobj;
+    c->holds = H;
     Py_RETURN_NONE;
 }
 
@@ -729,29 +915,40 @@ static PyMethodDef methods[] = {
     {"make", make, METH_VARARGS, "make(fn, name_offset) -> handle"},
     {"set_norm", set_norm, METH_VARARGS, "set_norm(handle, on[, prefix]): also stop at <prefix><n> (ffn_norm-<n>)"},
     {"set_route", set_route, METH_VARARGS, "set_route(handle, prefix): the routed layer's stop (b'ffn_moe_topk-')"},
+    {"set_holds", set_holds, METH_VARARGS, "set_holds(handle, holds | None): the routed stops go to the layer holds"},
     {"user_data", user_data, METH_VARARGS, "the cb_eval_user_data pointer for a handle"},
     {"callback_address", callback_address, METH_NOARGS, "the address of the C eval callback"},
-    {"lane_new", lane_new, METH_VARARGS, "a lane over a hold region and a residency table"},
-    {"lane_layer", lane_layer, METH_VARARGS, "give the lane a zero-copy layer"},
-    {"lane_step", lane_step, METH_VARARGS, "one layer's hit cycle: experts held, -1 declined, -2 lease lost"},
-    {"lane_place", lane_place, METH_VARARGS, "map an expert's slot at its addresses if it changed"},
-    {"lane_release", lane_release, METH_VARARGS, "release the lane's lease; False if it was lost"},
-    {"lane_python_held", lane_python_held, METH_VARARGS, "whether Python holds a lease (the lane declines)"},
-    {"lane_disable", lane_disable, METH_VARARGS, "no more hits (the connection is closing)"},
-    {"lane_free", lane_free, METH_VARARGS, "release the lane's lease and buffers now"},
-    {"lane_stats", lane_stats, METH_VARARGS, "the lane's counters"},
-    {"lane_log", lane_log, METH_VARARGS, "keep a log of the layers taken (or not)"},
-    {"lane_take_log", lane_take_log, METH_VARARGS, "the layers taken since the last take, and whether the log filled"},
-    {"lane_layer_ns", lane_layer_ns, METH_VARARGS, "ns in one layer's lane acquires"},
-    {"set_lane", set_lane, METH_VARARGS, "set_lane(handle, lane | None, auto)"},
-    {"set_whole", set_whole, METH_VARARGS, "set_whole(handle, on): the ask pass wants no node (a whole step)"},
-    {"lane_pins", lane_pins, METH_VARARGS, "lane_pins(lane, model_id, pin_word): whole steps possible"},
-    {"lane_whole_begin", lane_whole_begin, METH_VARARGS, "take the pin hold and check every expert; True: whole"},
-    {"lane_whole_end", lane_whole_end, METH_VARARGS, "let the pin hold go, counting `uses` local hits"},
+    {"holds_new", holds_new, METH_VARARGS, "the layer holds of a model (a hold region and table, or none)"},
+    {"holds_layer", holds_layer, METH_VARARGS, "give the holds a lane layer (relaxed zero copy)"},
+    {"holds_begin", holds_begin, METH_VARARGS, "holds_begin(holds, try_hits, alone, log): a decode's path choice"},
+    {"holds_hold", holds_hold, METH_VARARGS, "holds_hold(holds, grant[, layer, experts, slots]): a grant held"},
+    {"holds_place", holds_place, METH_VARARGS, "map an expert's slot at its addresses if it changed (outside a decode)"},
+    {"holds_fail", holds_fail, METH_VARARGS, "the decode failed: no hit, no grant passed until holds_end"},
+    {"holds_end", holds_end, METH_VARARGS, "after a decode: (the grant given back | None, the lease was not lost)"},
+    {"holds_held", holds_held, METH_VARARGS, "what the holds hold now, or None"},
+    {"holds_disable", holds_disable, METH_VARARGS, "no more hits (the connection is closing)"},
+    {"holds_free", holds_free, METH_VARARGS, "let everything go and release the buffers now; the grant given back"},
+    {"holds_stats", holds_stats, METH_VARARGS, "the hits' counters"},
+    {"holds_crossings", holds_crossings, METH_VARARGS, "calls across C and Python per routed stop, by outcome"},
+    {"holds_take_log", holds_take_log, METH_VARARGS, "the layers done alone since the last take, and whether the log filled"},
+    {"holds_layer_ns", holds_layer_ns, METH_VARARGS, "ns in one layer's hits"},
+    {"holds_pins", holds_pins, METH_VARARGS, "holds_pins(holds, model_id, pin_word): whole steps possible"},
+    {"holds_whole_begin", holds_whole_begin, METH_VARARGS, "take the pin hold and check every expert; True: whole"},
+    {"holds_whole_end", holds_whole_end, METH_VARARGS, "let the pin hold go, counting `uses` local hits"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "moed._evalcb",
-    "llama.cpp's eval callback with the ask pass in C.", -1, methods};
+    "llama.cpp's eval callback with the ask pass in C, and the layer holds.", -1, methods};
 
-PyMODINIT_FUNC PyInit__evalcb(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__evalcb(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    if (PyModule_AddIntConstant(m, "NOT_TRIED", ST_NOT_TRIED) < 0 || PyModule_AddIntConstant(m, "LOST", ST_LOST) < 0 ||
+        PyModule_AddIntConstant(m, "MAP_FAILED", ST_MAP_FAILED) < 0 ||
+        PyModule_AddIntConstant(m, "MISSED", ST_MISSED) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -56,7 +56,7 @@ class GgmlTensor(ctypes.Structure):
 
 
 NAME_OFFSET = GgmlTensor.name.offset
-# What moed/_evalcb.c's lane reads of a topk node: (name, type, ne, nb, data) offsets.
+# What the layer holds (moed/_evalcb.c) read of a topk node: (name, type, ne, nb, data) offsets.
 LANE_LAYOUT = (NAME_OFFSET, GgmlTensor.type.offset, GgmlTensor.ne.offset, GgmlTensor.nb.offset, GgmlTensor.data.offset)
 TOPK_PREFIX = b"ffn_moe_topk-"
 # The routing weights gathered by the top-k's ids (llama-graph.cpp: before any expert matmul,
@@ -72,7 +72,9 @@ NORM = 2
 class EvalCallback:
     """llama.cpp's `cb_eval` with the ask pass in C (moed._evalcb): `fn(tensor_address)`
     is called only for computed `ffn_moe_topk-<n>` nodes (and `ffn_norm-<n>` ones while
-    `stop_at_norm(True)`); its bool says whether the graph goes on."""
+    `stop_at_norm(True)`); its bool says whether the graph goes on. With layer holds set
+    (moed.engines.holds), the routed stops go to them instead, and while they hold a
+    whole step's pin hold the ask pass wants no node at all."""
 
     def __init__(self, fn: Callable[[int], bool]):
         import llama_cpp
@@ -84,10 +86,9 @@ class EvalCallback:
         self.function = ctypes.cast(_evalcb.callback_address(), llama_cpp.ggml_backend_sched_eval_callback)
         self.user_data = ctypes.c_void_p(_evalcb.user_data(self.handle))
 
-    def set_lane(self, lane, auto: bool) -> None:
-        """Give topk nodes to `lane` (a moed._evalcb lane, or None); with `auto`, a node the
-        lane takes never reaches Python."""
-        self._evalcb.set_lane(self.handle, lane, auto)
+    def set_holds(self, holds) -> None:
+        """Give the routed stops to `holds` (a moed._evalcb layer holds, or None: to `fn`)."""
+        self._evalcb.set_holds(self.handle, holds)
 
     def stop_at_norm(self, on: bool, prefix: bytes = NORM_PREFIX) -> None:
         """Also stop at `<prefix><n>` nodes (the router's input) while `on`."""
@@ -96,13 +97,6 @@ class EvalCallback:
     def set_route(self, prefix: bytes) -> None:
         """Stop each routed layer at `<prefix><n>`: TOPK_PREFIX (default) or WEIGHTS_PREFIX."""
         self._evalcb.set_route(self.handle, prefix)
-
-    # A whole step (every expert pinned and held by the region's pin hold) can skip every stop.
-    whole_steps = True
-
-    def set_whole(self, on: bool) -> None:
-        """While `on`, the ask pass wants no node: ggml computes the graph in one piece."""
-        self._evalcb.set_whole(self.handle, on)
 
     def install(self, params) -> None:
         """Put it in a llama_context_params (the object must outlive the context)."""
@@ -121,11 +115,6 @@ class PythonEvalCallback:
 
     def stop_at_norm(self, on: bool, prefix: bytes = NORM_PREFIX) -> None:
         """The Python callback decides every node itself."""
-
-    whole_steps = False  # its tool wants its stops
-
-    def set_whole(self, on: bool) -> None:
-        raise RuntimeError("a Python eval callback takes no whole steps")
 
     def install(self, params) -> None:
         params.cb_eval = self.function

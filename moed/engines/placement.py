@@ -3,17 +3,20 @@
 What this module owns: the `Placement` interface the per-layer cycle
 (moed.engines.streamer) calls once it holds a layer's grant, and its CPU
 implementation, `CpuPages`: the experts shown at their own addresses in llama.cpp's
-mapping of the model (moed.engines.expert_pages), through the C lane's mapper for the
-lane's layers (moed.engines.lane: it alone maps those addresses). Device expert slots
+mapping of the model (moed.engines.expert_pages); the lane layers' addresses are mapped
+by the layer holds alone (moed.engines.holds: when they take a hit, or in the same call
+that hands them Python's grant), so `show` leaves those layers to them. Device expert slots
 (moed.engines.device_slots) are the second implementation: a layer's placement is
 chosen at load, by where that layer's experts compute, and never changes.
 
 Invariants (the cycle keeps them; each placement relies on them):
-- At a routed stop the cycle asks `needs(layer, ids)` which experts to acquire (the
-  CPU: every distinct expert; device slots: those no slot holds, none on a full hit),
-  acquires exactly those (no acquire, and no grant, when none), then calls
-  `show(grant, node, layer)` before any expert matmul of that layer reads; `node` is
-  the layer's top-k node.
+- At a routed stop the layer holds go first (a lane layer's hit, in C); when they
+  leave the layer to Python, the cycle asks `needs(layer, ids)` which experts to
+  acquire (the CPU: every distinct expert; device slots: those no slot holds, none on
+  a full hit), acquires exactly those (no acquire, and no grant, when none), hands the
+  grant to the layer holds (which own it from then on and hand it back for its
+  release), then calls `show(grant, node, layer)` before any expert matmul of that
+  layer reads; `node` is the layer's top-k node.
 - `hide(grant)` runs before the grant is released: once the daemon may reuse a slot,
   nothing computes from it.
 - `failed()` runs once when a decode has failed while a device computes part of the
@@ -33,7 +36,7 @@ from moed.engines.expert_pages import ExpertPages, PartSpan
 from moed.engines.sources import Grant
 
 if TYPE_CHECKING:
-    from moed.engines.lane import ExpertLane
+    from moed.engines.holds import LayerHolds
 
 
 class Placement(Protocol):
@@ -63,15 +66,16 @@ class Placement(Protocol):
 class CpuPages:
     """The CPU placement: each expert at its own address in the model's mapping.
 
-    Zero-copy layers map the daemon's slot pages there, other layers copy; the lane's
-    layers (relaxed zero copy) are mapped by the lane alone and stay mapped to their
-    last slot when released, so a repeated hit costs no syscall.
+    Zero-copy layers map the daemon's slot pages there, other layers copy; the lane
+    layers (relaxed zero copy) are mapped by the layer holds alone and stay mapped to
+    their last slot when released, so a repeated hit costs no syscall.
     """
 
-    def __init__(self, pages: ExpertPages, parts: dict[int, list[PartSpan]], lane: ExpertLane | None = None):
+    def __init__(self, pages: ExpertPages, parts: dict[int, list[PartSpan]], holds: LayerHolds | None = None):
         self.pages = pages
         self.parts = parts
-        self.lane = lane
+        self.holds = holds
+        self.holds_layers: set[int] = holds.layers if holds is not None else set()
         # Relaxed mode on all-zero-copy layers: hiding leaves them mapped (ExpertPages' rule).
         self.relaxed_layers = (
             set() if pages.strict else {layer for layer, ss in parts.items() if all(s.zero_copy for s in ss)}
@@ -81,13 +85,8 @@ class CpuPages:
         return [int(e) for e in np.unique(ids) if e >= 0]
 
     def show(self, grant: Grant | None, node: int | None = None, layer: int = -1) -> None:
-        if grant is None:
-            return  # needs() names every routed expert: no grant, no expert routed
-        lane = self.lane
-        if lane is not None and grant.layer in lane.layers:
-            for expert in grant.experts:  # relaxed zero copy: the lane maps what changed slot
-                lane.place(grant.layer, expert, grant.slot(expert))
-            return
+        if grant is None or grant.layer in self.holds_layers:
+            return  # no grant: no expert routed; a lane layer: the holds mapped it as they took it
         pages = self.pages
         for span in self.parts[grant.layer]:
             for expert in grant.experts:
@@ -115,8 +114,8 @@ class CpuPages:
 
     def stats(self) -> dict[str, Any]:
         out = {f"pages_{k}": v for k, v in vars(self.pages.stats).items()}
-        if self.lane is not None:
-            out["pages_maps"] += self.lane.stats().maps  # the lane maps relaxed zero-copy layers
+        if self.holds is not None:
+            out["pages_maps"] += self.holds.stats().maps  # the holds map the lane layers
         return out
 
 

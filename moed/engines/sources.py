@@ -68,19 +68,19 @@ class ExpertSource(Protocol):
         with substitution on)."""
 
     def lane(self) -> LaneSource | None:
-        """The source's hits for the C lane (moed.engines.lane), or None: no lane, every
-        layer goes through `acquire`."""
+        """The source's hits for the lane layers (moed.engines.holds), or None: no lane
+        layers, every layer goes through `acquire`."""
 
 
 class LaneSource(Protocol):
-    """What the C lane takes its hits through: the connection's local-hit state (region,
-    residency table, slot states: moed/_hitproto.h) and each layer's slot segment. The
-    lane asks the source for these and nothing else; it never reaches into the client."""
+    """What the layer holds take their hits through: the connection's local-hit state
+    (region, residency table, slot states: moed/_hitproto.h) and each lane layer's slot
+    segment. They ask the source for these and nothing else; never the client."""
 
     n_experts: int
 
     def local_hits(self) -> LocalHits | None:
-        """The local-hit state, or None (local hits off: the lane maps, the daemon grants)."""
+        """The local-hit state, or None (local hits off: the holds map, the daemon grants)."""
 
     def layer_segment(self, layer: int) -> tuple[int, Segment]:
         """(size class, segment) of `layer`'s slots."""

@@ -2,9 +2,14 @@
 
 What this module owns: installing a source's experts into a loaded model's
 mapping (inaccessible until acquired, dense pages locked, expert pages dropped
-from the page cache), and the callback that, at every `ffn_moe_topk-<layer>`,
-reads the routed ids, releases the previous layer's grant, acquires this layer's
-distinct experts and makes them visible. When the look-ahead is on (prefetch or
+from the page cache), and Python's half of each routed layer's cycle. At every
+`ffn_moe_topk-<layer>` the layer holds (moed.engines.holds, in C) go first: a lane
+layer's hit, and with nothing for Python to do, the whole layer. Otherwise they call
+`_on_route` once, saying what they did and handing over the grant held until then;
+Python reads the routed ids, acquires this layer's distinct experts (the earlier
+grant released in the same round trip), hands the grant to the holds in one call
+and makes the experts visible through the layer's placement (moed.engines.placement).
+When the look-ahead is on (prefetch or
 a trace recording predictions), the callback also stops at `ffn_norm-<layer>`
 (the router's input; gpt-oss's is `attn_post_norm-<layer>`, glm4moe's
 `post_attn_norm-<layer>`: `moed.gguf.archs`) and hands the normed hidden state to `moed.engines.lookahead`, which predicts
@@ -15,11 +20,14 @@ Invariants (what must happen before what):
 - At the topk of layer L every expert matmul of earlier layers has run (the CPU
   graph is one split in layer order), so the previous grant is hidden and then
   released in the same round trip as L's acquire.
+- What a layer holds has one owner, the layer holds: at most one of their own
+  lease, a Python grant and the pin hold. A grant Python acquired is handed to them
+  (`LayerHolds.hold`) and handed back at the next stop or after the decode.
 - Pages are hidden before their grant is released: once the daemon may reuse a
   slot, this process can no longer read it.
-- `finish` (after llama_decode returns) hides and releases what is still held, so
-  an idle engine holds nothing.
-- A whole step (every expert pinned: `begin` took the lane's pin hold) makes no
+- `finish` (after llama_decode returns) hides and releases what is still held
+  (`LayerHolds.end`), so an idle engine holds nothing.
+- A whole step (every expert pinned: `begin` took the holds' pin hold) makes no
   stop at all and holds nothing per layer; `finish` lets the pin hold go. Only a
   quiet engine (no hook, substitution or trace) takes one.
 - The look-ahead only reads the graph's tensors and sends prefetches; it never
@@ -39,6 +47,8 @@ Invariants (what must happen before what):
   every expert address reads zeros from the failure to the end of the decode
   (`ExpertPages.open_zeros`), the callback answers True to the end (every top-k is
   computed, so every id a CPU matmul reads is in range), and `finish` hides them all.
+  The holds try no hit and hand over no grant after a failure (`LayerHolds.fail`);
+  what they hold is let go by `finish`.
 """
 
 from __future__ import annotations
@@ -56,8 +66,8 @@ import numpy as np
 from moed import libc
 from moed.engines import ggml_tensor, vm
 from moed.engines.expert_pages import ExpertPages, PartSpan, gaps
+from moed.engines.holds import LOST, MAP_FAILED, MISSED, HoldStats, LayerHolds, lost
 from moed.engines.kernels import KernelSwitch
-from moed.engines.lane import MISSED, ExpertLane, LaneStats
 from moed.engines.lookahead import Lookahead, PredictHook
 from moed.engines.placement import CpuPages, Placement
 from moed.engines.predictor import GATING_SOFTMAX, gate
@@ -139,7 +149,6 @@ class ExpertStreamer:
         self.pages: ExpertPages | None = None
         # The files llama.cpp maps: the model's own, or its skeleton (same layout).
         self.mapped_files: list[str] = list(source.files)
-        self.held: Grant | None = None
         self.prefetch = prefetch
         self.prefetch_width = prefetch_width or source.n_expert_used
         self.prefetch_adapt = prefetch_adapt
@@ -153,12 +162,14 @@ class ExpertStreamer:
         # pages unless a device placement took the layer at load. Fixed after install.
         self.cpu: CpuPages | None = None
         self._placements: dict[int, Placement] = {}
-        # Relaxed mode on all-zero-copy layers: the lane (moed.engines.lane) takes a
-        # layer of local hits in C and alone maps these layers' expert addresses.
+        # Relaxed mode on all-zero-copy layers: the lane layers, whose hits the layer holds
+        # take in C and whose expert addresses they alone map.
         self._zero_copy_layers: set[int] = set()
-        self.lane: ExpertLane | None = None
-        # The eval callback: its ask pass (every graph node) runs in C, and only the
-        # nodes acted on reach `_on_node`. Kept referenced for as long as llama.cpp may call it.
+        # The one owner of what the routed layers hold (moed.engines.holds): built at install.
+        self.holds: LayerHolds | None = None
+        # The eval callback: its ask pass (every graph node) runs in C; the routed stops go to
+        # the layer holds (then `_on_route`), the norm stops to `_on_node`. Kept referenced for
+        # as long as llama.cpp may call it.
         self.c_callback = ggml_tensor.EvalCallback(self._on_node)
         # The router's input node, `<prefix><layer>`: ffn_norm-, or the arch's own (set at install).
         self.norm_prefix = ggml_tensor.NORM_PREFIX
@@ -201,16 +212,15 @@ class ExpertStreamer:
             self._parts.setdefault(span.layer, []).append(span)
         if not self.strict:
             self._zero_copy_layers = {layer for layer, ss in self._parts.items() if all(s.zero_copy for s in ss)}
-        # MOED_LANE=0: every layer through Python's path (to measure the lane, or to rule it out).
-        # With a GPU offload the top-k may be in a device's memory, which the lane (C, raw
-        # pointers) cannot read: Python's path reads it through ggml's backend API.
-        offloaded = self._offloaded
-        lane_source = self.source.lane() if self._zero_copy_layers else None
-        if lane_source is not None and os.environ.get("MOED_LANE") != "0" and not offloaded:
-            self.lane = ExpertLane(lane_source, {layer: self._parts[layer] for layer in self._zero_copy_layers})
-            if not self._experts_pending():  # else the lane starts once the experts are switched
-                self.c_callback.set_lane(self.lane.handle, False)  # the auto path is chosen per decode (begin)
-        self.cpu = CpuPages(self.pages, self._parts, self.lane)
+        # MOED_LANE=0: no lane layers, every layer through Python's path (to measure the lane,
+        # or to rule it out). With a GPU offload the top-k may be in a device's memory, which
+        # the holds (C, raw pointers) do not read: Python reads it through ggml's backend API.
+        lane = self._zero_copy_layers if os.environ.get("MOED_LANE") != "0" and not self._offloaded else set()
+        lane_source = self.source.lane() if lane else None
+        lane_parts = {layer: self._parts[layer] for layer in lane} if lane_source is not None else {}
+        self.holds = LayerHolds(self._on_route, self.source.n_experts, lane_source, lane_parts)
+        self.c_callback.set_holds(self.holds.handle)  # the path is chosen per decode (begin)
+        self.cpu = CpuPages(self.pages, self._parts, self.holds)
         self._placements = dict.fromkeys(self._parts, self.cpu)
         self._drop_expert_cache()
         headers = read_split(self.mapped_files[0])  # one header read serves the three steps below
@@ -237,13 +247,12 @@ class ExpertStreamer:
 
     def _switch_experts(self, node: int) -> None:
         """The repacked experts onto their kernels, found from `node`: the first graph node
-        Python sees, before any expert matmul of the first decode; then the lane may start."""
+        Python sees, before any expert matmul of the first decode (until then `begin` lets
+        the holds try no hit first)."""
         from moed.engines.repack import switch_experts
 
         assert self.kernels is not None and self.layout is not None
         switch_experts(self.kernels, node, self._headers, self._bases, self.layout)
-        if self.lane is not None:
-            self.c_callback.set_lane(self.lane.handle, False)
 
     def _install_lookahead(self, headers: list, bases: list[int]) -> None:
         """Read the routers from the (now locked) dense pages; fold nothing until first use."""
@@ -344,30 +353,50 @@ class ExpertStreamer:
     # ---- the eval callback -----------------------------------------------
 
     def _on_node(self, tensor: int) -> bool:
-        """A computed routed stop (`ffn_moe_topk-<n>`, or `ffn_moe_weights-<n>` for device
-        slots) or (while observing) `ffn_norm-<n>` node; False stops the graph."""
-        stop: tuple[int, int] | None = None  # (layer, top-k node) of a routed stop
+        """A computed router-input node (`ffn_norm-<n>`, while observing; the routed stops go
+        to the layer holds, then `_on_route`); False stops the graph."""
         try:
             hit = ggml_tensor.node(tensor, self.norm_prefix, self.route_prefix)
-            if hit is None:
+            if hit is None or hit[0] != ggml_tensor.NORM:
                 return True
-            kind, layer = hit
-            if kind == ggml_tensor.TOPK:
-                stop = (layer, ggml_tensor.topk_of(tensor, self.route_prefix))
             if self.error is not None:
-                # An earlier layer failed. On the CPU: stop this graph at its next stop,
-                # before any expert matmul could read pages nobody acquired. Offloaded:
-                # the experts read zeros (open_zeros), and the graph runs to its end.
-                if self._offloaded and stop is not None:
-                    self._placements[layer].skip(*stop)
-                return self._offloaded
+                return self._offloaded  # see _on_route
             if self._experts_pending():
                 self._switch_experts(tensor)
-            if stop is not None:
-                self.on_layer(layer, self._route(layer, stop[1]), stop[1])
-            elif self._observing(layer):
+            layer = hit[1]
+            if self._observing(layer):
                 assert self.lookahead is not None  # _observing requires the look-ahead
                 self.lookahead.observe(layer, ggml_tensor.rows_f32(tensor))
+            return True
+        except BaseException as exc:  # noqa: BLE001 - must not unwind through C
+            return self._fail(exc)
+
+    def _on_route(self, tensor: int, layer: int, status: int, grant: Grant | None) -> bool:
+        """A computed routed stop (`ffn_moe_topk-<n>`, or `ffn_moe_weights-<n>` for device
+        slots), from the layer holds: `status` says what they did (moed.engines.holds: a hit
+        of that many experts, MISSED, NOT_TRIED, LOST, MAP_FAILED) and `grant` is the grant
+        they held until now, Python's to let go (None: none). False stops the graph."""
+        stop: tuple[int, int] | None = None  # (layer, top-k node)
+        try:
+            try:
+                stop = (layer, ggml_tensor.topk_of(tensor, self.route_prefix))
+                if self.error is None and self._experts_pending():
+                    self._switch_experts(tensor)
+            except BaseException:
+                if grant is not None:
+                    self._let_go_quietly(grant)
+                raise
+            if self.error is not None:
+                # An earlier layer failed (the holds hand over no grant since). On the CPU:
+                # stop this graph at its next stop, before any expert matmul could read pages
+                # nobody acquired. Offloaded: the experts read zeros (open_zeros), and the
+                # graph runs to its end.
+                if grant is not None:
+                    self._let_go_quietly(grant)
+                if self._offloaded:
+                    self._placements[layer].skip(*stop)
+                return self._offloaded
+            self._cycle(layer, stop[1], status, grant)
             return True
         except BaseException as exc:  # noqa: BLE001 - must not unwind through C
             return self._fail(exc, stop)
@@ -376,8 +405,8 @@ class ExpertStreamer:
         """Store the decode's error; the callback's answer: stop (CPU) or go on over zeros
         (`stop`: the routed layer that failed, whose ids its placement keeps in range)."""
         self.error = exc
-        if self.lane is not None:  # every later topk of this decode must reach here and stop
-            self.c_callback.set_lane(self.lane.handle, False)
+        if self.holds is not None:  # every later stop of this decode must reach here and stop
+            self.holds.fail()
         if not self._offloaded:
             return False
         try:
@@ -413,67 +442,71 @@ class ExpertStreamer:
             observer.route(layer, ids)
         return ids
 
-    def on_layer(self, layer: int, ids: np.ndarray, tensor: int | None = None) -> None:
-        """Acquire and show layer `layer`'s experts (`ids`, read from the topk node `tensor`)."""
-        lane = self.lane
-        tried = False  # whether this layer's hit was tried already (once a layer: then the daemon)
-        if lane is not None and tensor is not None and layer in lane.layers:
-            held = lane.step(tensor)  # raises LeaseLost if its previous lease was lost
-            tried = held == MISSED
-            if held >= 0:
-                prev = self._take_held()
-                if prev is not None:  # a Python grant of an earlier layer
-                    self._hide(prev)
-                    self.source.release(prev)
-                if self.lookahead is not None:
-                    self.lookahead.routed(layer, ids, held, 0.0)  # the lane counts its own stall
-                return
-        if lane is not None:
-            lane.release()  # an earlier layer's lane lease, before this layer asks the daemon
-        placement = self._placements[layer]
-        experts = placement.needs(layer, ids)
+    def _cycle(self, layer: int, topk: int, status: int, prev: Grant | None) -> None:
+        """Python's half of layer `layer`'s stop (`topk`: its top-k node): `status` from the
+        holds, `prev` the grant held until now, let go here (hidden, then released with this
+        layer's acquire, or handed back to the holds when it acquires nothing)."""
+        holds = self.holds
+        assert holds is not None, "install builds the layer holds"
+        try:
+            ids = self._route(layer, topk)
+            if status == LOST:
+                raise lost()
+            if status == MAP_FAILED:
+                raise holds.map_error()
+            placement = self._placements[layer]
+            experts = placement.needs(layer, ids) if status <= 0 else []
+        except BaseException:
+            if prev is not None:
+                self._let_go_quietly(prev)
+            raise
+        la = self.lookahead
+        if status > 0:  # a hit the holds took and hold: Python scores it and lets `prev` go
+            if prev is not None:
+                self._let_go(prev)
+            if la is not None:
+                la.routed(layer, ids, status, 0.0)  # the holds count their own stall
+            return
         t0 = time.perf_counter()
-        grant = self._acquire(layer, experts, tried) if experts else None
+        grant = None
+        if experts:
+            if prev is not None:
+                self._hide(prev)
+            try:
+                grant = self.source.acquire(layer, experts, release=prev, local=status != MISSED)
+            except BaseException:
+                if prev is not None:
+                    self._release_quietly(prev)
+                raise
         t1 = time.perf_counter()
-        placement.show(grant, tensor, layer)
+        if grant is not None:
+            holds.hold(grant)  # held by the holds (a lane layer's slots mapped): the one call back
+        elif prev is not None:
+            holds.hold(prev, show=False)  # nothing acquired: released with a later acquire
+        placement.show(grant, topk, layer)
         self.stats.acquire_s += t1 - t0
         self.stats.show_s += time.perf_counter() - t1
         self.stats.layers += 1
         self.stats.experts += len(experts)
-        if self.lookahead is not None:
-            self.lookahead.routed(layer, ids, len(experts), t1 - t0)
+        if la is not None:
+            la.routed(layer, ids, len(experts), t1 - t0)
 
-    def _acquire(self, layer: int, experts: list[int], tried: bool) -> Grant:
-        """Hold `experts` of `layer`, the grant held before hidden and released in the same
-        round trip; `tried`: this layer's hit was tried already (then the daemon at once).
-        A layer that needs nothing keeps the earlier grant held until a later one goes."""
-        prev = self._take_held()
-        if prev is not None:
-            self._hide(prev)
+    def _let_go(self, grant: Grant) -> None:
+        """Hide `grant`, then release it (its layer's matmuls have run)."""
+        self._hide(grant)
+        self.source.release(grant)
+
+    def _let_go_quietly(self, grant: Grant) -> None:
         try:
-            grant = self.source.acquire(layer, experts, release=prev, local=not tried)
-        except BaseException:
-            if prev is not None:
-                self._release_quietly(prev)
-            raise
-        self._hold(grant)
-        return grant
+            self._hide(grant)
+        finally:
+            self._release_quietly(grant)
 
-    # What Python's path holds: at most one grant, changed only by these two, which tell
-    # the lane (it must not take a layer while Python holds one: moed/_evalcb.c).
-
-    def _hold(self, grant: Grant) -> None:
-        assert self.held is None, "a grant is released (or handed to acquire) before the next"
-        self.held = grant
-        if self.lane is not None:
-            self.lane.python_held(True)
-
-    def _take_held(self) -> Grant | None:
-        """The grant Python holds (None if none), now no longer counted as held."""
-        prev, self.held = self.held, None
-        if prev is not None and self.lane is not None:
-            self.lane.python_held(False)
-        return prev
+    @property
+    def held(self) -> tuple[str, object] | None:
+        """What the layer holds hold now: None (an idle engine holds nothing), ("lease", n),
+        ("grant", grant) or ("pin", model_id)."""
+        return self.holds.held() if self.holds is not None else None
 
     def warm(self, everything: bool = False) -> int:
         """Map the experts the daemon holds now (`everything`: every expert, reading what it
@@ -481,21 +514,21 @@ class ExpertStreamer:
 
         Without it an expert's first use costs a mapping and ~19 minor faults a part
         inside the matmuls (and, for one the daemon lacks, a read): a resident engine
-        pays that at load instead. Only the lane's layers keep experts mapped (strict
+        pays that at load instead. Only the lane layers keep experts mapped (strict
         mode and copy layers hide every released expert). Each acquire is a lease like
         a decode's, released at once; none is held after.
         """
-        lane, src, n = self.lane, self.source, 0
-        if lane is None or self.held is not None:
+        holds, src, n = self.holds, self.source, 0
+        if holds is None or not holds.layers or holds.held() is not None:
             return 0
         every = np.arange(src.n_experts)
-        for layer in sorted(lane.layers):
+        for layer in sorted(holds.layers):
             experts = [int(e) for e in (every if everything else every[src.resident(layer, every.tolist())])]
             for i in range(0, len(experts), src.n_expert_used):
                 grant = src.acquire(layer, experts[i : i + src.n_expert_used])
                 try:
                     for expert in grant.experts:
-                        lane.place(layer, expert, grant.slot(expert), populate=True)
+                        holds.place(layer, expert, grant.slot(expert), populate=True)
                 finally:
                     src.release(grant)
                 n += len(grant.experts)
@@ -513,8 +546,8 @@ class ExpertStreamer:
         `stop`: every routed layer's stop becomes `<stop><n>` (ggml_tensor.WEIGHTS_PREFIX: a
         placement that rewrites the ids after the routing weights were gathered by them)."""
         if stop is not None:
-            if self.lane is not None:
-                raise RuntimeError("the C lane reads top-k nodes: no other stop with a lane")
+            if self.holds is not None and self.holds.layers:
+                raise RuntimeError("the layer holds read top-k nodes on lane layers: no other stop with them")
             self.route_prefix = stop
             self.c_callback.set_route(stop)
         for layer in layers:
@@ -536,17 +569,19 @@ class ExpertStreamer:
         la = self.lookahead
         if la is not None:
             la.begin_decode(n_tokens, tokens)
-        self.c_callback.stop_at_norm(la is not None and la.observing, self.norm_prefix)
-        if self.lane is not None:
-            # Only with nothing for Python to do at a topk does the lane take it alone: no
-            # hook, no substitution, no trace, and no prediction this step (prefetch off,
-            # or the governor has it off); the look-ahead's cache estimate then hears the
-            # layers taken from the lane's log at the end of the decode (`finish`).
-            # Repacked experts not yet switched to their kernels: Python must see this
-            # decode's first topk node (`_on_node` switches them there), so the lane waits.
-            auto = self._quiet() and (la is None or not la.observing) and not self._experts_pending()
-            self.c_callback.set_lane(self.lane.handle, auto)
-            self.lane.log(auto and la is not None and la.mode != "off")
+        observing = la is not None and la.observing
+        self.c_callback.stop_at_norm(observing, self.norm_prefix)
+        if self.holds is not None:
+            # With no hook and no substitution the ids are final at the stop, so the holds
+            # try a lane layer's hit before Python sees it; with nothing for Python to do at
+            # a stop either (no trace, no prediction this step: prefetch off, or the governor
+            # has it off) a hit is the whole layer, in C, and the look-ahead's cache estimate
+            # hears the layers done alone from the holds' log at the end of the decode
+            # (`finish`). Repacked experts not yet switched to their kernels: Python must see
+            # this decode's first stop (`_on_route` switches them there), so nothing goes first.
+            final = self.route_hook is None and self.substituter is None and not self._experts_pending()
+            alone = final and self._quiet() and not observing
+            self.holds.begin(final, alone, alone and la is not None and la.mode != "off")
 
     def _quiet(self) -> bool:
         """Nothing for Python to do at a topk: no hook, no substitution, no trace."""
@@ -560,27 +595,26 @@ class ExpertStreamer:
 
     def _begin_whole(self, n_tokens: int) -> bool:
         """A whole step: every expert of the model pinned and now held by the region's pin
-        hold (moed.engines.lane), so the graph runs with no stop at all, as with no callback.
-        Nothing to predict or prefetch either: the look-ahead sits the step out."""
-        lane = self.lane
-        if lane is None or not (self.whole_steps and self.c_callback.whole_steps) or not self._quiet():
+        hold (moed.engines.holds), so the graph runs with no stop at all, as with no callback.
+        Nothing to predict or prefetch either: the look-ahead sits the step out. Only when
+        every routed layer is a lane layer (the pin hold maps and checks those)."""
+        holds = self.holds
+        if holds is None or not holds.whole_steps_possible or not self.whole_steps or not self._quiet():
             return False
-        if self._experts_pending():
+        if self._experts_pending() or holds.layers != set(self._parts):
             return False
-        if self.held is not None or not lane.whole_begin():
+        if not holds.whole_begin():  # nothing else held, the pin word 1, every expert mapped
             return False
         self._whole_tokens = n_tokens
-        self.c_callback.set_whole(True)
         return True
 
     def _finish_whole(self) -> None:
-        assert self.lane is not None, "a whole step runs on the lane's pin hold"
-        self.c_callback.set_whole(False)
+        assert self.holds is not None, "a whole step runs on the holds' pin hold"
         n, k = self._whole_tokens, self.source.n_expert_used
         self._whole_tokens = 0
-        # What the step used, as the lane would have counted it: each layer's distinct
+        # What the step used, as a hit would have counted it: each layer's distinct
         # experts, at most k a token and at most all of them.
-        self.lane.whole_end(len(self.lane.layers) * min(n * k, self.source.n_experts))
+        self.holds.whole_end(len(self.holds.layers) * min(n * k, self.source.n_experts))
         self.stats.whole_decodes += 1
 
     def finish(self) -> None:
@@ -589,33 +623,33 @@ class ExpertStreamer:
         if self._whole_tokens:
             self._finish_whole()
             return
-        if self.lookahead is not None:
-            self.lookahead.end_decode()
-        prev = self._take_held()
+        la = self.lookahead
+        if la is not None:
+            la.end_decode()
+        grant, lease_ok = self.holds.end() if self.holds is not None else (None, True)
         try:
-            if prev is not None:
-                self._hide(prev)
-                self.source.release(prev)
+            if grant is not None:
+                self._let_go(grant)
         finally:
             for placement in self.placements():
                 placement.end_decode()  # after a failure under an offload: all hidden again
-        if self.lane is not None:
-            self.lane.release()
-            if self.lookahead is not None:
-                for layer, experts in self.lane.take_log():
-                    self.lookahead.cache.touch(layer, experts)
+        if not lease_ok:
+            raise lost()
+        if la is not None and self.holds is not None:
+            for layer, experts in self.holds.take_log():
+                la.cache.touch(layer, experts)
         for observer in self.observers:
             observer.decoded()
 
     def totals(self) -> StreamStats:
-        """This engine's counters, the lane's layers included."""
+        """This engine's counters, the layers the holds took in C included."""
         out = StreamStats(**vars(self.stats))
-        if self.lane is not None:
-            lane: LaneStats = self.lane.stats()
-            out.layers += lane.layers
-            out.experts += lane.experts
-            out.acquire_s += lane.acquire_s
-            out.show_s += lane.show_s
+        if self.holds is not None:
+            hs: HoldStats = self.holds.stats()
+            out.layers += hs.layers
+            out.experts += hs.experts
+            out.acquire_s += hs.acquire_s
+            out.show_s += hs.show_s
         return out
 
     def report(self) -> dict:
@@ -627,13 +661,13 @@ class ExpertStreamer:
         out["stall_s"] = s.acquire_s
         out["stall_s_per_token"] = s.acquire_s / s.tokens if s.tokens else 0.0
         out.update(self.placement_stats())
-        lane = self.lane
-        out["lane_layers"] = lane.stats().layers if lane is not None else 0
+        holds = self.holds
+        out["lane_layers"] = holds.stats().layers if holds is not None else 0
         if self.lookahead is not None:
             out.update(self.lookahead.totals())
-            if lane is not None:  # the lane's acquires, per layer (it counts its own stall)
+            if holds is not None:  # the hits taken in C, per layer (the holds count their own stall)
                 for layer, d in out["per_layer"].items():
-                    d["stall_s"] += lane.layer_acquire_s(layer)
+                    d["stall_s"] += holds.layer_acquire_s(layer)
                     d["stall_s_per_token"] = d["stall_s"] / s.tokens if s.tokens else 0.0
         if self.substituter is not None:
             out.update(self.substituter.totals(s.tokens))
@@ -647,18 +681,20 @@ class ExpertStreamer:
         return out
 
     def placement_stats(self) -> dict:
-        """Every placement's counters (the CPU pages', the lane's mappings included)."""
+        """Every placement's counters (the CPU pages', the holds' mappings included)."""
         out: dict = {}
         for placement in self.placements():
             out.update(placement.stats())
         return out
 
     def close(self) -> None:
-        """Give the lane's lease, buffers and hold indexes back (the model is gone)."""
-        if self.lane is not None:
-            self.c_callback.set_lane(None, False)
-            self.lane.close()
-            self.lane = None
+        """Give back what the layer holds hold, their buffers and hold indexes (the model is gone)."""
+        holds, self.holds = self.holds, None
+        if holds is not None:
+            self.c_callback.set_holds(None)
+            grant = holds.close()
+            if grant is not None:
+                self._release_quietly(grant)
 
     def take_error(self) -> BaseException | None:
         err, self.error = self.error, None

@@ -139,19 +139,28 @@ def test_the_lane_takes_every_layer_that_fits_and_the_connection_closing_stops_i
 
 def test_a_layer_tries_its_hit_once_before_asking_the_daemon(start_daemon, reference_logits, aligned_model):
     """At an evicting budget many layers miss: each tries the hit with no round trip once (in
-    the lane's C, or in Python when the lane did not try), then asks the daemon, never a
-    second or third time (issue 33: a miss used to run hp_hit three times)."""
+    the layer holds' C, or in Python when the holds did not try), then asks the daemon, never a
+    second or third time (issue 33: a miss used to run hp_hit three times). And a missed layer
+    crosses C and Python once each way (issue 39: it used to cross five times): the holds call
+    Python once, and Python hands its grant back in one call, counted by the holds."""
     _, want = reference_logits(aligned_model)
     llm, client = streamed(start_daemon("2MiB"), aligned_model, prefetch="off")
     try:
         assert_bit_equal(greedy_logits(llm, llm.tokenize(PROMPT)), want)
-        lane = llm.streamer.lane
-        assert lane is not None
+        holds = llm.streamer.holds
+        assert holds is not None and holds.layers
         python_layers = llm.streamer.stats.layers  # the layers that reached Python's acquire
-        tries = lane.stats().declines + llm.streamer.source.model.local_tries
+        tries = holds.stats().misses + llm.streamer.source.model.local_tries
         assert python_layers > 0 and client.stats()["evictions"] > 0
-        assert lane.stats().declines > 0, "the lane tried hits that missed"
+        assert holds.stats().misses > 0, "the holds tried hits that missed"
         assert tries <= python_layers, f"{tries} hit tries for {python_layers} layers sent on"
+        cross = holds.crossings()
+        missed, alone = cross["missed"], cross["alone"]
+        assert missed.stops == holds.stats().misses > 0
+        assert missed.to_python == missed.stops, f"{missed}: one call into Python a missed layer"
+        assert missed.most_from_python <= 1 and missed.from_python <= missed.stops, f"{missed}: at most one back"
+        assert alone.stops > 0 and (alone.to_python, alone.from_python) == (0, 0), alone  # a hit: C alone
+        assert cross["failed"].stops == 0 and llm.streamer.held is None  # an idle engine holds nothing
     finally:
         llm.close()
         client.close()

@@ -65,13 +65,13 @@ def test_an_unpin_waits_for_the_step_that_holds_the_model(start_daemon, referenc
     d = start_daemon("64MiB", "--pin-budget", "64MiB")
     llm, client = _engine(d, aligned_model, prefetch="off")
     try:
-        src, lane = llm.streamer.source, llm.streamer.lane
+        src, holds = llm.streamer.source, llm.streamer.holds
         handle = src.model
         total = len(src.moe_layers) * src.n_experts
         wait_for(handle.all_pinned, what="every expert pinned")
         with d.client("probe") as c:
             assert c.stats()["models"][0]["all_pinned"] is True
-        assert lane is not None and lane.whole_begin()  # a step under way
+        assert holds is not None and holds.whole_begin()  # a step under way
         with d.client("operator") as op:
             mine = op.open_model(str(aligned_model))
             assert op.request(m.Unpin(mine.model_id, all=True)).unpinned == total
@@ -79,7 +79,7 @@ def test_an_unpin_waits_for_the_step_that_holds_the_model(start_daemon, referenc
             s = op.stats()
             assert s["pinned_experts"] == s["unpins_held"] == total  # waiting on the step's hold
             assert s["models"][0]["all_pinned"] is False
-            lane.whole_end(0)
+            holds.whole_end(0)
             wait_for(lambda: op.stats()["pinned_experts"] == 0, what="the unpin once the step let go")
             assert op.stats()["unpins_held"] == 0
         got = greedy_logits(llm, llm.tokenize(PROMPT))
