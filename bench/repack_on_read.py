@@ -20,6 +20,15 @@ each, on disjoint layers of the same file (so no phase reads what another read):
 The layout is the one this host's llama.cpp computes each type on when llama_cpp is
 installed (moed.engines.kernels.layout_of), else AVX2's (q4_0_8x8, q4_K_8x8). Prints
 one line per measurement and a JSON summary; page cache dropped before each phase.
+
+With `--engines`, the engines instead, as bench/real_size.py runs them (its q30 model,
+17.3 GB of Q4_0; daemon and engine in one `--cap` cgroup, a `--budget` daemon, page
+cache dropped, `--prompt` tokens then `--tokens` sampled, prefetch "gate"), rounds
+interleaved: StreamedLlama on the plain file with repack="auto" (experts made on read),
+with repack="dense" (plain experts), and on its `moectl align --repack` copy (written
+once beside it). Per run: prompt and decode tok/s, bytes read, the daemon's repack CPU.
+
+    python bench/repack_on_read.py --engines [--prompt 502] [--tokens 64] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -201,12 +210,116 @@ def cpu_line() -> str:
     return f"{name}, {os.cpu_count()} CPUs, {flags}"
 
 
+# ---- the engines (--engines) ------------------------------------------------
+
+
+def engine_child(model: str, socket: str, repack: str, prompt: int, tokens: int, threads: int) -> dict:
+    """bench/real_size.py's moed-gate run, with `repack`."""
+    import real_size
+
+    import moed.engines.llama_cpp as lc
+
+    base = lc.StreamedLlama
+
+    class WithRepack(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *a, **kw):
+            super().__init__(*a, repack=repack, **kw)
+
+    lc.StreamedLlama = WithRepack  # type: ignore[misc]
+    return real_size.run_engine("moed-gate", model, socket, prompt, tokens, threads)
+
+
+def repacked_copy(model: str) -> str:
+    out = model[: -len(".gguf")] + "-repacked.gguf"
+    if not os.path.exists(out):
+        import subprocess
+
+        print(f"moectl align --repack {model} {out} ...", file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, "-m", "moed.ctl", "align", "--repack", model, out], check=True)
+    return out
+
+
+def run_engines(args) -> int:
+    import statistics
+    import subprocess
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import real_size
+    from engine_vs_mmap import Cgroup, with_daemon
+
+    from moed.client import Client
+    from moed.protocol.sizes import parse_size
+
+    plain = args.model or real_size.ensure_model("q30")
+    copy = repacked_copy(plain)
+    variants = [("on-read", plain, "auto"), ("dense", plain, "dense"), ("file", copy, "auto")]
+    drive = real_size.drive_rate(plain)
+    print(
+        json.dumps({"cpu": cpu_line(), "drive": drive, "cap": args.cap, "budget": args.budget, "prompt": args.prompt})
+    )
+    runs: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
+    for _ in range(args.rounds):
+        for name, model, repack in variants:
+            for path in (plain, copy):
+                drop_page_cache(path)
+            group = Cgroup(f"moed-repack-{os.getpid()}-{name}", parse_size(args.cap))
+
+            def one(sock, model=model, repack=repack, group=group):
+                cmd = [*group.prefix(), sys.executable, __file__, "--child", repack, "--model", model, "--socket", sock]
+                cmd += ["--prompt", str(args.prompt), "--tokens", str(args.tokens), "--threads", "2"]
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+                if proc.returncode != 0:
+                    return {"error": proc.stderr[-1500:]}
+                out = json.loads(proc.stdout.strip().splitlines()[-1])
+                with Client(sock, "bench") as c:
+                    s = c.stats()
+                (row,) = s["models"]
+                out.update(layout=row["expert_layout"], repacked_bytes=s["repacked_bytes"])
+                out.update(repack_cpu_s=round(s["repack_cpu_s"], 2), bytes_read=s["bytes_read"])
+                return out
+
+            try:
+                res = with_daemon(None, args.budget, group, one)
+            finally:
+                group.remove()
+            res["variant"] = name
+            runs[name].append(res)
+            print(json.dumps(res), flush=True)
+    print(f"\nmedians over {args.rounds} round(s), prompt {args.prompt} tokens, cap {args.cap}, budget {args.budget}:")
+    med = {}
+    for name, rows in runs.items():
+        ok = [r for r in rows if "error" not in r]
+        if ok:
+            med[name] = {k: statistics.median(r[k] for r in ok) for k in ("prefill_tok_s", "decode_tok_s")}
+            print(f"  {name:8s} {json.dumps(med[name])}  ({', '.join(str(r['prefill_tok_s']) for r in ok)})")
+    if "on-read" in med and "file" in med:
+        for k in ("prefill_tok_s", "decode_tok_s"):
+            print(f"  on-read / file {k}: {med['on-read'][k] / med['file'][k]:.3f}")
+            if "dense" in med:
+                print(f"  on-read / dense {k}: {med['on-read'][k] / med['dense'][k]:.3f}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="q30")
     ap.add_argument("--layers", type=int, default=6, help="layers per model: 2 raw, 2 plain, 2 in the layout")
     ap.add_argument("--threads", type=int, default=8, help="reads in flight (raw) and the daemon's readers")
+    ap.add_argument("--engines", action="store_true", help="run the engines instead (see above)")
+    ap.add_argument("--model", help="--engines: the plain model (default: bench/real_size.py's q30)")
+    ap.add_argument("--cap", default="6GiB")
+    ap.add_argument("--budget", default="4GiB")
+    ap.add_argument("--prompt", type=int, default=502)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--socket", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child:
+        print(json.dumps(engine_child(args.model, args.socket, args.child, args.prompt, args.tokens, 2)))
+        return 0
+    if args.engines:
+        return run_engines(args)
     from moed.gguf.catalog import Catalog
 
     print(f"cpu: {cpu_line()}")
