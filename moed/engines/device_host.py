@@ -67,6 +67,12 @@ Refused at load, with the reason (`HostImportUnavailable`):
   largest buffer, or no host-visible, coherent, cached memory type for it). The device's
   caps report `buffer_from_host_ptr=false` on Vulkan, which only keeps llama.cpp's own loader
   from importing; the entry point works (checked on lavapipe, Mesa 22.3);
+- a class tensor larger than the device binds in one tensor (ggml-vulkan's supports_op:
+  maxStorageBufferRange unless the device has 64-bit indexing; measured on lavapipe: a
+  1 GiB budget's 358 MB part is refused, where ggml's scheduler would abort at the first
+  graph). A class tensor spans the daemon's whole budget for that class divided among its
+  parts (a real GPU's limit is its driver's maxStorageBufferRange, often 4 GiB or less: not
+  measured here); ids index one tensor, so the slots cannot be split across bindings;
 - a slot stride that is not a whole number of the part's blocks (above: a part whose size
   is not a multiple of the page, in a type whose block does not divide the page: q8_0's 34
   bytes, MXFP4's 17, Q4_K's 144 where the size is not a page multiple; real gpt-oss-20b's
@@ -135,6 +141,7 @@ class _HostApi:
         self.buffer_size = bind("ggml_backend_buffer_get_size", sz, p)
         self.alloc_size = bind("ggml_backend_buffer_get_alloc_size", sz, p, p)
         self.tensor_alloc = bind("ggml_backend_tensor_alloc", ctypes.c_int, p, p, p)
+        self.supports_op = bind("ggml_backend_dev_supports_op", ctypes.c_bool, p, p)
         self.type_size = bind("ggml_type_size", sz, ctypes.c_int)
         self.type_name = bind("ggml_type_name", ctypes.c_char_p, ctypes.c_int)
 
@@ -186,6 +193,7 @@ class HostStats:
 class _Import:
     class_id: int
     segment: Segment
+    device: int  # the ggml device it is imported into
     buffer: int  # the imported ggml buffer
     base: int  # its ggml base address (a device's own, not the host pointer)
     size: int
@@ -279,7 +287,9 @@ class HostSlots:
                 "and a host-visible coherent cached memory type; use gpu_zero_copy=False"
             )
         api.buffer_set_usage(buffer, GGML_BACKEND_BUFFER_USAGE_WEIGHTS)  # the scheduler's cue
-        imp = _Import(class_id, segment, buffer, int(host.buffer_base(buffer) or 0), int(host.buffer_size(buffer)))
+        imp = _Import(
+            class_id, segment, device, buffer, int(host.buffer_base(buffer) or 0), int(host.buffer_size(buffer))
+        )
         self._imports[class_id] = imp
         return imp
 
@@ -307,6 +317,13 @@ class HostSlots:
             raise MemoryError("ggml_new_tensor failed")
         t = GgmlTensor.from_address(addr)
         t.nb[2], t.nb[3] = stride, stride * capacity
+        if not host.supports_op(imp.device, addr):  # else ggml's scheduler aborts at the first graph
+            raise HostImportUnavailable(
+                f"gpu_zero_copy: part {part} of moed's {capacity} slots of segment {imp.class_id} is "
+                f"{_api().nbytes(addr)} bytes, more than device {host.dev_name(imp.device).decode()} binds in one "
+                "tensor (ggml-vulkan: maxStorageBufferRange without 64-bit indexing, or its largest buffer): "
+                "a smaller daemon budget, or gpu_zero_copy=False"
+            )
         end = off + host.alloc_size(imp.buffer, addr)
         if off % PAGE or end > imp.size:
             raise HostImportUnavailable(
