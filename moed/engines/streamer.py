@@ -248,7 +248,7 @@ class ExpertStreamer:
     def _switch_experts(self, node: int) -> None:
         """The repacked experts onto their kernels, found from `node`: the first graph node
         Python sees, before any expert matmul of the first decode (until then `begin` lets
-        the holds try no hit first)."""
+        the holds do no stop alone)."""
         from moed.engines.repack import switch_experts
 
         assert self.kernels is not None and self.layout is not None
@@ -578,9 +578,11 @@ class ExpertStreamer:
             # has it off) a hit is the whole layer, in C, and the look-ahead's cache estimate
             # hears the layers done alone from the holds' log at the end of the decode
             # (`finish`). Repacked experts not yet switched to their kernels: Python must see
-            # this decode's first stop (`_on_route` switches them there), so nothing goes first.
-            final = self.route_hook is None and self.substituter is None and not self._experts_pending()
-            alone = final and self._quiet() and not observing
+            # this decode's first stop (`_on_route` switches them there, before the layer's
+            # expert matmuls; a hit only maps pages, which the switch does not move), so no
+            # stop is done alone.
+            final = self.route_hook is None and self.substituter is None
+            alone = final and self._quiet() and not observing and not self._experts_pending()
             self.holds.begin(final, alone, alone and la is not None and la.mode != "off")
 
     def _quiet(self) -> bool:
