@@ -10,15 +10,15 @@ What this module owns:
 - the decision, at open, of what layout a request gets (`served_layouts`): the file
   as it is, or its plain experts made in the layout asked for, type by type; or
   `LayoutUnavailable` naming why not;
-- each part's transform (`PartRepack`) and running it on a finished read's slot
-  (`repack_job`), in the reader thread, with its CPU time.
+- each part's transform (`PartRepack`), which the reader (moed.daemon.reader) runs on
+  every chunk it reads of that part, from its bounce buffer into the slot.
 
 Invariants:
 - Every stored expert equals ggml's repack of the bytes read from the file: the
   transform is ggml's byte for byte (tests/e2e/test_repack_on_read.py, per layout,
-  against ggml itself), and it runs after the last byte is read and the file is found
-  unchanged, before the slot is locked, hashed (verify mode) and READY; a slot is
-  never granted in between (only READY slots are).
+  against ggml itself), and it runs as each chunk is read, before the file is found
+  unchanged, the slot locked, hashed (verify mode) and READY; a slot is never granted
+  in between (only READY slots are), and a transform that fails fails the read.
 - The layout is part of a model's identity in the registry (path, file identity,
   layouts made on read): an engine asking for the plain layout of the same file gets
   another model and its own slots; two engines asking for the same layout share one.
@@ -28,11 +28,7 @@ Invariants:
 
 from __future__ import annotations
 
-import threading
-import time
 from dataclasses import dataclass
-
-import numpy as np
 
 from moed import libc
 from moed.gguf import interleave
@@ -65,18 +61,29 @@ def layout_key(made: dict[str, str]) -> tuple[tuple[str, str], ...]:
 
 @dataclass(frozen=True)
 class PartRepack:
-    """One part's transform: every expert of it is `ne1` rows of `ne0`, made in `layout`."""
+    """One part's transform: every expert of it is `ne1` rows of `ne0`, made in `layout`.
+
+    Rows are transformed `layout.rows` at a time, each group on its own and into its own
+    byte range, so the reader transforms a part chunk by chunk (`group_bytes` at a time),
+    straight from the bytes it read into the slot."""
 
     layout: interleave.Layout
     ne0: int
     ne1: int
 
-    def apply(self, addr: int, length: int) -> None:
-        """Transform the plain bytes at `addr` in place (through this thread's scratch copy)."""
-        slot = libc.buffer_at(addr, length)
-        plain = _scratch(length)
-        plain[:] = slot
-        interleave.transform(self.layout, plain, slot, self.ne0, self.ne1)
+    @property
+    def row_bytes(self) -> int:
+        return self.ne0 // self.layout.block.per_block * self.layout.block.block_bytes
+
+    @property
+    def group_bytes(self) -> int:
+        return self.layout.rows * self.row_bytes
+
+    def into(self, src, dest: int, n: int) -> None:
+        """Write at `dest` the transform of `src`, `n` bytes of whole row groups of this part."""
+        if n % self.group_bytes:
+            raise ValueError(f"{n} bytes is not whole groups of {self.group_bytes}")
+        interleave.transform(self.layout, src, libc.buffer_at(dest, n), self.ne0, n // self.row_bytes)
 
 
 def repacks_for(entry: LayerEntry, made: dict[str, str]) -> list[PartRepack | None]:
@@ -86,27 +93,3 @@ def repacks_for(entry: LayerEntry, made: dict[str, str]) -> list[PartRepack | No
         name = made.get(p.type_name)
         out.append(PartRepack(interleave.LAYOUTS[name], p.shape[0], p.shape[1]) if name else None)
     return out
-
-
-def repack_job(pieces, repacks: list[PartRepack | None]) -> tuple[int, float]:
-    """Transform a finished read's pieces [(file, offset, length, dest)] whose part has a
-    transform; (bytes transformed, this thread's CPU seconds)."""
-    t0 = time.thread_time()
-    done = 0
-    for (_, _, length, dest), repack in zip(pieces, repacks):
-        if repack is not None:
-            repack.apply(dest, length)
-            done += length
-    return done, time.thread_time() - t0
-
-
-_local = threading.local()
-
-
-def _scratch(n: int) -> np.ndarray:
-    """This reader thread's buffer for a part's plain bytes, grown as needed, never freed
-    while the thread runs (no allocation, page fault or zeroing per read)."""
-    buf = getattr(_local, "buf", None)
-    if buf is None or buf.size < n:
-        buf = _local.buf = np.empty(n, np.uint8)
-    return buf[:n]

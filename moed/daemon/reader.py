@@ -9,7 +9,10 @@ A job (one expert's parts) is split into chunks of `chunk_bytes` so several
 reads are in flight per expert. Two queues: demand chunks always go before
 prefetch chunks, and a prefetch job is promoted when a demand read wants it.
 A chunk whose file range and length are 4096-aligned is read straight into
-the slot; any other goes through the thread's aligned bounce buffer.
+the slot; any other goes through the thread's aligned bounce buffer. A piece
+with a transform (repack on read, moed.daemon.onread) is split into chunks of
+whole row groups, each read into the bounce buffer and transformed from there
+into the slot: the bytes cross memory once, as a copy would.
 
 Failures (docs/design.md, "When the drive misbehaves"): a short read is read on
 from where it stopped, so what fails is what the kernel said (an O_DIRECT read
@@ -44,7 +47,7 @@ from dataclasses import dataclass, field
 
 from moed import libc
 from moed.gguf.header import FileIdentity, identity_of, open_regular
-from moed.protocol.errors import BadModelFile
+from moed.protocol.errors import BadModelFile, InternalError
 from moed.protocol.layout import PAGE
 
 from .drivehealth import DriveHealth
@@ -134,8 +137,9 @@ class ReadJob:
     digest: int = 0  # verify mode: xxh3 of the bytes read (set by the completion callback)
     bytes_total: int = 0
     submitted_s: float = 0.0  # monotonic, at submit (how long its chunks have queued)
-    # per piece, its transform once read (repack on read, moed.daemon.onread; run by the
-    # completion callback), and what it cost: bytes transformed, the thread's CPU seconds
+    # per piece, its transform (repack on read, moed.daemon.onread: `group_bytes`, and
+    # `into(src, dest, n)` writing n transformed bytes at dest), or None; and what the
+    # transforms cost, summed over the job's chunks: bytes, the reader threads' CPU seconds
     repacks: list | None = None
     repacked_bytes: int = 0
     repack_cpu_s: float = 0.0
@@ -178,9 +182,13 @@ class ReaderPool:
     def submit(self, job: ReadJob) -> None:
         chunks = []
         for k, (f, off, length, dest) in enumerate(job.pieces):
-            for pos in range(0, length, self.chunk_bytes):
-                n = min(self.chunk_bytes, length - pos)
-                chunks.append((job, k, f, off + pos, n, dest + pos))
+            repack = job.repacks[k] if job.repacks else None
+            step = self.chunk_bytes
+            if repack is not None:  # whole row groups: each chunk transforms on its own
+                step = max(1, self.chunk_bytes // repack.group_bytes) * repack.group_bytes
+            for pos in range(0, length, step):
+                n = min(step, length - pos)
+                chunks.append((job, k, f, off + pos, n, dest + pos, repack))
         job._left = len(chunks)
         job.bytes_total = sum(p[2] for p in job.pieces)
         job.submitted_s = time.monotonic()
@@ -270,51 +278,70 @@ class ReaderPool:
         bounce = mmap.mmap(-1, self.chunk_bytes + 2 * ALIGN)
         me = threading.current_thread().name
         while (chunk := self._next()) is not None:
-            job, k, f, off, n, dest = chunk
-            err = None
+            job, k, f, off, n, dest, repack = chunk
+            err, cpu_s = None, 0.0
             if job._error is None:
+                if n + 2 * ALIGN > len(bounce):  # a row group larger than a chunk
+                    bounce.close()
+                    bounce = mmap.mmap(-1, n + 2 * ALIGN)
                 self._active[me] = (time.monotonic(), job, f.path, off, n)
                 try:
-                    self._read_retrying(k, f, off, n, dest, bounce)
+                    cpu_s = self._read_retrying(k, f, off, n, dest, bounce, repack)
                 except BaseException as exc:  # noqa: BLE001 - any failure fails the job, not the thread
                     err = exc
                 finally:
                     del self._active[me]
-            self._finish(job, err)
+            self._finish(job, err, n if repack is not None and err is None else 0, cpu_s)
         bounce.close()
 
-    def _read_retrying(self, k: int, f: ModelFile, off: int, n: int, dest: int, bounce: mmap.mmap) -> None:
-        """Read one chunk; a failing read is tried again `retries` times, end of file never."""
+    def _read_retrying(self, k: int, f: ModelFile, off: int, n: int, dest: int, bounce: mmap.mmap, repack) -> float:
+        """Read one chunk (and transform it, with `repack`); a failing read is tried again
+        `retries` times, end of file never. The transform's CPU seconds."""
         for attempt in range(1, self.retries + 2):
             t0 = time.perf_counter()
             try:
-                self._read(f, off, n, dest, bounce)
+                if repack is None:
+                    self._read(f, off, n, dest, bounce)
+                else:
+                    view = self._read_bounced(f, off, n, bounce)
             except OSError as exc:
                 err = exc.errno or errno.EIO
             else:
                 self.health.observe(time.perf_counter() - t0, n)
-                return
+                if repack is None:
+                    return 0.0
+                try:
+                    return _transform(repack, view, dest, n)
+                finally:
+                    view.release()  # the bounce buffer exports nothing once the chunk is done
             if err == _EOF or attempt > self.retries:
                 raise ReadFailure(0 if err == _EOF else err, f.path, off, n, k, attempt) from None
             self.retried += 1
             # Short: a transient fault (a path failover, a bus reset) is often over in
             # milliseconds, and a bad sector fails every retry the same way anyway.
             time.sleep(self.retry_backoff_s * 4 ** (attempt - 1))
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _read(self, f: ModelFile, off: int, n: int, dest: int, bounce: mmap.mmap) -> None:
         if not f.direct or (off % ALIGN == 0 and n % ALIGN == 0 and dest % ALIGN == 0):
             _fill(f.fd, libc.buffer_at(dest, n), off, n)
             return
+        libc.buffer_at(dest, n)[:] = self._read_bounced(f, off, n, bounce)
+
+    def _read_bounced(self, f: ModelFile, off: int, n: int, bounce: mmap.mmap) -> memoryview:
+        """The `n` bytes at `off`, read into the bounce buffer by aligned reads."""
         start = off - off % ALIGN
         end = -(-(off + n) // ALIGN) * ALIGN
         view = memoryview(bounce)[: end - start]
         _fill(f.fd, view, start, off + n - start)
-        libc.buffer_at(dest, n)[:] = view[off - start : off - start + n]
+        return view[off - start : off - start + n]
 
-    def _finish(self, job: ReadJob, err: BaseException | None) -> None:
+    def _finish(self, job: ReadJob, err: BaseException | None, repacked: int = 0, cpu_s: float = 0.0) -> None:
         with self._cv:
             if err is not None and job._error is None:
                 job._error = err
+            job.repacked_bytes += repacked
+            job.repack_cpu_s += cpu_s
             job._left -= 1
             done = job._left == 0
         if done:
@@ -325,6 +352,22 @@ class ReaderPool:
 
 
 _EOF = -1  # not an errno: the file ended before the range did
+
+
+def _transform(repack, src: memoryview, dest: int, n: int) -> float:
+    """`repack.into` one chunk read; its CPU seconds. A transform that fails fails the read
+    (InternalError): bytes that could not be transformed are never served."""
+    t0 = time.thread_time()
+    try:
+        repack.into(src, dest, n)
+    except Exception as exc:  # noqa: BLE001 - a bug in a transform, never wrong bytes
+        log.exception("repacking %d bytes on read failed", n)
+        why = f"repacking on read failed: {type(exc).__name__}: {exc}"
+    else:
+        return time.thread_time() - t0
+    # Raised here, not in the handler: the error the job keeps must not hold the transform's
+    # frames, whose arrays still view the thread's bounce buffer.
+    raise InternalError(why)
 
 
 def _fill(fd: int, buf: memoryview, off: int, need: int) -> None:

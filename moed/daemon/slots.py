@@ -15,10 +15,10 @@ It owns:
   only itself).
 
 What must happen before what:
-- a slot's bytes are read, its files fstat'ed unchanged, transformed when its
-  model is made on read (moed.daemon.onread), its pages locked and (in verify
-  mode) hashed, all in the reader thread, before it is READY on the loop; only
-  READY slots are ever granted (the store's rule);
+- a slot's bytes are read (and transformed, chunk by chunk, when its model is
+  made on read: moed.daemon.onread), its files fstat'ed unchanged, its pages
+  locked and (in verify mode) hashed, all in the reader threads, before it is
+  READY on the loop; only READY slots are ever granted (the store's rule);
 - a failed read's slot goes back to the free list before any waiter hears of
   it; a read that found its file changed reports that through `on_stale`, and
   the layer above decides what retiring the model means;
@@ -42,7 +42,6 @@ from .counters import Counters, Tenant
 from .faults import DriveFaults
 from .heat import Heat
 from .models import Model
-from .onread import repack_job
 from .ramtier import RamTier
 from .reader import ReaderPool, ReadJob
 from .residency import Residency
@@ -157,8 +156,6 @@ class Slots:
             changed = next((f for f in {p[0] for p in job.pieces} if f.changed()), None)
             if changed is not None:
                 err = errors.ModelStale(f"{changed.path} changed on disk while {job.what} was read")
-        if err is None and job.repacks:
-            err = _repack(job)
         if err is None:
             self.ramtier.lock_slot(self.ramtier.segments[slot.class_id], slot.index)
             if self.verifier is not None:
@@ -269,17 +266,6 @@ class Slots:
             for slot in slots:
                 if self.store.use_prefetched(slot):
                     c.prefetch_hits += 1
-
-
-def _repack(job: ReadJob) -> BaseException | None:
-    """Reader thread: a read's pieces made in the layout its model serves (None), or the error
-    that fails the read: bytes that could not be transformed are never served."""
-    try:
-        job.repacked_bytes, job.repack_cpu_s = repack_job(job.pieces, job.repacks or [])
-    except Exception as exc:  # noqa: BLE001 - a transform that fails fails the read, not the thread
-        log.exception("repacking %s on read failed", job.what)
-        return errors.InternalError(f"repacking {job.what} on read failed: {type(exc).__name__}: {exc}")
-    return None
 
 
 __all__ = ["Loading", "Slots", "wants"]

@@ -304,3 +304,44 @@ def test_catalog_shapes_are_what_resolve_reads(model_factory):
     cat = Catalog.open(str(model_factory(quant="q4_0")))
     part = next(iter(cat.layers.values())).parts["gate"]
     assert len(part.shape) == 3 and part.shape[2] == cat.n_experts  # (ne0, ne1, n_expert)
+
+
+def test_a_part_larger_than_a_chunk_is_transformed_chunk_by_chunk(model_factory):
+    """The reader splits a repacked part into chunks of whole row groups (36 KiB parts of 1152-byte
+    groups in 4 KiB chunks: 3456 bytes each, none page-aligned) and transforms each as it is read."""
+    path = str(model_factory(quant="q4_0", embd=256, ff=256))
+
+    async def body(daemon: Daemon):
+        model = await daemon.open_model(path, layout="q4_0_8x8")
+        part = model.catalog.layers[0].parts["down"]
+        assert part.bytes_per_expert > 4096 * 8
+        lease = await lease_of(daemon, model, 0, [0, 5])
+        for k, e in enumerate((0, 5)):
+            for name in model.catalog.parts:
+                assert stored(daemon, lease, k, name) == made_on_read(model, 0, e, name), (e, name)
+        daemon.release(lease)
+        assert daemon.stats()["repacked_bytes"] == 2 * sum(
+            p.bytes_per_expert for p in model.catalog.layers[0].parts.values()
+        )
+
+    run(body, budget_bytes=8 << 20, chunk_bytes=4096)
+
+
+def test_a_transform_that_fails_fails_the_read_and_serves_nothing(model_factory, monkeypatch):
+    from moed.daemon.onread import PartRepack
+
+    def broken(self, src, dest, n):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(PartRepack, "into", broken)
+    path = str(model_factory(quant="q4_0"))
+
+    async def body(daemon: Daemon):
+        model = await daemon.open_model(path, layout="q4_0_8x8")
+        with pytest.raises(errors.InternalError, match="repacking on read failed: RuntimeError: a bug"):
+            await lease_of(daemon, model, 0, [1])
+        assert daemon.stats()["read_errors"] == 1 and daemon.store.used_bytes == 0
+        plain = await daemon.open_model(path)  # the plain model has no transform: served
+        daemon.release(await lease_of(daemon, plain, 0, [1]))
+
+    run(body)
