@@ -25,8 +25,9 @@ Engines:
   (resp. with gpu_zero_copy) with a budget that holds the model, warmed until every expert
   of every layer is in a device slot (resp. resident in moed); then `--tokens` pairs of
   tokens, one with the stop at every routed layer and one without any (the eval
-  callback's ask pass set to want no node, `EvalCallback.set_whole`: ggml then computes
-  each split of the graph in one piece, as with no callback), in ABBA order. Without the
+  callback's routed stop set to a name no node has, `EvalCallback.set_route`: the ask
+  pass wants no node, and ggml computes each split of the graph in one piece, as with no
+  callback), in ABBA order. Without the
   stop the ids are not remapped: the same work over the wrong slots (finite weights:
   every slot holds a real expert), whose outputs are thrown away. (stop - no stop) /
   layers, the median over pairs, is what a stop costs a layer: the graph split there and
@@ -59,6 +60,7 @@ sys.path.insert(0, str(ROOT))
 
 ENGINES = ("stock", "hybrid", "slots", "zero-copy", "stop", "stop-zero-copy")
 STOP_ENGINES = ("stop", "stop-zero-copy")
+NO_STOP = b"moed-bench-no-stop-"  # a routed stop no node is named after: the ask pass wants none
 LLAMA_KW = dict(n_ctx=512, n_batch=64, n_ubatch=64, n_threads=2, verbose=False, seed=0, n_gpu_layers=-1)
 PROMPT_TOKENS = 4
 SEED = 1234
@@ -142,6 +144,8 @@ def child(args: argparse.Namespace) -> None:
 
 def stop_child(args: argparse.Namespace, llm, client, rng, n_vocab: int) -> None:
     """The stop against no stop, token pairs in ABBA order, once every expert is placed."""
+    from moed.engines.ggml_tensor import WEIGHTS_PREFIX
+
     streamer = llm.streamer
     want = args.layers * args.experts
 
@@ -172,14 +176,14 @@ def stop_child(args: argparse.Namespace, llm, client, rng, n_vocab: int) -> None
         pair = {}
         clean = True
         for stop in (True, False) if i % 2 == 0 else (False, True):
-            streamer.c_callback.set_whole(not stop)
+            streamer.c_callback.set_route(WEIGHTS_PREFIX if stop else NO_STOP)
             t = int(rng.integers(1, n_vocab))
             m0 = misses() if stop else 0
             t0 = time.perf_counter()
             llm.eval([t])
             pair[stop] = time.perf_counter() - t0
             clean = clean and (not stop or misses() == m0)
-        streamer.c_callback.set_whole(False)
+        streamer.c_callback.set_route(WEIGHTS_PREFIX)
         if not clean:  # the stop fetched an expert: not the stop's cost alone
             dirty += 1
             continue

@@ -35,9 +35,12 @@ What this module owns, for one loaded model:
 Why the grant held until the next layer's acquire is enough (the placement's `hide` does
 nothing): the device reads a moed slot from the moment the layer's `MUL_MAT_ID` runs until
 it has run, and the slot may be reused only once its lease is released. The streamer
-releases layer L's grant in the round trip of the next routed layer's acquire, made inside
-the eval callback at that layer's `ffn_moe_weights` node, or in `finish` after
-`llama_decode` returned. With an eval callback set, ggml's scheduler
+hands layer L's grant to the layer holds (moed.engines.holds), which hand it back at the
+next routed stop, where it is released in the round trip of that layer's acquire, made
+inside the eval callback at its `ffn_moe_weights` node (or handed on, unreleased, when
+that layer acquires nothing), or after `llama_decode` returned (`finish`). Every layer
+this placement serves acquires (`needs` names every routed expert), and under an offload
+every stop comes to Python (the holds take no hit: no lane layers). With an eval callback set, ggml's scheduler
 (`ggml_backend_sched_compute_splits`) computes each split in pieces that end at a node the
 callback asked for, and calls `ggml_backend_synchronize` on the split's backend after every
 piece, before the callback sees the node; splits run one after the other. Layer L's expert
