@@ -312,7 +312,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 def cmd_kl(args: argparse.Namespace) -> int:
     import json
 
-    from moed.engines.llama_cpp import UnpackedLlama
+    from moed.engines.llama_cpp import StockLlama, UnpackedLlama
     from moed.lab import kl
 
     if not os.path.exists(args.model):
@@ -348,7 +348,9 @@ def cmd_kl(args: argparse.Namespace) -> int:
             )
             sessions.append(s)
             return s.llm
-        return UnpackedLlama(args.model, repack="dense" if args.repack == "auto" else "off", **kw)
+        if args.repack == "auto":  # a plain file's experts are repacked on read: stock's kernels (issue 41)
+            return StockLlama(args.model, **kw)
+        return UnpackedLlama(args.model, repack=args.repack, **kw)
 
     try:
         try:

@@ -387,10 +387,12 @@ class StreamedLlama(Llama):
     price it with `moectl kl`). `subst_rule`: "plain" (best-ranked) or "cooc"
     (most often routed together with the missing expert, learned online).
     `repack`: "auto" (default) runs every weight on the CPU kernels stock llama.cpp
-    would use: the dense weights are repacked at load by ggml, and the experts run
-    on the layout their bytes are in (a file from `moectl align --repack` on a host
-    like this one: bit-exact with stock `llama_cpp.Llama`); "off" runs everything
-    on the plain kernels (bit-exact with `UnpackedLlama`). moed.engines.repack.
+    would use, bit-exact with stock `llama_cpp.Llama`: the dense weights are repacked
+    at load by ggml, and the experts are in this CPU's layout, made by the daemon as
+    it reads a plain file or found in a file from `moectl align --repack`; "dense"
+    keeps the experts plain (bit-exact with `UnpackedLlama(repack="dense")`); "off"
+    runs everything on the plain kernels (bit-exact with `UnpackedLlama`).
+    moed.engines.repack.
     `warm`: "off" (default); "resident" maps the experts the daemon holds at load,
     "all" reads and maps every expert (see `warm()`).
     `gpu_slots`: with `n_gpu_layers`, the offloaded layers' routed experts computed on

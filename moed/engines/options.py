@@ -142,10 +142,11 @@ class EngineOptions:
             "--repack",
             dict.fromkeys(
                 (RUN, SERVE),
-                "CPU kernels: stock llama.cpp's repacked ones where the file and this CPU allow (auto, "
-                "default; `moectl align --repack` makes a file whose experts use them too), or the plain ones (off)",
+                "CPU kernels: stock llama.cpp's repacked ones where this CPU has them (auto, default; a plain "
+                "file's experts are repacked by the daemon as it reads them), stock's for the dense weights and "
+                "the plain ones for the experts (dense), or the plain ones (off)",
             ),
-            choices=("auto", "off"),
+            choices=("auto", "dense", "off"),
         ),
     )
     warm: str = _option(
