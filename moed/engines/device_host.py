@@ -214,7 +214,7 @@ class _Rows:
 
 
 @dataclass
-class _Layer:
+class _HostLayer:
     class_id: int
     n_expert: int
     capacity: int
@@ -246,7 +246,7 @@ class HostSlots:
         self.gpu_slots = gpu_slots
         self.stats = HostStats(slots=gpu_slots)
         self._imports: dict[int, _Import] = {}
-        self._layers: dict[int, _Layer] = {}
+        self._layers: dict[int, _HostLayer] = {}
         self._ctx = _api().init(GgmlInitParams(_api().tensor_overhead() * (len(found.experts) + 1), None, True))
         if not self._ctx:
             raise MemoryError("ggml_init failed")
@@ -338,14 +338,14 @@ class HostSlots:
         imp.tensors[key] = addr
         return addr
 
-    def _build(self, layer: int, tensors: list[tuple[str, str, int]], buft: int, source: Any) -> _Layer:
+    def _build(self, layer: int, tensors: list[tuple[str, str, int]], buft: int, source: Any) -> _HostLayer:
         class_id, segment = source.layer_segment(layer)
         n_expert = {int(GgmlTensor.from_address(a).ne[_EXPERT_AXIS[kind]]) for _, kind, a in tensors}
         if len(n_expert) != 1:
             raise ValueError(f"layer {layer}: its expert tensors disagree on the expert count {sorted(n_expert)}")
         imp = self._import(class_id, segment, buft)
         capacity = segment.info.capacity
-        out = _Layer(class_id, n_expert.pop(), capacity)
+        out = _HostLayer(class_id, n_expert.pop(), capacity)
         weights: list[tuple[str, str, int]] = []
         others: list[tuple[str, str, int]] = []
         for part, kind, addr in tensors:
@@ -370,7 +370,7 @@ class HostSlots:
             self._rows(layer, out, others, buft)
         return out
 
-    def _rows(self, layer: int, out: _Layer, tensors: list[tuple[str, str, int]], buft: int) -> None:
+    def _rows(self, layer: int, out: _HostLayer, tensors: list[tuple[str, str, int]], buft: int) -> None:
         """Device tensors of `capacity` rows for the layer's biases and scales."""
         api = _api()
         out.ctx = api.init(GgmlInitParams(api.tensor_overhead() * (len(tensors) + 1), None, True))
@@ -459,7 +459,7 @@ class HostSlots:
         self.stats.cycle_s += time.perf_counter() - t0
         return np.array(ids, np.int32)
 
-    def _rows_for(self, L: _Layer, want: np.ndarray, slots: np.ndarray) -> None:
+    def _rows_for(self, L: _HostLayer, want: np.ndarray, slots: np.ndarray) -> None:
         """Each bias and scale row the batch's moed slots stand for, where the slot last stood
         for another expert of the layer."""
         api = _api()

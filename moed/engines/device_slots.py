@@ -305,7 +305,7 @@ class _Part:
 
 
 @dataclass
-class _Layer:
+class _SlotLayer:
     n_expert: int
     n_slots: int
     parts: list[_Part]
@@ -333,7 +333,7 @@ class DeviceSlots:
         for layer in sorted(wanted):
             if layer not in by_layer or layer not in found.layer_buft:
                 raise ValueError(f"layer {layer} has no expert tensors on a device: no slots there")
-        self._layers: dict[int, _Layer] = {}
+        self._layers: dict[int, _SlotLayer] = {}
         self.stats = SlotStats()
         try:
             for layer in sorted(wanted):
@@ -346,7 +346,7 @@ class DeviceSlots:
         self.stats.device_bytes = sum(api.nbytes(p.slots) for L in self._layers.values() for p in L.parts)
 
     @staticmethod
-    def _build(layer: int, tensors: list[tuple[str, str, int]], buft: int, gpu_slots: int) -> _Layer:
+    def _build(layer: int, tensors: list[tuple[str, str, int]], buft: int, gpu_slots: int) -> _SlotLayer:
         """Allocate the layer's slot tensors in `buft` and point the model's tensors at them."""
         api = _api()
         n_expert = {int(GgmlTensor.from_address(a).ne[_EXPERT_AXIS[kind]]) for _, kind, a in tensors}
@@ -357,7 +357,7 @@ class DeviceSlots:
         ctx = api.init(GgmlInitParams(api.tensor_overhead() * (len(tensors) + 1), None, True))
         if not ctx:
             raise MemoryError("ggml_init failed")
-        out = _Layer(n, s, [], ctx=ctx, free=list(range(s)))
+        out = _SlotLayer(n, s, [], ctx=ctx, free=list(range(s)))
         try:
             made = []
             for part, kind, addr in tensors:
@@ -477,7 +477,7 @@ class DeviceSlots:
         if k and n_rows:
             _write_ids(topk, np.zeros((n_rows, k), np.int32), nb1)
 
-    def _checked(self, layer: int, L: _Layer, want: np.ndarray) -> np.ndarray:
+    def _checked(self, layer: int, L: _SlotLayer, want: np.ndarray) -> np.ndarray:
         """`want` (sorted distinct experts), checked against the layer's expert count and slots."""
         if len(want) and (want[0] < 0 or want[-1] >= L.n_expert):
             raise RuntimeError(f"layer {layer}: expert id {int(want[0] if want[0] < 0 else want[-1])} out of range")
@@ -487,7 +487,7 @@ class DeviceSlots:
             )
         return want
 
-    def _place(self, layer: int, L: _Layer, ids: np.ndarray, fetch: Fetch) -> np.ndarray:
+    def _place(self, layer: int, L: _SlotLayer, ids: np.ndarray, fetch: Fetch) -> np.ndarray:
         """Every expert of `ids` in a slot (uploading the misses); returns expert -> slot."""
         want = self._checked(layer, L, np.unique(ids))
         lru, misses = L.lru, []
@@ -504,7 +504,7 @@ class DeviceSlots:
             slot_of[e] = lru[e]
         return slot_of
 
-    def _upload(self, L: _Layer, misses: list[int], fetch: Fetch) -> None:
+    def _upload(self, L: _SlotLayer, misses: list[int], fetch: Fetch) -> None:
         api = _api()
         planned: list[tuple[int, int]] = []
         for e in misses:
