@@ -13,7 +13,8 @@ Engines (each in its own process; the capped ones inside one cgroup v1 memory gr
 `--cap` bytes, daemon and engine together):
   moed-gate  StreamedLlama, prefetch "gate" (the default), daemon budget `--budget`
   moed-off   StreamedLlama, prefetch off
-  (either with `@SIZE`, e.g. `moed-off@256KiB`: its daemon reads in chunks of SIZE)
+  (either with `@SIZE`, e.g. `moed-off@256KiB`: its daemon reads in chunks of SIZE; or
+  with `@KEY=VALUE[+KEY=VALUE]`, e.g. `moed-gate@prefault=false`: one daemon config key)
   mmap       llama.cpp's mmap path (UnpackedLlama, use_mmap, no repack), in the cap
   stock      stock llama_cpp.Llama as users run it (resident, every repacked kernel), no
              cap; skipped with the reason when the box's MemAvailable cannot hold the model
@@ -117,17 +118,25 @@ def run_engine(kind: str, model: str, socket: str | None, prompt_n: int, tokens:
         s = getattr(llm, "streamer", None)
         return s.stats.acquire_s if s is not None else 0.0
 
-    d0, s0 = daemon(), stall()
+    def cpu() -> float:
+        t = os.times()
+        return t.user + t.system
+
+    d0, s0, c0 = daemon(), stall(), cpu()
     t = time.perf_counter()
     llm.eval(prompt)
     prefill_s = time.perf_counter() - t
-    d1, s1 = daemon(), stall()
+    d1, s1, c1 = daemon(), stall(), cpu()
     t = time.perf_counter()
     for _ in range(tokens):
         tok = llm.sample(temp=TEMPERATURE, top_k=0, top_p=1.0, min_p=0.0)
         llm.eval([int(tok)])
     decode_s = time.perf_counter() - t
-    d2, s2 = daemon(), stall()
+    d2, s2, c2 = daemon(), stall(), cpu()
+    # Where the two cores went: the engine's CPU and the daemon's (readers, transforms, loop).
+    out.update(prefill_engine_cpu_s=round(c1 - c0, 2), decode_engine_cpu_s=round(c2 - c1, 2))
+    if client is not None:
+        out.update(prefill_daemon_cpu_s=_cpu_s(d0, d1), decode_daemon_cpu_s=_cpu_s(d1, d2))
     out.update(prefill_tok_s=round(prompt_n / prefill_s, 3), decode_tok_s=round(tokens / decode_s, 3))
     out.update(prefill_s=round(prefill_s, 2), decode_s=round(decode_s, 2))
     if client is not None:
@@ -152,6 +161,10 @@ def run_engine(kind: str, model: str, socket: str | None, prompt_n: int, tokens:
     if client is not None:
         client.close()
     return out
+
+
+def _cpu_s(a: dict, b: dict) -> float:
+    return round(b["cpu_user_s"] + b["cpu_system_s"] - a["cpu_user_s"] - a["cpu_system_s"], 2)
 
 
 def _rate(a: dict, b: dict) -> float | None:
@@ -211,11 +224,20 @@ def mem_available() -> int:
 
 def daemon_config(kind: str) -> tuple[str, ...]:
     """`moed-off@256KiB`: that engine's daemon reads in chunks of 256 KiB (the default
-    before issue 32's change to 1 MiB), so before and after run in one invocation."""
+    before issue 32's change to 1 MiB); `moed-gate@prefault=false`: that engine's daemon
+    runs with one config key set (`+` joins several). So before and after run in one
+    invocation, interleaved."""
     if "@" not in kind:
         return ()
+    lines = []
+    for item in kind.split("@", 1)[1].split("+"):
+        key, sep, value = item.partition("=")
+        if not sep:
+            key, value = "chunk_bytes", item
+        toml = value if value in ("true", "false") or value.lstrip("-").isdigit() else f'"{value}"'
+        lines.append(f"{key} = {toml}\n")
     path = pathlib.Path(f"/tmp/moed-real-{os.getpid()}-{kind.replace('@', '-')}.toml")
-    path.write_text(f'chunk_bytes = "{kind.split("@", 1)[1]}"\n')
+    path.write_text("".join(lines))
     return ("--config", str(path))
 
 

@@ -17,6 +17,7 @@ snapshot() needs no edit; a name the schema lacks fails the conversion
 from __future__ import annotations
 
 import bisect
+import os
 import time
 from dataclasses import dataclass, field, fields
 
@@ -203,6 +204,11 @@ def _tenant_row(daemon, tenant: Tenant) -> dict:
     )
 
 
+def _cpu() -> dict:
+    t = os.times()
+    return {"cpu_user_s": round(t.user, 3), "cpu_system_s": round(t.system, 3)}
+
+
 def snapshot(daemon) -> dict:
     store, c = daemon.store, daemon.counters
     models = list(daemon.models.values())
@@ -210,6 +216,7 @@ def snapshot(daemon) -> dict:
         "version": daemon.version,
         "pid": daemon.pid,
         "uptime_s": round(time.time() - daemon.started_at, 3),
+        **_cpu(),
         "budget_bytes": store.budget_bytes,
         "used_bytes": store.used_bytes,
         "pinned_bytes": store.pinned_bytes,

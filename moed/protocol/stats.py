@@ -182,6 +182,10 @@ class Stats(_Row):
     version: str
     pid: int
     uptime_s: Annotated[float, gauge("uptime_seconds", "Seconds since the daemon started")]
+    # The daemon's own CPU, all threads (readers, transforms, the event loop): on a shared box
+    # it is taken from the cores the engines compute on, so a bench can price it per GB read.
+    cpu_user_s: Annotated[float, counter("cpu_user_seconds", "The daemon process's user CPU time")]
+    cpu_system_s: Annotated[float, counter("cpu_system_seconds", "The daemon process's system CPU time")]
     budget_bytes: Annotated[int, gauge("budget_bytes", "The shared RAM tier budget")]
     used_bytes: Annotated[int, gauge("used_bytes", "Bytes of the RAM tier in use")]
     pinned_bytes: Annotated[int, gauge("pinned_bytes", "Bytes of the pinned partition in use")]

@@ -68,6 +68,8 @@ def snapshot(**top) -> dict:
         version="0.1.0",
         pid=7,
         uptime_s=10.0,
+        cpu_user_s=1.0,
+        cpu_system_s=0.5,
         budget_bytes=64 * MIB,
         used_bytes=4 * MIB,
         pinned_bytes=0,
