@@ -14,7 +14,8 @@ Engines (each in its own process; the capped ones inside one cgroup v1 memory gr
   moed-gate  StreamedLlama, prefetch "gate" (the default), daemon budget `--budget`
   moed-off   StreamedLlama, prefetch off
   (either with `@SIZE`, e.g. `moed-off@256KiB`: its daemon reads in chunks of SIZE; or
-  with `@KEY=VALUE[+KEY=VALUE]`, e.g. `moed-gate@prefault=false`: one daemon config key)
+  with `@KEY=VALUE[+KEY=VALUE]`, e.g. `moed-gate@prefault=false`: one daemon config key;
+  then `%NAME=VALUE[+NAME=VALUE]`: the engine process's environment, e.g. `%GOMP_SPINCOUNT=0`)
   mmap       llama.cpp's mmap path (UnpackedLlama, use_mmap, no repack), in the cap
   stock      stock llama_cpp.Llama as users run it (resident, every repacked kernel), no
              cap; skipped with the reason when the box's MemAvailable cannot hold the model
@@ -92,13 +93,13 @@ def run_engine(kind: str, model: str, socket: str | None, prompt_n: int, tokens:
         verbose=False,
     )
     t0 = time.perf_counter()
-    if kind.startswith("moed"):
+    if base(kind).startswith("moed"):
         from moed.client import Client
         from moed.engines.llama_cpp import StreamedLlama
 
         client = Client(socket, "real-size")
-        llm = StreamedLlama(model, client=client, prefetch="gate" if kind.split("@")[0] == "moed-gate" else "off", **kw)
-    elif kind == "mmap":
+        llm = StreamedLlama(model, client=client, prefetch="gate" if base(kind) == "moed-gate" else "off", **kw)
+    elif base(kind) == "mmap":
         from moed.engines.llama_cpp import UnpackedLlama
 
         client, llm = None, UnpackedLlama(model, use_mmap=True, **kw)
@@ -163,6 +164,11 @@ def run_engine(kind: str, model: str, socket: str | None, prompt_n: int, tokens:
     return out
 
 
+def base(kind: str) -> str:
+    """The engine a kind names, without its daemon config (`@`) and environment (`%`)."""
+    return kind.split("@", 1)[0].split("%", 1)[0]
+
+
 def _cpu_s(a: dict, b: dict) -> float:
     return round(b["cpu_user_s"] + b["cpu_system_s"] - a["cpu_user_s"] - a["cpu_system_s"], 2)
 
@@ -178,12 +184,15 @@ def _rate(a: dict, b: dict) -> float | None:
 
 def child(args, kind: str, model: str, group: Cgroup | None, socket: str | None) -> dict:
     cmd = [*(group.prefix() if group else []), sys.executable, __file__, "--child", kind, "--model", model]
-    tokens = args.mmap_tokens if kind == "mmap" else args.tokens  # the mmap path in the cap is slow
+    tokens = args.mmap_tokens if base(kind) == "mmap" else args.tokens  # the mmap path in the cap is slow
     cmd += ["--prompt", str(args.prompt), "--tokens", str(tokens), "--threads", str(args.threads)]
     if socket:
         cmd += ["--socket", socket]
     peak = 0
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = dict(os.environ)
+    if "%" in kind:  # `moed-gate%GOMP_SPINCOUNT=0`: that engine's process runs with these set
+        env.update(item.split("=", 1) for item in kind.split("%", 1)[1].split("+"))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + args.timeout_s
     while True:
         try:
@@ -227,6 +236,7 @@ def daemon_config(kind: str) -> tuple[str, ...]:
     before issue 32's change to 1 MiB); `moed-gate@prefault=false`: that engine's daemon
     runs with one config key set (`+` joins several). So before and after run in one
     invocation, interleaved."""
+    kind = kind.split("%", 1)[0]
     if "@" not in kind:
         return ()
     lines = []
@@ -245,7 +255,7 @@ def run_once(args, model: str, kinds: list[str]) -> list[dict]:
     results = []
     for kind in kinds:
         drop_page_cache(model)
-        if kind == "stock":
+        if base(kind) == "stock":
             need = os.path.getsize(model) * 1.1
             if mem_available() < need:
                 results.append({"engine": kind, "skipped": f"MemAvailable {mem_available()} < {need:.0f}"})
@@ -254,7 +264,7 @@ def run_once(args, model: str, kinds: list[str]) -> list[dict]:
             continue
         group = Cgroup(f"moed-real-{os.getpid()}-{kind}", parse_size(args.cap))
         try:
-            if kind == "mmap":
+            if base(kind) == "mmap":
                 results.append(child(args, kind, model, group, None))
             else:
                 results.append(
@@ -313,10 +323,10 @@ def main() -> int:
     if "moed-gate" in med and "moed-off" in med:
         for k in ("prefill_tok_s", "decode_tok_s"):
             print(f"  gate / off {k}: {med['moed-gate'][k] / med['moed-off'][k]:.3f}")
-    for base in ("mmap", "stock"):
-        if base in med and "moed-gate" in med:
+    for ref in ("mmap", "stock"):
+        if ref in med and "moed-gate" in med:
             for k in ("prefill_tok_s", "decode_tok_s"):
-                print(f"  moed-gate / {base} {k}: {med['moed-gate'][k] / med[base][k]:.3f}")
+                print(f"  moed-gate / {ref} {k}: {med['moed-gate'][k] / med[ref][k]:.3f}")
     if "moed-gate" in med and "prefill_read_gbps" in med["moed-gate"]:
         print(f"  prompt reads / raw drive: {med['moed-gate']['prefill_read_gbps'] / drive['raw_gbps']:.3f}")
     for kind, row in med.items():
