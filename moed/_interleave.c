@@ -12,7 +12,10 @@
  *       interleaved block (g, x), XORed with `xor` (a chunk-wide word);
  *   kscales(src, dst, G, nb, bb, foff, o)
  *       ggml's make_block_q4_Kx8 regrouping of 8 rows' 12-byte 6-bit scales and mins
- *       into 96 bytes at o (Q4_K and Q5_K).
+ *       into 96 bytes at o (Q4_K and Q5_K);
+ *   moves(src, dst, G, nb, R, bb, plan)
+ *       a layout's whole plan, moves (kind, foff, fsize, chunk, o, xor) with kind 0 a
+ *       `chunks` and 1 a `kscales`, done block by block in one pass over src.
  *
  * Layouts (both buffers one expert's part): the plain block (row, x) at
  * (g*R + r)*nb*bb + x*bb; the interleaved block (g, x) at (g*nb + x)*R*bb. Every
@@ -58,53 +61,53 @@ static int geometry_ok(Buffers *b, Py_ssize_t G, Py_ssize_t nb, Py_ssize_t R, Py
     return 1;
 }
 
-#define PIECES(T)                                                                          \
-    for (Py_ssize_t g = 0; g < G; g++)                                                     \
-        for (Py_ssize_t x = 0; x < nb; x++) {                                              \
-            const uint8_t *s = src + g * R * row + x * bb + foff;                          \
-            uint8_t *d = dst + (g * nb + x) * gout + o;                                    \
-            for (Py_ssize_t k = 0; k < nk; k++)                                            \
-                for (Py_ssize_t r = 0; r < R; r++) {                                       \
-                    T v;                                                                   \
-                    memcpy(&v, s + r * row + k * (Py_ssize_t)sizeof(T), sizeof(T));        \
-                    v ^= (T)xor;                                                           \
-                    memcpy(d + (k * R + r) * (Py_ssize_t)sizeof(T), &v, sizeof(T));        \
-                }                                                                          \
+/* One move of a layout, checked against the block and the interleaved block. */
+typedef struct {
+    int kind; /* MOVE_CHUNKS or MOVE_KSCALES */
+    Py_ssize_t foff, fsize, chunk, o;
+    unsigned long long xor;
+} Move;
+
+enum { MOVE_CHUNKS = 0, MOVE_KSCALES = 1, MAX_MOVES = 8 };
+
+static int move_ok(const Move *m, Py_ssize_t R, Py_ssize_t bb) {
+    if (m->kind == MOVE_KSCALES) {
+        if (R != 8 || m->foff < 0 || m->foff + 12 > bb || m->o < 0 || m->o + 96 > R * bb) {
+            PyErr_Format(PyExc_ValueError, "scales at %zd to %zd do not fit %zd-byte blocks of %zd rows", m->foff,
+                         m->o, bb, R);
+            return 0;
+        }
+        return 1;
+    }
+    if (m->kind != MOVE_CHUNKS || !(m->chunk == 1 || m->chunk == 2 || m->chunk == 4 || m->chunk == 8) ||
+        m->fsize <= 0 || m->fsize % m->chunk || m->foff < 0 || m->foff + m->fsize > bb || m->o < 0 ||
+        m->o + R * m->fsize > R * bb) {
+        PyErr_Format(PyExc_ValueError, "field [%zd, +%zd) in %zd-byte pieces to %zd does not fit %zd-byte blocks",
+                     m->foff, m->fsize, m->chunk, m->o, bb);
+        return 0;
+    }
+    return 1;
+}
+
+/* Piece k of field [foff, foff + fsize) of row r's block (rows `row` bytes apart from s) goes
+ * to d + (k*R + r)*sizeof(T), XORed with a chunk-wide word. */
+#define PIECES(T)                                                                     \
+    for (Py_ssize_t k = 0; k < nk; k++)                                               \
+        for (Py_ssize_t r = 0; r < R; r++) {                                          \
+            T v;                                                                      \
+            memcpy(&v, s + r * row + k * (Py_ssize_t)sizeof(T), sizeof(T));           \
+            v ^= (T)m->xor;                                                           \
+            memcpy(d + (k * R + r) * (Py_ssize_t)sizeof(T), &v, sizeof(T));           \
         }
 
-static PyObject *chunks(PyObject *self, PyObject *args) {
-    PyObject *so, *dobj;
-    Py_ssize_t G, nb, R, bb, foff, fsize, chunk, o;
-    unsigned long long xor;
-    Buffers b;
-    if (!PyArg_ParseTuple(args, "OOnnnnnnnnK", &so, &dobj, &G, &nb, &R, &bb, &foff, &fsize, &chunk, &o, &xor))
-        return NULL;
-    if (buffers_get(so, dobj, &b) < 0) return NULL;
-    if (!geometry_ok(&b, G, nb, R, bb)) goto fail;
-    if (!(chunk == 1 || chunk == 2 || chunk == 4 || chunk == 8) || fsize <= 0 || fsize % chunk || foff < 0 ||
-        foff + fsize > bb || o < 0 || o + R * fsize > R * bb) {
-        PyErr_Format(PyExc_ValueError, "field [%zd, +%zd) in %zd-byte pieces to %zd does not fit %zd-byte blocks",
-                     foff, fsize, chunk, o, bb);
-        goto fail;
+static void block_pieces(const Move *m, const uint8_t *s, uint8_t *d, Py_ssize_t R, Py_ssize_t row) {
+    Py_ssize_t nk = m->fsize / m->chunk;
+    switch (m->chunk) {
+    case 1: PIECES(uint8_t) break;
+    case 2: PIECES(uint16_t) break;
+    case 4: PIECES(uint32_t) break;
+    default: PIECES(uint64_t) break;
     }
-    {
-        const uint8_t *src = b.src.buf;
-        uint8_t *dst = b.dst.buf;
-        Py_ssize_t nk = fsize / chunk, row = nb * bb, gout = R * bb;
-        Py_BEGIN_ALLOW_THREADS
-        switch (chunk) {
-        case 1: PIECES(uint8_t) break;
-        case 2: PIECES(uint16_t) break;
-        case 4: PIECES(uint32_t) break;
-        default: PIECES(uint64_t) break;
-        }
-        Py_END_ALLOW_THREADS
-    }
-    buffers_release(&b);
-    Py_RETURN_NONE;
-fail:
-    buffers_release(&b);
-    return NULL;
 }
 
 /* make_block_q4_Kx8's 12 bytes for one sub-block pair from 8 rows' 6-bit scales s and mins m. */
@@ -116,56 +119,139 @@ static void pack12(uint8_t *out, const uint8_t s[8], const uint8_t m[8]) {
     }
 }
 
+/* ggml's make_block_q4_Kx8 regrouping of 8 rows' 12-byte scales (rows `row` bytes apart from
+ * src) into 96 bytes at out. */
+static void block_kscales(const uint8_t *src, uint8_t *out, Py_ssize_t row) {
+    const uint8_t *in[8];
+    for (int j = 0; j < 8; j++) in[j] = src + j * row;
+    uint8_t s[8], m[8];
+    for (int i = 0; i < 4; i++) {
+        for (int j = 0; j < 8; j++) {
+            s[j] = in[j][i] & 63;
+            m[j] = in[j][i + 4] & 63;
+        }
+        pack12(out + i * 12, s, m);
+    }
+    for (int i = 0; i < 4; i++) {
+        for (int j = 0; j < 8; j++) {
+            s[j] = (uint8_t)(((in[j][i] & 192) >> 2) | (in[j][i + 8] & 15));
+            m[j] = (uint8_t)(((in[j][i + 4] & 192) >> 2) | ((in[j][i + 8] & 240) >> 4));
+        }
+        pack12(out + 48 + i * 12, s, m);
+    }
+}
+
+/* Streaming stores (x86's non-temporal moves; elsewhere a plain copy): whole 16-byte
+ * pieces of an interleaved block at a 16-byte aligned destination. */
+enum { STREAM_MAX = 4096 };
+#if defined(__SSE2__)
+#include <emmintrin.h>
+static int streamable(const uint8_t *dst, Py_ssize_t gout) {
+    return ((uintptr_t)dst % 16) == 0 && gout % 16 == 0 && gout <= STREAM_MAX;
+}
+static void stream_out(uint8_t *out, const uint8_t *tmp, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i += 16)
+        _mm_stream_si128((__m128i *)(out + i), _mm_load_si128((const __m128i *)(tmp + i)));
+}
+static void stream_end(void) { _mm_sfence(); }
+#else
+static int streamable(const uint8_t *dst, Py_ssize_t gout) { return 0; }
+static void stream_out(uint8_t *out, const uint8_t *tmp, Py_ssize_t n) { memcpy(out, tmp, (size_t)n); }
+static void stream_end(void) {}
+#endif
+
+/* Every move, block by block: each block column of each group is read once, all its fields
+ * moved while its rows are in cache (field by field over a whole chunk read the chunk from
+ * memory once per field: 1 MiB outgrows L2). */
+static PyObject *run_moves(Buffers *b, Py_ssize_t G, Py_ssize_t nb, Py_ssize_t R, Py_ssize_t bb, const Move *mv,
+                           int n) {
+    if (!geometry_ok(b, G, nb, R, bb)) return NULL;
+    for (int i = 0; i < n; i++)
+        if (!move_ok(&mv[i], R, bb)) return NULL;
+    const uint8_t *src = b->src.buf;
+    uint8_t *dst = b->dst.buf;
+    Py_ssize_t row = nb * bb, gout = R * bb;
+    /* Each interleaved block is made in a buffer on the stack and streamed out: the slot is
+     * written once, without reading its lines first (a store that misses reads the line). */
+    Py_ssize_t covered = 0; /* only a plan that writes every byte of the block streams it */
+    for (int i = 0; i < n; i++) covered += mv[i].kind == MOVE_KSCALES ? 96 : R * mv[i].fsize;
+    int stream = covered == gout && streamable(dst, gout);
+    uint8_t tmp[STREAM_MAX] __attribute__((aligned(64)));
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t g = 0; g < G; g++)
+        for (Py_ssize_t x = 0; x < nb; x++) {
+            const uint8_t *blk = src + g * R * row + x * bb;
+            uint8_t *out = dst + (g * nb + x) * gout;
+            uint8_t *to = stream ? tmp : out;
+            for (int i = 0; i < n; i++) {
+                const Move *m = &mv[i];
+                if (m->kind == MOVE_KSCALES)
+                    block_kscales(blk + m->foff, to + m->o, row);
+                else
+                    block_pieces(m, blk + m->foff, to + m->o, R, row);
+            }
+            if (stream) stream_out(out, tmp, gout);
+        }
+    stream_end();
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *with_buffers(PyObject *so, PyObject *dobj, Py_ssize_t G, Py_ssize_t nb, Py_ssize_t R,
+                              Py_ssize_t bb, const Move *mv, int n) {
+    Buffers b;
+    if (buffers_get(so, dobj, &b) < 0) return NULL;
+    PyObject *out = run_moves(&b, G, nb, R, bb, mv, n);
+    buffers_release(&b);
+    return out;
+}
+
+static PyObject *moves(PyObject *self, PyObject *args) {
+    PyObject *so, *dobj, *plan;
+    Py_ssize_t G, nb, R, bb;
+    if (!PyArg_ParseTuple(args, "OOnnnnO", &so, &dobj, &G, &nb, &R, &bb, &plan)) return NULL;
+    PyObject *seq = PySequence_Fast(plan, "the plan is a sequence of moves");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Move mv[MAX_MOVES];
+    if (n < 1 || n > MAX_MOVES) {
+        Py_DECREF(seq);
+        return PyErr_Format(PyExc_ValueError, "a plan has 1 to %d moves, not %zd", MAX_MOVES, n);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Move *m = &mv[i];
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "innnnK;a move is (kind, foff, fsize, chunk, o, xor)",
+                              &m->kind, &m->foff, &m->fsize, &m->chunk, &m->o, &m->xor)) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+    }
+    Py_DECREF(seq);
+    return with_buffers(so, dobj, G, nb, R, bb, mv, (int)n);
+}
+
+static PyObject *chunks(PyObject *self, PyObject *args) {
+    PyObject *so, *dobj;
+    Py_ssize_t G, nb, R, bb;
+    Move m = {MOVE_CHUNKS, 0, 0, 0, 0, 0};
+    if (!PyArg_ParseTuple(args, "OOnnnnnnnnK", &so, &dobj, &G, &nb, &R, &bb, &m.foff, &m.fsize, &m.chunk, &m.o,
+                          &m.xor))
+        return NULL;
+    return with_buffers(so, dobj, G, nb, R, bb, &m, 1);
+}
+
 static PyObject *kscales(PyObject *self, PyObject *args) {
     PyObject *so, *dobj;
-    Py_ssize_t G, nb, bb, foff, o;
-    const Py_ssize_t R = 8;
-    Buffers b;
-    if (!PyArg_ParseTuple(args, "OOnnnnn", &so, &dobj, &G, &nb, &bb, &foff, &o)) return NULL;
-    if (buffers_get(so, dobj, &b) < 0) return NULL;
-    if (!geometry_ok(&b, G, nb, R, bb)) goto fail;
-    if (foff < 0 || foff + 12 > bb || o < 0 || o + 96 > R * bb) {
-        PyErr_Format(PyExc_ValueError, "scales at %zd to %zd do not fit %zd-byte blocks", foff, o, bb);
-        goto fail;
-    }
-    {
-        const uint8_t *src = b.src.buf;
-        uint8_t *dst = b.dst.buf;
-        Py_ssize_t row = nb * bb, gout = R * bb;
-        Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t g = 0; g < G; g++)
-            for (Py_ssize_t x = 0; x < nb; x++) {
-                const uint8_t *in[8];
-                for (int j = 0; j < 8; j++) in[j] = src + (g * R + j) * row + x * bb + foff;
-                uint8_t *out = dst + (g * nb + x) * gout + o;
-                uint8_t s[8], m[8];
-                for (int i = 0; i < 4; i++) {
-                    for (int j = 0; j < 8; j++) {
-                        s[j] = in[j][i] & 63;
-                        m[j] = in[j][i + 4] & 63;
-                    }
-                    pack12(out + i * 12, s, m);
-                }
-                for (int i = 0; i < 4; i++) {
-                    for (int j = 0; j < 8; j++) {
-                        s[j] = (uint8_t)(((in[j][i] & 192) >> 2) | (in[j][i + 8] & 15));
-                        m[j] = (uint8_t)(((in[j][i + 4] & 192) >> 2) | ((in[j][i + 8] & 240) >> 4));
-                    }
-                    pack12(out + 48 + i * 12, s, m);
-                }
-            }
-        Py_END_ALLOW_THREADS
-    }
-    buffers_release(&b);
-    Py_RETURN_NONE;
-fail:
-    buffers_release(&b);
-    return NULL;
+    Py_ssize_t G, nb, bb;
+    Move m = {MOVE_KSCALES, 0, 12, 1, 0, 0};
+    if (!PyArg_ParseTuple(args, "OOnnnnn", &so, &dobj, &G, &nb, &bb, &m.foff, &m.o)) return NULL;
+    return with_buffers(so, dobj, G, nb, 8, bb, &m, 1);
 }
 
 static PyMethodDef methods[] = {
     {"chunks", chunks, METH_VARARGS, "one field of R rows interleaved in pieces (see the module comment)"},
     {"kscales", kscales, METH_VARARGS, "Q4_K/Q5_K scales of 8 rows regrouped as make_block_q4_Kx8 does"},
+    {"moves", moves, METH_VARARGS, "a plan of (kind, foff, fsize, chunk, o, xor) moves, block by block, in one pass"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -30,7 +30,8 @@ Invariants:
   engine's to say (its own ggml decides); this module only makes it.
 - The byte moves run in moed's C extension `moed._interleave` when it is built
   (about 8 GB/s here: it knows no layout, only "this field of R rows, in pieces of n
-  bytes, to there", and Q4_K's scale regrouping), and in numpy otherwise (about 2.5
+  bytes, to there", and Q4_K's scale regrouping; a layout's whole plan of such moves
+  runs block by block, in one pass over the bytes), and in numpy otherwise (about 2.5
   GB/s); `transform(..., native=False)` forces numpy. Both are checked against ggml.
 """
 
@@ -218,6 +219,10 @@ def transform(layout: str | Layout, plain, out, ne0: int, ne1: int, native: bool
     G = ne1 // R
     # plain: row r of group g, block x at g*R*nblocks*bb + r*nblocks*bb + x*bb
     # repacked: group g, block x at (g*nblocks + x)*R*bb; its fields in order, R rows' worth each
+    plan = _plan(lay) if native and native_moves is not None else None
+    if plan is not None:  # every field in one pass over the bytes (moed/_interleave.c, `moves`)
+        native_moves.moves(src, dst, G, nblocks, R, bb, plan)
+        return
     geo = (_Native if native and native_moves is not None else _Geometry)(src, dst, G, nblocks, R, bb)
     o = 0
     for f in lay.fields:
@@ -229,6 +234,23 @@ def transform(layout: str | Layout, plain, out, ne0: int, ne1: int, native: bool
             geo.bits(f, o)
         o += R * f.size
     geo.xor(lay)
+
+
+_MOVE_KINDS = {"chunks": 0, "kscales": 1}  # moed/_interleave.c's MOVE_CHUNKS, MOVE_KSCALES
+
+
+@functools.cache
+def _plan(lay: Layout) -> tuple[tuple[int, int, int, int, int, int], ...] | None:
+    """The layout's moves for moed._interleave.moves: (kind, field offset, field size, piece
+    size, offset in the interleaved block, XOR word); None if a field is numpy's alone."""
+    plan, o = [], 0
+    for f in lay.fields:
+        if f.kind not in _MOVE_KINDS:
+            return None
+        chunk = (f.chunk or lay.chunk) if f.kind == "chunks" else 1
+        plan.append((_MOVE_KINDS[f.kind], f.offset, f.size, chunk, o, int.from_bytes(bytes([f.xor]) * chunk, "little")))
+        o += lay.rows * f.size
+    return tuple(plan)
 
 
 @functools.cache

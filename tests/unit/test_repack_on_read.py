@@ -123,6 +123,30 @@ def test_transform_is_ggmls_loops(layout, reference, ne0, ne1, native):
     assert bytes(out) == reference(plain, ne0, ne1)
 
 
+@pytest.mark.parametrize("layout", ["q4_0_8x8", "q4_K_8x8"])
+def test_native_moves_field_by_field_touch_only_their_field(layout):
+    """`chunks` and `kscales` called one field at a time (a layout with a field only numpy
+    moves) write their field alone: the bytes of the other fields stay as they were."""
+    if interleave.native_moves is None:
+        pytest.skip("moed._interleave is not built")
+    lay = interleave.LAYOUTS[layout]
+    ne0, ne1 = lay.block.per_block * 4, 16
+    n = ne1 * ne0 // lay.block.per_block * lay.block.block_bytes
+    plain = np.random.default_rng(7).integers(0, 256, n, dtype=np.uint8).tobytes()
+    want = bytearray(n)
+    interleave.transform(layout, plain, want, ne0, ne1)
+    got = bytearray(n)
+    src, dst = np.frombuffer(plain, np.uint8), np.frombuffer(got, np.uint8)
+    geo = interleave._Native(src, dst, ne1 // lay.rows, 4, lay.rows, lay.block.block_bytes)
+    offsets = np.cumsum([0] + [lay.rows * f.size for f in lay.fields])
+    for f, o in reversed(list(zip(lay.fields, offsets))):  # last field first: none is written twice
+        if f.kind == "chunks":
+            geo.chunks(f, f.chunk or lay.chunk, int(o))
+        else:
+            geo.kscales(f, int(o))
+    assert bytes(got) == bytes(want)
+
+
 def test_native_moves_check_every_bound():
     """moed._interleave never reads or writes past its buffers: a geometry or field that does not
     fit them is a ValueError, before any byte moves."""
@@ -147,6 +171,20 @@ def test_native_moves_check_every_bound():
             m.kscales(bytes(144 * 8), bytearray(144 * 8), *bad)
     with pytest.raises(BufferError):
         m.chunks(src, bytes(18 * 8), 1, 1, 8, 18, 2, 16, 8, 16, 0)  # a read-only destination
+    # A whole plan (one pass, block by block) is checked move by move before any byte moves.
+    good = (0, 0, 2, 2, 0, 0)
+    m.moves(src, dst, 1, 1, 8, 18, [good, (0, 2, 16, 8, 16, 0x8888888888888888)])
+    for plan in (
+        [],  # no move
+        [good] * 9,  # more moves than a layout has
+        [good, (0, 2, 16, 8, 24, 0)],  # the second writes past the interleaved block
+        [good, (1, 4, 12, 1, 64, 0)],  # 96 bytes of regrouped scales written past the 144
+        [good, (2, 0, 2, 2, 0, 0)],  # no such kind
+    ):
+        with pytest.raises(ValueError):
+            m.moves(src, dst, 1, 1, 8, 18, plan)
+    with pytest.raises(TypeError):
+        m.moves(src, dst, 1, 1, 8, 18, [(0, 0, 2)])  # not a move
 
 
 def test_transform_refuses_wrong_sizes():
