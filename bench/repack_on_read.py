@@ -37,6 +37,7 @@ import argparse
 import json
 import mmap
 import os
+import pathlib
 import platform
 import sys
 import threading
@@ -252,14 +253,25 @@ def run_engines(args) -> int:
 
     plain = args.model or real_size.ensure_model("q30")
     copy = repacked_copy(plain)
-    variants = [("on-read", plain, "auto"), ("dense", plain, "dense"), ("file", copy, "auto")]
+    # name -> (model, repack, daemon config): "before" is the plain file as it ran before
+    # issue 41 (plain kernels, RAM-tier pages made at their first fill)
+    known = {
+        "on-read": (plain, "auto", ""),
+        "dense": (plain, "dense", ""),
+        "file": (copy, "auto", ""),
+        "before": (plain, "dense", "prefault = false\n"),
+    }
+    unknown = [v for v in args.variants.split(",") if v not in known]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}: choose from {sorted(known)}")
+    variants = [(v, *known[v]) for v in args.variants.split(",")]
     drive = real_size.drive_rate(plain)
     print(
         json.dumps({"cpu": cpu_line(), "drive": drive, "cap": args.cap, "budget": args.budget, "prompt": args.prompt})
     )
-    runs: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
+    runs: dict[str, list[dict]] = {name: [] for name, *_ in variants}
     for _ in range(args.rounds):
-        for name, model, repack in variants:
+        for name, model, repack, config in variants:
             for path in (plain, copy):
                 drop_page_cache(path)
             group = Cgroup(f"moed-repack-{os.getpid()}-{name}", parse_size(args.cap))
@@ -278,8 +290,13 @@ def run_engines(args) -> int:
                 out.update(repack_cpu_s=round(s["repack_cpu_s"], 2), bytes_read=s["bytes_read"])
                 return out
 
+            extra: tuple[str, ...] = ()
+            if config:
+                conf = pathlib.Path(f"/tmp/moed-repack-{os.getpid()}-{name}.toml")
+                conf.write_text(config)
+                extra = ("--config", str(conf))
             try:
-                res = with_daemon(None, args.budget, group, one)
+                res = with_daemon(None, args.budget, group, one, extra=extra)
             finally:
                 group.remove()
             res["variant"] = name
@@ -295,8 +312,9 @@ def run_engines(args) -> int:
     if "on-read" in med and "file" in med:
         for k in ("prefill_tok_s", "decode_tok_s"):
             print(f"  on-read / file {k}: {med['on-read'][k] / med['file'][k]:.3f}")
-            if "dense" in med:
-                print(f"  on-read / dense {k}: {med['on-read'][k] / med['dense'][k]:.3f}")
+            for other in ("dense", "before"):
+                if other in med:
+                    print(f"  on-read / {other} {k}: {med['on-read'][k] / med[other][k]:.3f}")
     return 0
 
 
@@ -312,6 +330,7 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=502)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--variants", default="on-read,dense,file", help="--engines: any of on-read,dense,file,before")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--socket", help=argparse.SUPPRESS)
     args = ap.parse_args()
