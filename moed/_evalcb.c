@@ -6,13 +6,14 @@
  * Python callback pays a ctypes transition and a name read on each of the ~500
  * ask calls a token makes on a 16-layer MoE; here the ask pass is a prefix
  * compare in C, and only the wanted nodes (each routed layer's stop,
- * `ffn_moe_topk-<n>`, and the router's input `ffn_norm-<n>` while observing)
+ * `ffn_moe_topk-<n>`, and the router's input while observing: moed.gguf.archs.RouterInput)
  * reach the layer holds or Python, with the GIL taken for the call.
  *
- *   handle = make(fn, name_offset)   # fn(tensor_address) -> bool: the norm stops (and the
+ *   handle = make(fn, name_offset)   # fn(tensor_address) -> bool: the router-input stops (and the
  *                                    # routed ones of a handle with no layer holds)
- *   set_norm(handle, on[, prefix])   # also stop at <prefix><n>; the prefix stays until
- *                                    # changed (b"ffn_norm-"; gpt-oss: b"attn_post_norm-")
+ *   set_router_input(handle, on[, prefix])  # also stop at the router's input <prefix><n>; the
+ *                                    # prefix stays until changed (b"ffn_norm-"; gpt-oss:
+ *                                    # b"attn_post_norm-")
  *   set_route(handle, prefix)        # the routed layer's stop: b"ffn_moe_topk-" (default), or
  *                                    # b"ffn_moe_weights-" for device expert slots (its ids are
  *                                    # rewritten after the routing weights were gathered)
@@ -22,7 +23,7 @@
  *
  * THE LAYER HOLDS: the one owner of what a streamed model's routed layers hold. At
  * any time it holds at most one of three things:
- *   - its own local lease (a layer's hit taken here: hold words in the connection's
+ *   - its own hit grant (a layer's hit taken here: hold words in the connection's
  *     region, moed/_hitproto.h, the same steps as moed._holds);
  *   - a Python grant it was handed (`holds_hold`: what Python acquired from moed);
  *   - the whole step's pin hold (every expert pinned: no per-layer stop at all).
@@ -34,7 +35,7 @@
  *      per-decode `try_hits` Python sets in `holds_begin`) and the layer is a lane
  *      layer (relaxed zero copy, mapped by the holds alone), the holds take the hit:
  *      read the top-k ids through the node's strides, hp_hit, release the earlier
- *      lease, leave the touches and the counter, and map every expert whose slot
+ *      hit grant, leave the touches and the counter, and map every expert whose slot
  *      changed (MAP_FIXED of the daemon's read-only memfd). A hit with nothing for
  *      Python this step (`alone`: no look-ahead, observer or trace at the stop) and
  *      no Python grant to let go is the whole layer: C only, a few microseconds
@@ -42,16 +43,16 @@
  *      the callback runs with cold caches, and a Python acquire and show cost
  *      115 us a layer where a warm loop says 22: bench/RESULTS.md, issue 22).
  *   2. Otherwise exactly one call into Python: route_fn(tensor, layer, status, grant):
- *        status > 0      HIT: this many experts held by the holds' lease; Python only
+ *        status > 0      HIT: this many experts held by the holds' hit grant; Python only
  *                        scores and prefetches (and lets `grant` go);
  *        MISSED (-4)     the hit was tried and missed: Python asks the daemon, with no
  *                        second try (one hp_hit a layer);
  *        NOT_TRIED (-1)  not a lane layer, the ids not final, odd ids, no region:
- *                        Python acquires with its own local try;
- *        LOST (-2), MAP_FAILED (-3): an earlier lease was lost, a mapping failed;
+ *                        Python tries the source's hit, then acquires on a miss;
+ *        LOST (-2), MAP_FAILED (-3): an earlier hit grant was lost, a mapping failed;
  *      `grant` is the Python grant held until now (None if none): Python lets it go,
- *      piggybacked on its acquire. On MISSED and NOT_TRIED the holds' own lease is
- *      released first, before Python asks the daemon. Python then hands its grant
+ *      piggybacked on its acquire. On MISSED and NOT_TRIED the holds' own hit grant
+ *      is released first, before Python asks the daemon. Python then hands its grant
  *      back with ONE call, `holds_hold`, which records it as held and maps its
  *      experts on a lane layer. A missed layer: one call C->Python, one Python->C.
  *   3. A Python grant is let go by Python: at the next stop (passed to it) or after
@@ -66,7 +67,7 @@
  * (ggml_backend_tensor_get): an offloaded model gets layer holds with no lane layers
  * and no region, so every routed stop is NOT_TRIED and goes through Python, which
  * reads the top-k through ggml's backend API (moed.engines.ggml_tensor) and acquires
- * with its own local try; the holds still own the grant and its release. The device
+ * after the source's hit; the holds still own the grant and its release. The device
  * slots (moed.engines.device_slots) build on that: their stop is the routing weights.
  *
  *   holds = holds_new(route_fn, region | None, table | None, n_experts, hold_indexes,
@@ -75,9 +76,9 @@
  *   holds_begin(holds, try_hits, alone, log)       a decode's path choice
  *   holds_hold(holds, grant[, layer, experts, slots]) -> None   the grant held (mapped on a lane layer)
  *   holds_fail(holds)                              the decode failed: nothing more until end
- *   holds_end(holds) -> (grant | None, lease_ok)   the lease let go, the grant given back
+ *   holds_end(holds) -> (grant | None, hit_ok)     the hit grant let go, the grant given back
  *   holds_place(holds, layer, expert, slot[, populate]) -> bool   map outside a decode (warm)
- *   holds_held(holds) -> None | ("lease", n) | ("grant", grant) | ("pin", model_id)
+ *   holds_held(holds) -> None | ("hit", n) | ("grant", grant) | ("pin", model_id)
  *   holds_disable(holds), holds_free(holds) -> grant | None
  *   holds_stats(holds), holds_crossings(holds), holds_layer_ns(holds, layer), holds_map_errno(holds)
  *   holds_take_log(holds) -> ([(layer, [experts])], full): the layers done alone, while logging
@@ -110,7 +111,7 @@
 
 #include "_hitproto.h"
 
-#define NORM_PREFIX_MAX 47 /* a ggml name is at most 63 bytes; the prefix leaves room for digits */
+#define PREFIX_MAX 47 /* a ggml name is at most 63 bytes; the prefix leaves room for digits */
 
 #define LANE_MAX_PARTS 4
 #define LANE_MAX_LAYERS 4096
@@ -148,17 +149,17 @@ typedef struct {
     int64_t counter_word;
     size_t name_off, type_off, ne_off, nb_off, data_off;
     /* ---- what is held: at most one of the three ---- */
-    int64_t *holds[2]; /* two sets of hold indexes: the lease held, and the next */
+    int64_t *holds[2]; /* two sets of hold indexes: the hit grant held, and the next */
     Py_ssize_t set_size;
-    int cur_set;        /* the set the held lease uses */
-    Py_ssize_t cur_n;   /* experts in the held lease (0: none) */
+    int cur_set;        /* the set the held hit grant uses */
+    Py_ssize_t cur_n;   /* experts in the held hit grant (0: none) */
     LaneLayer *cur;     /* its layer */
     PyObject *grant;    /* a Python grant handed by holds_hold (NULL: none) */
     int whole;          /* the region's pin hold is ours: a whole step is under way */
     /* ---- the decode's path choice (holds_begin) ---- */
     int try_hits, alone, stopped, disabled;
     int64_t model_id, pin_word; /* pin_word < 0: no whole steps (holds_pins not called) */
-    uint64_t whole_steps;
+    uint64_t whole_decodes; /* whole steps taken (holds_whole_end) */
     int map_errno; /* the last mapping's errno (ST_MAP_FAILED) */
     LaneLayer *layers[LANE_MAX_LAYERS];
     unsigned char *mark;
@@ -181,17 +182,17 @@ typedef struct {
 typedef struct {
     PyObject *fn;
     size_t name_offset;
-    int norm;
-    char norm_prefix[NORM_PREFIX_MAX + 1];
-    size_t norm_len;
-    char route_prefix[NORM_PREFIX_MAX + 1];
+    int router_input; /* stop at the router's input too (while observing) */
+    char router_input_prefix[PREFIX_MAX + 1];
+    size_t router_input_len;
+    char route_prefix[PREFIX_MAX + 1];
     size_t route_len;
     int route_topk;       /* the routed stop is the top-k node itself (the holds may read its ids) */
     PyObject *holds_obj;  /* the capsule, referenced while set */
     Holds *holds;
 } Config;
 
-enum { NODE_NONE, NODE_ROUTE, NODE_NORM };
+enum { NODE_NONE, NODE_ROUTE, NODE_ROUTER_INPUT };
 
 static int digits_to_end(const char *s) {
     if (!*s) return 0;
@@ -203,8 +204,8 @@ static int digits_to_end(const char *s) {
 static int wanted(const Config *c, const char *name) {
     if (strncmp(name, c->route_prefix, c->route_len) == 0)
         return digits_to_end(name + c->route_len) ? NODE_ROUTE : NODE_NONE;
-    if (c->norm && strncmp(name, c->norm_prefix, c->norm_len) == 0)
-        return digits_to_end(name + c->norm_len) ? NODE_NORM : NODE_NONE;
+    if (c->router_input && strncmp(name, c->router_input_prefix, c->router_input_len) == 0)
+        return digits_to_end(name + c->router_input_len) ? NODE_ROUTER_INPUT : NODE_NONE;
     return NODE_NONE;
 }
 
@@ -229,8 +230,8 @@ static int lane_map(Holds *H, LaneLayer *ly, int64_t expert, uint64_t slot, int 
     return 1;
 }
 
-/* Release the held lease, if any; 0: it was lost (a slot refilled while held). */
-static int drop_lease(Holds *H) {
+/* Release the held hit grant, if any; 0: it was lost (a slot refilled while held). */
+static int drop_hit(Holds *H) {
     int ok = 1;
     if (H->cur_n)
         ok = hp_release((const uint64_t *)H->cur->states.buf, (size_t)(H->cur->states.len / 8),
@@ -241,7 +242,7 @@ static int drop_lease(Holds *H) {
 
 /* The hit of a lane layer at its top-k node (the module comment, step 1): experts held
  * (> 0), ST_MISSED, ST_NOT_TRIED (nothing changed), ST_LOST (the hit is held; the earlier
- * lease was lost) or ST_MAP_FAILED (held; map_errno says why). The GIL is held. */
+ * hit grant was lost) or ST_MAP_FAILED (held; map_errno says why). The GIL is held. */
 static int lane_try(Holds *H, const char *tensor, long layer) {
     if (!H->live || !H->has_region || H->disabled) return ST_NOT_TRIED;
     LaneLayer *ly = layer >= 0 && layer < LANE_MAX_LAYERS ? H->layers[layer] : NULL;
@@ -312,8 +313,8 @@ static bool holds_stop(Holds *H, const char *tensor, long layer, int topk) {
             return true;
         }
     }
-    if ((rc == ST_MISSED || rc == ST_NOT_TRIED) && !H->stopped && H->live && !drop_lease(H))
-        rc = ST_LOST; /* the earlier lease, let go before Python asks the daemon */
+    if ((rc == ST_MISSED || rc == ST_NOT_TRIED) && !H->stopped && H->live && !drop_hit(H))
+        rc = ST_LOST; /* the earlier hit grant, let go before Python asks the daemon */
     int out = rc > 0 ? OUT_HIT : rc == ST_MISSED ? OUT_MISSED : rc == ST_NOT_TRIED ? OUT_NOT_TRIED : OUT_FAILED;
     PyObject *grant = Py_None;
     if (H->grant != NULL && !H->stopped) {
@@ -398,8 +399,8 @@ static PyObject *make(PyObject *self, PyObject *args) {
     Py_INCREF(fn);
     c->fn = fn;
     c->name_offset = (size_t)off;
-    strcpy(c->norm_prefix, "ffn_norm-");
-    c->norm_len = strlen(c->norm_prefix);
+    strcpy(c->router_input_prefix, "ffn_norm-");
+    c->router_input_len = strlen(c->router_input_prefix);
     strcpy(c->route_prefix, "ffn_moe_topk-");
     c->route_len = strlen(c->route_prefix);
     c->route_topk = 1;
@@ -414,7 +415,7 @@ static Config *config_of(PyObject *cap) {
 
 /* Copy a 1..47-byte prefix with no NUL into `dst`; -1 with ValueError set otherwise. */
 static int set_prefix(char *dst, size_t *len_out, const char *prefix, Py_ssize_t len) {
-    if (len < 1 || len > NORM_PREFIX_MAX || memchr(prefix, 0, (size_t)len) != NULL) {
+    if (len < 1 || len > PREFIX_MAX || memchr(prefix, 0, (size_t)len) != NULL) {
         PyErr_SetString(PyExc_ValueError, "a node prefix must be 1..47 bytes with no NUL");
         return -1;
     }
@@ -424,13 +425,13 @@ static int set_prefix(char *dst, size_t *len_out, const char *prefix, Py_ssize_t
     return 0;
 }
 
-static PyObject *set_norm(PyObject *self, PyObject *args) {
+static PyObject *set_router_input(PyObject *self, PyObject *args) {
     PyObject *cap; int on; const char *prefix = NULL; Py_ssize_t len = 0;
     if (!PyArg_ParseTuple(args, "Op|y#", &cap, &on, &prefix, &len)) return NULL;
     Config *c = config_of(cap);
     if (c == NULL) return NULL;
-    if (prefix != NULL && set_prefix(c->norm_prefix, &c->norm_len, prefix, len) < 0) return NULL;
-    c->norm = on;
+    if (prefix != NULL && set_prefix(c->router_input_prefix, &c->router_input_len, prefix, len) < 0) return NULL;
+    c->router_input = on;
     Py_RETURN_NONE;
 }
 
@@ -700,14 +701,14 @@ static PyObject *holds_fail(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* holds_end(holds) -> (grant | None, lease_ok): after a decode, the lease let go (lease_ok
+/* holds_end(holds) -> (grant | None, hit_ok): after a decode, the hit grant let go (hit_ok
  * False: it was lost) and the Python grant given back for Python to let go. */
 static PyObject *holds_end(PyObject *self, PyObject *args) {
     PyObject *cap;
     if (!PyArg_ParseTuple(args, "O", &cap)) return NULL;
     Holds *H = holds_any(cap);
     if (H == NULL) return NULL;
-    int ok = H->live ? drop_lease(H) : 1;
+    int ok = H->live ? drop_hit(H) : 1;
     H->try_hits = 0; H->alone = 0; H->stopped = 0;
     PyObject *grant = H->grant != NULL ? H->grant : Py_None;
     if (H->grant == NULL) Py_INCREF(grant);
@@ -715,13 +716,13 @@ static PyObject *holds_end(PyObject *self, PyObject *args) {
     return Py_BuildValue("(NO)", grant, ok ? Py_True : Py_False);
 }
 
-/* holds_held(holds) -> None | ("lease", n) | ("grant", grant) | ("pin", model_id) */
+/* holds_held(holds) -> None | ("hit", n) | ("grant", grant) | ("pin", model_id) */
 static PyObject *holds_held(PyObject *self, PyObject *args) {
     PyObject *cap;
     if (!PyArg_ParseTuple(args, "O", &cap)) return NULL;
     Holds *H = holds_any(cap);
     if (H == NULL) return NULL;
-    if (H->cur_n) return Py_BuildValue("(sn)", "lease", H->cur_n);
+    if (H->cur_n) return Py_BuildValue("(sn)", "hit", H->cur_n);
     if (H->grant != NULL) return Py_BuildValue("(sO)", "grant", H->grant);
     if (H->whole) return Py_BuildValue("(sL)", "pin", (long long)H->model_id);
     Py_RETURN_NONE;
@@ -766,7 +767,7 @@ static int whole_core(Holds *H) {
             if (lane_map(H, ly, e, slot, 0) < 0) goto fail;
         }
     }
-    H->whole_steps++;
+    H->whole_decodes++;
     return 1;
 fail:
     pin_release(H);
@@ -804,14 +805,14 @@ static PyObject *holds_take_log(PyObject *self, PyObject *args) {
     return res;
 }
 
-/* holds_free(holds) -> grant | None: let the lease and the pin hold go and release the
+/* holds_free(holds) -> grant | None: let the hit grant and the pin hold go and release the
  * buffers now; a Python grant still held is given back (for Python to let go). */
 static PyObject *holds_free(PyObject *self, PyObject *args) {
     PyObject *cap;
     if (!PyArg_ParseTuple(args, "O", &cap)) return NULL;
     Holds *H = holds_any(cap);
     if (H == NULL) return NULL;
-    if (H->live) { drop_lease(H); pin_release(H); }
+    if (H->live) { drop_hit(H); pin_release(H); }
     holds_release_buffers(H);
     PyObject *grant = H->grant != NULL ? H->grant : Py_None;
     if (H->grant == NULL) Py_INCREF(grant);
@@ -863,8 +864,8 @@ static PyObject *holds_stats(PyObject *self, PyObject *args) {
     Holds *H = holds_any(cap);
     if (H == NULL) return NULL;
     return Py_BuildValue("{sKsKsKsKsKsKsKsi}", "layers", H->n_layers, "experts", H->n_experts_acq, "acquire_ns",
-                         H->acquire_ns, "show_ns", H->show_ns, "maps", H->maps, "misses", H->misses, "whole_steps",
-                         H->whole_steps, "map_errno", H->map_errno);
+                         H->acquire_ns, "show_ns", H->show_ns, "maps", H->maps, "misses", H->misses, "whole_decodes",
+                         H->whole_decodes, "map_errno", H->map_errno);
 }
 
 /* holds_crossings(holds) -> {outcome: (stops, to_python, from_python, most_from_python)} */
@@ -909,7 +910,8 @@ static PyObject *set_holds(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"make", make, METH_VARARGS, "make(fn, name_offset) -> handle"},
-    {"set_norm", set_norm, METH_VARARGS, "set_norm(handle, on[, prefix]): also stop at <prefix><n> (ffn_norm-<n>)"},
+    {"set_router_input", set_router_input, METH_VARARGS,
+     "set_router_input(handle, on[, prefix]): also stop at the router's input <prefix><n> (ffn_norm-<n>)"},
     {"set_route", set_route, METH_VARARGS, "set_route(handle, prefix): the routed layer's stop (b'ffn_moe_topk-')"},
     {"set_holds", set_holds, METH_VARARGS, "set_holds(handle, holds | None): the routed stops go to the layer holds"},
     {"user_data", user_data, METH_VARARGS, "the cb_eval_user_data pointer for a handle"},
@@ -920,7 +922,7 @@ static PyMethodDef methods[] = {
     {"holds_hold", holds_hold, METH_VARARGS, "holds_hold(holds, grant[, layer, experts, slots]): a grant held"},
     {"holds_place", holds_place, METH_VARARGS, "map an expert's slot at its addresses if it changed (outside a decode)"},
     {"holds_fail", holds_fail, METH_VARARGS, "the decode failed: no hit, no grant passed until holds_end"},
-    {"holds_end", holds_end, METH_VARARGS, "after a decode: (the grant given back | None, the lease was not lost)"},
+    {"holds_end", holds_end, METH_VARARGS, "after a decode: (the grant given back | None, the hit grant was not lost)"},
     {"holds_held", holds_held, METH_VARARGS, "what the holds hold now, or None"},
     {"holds_disable", holds_disable, METH_VARARGS, "no more hits (the connection is closing)"},
     {"holds_free", holds_free, METH_VARARGS, "let everything go and release the buffers now; the grant given back"},

@@ -312,7 +312,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 def cmd_kl(args: argparse.Namespace) -> int:
     import json
 
-    from moed.engines.llama_cpp import StockLlama, UnpackedLlama
+    from moed.engines.llama_cpp import UnpackedLlama
     from moed.lab import kl
 
     if not os.path.exists(args.model):
@@ -348,8 +348,7 @@ def cmd_kl(args: argparse.Namespace) -> int:
             )
             sessions.append(s)
             return s.llm
-        if args.repack == "auto":  # a plain file's experts are repacked on read: stock's kernels (issue 41)
-            return StockLlama(args.model, **kw)
+        # repack="auto" on a plain file: its experts are repacked on read, so stock's load (issue 41)
         return UnpackedLlama(args.model, repack=args.repack, **kw)
 
     try:

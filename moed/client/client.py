@@ -331,15 +331,24 @@ class ModelHandle:
             )
             timeout_s = timeout if timeout_s is None else timeout_s
         experts = list(map(int, experts))
-        if local and self._table is not None:
-            lease = self._acquire_locally(layer, experts)
+        if local:
+            lease = self.hit(layer, experts, release)
             if lease is not None:
-                for prior in release:
-                    prior.release()
                 return lease
         rel = [lease._take_for_release() for lease in release]
         g = self.client.request(m.Acquire(self.model_id, layer, experts, timeout_s, [r for r in rel if r]))
         return Lease(self, layer, list(dict.fromkeys(experts)), g)
+
+    def hit(self, layer: int, experts, release=()) -> Lease | None:
+        """The hit with no round trip only: a lease when every expert is resident (`release`
+        released then), else None with nothing changed (ask with `acquire(local=False)`)."""
+        if self._table is None:
+            return None
+        lease = self._acquire_locally(layer, list(map(int, experts)))
+        if lease is not None:
+            for prior in release:
+                prior.release()
+        return lease
 
     def _acquire_locally(self, layer: int, experts: list[int]) -> Lease | None:
         """A hit with no round trip, or None (not all resident, or anything odd: ask the daemon)."""

@@ -98,7 +98,7 @@ import functools
 import mmap
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -113,7 +113,7 @@ from moed.engines.device_slots import (
 )
 from moed.engines.ggml_tensor import GgmlTensor, loaded_library
 from moed.engines.kernels import GGML_BACKEND_BUFFER_USAGE_WEIGHTS, GgmlInitParams
-from moed.engines.sources import Grant
+from moed.engines.sources import ExpertSource, Grant, LaneSource
 
 if TYPE_CHECKING:
     from moed.client.segments import Segment
@@ -227,14 +227,16 @@ class HostSlots:
     """The offloaded layers' expert tensors over moed's imported segments, for one loaded model.
 
     `found`: `device_slots.probe(model)`, before any context of the model exists; `source`:
-    moed's (`layer_segment(layer)` -> (class id, Segment)); `gpu_slots`: S, the bound on a
+    an ExpertSource whose `lane()` gives its segments (`layer_segment(layer)` -> (class id,
+    Segment)); `gpu_slots`: S, the bound on a
     batch's distinct experts in one layer; `layers`: default every layer on a device.
     """
 
-    def __init__(self, found: ModelTensors, source: Any, gpu_slots: int, layers=None):
+    def __init__(self, found: ModelTensors, source: ExpertSource, gpu_slots: int, layers=None):
         if gpu_slots < 1:
             raise ValueError(f"gpu_slots must be at least 1, not {gpu_slots}")
-        if not hasattr(source, "layer_segment"):
+        segments = source.lane()
+        if segments is None:
             raise HostImportUnavailable("gpu_zero_copy reads moed's RAM-tier segments: this source has none")
         by_layer: dict[int, list[tuple[str, str, int]]] = {}
         for (layer, part, kind), addr in sorted(found.experts.items()):
@@ -252,7 +254,7 @@ class HostSlots:
             raise MemoryError("ggml_init failed")
         try:
             for layer in sorted(wanted):
-                self._layers[layer] = self._build(layer, by_layer[layer], found.layer_buft[layer], source)
+                self._layers[layer] = self._build(layer, by_layer[layer], found.layer_buft[layer], segments)
         except BaseException:
             self.close()
             raise
@@ -338,8 +340,8 @@ class HostSlots:
         imp.tensors[key] = addr
         return addr
 
-    def _build(self, layer: int, tensors: list[tuple[str, str, int]], buft: int, source: Any) -> _HostLayer:
-        class_id, segment = source.layer_segment(layer)
+    def _build(self, layer: int, tensors: list[tuple[str, str, int]], buft: int, segments: LaneSource) -> _HostLayer:
+        class_id, segment = segments.layer_segment(layer)
         n_expert = {int(GgmlTensor.from_address(a).ne[_EXPERT_AXIS[kind]]) for _, kind, a in tensors}
         if len(n_expert) != 1:
             raise ValueError(f"layer {layer}: its expert tensors disagree on the expert count {sorted(n_expert)}")

@@ -110,7 +110,7 @@ class ExpertPages:
     # repeated hit costs no syscall; llama.cpp only reads the experts its router
     # chose, and those are acquired (and remapped if their slot moved) first.
     # strict: a released zero-copy expert goes back to PROT_NONE, so any read of an
-    # expert not leased right now faults (tests, debugging; ~1.5x slower decode).
+    # expert not granted right now faults (tests, debugging; ~1.5x slower decode).
     # Copy spans are always hidden (their pages are dropped).
     strict: bool = False
     stats: PageStats = field(default_factory=PageStats)

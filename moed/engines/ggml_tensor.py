@@ -62,17 +62,18 @@ TOPK_PREFIX = b"ffn_moe_topk-"
 # The routing weights gathered by the top-k's ids (llama-graph.cpp: before any expert matmul,
 # forced by ggml_build_forward_expand); its src[1] is the top-k. Device slots stop here.
 WEIGHTS_PREFIX = b"ffn_moe_weights-"
-NORM_PREFIX = b"ffn_norm-"
+# The router's input (moed.gguf.archs.RouterInput): ffn_norm-<n> unless the arch names its own.
+ROUTER_INPUT_PREFIX = b"ffn_norm-"
 _TOPK_NAME = re.compile(rb"ffn_moe_topk-(\d+)\Z")
 # Kinds of node the streamer's callback acts on (see `node`).
 TOPK = 1
-NORM = 2
+ROUTER_INPUT = 2
 
 
 class EvalCallback:
     """llama.cpp's `cb_eval` with the ask pass in C (moed._evalcb): `fn(tensor_address)`
-    is called only for computed `ffn_moe_topk-<n>` nodes (and `ffn_norm-<n>` ones while
-    `stop_at_norm(True)`); its bool says whether the graph goes on. With layer holds set
+    is called only for computed `ffn_moe_topk-<n>` nodes (and the router's input ones,
+    `ffn_norm-<n>` by default, while `stop_at_router_input(True)`); its bool says whether the graph goes on. With layer holds set
     (moed.engines.holds), the routed stops go to them instead, and while they hold a
     whole step's pin hold the ask pass wants no node at all."""
 
@@ -90,9 +91,9 @@ class EvalCallback:
         """Give the routed stops to `holds` (a moed._evalcb layer holds, or None: to `fn`)."""
         self._evalcb.set_holds(self.handle, holds)
 
-    def stop_at_norm(self, on: bool, prefix: bytes = NORM_PREFIX) -> None:
+    def stop_at_router_input(self, on: bool, prefix: bytes = ROUTER_INPUT_PREFIX) -> None:
         """Also stop at `<prefix><n>` nodes (the router's input) while `on`."""
-        self._evalcb.set_norm(self.handle, on, prefix)
+        self._evalcb.set_router_input(self.handle, on, prefix)
 
     def set_route(self, prefix: bytes) -> None:
         """Stop each routed layer at `<prefix><n>`: TOPK_PREFIX (default) or WEIGHTS_PREFIX."""
@@ -113,7 +114,7 @@ class PythonEvalCallback:
 
         self.function = llama_cpp.ggml_backend_sched_eval_callback(fn)
 
-    def stop_at_norm(self, on: bool, prefix: bytes = NORM_PREFIX) -> None:
+    def stop_at_router_input(self, on: bool, prefix: bytes = ROUTER_INPUT_PREFIX) -> None:
         """The Python callback decides every node itself."""
 
     def install(self, params) -> None:
@@ -190,18 +191,19 @@ def topk_layer(tensor_ptr: int) -> int | None:
 
 
 def node(
-    tensor_ptr: int, norm_prefix: bytes = NORM_PREFIX, route_prefix: bytes = TOPK_PREFIX
+    tensor_ptr: int, router_input_prefix: bytes = ROUTER_INPUT_PREFIX, route_prefix: bytes = TOPK_PREFIX
 ) -> tuple[int, int] | None:
-    """(TOPK or NORM, layer) for `<route_prefix><layer>` (`ffn_moe_topk-`, or `ffn_moe_weights-`
-    whose src[1] is the top-k: `topk_of`) / `<norm_prefix><layer>`, else None.
+    """(TOPK or ROUTER_INPUT, layer) for `<route_prefix><layer>` (`ffn_moe_topk-`, or
+    `ffn_moe_weights-` whose src[1] is the top-k: `topk_of`) / `<router_input_prefix><layer>`,
+    else None.
 
     One `string_at` of the longer prefix per graph node; parsing only on a match.
     """
-    head = ctypes.string_at(tensor_ptr + NAME_OFFSET, max(len(route_prefix), len(norm_prefix)))
+    head = ctypes.string_at(tensor_ptr + NAME_OFFSET, max(len(route_prefix), len(router_input_prefix)))
     if head[: len(route_prefix)] == route_prefix:
-        kind, pattern = TOPK, _TOPK_NAME if route_prefix == TOPK_PREFIX else _norm_name(route_prefix)
-    elif head[: len(norm_prefix)] == norm_prefix:
-        kind, pattern = NORM, _norm_name(norm_prefix)
+        kind, pattern = TOPK, _TOPK_NAME if route_prefix == TOPK_PREFIX else _layer_name(route_prefix)
+    elif head[: len(router_input_prefix)] == router_input_prefix:
+        kind, pattern = ROUTER_INPUT, _layer_name(router_input_prefix)
     else:
         return None
     match = pattern.match(ctypes.string_at(tensor_ptr + NAME_OFFSET))
@@ -219,7 +221,7 @@ def topk_of(tensor_ptr: int, route_prefix: bytes) -> int:
 
 
 @functools.cache
-def _norm_name(prefix: bytes) -> re.Pattern[bytes]:
+def _layer_name(prefix: bytes) -> re.Pattern[bytes]:
     return re.compile(re.escape(prefix) + rb"(\d+)\Z")
 
 

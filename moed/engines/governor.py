@@ -29,11 +29,11 @@ The rule.
    old schedule (8 cold ones, then half of each 16-step probe) made it 0.96x
    prefetch off, and 7 make it 0.99x (bench/RESULTS.md, issue 32).
 2. Paired A/B. At or above the floor the engine alternates between a probe and
-   a hold. A probe is `probe` decode steps that alternate on, off, on, off, ...;
+   a stint. A probe is `probe` decode steps that alternate on, off, on, off, ...;
    its verdict is the log of the ratio of the two arms' median step times. A
-   hold runs the arm that the mean verdict of the last `memory` probes favours
-   (on when it is not slower) for `hold` steps; while the same arm keeps winning
-   the hold doubles, up to `hold_max`, and it drops back to `hold` when the
+   stint runs the arm that the mean verdict of the last `memory` probes favours
+   (on when it is not slower) for `stint` steps; while the same arm keeps winning
+   the stint doubles, up to `stint_max`, and it drops back to `stint` when the
    winner changes. Alternating step by step pairs the arms: both see the same
    cache, context length and load on the box, which a window-by-window
    comparison does not (the first window, on a cold cache, was measured 30%
@@ -45,7 +45,7 @@ first `skip_shadow` of them are shadow steps that measure the precision before
 anything is sent (running them on, a recall-0.6 engine at a 25% budget read
 enough wrong experts during those steps to stay 3-4% behind an engine that never
 prefetched), and the rest stay shadow only while the precision is not known to
-be below the floor (off otherwise). A held-on arm whose precision falls below
+be below the floor (off otherwise). An arm kept on whose precision falls below
 the floor turns off at once.
 
 Why measure instead of modelling the drive: prefetch pays when the reads it moves
@@ -54,7 +54,7 @@ wasted reads on a drive that is already the limit, and slots it evicts that woul
 have hit. Both depend on the drive, the budget, the other tenants and how good the
 predictions are; the engine sees none of these directly, but its step time and
 its precision see all of them. Cost: the losing arm runs half of each probe, a share
-of probe / 2 / (probe + hold) of the steps: 1/5 while the hold is 32 steps, 1/18
+of probe / 2 / (probe + stint) of the steps: 1/5 while the stint is 32 steps, 1/18
 once it is 128.
 
 Prompt batches have their own precision (a batch names the union of its tokens'
@@ -91,8 +91,8 @@ ON, OFF, SHADOW = "on", "off", "shadow"
 @dataclass
 class PrefetchGovernor:
     probe: int = 16
-    hold: int = 32
-    hold_max: int = 128
+    stint: int = 32
+    stint_max: int = 128
     skip: int = 8
     skip_shadow: int = 3  # of the skip steps, how many shadow ones measure the precision first
     shadow_probe: int = 2  # steps of a probe below the floor (all shadow, not timed)
@@ -115,8 +115,8 @@ class PrefetchGovernor:
     _phase_left: int = 0
     _probing: bool = False
     _shadow_probing: bool = False  # the probe under way started below the floor
-    _hold_now: int = 0
-    _held: str = ON
+    _stint_now: int = 0
+    _winner: str = ON  # the arm the last stint ran
     _times: dict = field(default_factory=lambda: {ON: [], OFF: []})
     _counted: bool = False
     _cold: list = field(default_factory=lambda: [0, 0])  # used, named over the cold steps
@@ -186,14 +186,14 @@ class PrefetchGovernor:
 
     def _next_phase(self) -> None:
         if self._probing:
-            self._hold_winner()
+            self._run_winner()
         else:
             self._times = {ON: [], OFF: []}
             self._shadow_probing = self._below_floor()
             length = self.shadow_probe if self._shadow_probing else self.probe + self.probe % 2
             self._probing, self._phase_left = True, length
 
-    def _hold_winner(self) -> None:
+    def _run_winner(self) -> None:
         self.probes += 1
         if self._below_floor() or not self._times[ON]:
             winner = OFF  # a shadow probe, or the precision fell: not timed
@@ -202,10 +202,10 @@ class PrefetchGovernor:
             self.last_median_s = {ON: on, OFF: off}
             self.verdicts = (self.verdicts + [math.log(on / off) if on > 0 and off > 0 else 0.0])[-self.memory :]
             winner = ON if sum(self.verdicts) <= 0 else OFF
-        same = self.probes > 1 and winner == self._held
-        self._hold_now = min(self.hold_max, 2 * self._hold_now) if same else self.hold
-        self.mode = self._held = winner
-        self._probing, self._shadow_probing, self._phase_left = False, False, self._hold_now
+        same = self.probes > 1 and winner == self._winner
+        self._stint_now = min(self.stint_max, 2 * self._stint_now) if same else self.stint
+        self.mode = self._winner = winner
+        self._probing, self._shadow_probing, self._phase_left = False, False, self._stint_now
 
     def state(self) -> dict:
         mean = sum(self.verdicts) / len(self.verdicts) if self.verdicts else None

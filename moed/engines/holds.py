@@ -2,17 +2,18 @@
 
 What this module owns: the Python face of one streamer's layer holds
 (moed/_evalcb.c, whose module comment has the whole cycle). The holds hold at most
-one thing at a time: their own local lease (a lane layer's hit, taken in C inside
-the eval callback), a Python grant they were handed (`hold`), or the whole step's
-pin hold. They choose each routed stop's path and let go of what they held; Python
-is called once a stop, and only when it has something to do:
+one thing at a time: their own hit grant (a lane layer's hit, taken in C inside the
+eval callback), a Python grant they were handed (`hold`), or, for a whole step, the
+region's pin hold. They choose each routed stop's path and let go of what they held;
+Python is called once a stop, and only when it has something to do:
 
     C at the stop: ids final and a lane layer? try the hit.
        hit, nothing for Python this step      -> done in C (no Python at all)
        otherwise: route(tensor, layer, status, grant)   one call C -> Python
          status HIT (> 0)  Python scores and prefetches, lets `grant` go
-         MISSED            Python asks the daemon (no second try), then `hold(grant)`
-         NOT_TRIED         Python acquires with its own local try, then `hold(grant)`
+         MISSED            Python asks the daemon (source.acquire), then `hold(grant)`
+         NOT_TRIED         Python tries source.hit, then source.acquire on a miss,
+                           then `hold(grant)`
                            (one call Python -> C, which maps a lane layer's slots)
 
 Lane layers are the relaxed zero-copy layers: their expert addresses are mapped by
@@ -26,12 +27,13 @@ show cost 115 us where a warm loop says 22 (bench/RESULTS.md, issue 22). A hit i
 the holds is a few microseconds.
 
 Invariants:
-- at most one of lease, grant and pin hold is held; a whole step runs only between
-  a `whole_begin` that said True and its `whole_end`, with nothing else held;
+- at most one of the hit grant, a Python grant and the pin hold is held; a whole
+  step runs only between a `whole_begin` that said True and its `whole_end`, with
+  nothing else held;
 - the holds take a hit only when every expert is a plain hit (the same steps as
   `ModelHandle.acquire`'s local path: moed/_hitproto.h) and the region is live;
   otherwise nothing is changed;
-- their lease is released before Python asks for the next layer and after every
+- their hit grant is released before Python asks for the next layer and after every
   decode (`end`), and a Python grant is let go by Python at the next stop or after
   the decode (`end` gives it back), so an idle engine holds nothing;
 - the connection closing disables the hits first (`HoldRegion.on_close`), so no
@@ -54,8 +56,8 @@ from moed.protocol import errors
 # A routed stop's status (route_fn's third argument); > 0: a hit of that many experts.
 # moed._evalcb's own constants (a unit test checks): kept here so that importing the
 # engine does not need the extension built.
-NOT_TRIED = -1  # not tried (not a lane layer, ids not final, odd ids): Python's own local try
-LOST = -2  # a lease of the holds was lost (its region revoked past the grace)
+NOT_TRIED = -1  # not tried (not a lane layer, ids not final, odd ids): Python tries source.hit
+LOST = -2  # a hit grant of the holds was lost (its region revoked past the grace)
 MAP_FAILED = -3  # a hit was taken, but mapping its slots failed
 MISSED = -4  # the hit was tried and missed: Python asks the daemon without trying again
 
@@ -73,7 +75,7 @@ class HoldStats:
     show_s: float = 0.0
     maps: int = 0
     misses: int = 0  # hits tried in C that missed (each then went to the daemon)
-    whole_steps: int = 0  # decodes taken with no per-layer stop (every expert pinned)
+    whole_decodes: int = 0  # whole steps: decodes with no per-layer stop (every expert pinned)
 
 
 @dataclass
@@ -94,7 +96,7 @@ class LayerHolds:
 
         self._evalcb = _evalcb
         hits = source.local_hits() if source is not None and parts else None
-        # Two leases' worth of hold indexes (the one held, the next); none left: no hits.
+        # Two hit grants' worth of hold indexes (the one held, the next); none left: no hits.
         self.holds: list[int] = (hits.region.take(2 * n_experts) or []) if hits is not None else []
         if not self.holds:
             hits = None
@@ -152,12 +154,13 @@ class LayerHolds:
         self._evalcb.holds_fail(self._c)
 
     def end(self) -> tuple[Grant | None, bool]:
-        """After a decode: the lease let go, and the Python grant still held given back for
-        the caller to let go; False when the lease was lost (the caller raises `lost()`)."""
+        """After a decode: the hit grant let go, and the Python grant still held given back for
+        the caller to let go; False when the hit grant was lost (the caller raises `lost()`)."""
         return self._evalcb.holds_end(self._c)
 
     def held(self) -> tuple[str, Any] | None:
-        """What is held now: None, ("lease", n), ("grant", grant) or ("pin", model_id)."""
+        """What is held now: None, ("hit", n): a hit grant of n experts, ("grant", grant): a
+        Python grant, or ("pin", model_id): the pin hold of a whole step."""
         return self._evalcb.holds_held(self._c)
 
     def take_log(self) -> list[tuple[int, list[int]]]:
@@ -177,8 +180,8 @@ class LayerHolds:
         self._evalcb.holds_whole_end(self._c, uses)
 
     @property
-    def whole_steps_possible(self) -> bool:
-        """A region with a pin word: whole steps may be taken (when every layer is a lane layer)."""
+    def has_pin_word(self) -> bool:
+        """A region with a pin word: whole steps can be taken (when every layer is a lane layer)."""
         return self._hits is not None and self._hits.pin_word is not None
 
     def disable(self) -> None:
@@ -200,7 +203,7 @@ class LayerHolds:
             d["show_ns"] / 1e9,
             d["maps"],
             d["misses"],
-            d["whole_steps"],
+            d["whole_decodes"],
         )
 
     def crossings(self) -> dict[str, Crossings]:
@@ -212,7 +215,7 @@ class LayerHolds:
         return self._evalcb.holds_layer_ns(self._c, layer) / 1e9
 
     def close(self) -> Grant | None:
-        """Let the lease and the pin hold go, free the buffers and give the hold indexes back;
+        """Let the hit grant and the pin hold go, free the buffers and give the hold indexes back;
         a Python grant still held is returned, for the caller to let go."""
         grant = self._evalcb.holds_free(self._c)
         holds, self.holds = self.holds, []
@@ -223,6 +226,6 @@ class LayerHolds:
 
 def lost() -> errors.LeaseLost:
     return errors.LeaseLost(
-        "a slot of the engine's local lease was refilled before its release (the daemon closed "
+        "a slot of the engine's hit grant was refilled before its release (the daemon closed "
         "this connection and its holds outlived the grace); what was read from it may be wrong"
     )

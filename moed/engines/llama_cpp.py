@@ -12,7 +12,7 @@ installs the expert pages right after the load, and whose `LlamaContext` sets
 
 Invariants:
 - Pinned to llama-cpp-python==0.3.36; the ggml tensor layout is checked at start.
-- Every decode ends with no lease held, also when it fails.
+- Every decode ends with no grant held, also when it fails.
 - A prompt batch whose experts cannot be held at once lowers `n_batch` (halving)
   with a RuntimeWarning and retries from the first token not yet evaluated; at
   `n_batch == 1` the daemon's error propagates. Nothing fails silently.
@@ -28,6 +28,7 @@ import traceback
 import types
 import warnings
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import llama_cpp
 import llama_cpp.llama as _llama_module
@@ -37,11 +38,14 @@ from llama_cpp import Llama
 from moed.engines import blas, ggml_tensor
 from moed.engines.devices import compute_line, gpu_devices, offload_for
 from moed.engines.lookahead import PredictHook
-from moed.engines.options import EngineOptions
+from moed.engines.options import EngineHooks, EngineOptions, RouteHook, check_repack
 from moed.engines.sources import ExpertSource, MoedSource
-from moed.engines.streamer import ExpertStreamer, RouteHook, snapshot_bases
-from moed.engines.substitute import Substituter
+from moed.engines.streamer import ExpertStreamer, snapshot_bases
 from moed.protocol.errors import BudgetExhausted, RequestTooLarge
+
+if TYPE_CHECKING:
+    from moed.engines.device_host import HostSlots
+    from moed.engines.device_slots import DeviceSlots
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 _HOOK_LOCK = threading.Lock()
@@ -156,38 +160,64 @@ def _unpacked_internals(
     return proxy
 
 
-class UnpackedLlama(Llama):
-    """`llama_cpp.Llama`, resident, with the experts on llama.cpp's plain kernels.
+class _OwnedLlama(Llama):
+    """A `Llama` whose engine sets up more than llama.cpp's objects: all of it goes on one
+    exit stack as it is made (`_teardown`), and `close` unwinds it in the reverse order,
+    llama.cpp's model, context and batch first (`_load` pushes them last). A failure in
+    `__init__` unwinds it at once; a second close, or the finalizer's, finds nothing."""
+
+    _teardown: contextlib.ExitStack
+
+    @contextlib.contextmanager
+    def _setting_up(self):
+        """Around an engine's whole __init__: the stack made first, unwound on any failure."""
+        self._teardown = contextlib.ExitStack()
+        try:
+            yield
+        except BaseException:
+            self.close()
+            raise
+
+    def _load(self, internals: types.ModuleType, model_path: str, llama_kwargs: dict) -> None:
+        """`Llama.__init__` with `internals`. Llama's own exit stack is made at the top of its
+        __init__; an empty one stands in until then, so close() is safe after any failure."""
+        self._stack = contextlib.ExitStack()
+        self._teardown.callback(Llama.close, self)  # the last pushed: run first
+        with _constructing(internals):
+            Llama.__init__(self, model_path=model_path, **llama_kwargs)
+
+    def close(self) -> None:
+        self._teardown.close()
+
+
+class UnpackedLlama(_OwnedLlama):
+    """`llama_cpp.Llama`, resident, on the CPU kernels `StreamedLlama(repack=...)` computes on.
 
     llama.cpp repacks q4_0 (and q4_K, iq4_nl, mxfp4) weights into interleaved
-    blocks whose kernels round differently (about 1e-7 relative). This is the
-    resident engine running the same kernels as `StreamedLlama(repack="off")`
-    (`repack="off"`, the default: nothing repacked) or as StreamedLlama on a plain
-    file with `repack="auto"` (`repack="dense"`: the dense weights on CPU_REPACK
-    as stock puts them, the experts plain): the reference for bit-exact comparisons
-    and a fair baseline. With a file `moectl align --repack` made, the reference is
-    stock `llama_cpp.Llama` itself. `route_hook` (benchmarks only) may rewrite the
-    router's top-k ids in place.
+    blocks whose kernels round differently (about 1e-7 relative). `repack` takes
+    StreamedLlama's values with their meaning (moed.engines.options.REPACK_CHOICES):
+    "off" (the default: nothing repacked, the experts at their file offsets), "dense"
+    (the dense weights on CPU_REPACK as stock puts them, the experts plain) or "auto"
+    (every weight as stock loads it: stock `llama_cpp.Llama`, as `StockLlama`). So
+    each is the bit-exact reference of `StreamedLlama` with the same `repack` on a
+    plain file, and a fair baseline; with a file `moectl align --repack` made, the
+    reference is stock. `route_hook` (benchmarks only) may rewrite the router's top-k
+    ids in place.
     """
 
     def __init__(self, model_path: str, *, route_hook: RouteHook | None = None, repack: str = "off", **llama_kwargs):
-        refuse_unknown(type(self), llama_kwargs)
-        if repack not in ("off", "dense"):
-            raise ValueError(f"UnpackedLlama's repack is 'off' or 'dense', not {repack!r}")
-        self._route = _RouteCallback(route_hook) if route_hook is not None else None
-        self._kernels: list = [] if repack == "dense" else None  # type: ignore[assignment]
-        with _constructing(_unpacked_internals(self._route, self._kernels)):
-            super().__init__(model_path=model_path, **llama_kwargs)
-
-    def close(self) -> None:
-        if hasattr(self, "_stack"):  # absent when __init__ failed before llama.cpp loaded
-            super().close()
-        for ks in getattr(self, "_kernels", None) or ():
-            ks.close()  # after the model: nothing computes with those tensors any more
-        self._kernels = []
+        with self._setting_up():
+            refuse_unknown(type(self), llama_kwargs)
+            check_repack(repack)
+            self._route = _RouteCallback(route_hook) if route_hook is not None else None
+            kernels: list | None = [] if repack == "dense" else None
+            if kernels is not None:
+                self._teardown.callback(_close_all, kernels)  # after the model: nothing computes with them
+            internals = _unpacked_internals(self._route, kernels, stock=repack == "auto")
+            self._load(internals, model_path, llama_kwargs)
 
 
-class StockLlama(Llama):
+class StockLlama(_OwnedLlama):
     """`llama_cpp.Llama` loaded as stock loads it (every repacked kernel), plus an optional
     `route_hook` that may rewrite the router's top-k ids: benchmarks run stock on the same
     forced routes as the other engines. With `n_gpu_layers` (and a GPU), as llama.cpp's
@@ -195,14 +225,15 @@ class StockLlama(Llama):
     offload, the reference StreamedLlama's GPU hybrid is bit-exact against."""
 
     def __init__(self, model_path: str, *, route_hook: RouteHook | None = None, **llama_kwargs):
-        refuse_unknown(type(self), llama_kwargs)
-        self._route = _RouteCallback(route_hook) if route_hook is not None else None
-        with _constructing(_unpacked_internals(self._route, stock=True)):
-            super().__init__(model_path=model_path, **llama_kwargs)
+        with self._setting_up():
+            refuse_unknown(type(self), llama_kwargs)
+            self._route = _RouteCallback(route_hook) if route_hook is not None else None
+            self._load(_unpacked_internals(self._route, stock=True), model_path, llama_kwargs)
 
-    def close(self) -> None:
-        if hasattr(self, "_stack"):  # absent when __init__ failed before llama.cpp loaded
-            super().close()
+
+def _close_all(closables: list) -> None:
+    while closables:
+        closables.pop().close()
 
 
 def _skeleton(source, skeleton_dir: str | os.PathLike) -> list[str]:
@@ -226,45 +257,42 @@ def _skeleton(source, skeleton_dir: str | os.PathLike) -> list[str]:
         return list(source.files)
 
 
-def _device_slots(model, streamer: ExpertStreamer, host: list | None = None):
+def _device_slots(model, streamer: ExpertStreamer, zero_copy: bool) -> DeviceSlots | HostSlots:
     """The offloaded layers' device slots (moed.engines.device_slots), found by a probe
-    context and switched in now; kept on the streamer, closed after the model. `host` (a
-    list): zero copy instead (moed.engines.device_host: moed's segments imported into the
-    device), the HostSlots appended to it, closed after the model and before the client."""
+    context and switched in now; `zero_copy`: moed's segments imported into the device
+    instead (moed.engines.device_host). The streamer owns them from the moment they
+    exist: it closes them after the model, before the client unmaps the segments."""
+    from moed.engines.device_host import HostImportUnavailable, HostSlots
     from moed.engines.device_slots import DeviceSlots, probe
+    from moed.gguf.layouts import PLAIN
 
     found = probe(model.model)
-    src = streamer.source
-    if host is not None:
-        from moed.engines.device_host import HostImportUnavailable, HostSlots
-        from moed.gguf.layouts import PLAIN
-
-        layout = getattr(getattr(src, "model", None), "expert_layout", PLAIN)
-        if layout != PLAIN:
+    src, n_slots = streamer.source, streamer.gpu_slots
+    if zero_copy:
+        if src.expert_layout != PLAIN:
             raise HostImportUnavailable(
-                f"gpu_zero_copy: moed serves this model's experts in the {layout} layout; the device reads "
-                "the plain one in place"
+                f"gpu_zero_copy: moed serves this model's experts in the {src.expert_layout} layout; the device "
+                "reads the plain one in place"
             )
-        if streamer.gpu_slots < src.n_expert_used:
-            raise ValueError(f"gpu_slots={streamer.gpu_slots}: one token routes to {src.n_expert_used} experts a layer")
-        host.append(zero_copy := HostSlots(found, src, streamer.gpu_slots))
-        return zero_copy
-    streamer.slots = slots = DeviceSlots(found, streamer.gpu_slots)
+        if n_slots < src.n_expert_used:
+            raise ValueError(f"gpu_slots={n_slots}: one token routes to {src.n_expert_used} experts a layer")
+        return streamer.adopt_slots(HostSlots(found, src, n_slots))
+    slots = streamer.adopt_slots(DeviceSlots(found, n_slots))
     for layer in slots.layers:
         served = {e.part: e.bytes_per_expert for e in src.extents(layer)}
         if slots.part_bytes(layer) != served:
             raise RuntimeError(f"layer {layer}: device slot parts {slots.part_bytes(layer)} but moed serves {served}")
         if slots.n_slots(layer) < src.n_expert_used:
             raise ValueError(
-                f"gpu_slots={streamer.gpu_slots}: layer {layer} has {slots.n_slots(layer)} slots, "
+                f"gpu_slots={n_slots}: layer {layer} has {slots.n_slots(layer)} slots, "
                 f"one token routes to {src.n_expert_used} experts"
             )
     return slots
 
 
-def _hooked_internals(streamer: ExpertStreamer, host: list | None = None) -> types.ModuleType:
-    """A copy of `llama_cpp._internals` whose model and context classes stream experts; `host`
-    (a list): the device slots read moed's segments in place (gpu_zero_copy)."""
+def _hooked_internals(streamer: ExpertStreamer, zero_copy: bool = False) -> types.ModuleType:
+    """A copy of `llama_cpp._internals` whose model and context classes stream experts;
+    `zero_copy`: the device slots read moed's segments in place (gpu_zero_copy)."""
     real = _llama_module.internals
     proxy = types.ModuleType(real.__name__)
     proxy.__dict__.update(real.__dict__)
@@ -284,7 +312,7 @@ def _hooked_internals(streamer: ExpertStreamer, host: list | None = None) -> typ
         try:
             # Device slots replace the offloaded layers' expert tensors before any context
             # exists: ggml's scheduler places a MUL_MAT_ID when it splits a graph.
-            slots = _device_slots(model, streamer, host) if streamer.gpu_slots else None
+            slots = _device_slots(model, streamer, zero_copy) if streamer.gpu_slots else None
             streamer.install(before)
             if slots is not None:
                 from moed.engines.device_host import HostPlacement, HostSlots
@@ -293,12 +321,7 @@ def _hooked_internals(streamer: ExpertStreamer, host: list | None = None) -> typ
                 placement = HostPlacement(slots) if isinstance(slots, HostSlots) else SlotPlacement(slots)
                 streamer.place_on(placement, slots.layers, stop=ggml_tensor.WEIGHTS_PREFIX)
         except BaseException:
-            model.close()
-            if streamer.slots is not None:
-                streamer.slots.close()
-                streamer.slots = None
-            while host:
-                host.pop().close()
+            model.close()  # first: the slots (the streamer's, closed with it) outlive the model
             raise
         return model
 
@@ -353,7 +376,7 @@ def _slots_repack(repack: str, offload, path: str) -> str:
     return "dense"
 
 
-class StreamedLlama(Llama):
+class StreamedLlama(_OwnedLlama):
     """A drop-in for `llama_cpp.Llama(model_path=..., ...)` whose routed experts come from moed.
 
     `client`: a `moed.client.Client`; when None, one is opened on `socket_path`
@@ -370,7 +393,7 @@ class StreamedLlama(Llama):
     if it cannot be written there, a warning, and the real file. None or "off": the
     real file (`--skeleton-dir off`; `./off` names a directory called off).
     `strict`: released zero-copy experts go back to PROT_NONE, so any read of an
-    expert not leased right now faults (tests, debugging). The default leaves them
+    expert not granted right now faults (tests, debugging). The default leaves them
     mapped to their last slot until it changes: no syscall on a repeated hit.
     Either way an expert never acquired faults.
     `prefetch`: "gate" (default) predicts each layer's experts one layer ahead from
@@ -386,13 +409,13 @@ class StreamedLlama(Llama):
     r times the missing one's (moed.engines.substitute; this changes the outputs:
     price it with `moectl kl`). `subst_rule`: "plain" (best-ranked) or "cooc"
     (most often routed together with the missing expert, learned online).
-    `repack`: "auto" (default) runs every weight on the CPU kernels stock llama.cpp
-    would use, bit-exact with stock `llama_cpp.Llama`: the dense weights are repacked
-    at load by ggml, and the experts are in this CPU's layout, made by the daemon as
-    it reads a plain file or found in a file from `moectl align --repack`; "dense"
-    keeps the experts plain (bit-exact with `UnpackedLlama(repack="dense")`); "off"
-    runs everything on the plain kernels (bit-exact with `UnpackedLlama`).
-    moed.engines.repack.
+    `repack` (the same values, with the same meaning, as UnpackedLlama's: each is
+    bit-exact with `UnpackedLlama(repack=...)` of the same value on a plain file):
+    "auto" (default) runs every weight on the CPU kernels stock llama.cpp would use,
+    bit-exact with stock `llama_cpp.Llama`: the dense weights are repacked at load by
+    ggml, and the experts are in this CPU's layout, made by the daemon as it reads a
+    plain file or found in a file from `moectl align --repack`; "dense" keeps the
+    experts plain; "off" runs everything on the plain kernels. moed.engines.repack.
     `warm`: "off" (default); "resident" maps the experts the daemon holds at load,
     "all" reads and maps every expert (see `warm()`).
     `gpu_slots`: with `n_gpu_layers`, the offloaded layers' routed experts computed on
@@ -402,7 +425,8 @@ class StreamedLlama(Llama):
     a real integrated GPU read imported host memory at about 1 GB/s).
     The value options are declared once, in `moed.engines.options.EngineOptions`
     (defaults, flags, help); `self.options` holds them, and `from_options` builds
-    an engine from one.
+    an engine from one. The callbacks (`route_hook`, `predict_hook`) are gathered in
+    one `EngineHooks`; the streamer is built from the two.
     """
 
     _ZERO_COPY = ", read in place from moed's RAM tier (zero copy)"
@@ -437,91 +461,95 @@ class StreamedLlama(Llama):
         gpu_zero_copy: bool = False,
         **llama_kwargs,
     ):
-        refuse_unknown(type(self), llama_kwargs)
-        self._check_kwargs(llama_kwargs)
-        from moed.engines import repack as kernel_layout
-        from moed.gguf.header import read_split
+        # What this engine sets up is let go in one place, in the reverse order (close): the
+        # client it opened last, then the streamer (holds, device slots, kernels), then
+        # llama.cpp's model, context and batch first.
+        self._own_client = None
+        with self._setting_up():
+            self._teardown.callback(self._close_own_client)
+            refuse_unknown(type(self), llama_kwargs)
+            # The value options as one EngineOptions (moed.engines.options declares them, defaults
+            # included; tests/unit/test_options.py holds this signature's defaults to them), the
+            # callbacks as one EngineHooks.
+            given = locals()
+            options = EngineOptions(**{name: given[name] for name in EngineOptions.engine_fields()})
+            self._start(model_path, options, EngineHooks(route_hook, predict_hook), client, source, llama_kwargs)
 
-        headers = read_split(model_path)
-        n_gpu_layers = int(llama_kwargs.get("n_gpu_layers", 0) or 0)
-        if gpu_slots and not n_gpu_layers:
-            raise ValueError(
-                f"gpu_slots={gpu_slots} puts the offloaded layers' experts on the GPU: set n_gpu_layers too "
-                "(-1: every layer)"
-            )
-        offload = offload_for(headers, n_gpu_layers, gpu_slots if gpu_slots > 0 else 0)
-        if offload is not None and (route_hook is not None or subst is not None):
-            what = "route_hook" if route_hook is not None else "subst"
-            raise ValueError(
-                f"{what} rewrites the router's ids in place: not with n_gpu_layers (they are in the GPU's "
-                "memory); use n_gpu_layers=0 for it"
-            )
-        layout = kernel_layout.plan(headers, _slots_repack(repack, offload, model_path), model_path, offload)
+    def _start(
+        self,
+        model_path: str,
+        options: EngineOptions,
+        hooks: EngineHooks,
+        client,
+        source: ExpertSource | None,
+        llama_kwargs: dict,
+    ) -> None:
+        if options.skeleton_dir is not None:
+            options = dataclasses.replace(options, skeleton_dir=os.fspath(options.skeleton_dir))
+        options.check()
+        self.options = options
+        self._check_kwargs(llama_kwargs)
+        layout = self._plan(model_path, options, hooks, int(llama_kwargs.get("n_gpu_layers", 0) or 0))
+        offload = layout.offload
         # Zero copy (moed.engines.device_host) where the experts are on a device at all.
-        zero_copy = bool(gpu_zero_copy and offload is not None and offload.gpu_slots)
-        self._host_slots: list = []  # the HostSlots of the load, closed after the model
-        # The value options as one EngineOptions (moed.engines.options declares them, defaults
-        # included; tests/unit/test_options.py holds this signature's defaults to them).
-        given = locals()
-        self.options = EngineOptions(**{name: given[name] for name in EngineOptions.engine_fields()})
-        if self.options.skeleton_dir is not None:
-            self.options = dataclasses.replace(self.options, skeleton_dir=os.fspath(self.options.skeleton_dir))
-        self.options.check()
+        zero_copy = bool(options.gpu_zero_copy and offload is not None and offload.gpu_slots)
         if llama_cpp.__version__ != LLAMA_CPP_PYTHON_VERSION:
             warnings.warn(
                 f"moed is tested with llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}, found "
                 f"{llama_cpp.__version__}; the ggml tensor layout is checked, the rest is not",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
-        self._own_client = None
         if source is None:
             if client is None:
                 from moed.client import Client
 
-                client = self._own_client = Client(socket_path, client_name=f"StreamedLlama[{os.getpid()}]")
+                client = Client(options.socket_path, client_name=f"StreamedLlama[{os.getpid()}]")
+                self.own_client(client)
             source = MoedSource(
                 client,
                 model_path,
-                timeout_s=acquire_timeout_s,
+                timeout_s=options.acquire_timeout_s,
                 expert_layout=layout.expert_layout,
                 compute=compute_line(offload) + (self._ZERO_COPY if zero_copy else ""),
             )
         self.moed_client = client
-        substituter = None
-        if subst is not None:
-            try:
-                if not hasattr(source, "resident"):
-                    raise ValueError("subst needs a source that knows what is resident (ExpertSource.resident)")
-                substituter = Substituter(subst, source.n_experts, source.n_expert_used, subst_window, subst_rule)
-            except BaseException:
-                self._close_client()
-                raise
-        self.streamer = ExpertStreamer(
-            source,
-            gpu_slots=offload.gpu_slots if offload is not None else 0,
-            route_hook=route_hook,
-            predict_hook=predict_hook,
-            substituter=substituter,
-            layout=layout,
-            **self.options.streamer_kwargs(),
-        )
-        try:
-            if skeleton_dir is not None:
-                self.streamer.mapped_files = _skeleton(source, skeleton_dir)
-                model_path = self.streamer.mapped_files[0]
-            with _constructing(_hooked_internals(self.streamer, self._host_slots if zero_copy else None)):
-                super().__init__(model_path=model_path, **llama_kwargs)
-            if not self._logits_all:  # Llama.eval asks for the last token's logits only
-                # The load above ran streamer.install, which builds the look-ahead.
-                assert self.streamer.lookahead is not None
-                self.streamer.lookahead.expect_output_rows(1)
-            self._check_capacity()
-            if warm != "off":
-                self.warm(everything=warm == "all")
-        except BaseException:
-            self._close_client()
-            raise
+        self.streamer = ExpertStreamer(source, options, hooks, layout)
+        self._teardown.callback(self.streamer.close)  # after the model: nothing reads its experts any more
+        if options.skeleton_dir is not None:
+            self.streamer.mapped_files = _skeleton(source, options.skeleton_dir)
+            model_path = self.streamer.mapped_files[0]
+        self._load(_hooked_internals(self.streamer, zero_copy), model_path, llama_kwargs)
+        if not self._logits_all:  # Llama.eval asks for the last token's logits only
+            # The load above ran streamer.install, which builds the look-ahead.
+            assert self.streamer.lookahead is not None
+            self.streamer.lookahead.expect_output_rows(1)
+        self._check_capacity()
+        if options.warm != "off":
+            self.warm(everything=options.warm == "all")
+
+    @staticmethod
+    def _plan(model_path: str, options: EngineOptions, hooks: EngineHooks, n_gpu_layers: int):
+        """Where the layers compute and on which kernels (moed.engines.repack.LayoutPlan, its
+        `offload` the GPU's share): what the options ask of this file on this host, checked."""
+        from moed.engines import repack as kernel_layout
+        from moed.gguf.header import read_split
+
+        headers = read_split(model_path)
+        gpu_slots = options.gpu_slots
+        if gpu_slots and not n_gpu_layers:
+            raise ValueError(
+                f"gpu_slots={gpu_slots} puts the offloaded layers' experts on the GPU: set n_gpu_layers too "
+                "(-1: every layer)"
+            )
+        offload = offload_for(headers, n_gpu_layers, gpu_slots)
+        if offload is not None and (hooks.route is not None or options.subst is not None):
+            what = "route_hook" if hooks.route is not None else "subst"
+            raise ValueError(
+                f"{what} rewrites the router's ids in place: not with n_gpu_layers (they are in the GPU's "
+                "memory); use n_gpu_layers=0 for it"
+            )
+        return kernel_layout.plan(headers, _slots_repack(options.repack, offload, model_path), model_path, offload)
 
     @staticmethod
     def _check_kwargs(kwargs: dict) -> None:
@@ -532,13 +560,13 @@ class StreamedLlama(Llama):
                 "StreamedLlama ignores use_mlock: it locks the dense weights itself "
                 "(locking the experts would read the whole model)",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
         if kwargs.get("n_gpu_layers", 0) and not gpu_devices():
             warnings.warn(
                 "moed: n_gpu_layers is set but this llama.cpp sees no GPU device; everything runs on the CPU",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
         if kwargs.get("op_offload"):
             raise ValueError(
@@ -600,26 +628,15 @@ class StreamedLlama(Llama):
         """
         return self.streamer.report()
 
-    def _close_client(self) -> None:
-        client, self._own_client = getattr(self, "_own_client", None), None
+    def own_client(self, client) -> None:
+        """`client` is this engine's: closed with it, after everything else (moectl serve
+        opens the connection it hands in)."""
+        self._own_client = client
+
+    def _close_own_client(self) -> None:
+        client, self._own_client = self._own_client, None
         if client is not None:
             client.close()
-
-    def close(self) -> None:
-        if hasattr(self, "_stack"):  # absent when __init__ failed before llama.cpp loaded
-            super().close()
-        streamer = getattr(self, "streamer", None)
-        if streamer is not None:
-            streamer.close()  # after the model: nothing reads its expert addresses any more
-            if streamer.kernels is not None:
-                streamer.kernels.close()  # after the model: nothing computes with those tensors any more
-            if streamer.slots is not None:
-                streamer.slots.close()  # after the model: its expert tensors pointed at these slots
-                streamer.slots = None
-        for host in getattr(self, "_host_slots", ()):
-            host.close()  # after the model, before the client unmaps the segments they import
-        self._host_slots = []
-        self._close_client()
 
 
 __all__ = ["StreamedLlama", "UnpackedLlama", "StockLlama", "LLAMA_CPP_PYTHON_VERSION"]

@@ -14,9 +14,9 @@ Timeline of layer L in one graph:
                     prefetches kept for L+1 (and L+2)
 
 Why the prefetches go out after L's acquire and not at ffn_norm-L: until L's
-lease is granted, L's experts (prefetched a layer earlier, READY but held by
+grant is taken, L's experts (prefetched a layer earlier, READY but held by
 nobody) are evictable, and a prefetch for L+1 could evict them. Once L is
-pinned, a prefetch can only evict what no lease holds. The lead time lost is
+held, a prefetch can only evict what no grant holds. The lead time lost is
 L's router alone; L's expert matmuls and L+1's attention still overlap the reads.
 
 Counting: an issued expert is one (layer, expert) named in a prefetch for a
@@ -44,7 +44,7 @@ union covers most of the layer (`WHOLE_LAYER_SHARE`), the whole layer is asked
 for, most-predicted experts first; the last layer, which keeps only the
 batch's output rows when not every token's logits are wanted, is predicted from
 those rows alone. Every prefetch is cut to what the budget can hold beside the
-current lease (`capacity - held`), best first.
+current grant (`capacity - taken`), best first.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ import numpy as np
 from moed.engines.cache_estimate import CacheEstimate
 from moed.engines.governor import ON, SHADOW, PrefetchGovernor
 from moed.engines.predictor import GatePredictor, top
+from moed.engines.sources import ExpertSource
 
 MODES = ("off", "gate", "gate2")
 LEADS = {"off": (), "gate": (1,), "gate2": (1, 2)}
@@ -67,6 +68,24 @@ DECODE_ROWS = 4  # graphs of at most this many tokens are decode steps for the g
 # A benchmark hook: (target layer, lead, ids) where ids is the writable (n_tokens,
 # width) prediction, best first; it may overwrite it before anything uses it.
 PredictHook = Callable[[int, int, np.ndarray], None]
+
+
+class AheadObserver:
+    """What sees the look-ahead's predictions (traces record them; tests check them): a
+    route observer (moed.engines.streamer.RouteObserver) handed to `record`. Every method
+    does nothing unless a subclass says otherwise."""
+
+    def route(self, layer: int, ids: np.ndarray) -> None:
+        """Layer `layer` routed `ids` (a copy)."""
+
+    def decoded(self) -> None:
+        """A decode ended."""
+
+    def ahead(self, layer: int, lead: int, ids: np.ndarray) -> None:
+        """Layer `layer` was predicted `lead` layers ahead: `ids`, (n_tokens, width), best first."""
+
+    def hidden(self, layer: int, x: np.ndarray) -> None:
+        """The router's input rows of `layer`, before its predictions are made."""
 
 
 @dataclass
@@ -101,7 +120,7 @@ class Lookahead:
     def __init__(
         self,
         predictor: GatePredictor | None,
-        source,
+        source: ExpertSource,
         mode: str,
         width: int,
         record_width: int = 0,
@@ -119,13 +138,13 @@ class Lookahead:
         self.record_width = record_width  # > 0: predictions for observers (traces), both leads
         self.governor = PrefetchGovernor() if adapt and mode != "off" else None
         self.predict_hook = predict_hook
-        self.observers: list = []
+        self.observers: list[AheadObserver] = []
         self.leads = LEADS[mode] if not record_width else (1, 2)
         if predictor is not None:
             predictor.prepare(self.leads)
         self.moe_layers = list(layers) if layers is not None else list(source.moe_layers)
         self.layers: dict[int, LayerLook] = {layer: LayerLook() for layer in self.moe_layers}
-        self.cache = CacheEstimate(source.capacity, getattr(source, "size_class", source.capacity))
+        self.cache = CacheEstimate(source.capacity, source.size_class)
         self.skipped_resident = 0  # predicted experts not sent: the estimate says the daemon has them
         self.predict_s = 0.0  # in observe: the predictor's matmul, top-k, prefetch set
         self.account_s = 0.0  # in routed: scoring, counting, sending the prefetches
@@ -146,7 +165,7 @@ class Lookahead:
     def mode_leads(self) -> tuple[int, ...]:
         return LEADS[self.mode]
 
-    def record(self, observer, width: int) -> None:
+    def record(self, observer: AheadObserver, width: int) -> None:
         """Also predict one and two layers ahead, `width` per token, for `observer` (traces)."""
         if self.predictor is None:
             raise RuntimeError("this model has no gate-ahead predictor: no predictions to record")
@@ -155,7 +174,7 @@ class Lookahead:
         self.predictor.prepare(self.leads)
         self.observers.append(observer)
 
-    def stop_recording(self, observer) -> None:
+    def stop_recording(self, observer: AheadObserver) -> None:
         """`observer` sees no more predictions; with none left, the mode's own leads again."""
         self.observers.remove(observer)
         if not self.observers:
@@ -217,9 +236,7 @@ class Lookahead:
         t0 = time.perf_counter()
         width = max(self.width, self.record_width)
         for observer in self.observers:
-            hidden = getattr(observer, "hidden", None)
-            if hidden is not None:
-                hidden(layer, x)
+            observer.hidden(layer, x)
         for target, lead in self._targets(layer):
             ids = top(self._gate.scores(x, layer, target), width)
             if self.predict_hook is not None:
@@ -269,8 +286,9 @@ class Lookahead:
 
     # ---- ffn_moe_topk-L, after L's acquire -------------------------------------
 
-    def routed(self, layer: int, ids: np.ndarray, held: int, stall_s: float) -> None:
-        """Layer `layer` routed `ids` and holds `held` experts now; score it, then send prefetches."""
+    def routed(self, layer: int, ids: np.ndarray, granted: int, stall_s: float) -> None:
+        """Layer `layer` routed `ids` and holds a grant of `granted` experts now; score it, then
+        send prefetches."""
         t0 = time.perf_counter()
         look = self.layers[layer]
         look.stall_s += stall_s
@@ -295,6 +313,7 @@ class Lookahead:
                 look.hits += hit
                 look.wasted += int(mask.sum()) - hit
         outbox, self._outbox = self._outbox, []
+        taken = granted  # slots this layer's grant and the prefetches sent so far take
         for target, experts in outbox:
             # The governor's precision is of what a prefetch reads: the predicted experts the
             # estimate says are gone. Resident ones cost no read and are the popular ones, so
@@ -305,10 +324,10 @@ class Lookahead:
             if not self._issuing:
                 continue  # a shadow step: named for the governor, not sent
             self.skipped_resident += len(experts) - len(gone)
-            experts = self._within_capacity(target, gone, held)
+            experts = self._within_capacity(target, gone, taken)
             self._send(target, experts)
             self.cache.touch(target, experts)
-            held += len(experts)
+            taken += len(experts)
         self.account_s += time.perf_counter() - t0
 
     def _score(self, look: LayerLook, ids: np.ndarray, preds: dict[int, np.ndarray]) -> None:
@@ -328,9 +347,9 @@ class Lookahead:
                 look.routed2 += n_routed
                 look.predicted2 += got
 
-    def _within_capacity(self, target: int, experts: np.ndarray, held: int) -> np.ndarray:
+    def _within_capacity(self, target: int, experts: np.ndarray, taken: int) -> np.ndarray:
         cap = self.source.capacity(target)
-        return experts if cap is None else experts[: max(0, cap - held)]
+        return experts if cap is None else experts[: max(0, cap - taken)]
 
     def _send(self, target: int, experts: np.ndarray) -> None:
         if not len(experts):

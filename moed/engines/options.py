@@ -8,13 +8,16 @@ what the engine verbs' flags set (`moectl generate`, `chat`, `trace`, `kl`: grou
 group exposes it, its flag: the name, the help that group prints, the type and the
 choices. The CLI builds its arguments with `add_flags` and reads them back with
 `from_args`; StreamedLlama's keyword arguments are these fields (less
-`client_timeout_s`) plus the objects only Python callers pass (client, source, hooks).
+`client_timeout_s`) plus the objects only Python callers pass (client, source, and
+the callbacks, which it gathers in one `EngineHooks`). The streamer
+(moed.engines.streamer) is built from the same two: `ExpertStreamer(source, options,
+hooks, layout)`.
 
 Invariants:
 - A field's default is StreamedLlama's keyword default, its flag's default and
   README's; StreamedLlama builds its EngineOptions from its keywords by these names
-  and hands the streamer its options from here (tests/unit/test_options.py checks
-  the signature, the flags and the README against this declaration).
+  and hands the streamer that object (tests/unit/test_options.py checks the
+  signature, the flags and the README against this declaration).
 - A flag's `dest` is argparse's own (`--acquire-timeout` -> `args.acquire_timeout`),
   so the flags, their help and the names other code reads are as they were.
 - A new option is one field here, and its use in StreamedLlama.
@@ -28,12 +31,20 @@ import argparse
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from moed.engines.lookahead import PredictHook
 
 RUN = "run"  # moectl generate, chat, trace, kl
 SERVE = "serve"  # moectl serve (every model it loads)
 PREFETCH_CHOICES = ("gate", "gate2", "off")  # as the flags list them (moed.engines.lookahead.MODES)
 WARM_CHOICES = ("off", "resident", "all")
+# Which weights run on stock llama.cpp's repacked CPU kernels (moed.engines.repack):
+# the same three values, with the same meaning, for StreamedLlama and UnpackedLlama.
+REPACK_CHOICES = ("auto", "dense", "off")
 
 
 @dataclass(frozen=True)
@@ -146,7 +157,7 @@ class EngineOptions:
                 "file's experts are repacked by the daemon as it reads them), stock's for the dense weights and "
                 "the plain ones for the experts (dense), or the plain ones (off)",
             ),
-            choices=("auto", "dense", "off"),
+            choices=REPACK_CHOICES,
         ),
     )
     warm: str = _option(
@@ -196,10 +207,6 @@ class EngineOptions:
         """StreamedLlama's keyword arguments for these options."""
         return {name: getattr(self, name) for name in self.engine_fields()}
 
-    def streamer_kwargs(self) -> dict[str, Any]:
-        """The options ExpertStreamer (moed.engines.streamer) takes as they are."""
-        return {name: getattr(self, name) for name in _STREAMER_FIELDS}
-
     @classmethod
     def engine_fields(cls) -> tuple[str, ...]:
         """The fields that are StreamedLlama keyword arguments (all but the server's own)."""
@@ -211,6 +218,7 @@ class EngineOptions:
 
         if self.prefetch not in MODES:
             raise ValueError(f"prefetch must be one of {', '.join(MODES)}, not {self.prefetch!r}")
+        check_repack(self.repack)
         if self.warm not in WARM_CHOICES:
             raise ValueError(f"warm must be one of {', '.join(WARM_CHOICES)}, not {self.warm!r}")
         if self.prefetch_width is not None and self.prefetch_width < 1:
@@ -237,8 +245,40 @@ class EngineOptions:
         return cls(**{name: getattr(args, flag.dest) for name, flag in _flags(group)}, **given)
 
 
+# A benchmark hook: called with (layer, ids) where ids is the writable (n_tokens, k)
+# view of the router's choice; it may overwrite ids before the expert matmuls run.
+RouteHook = Callable[[int, "np.ndarray"], None]
+
+
+@dataclass(frozen=True)
+class EngineHooks:
+    """The callbacks a Python caller may hand a streamed engine (benchmarks, tests): every
+    one None by default, and then nothing of it runs.
+
+    `route(layer, ids)`: may overwrite the router's top-k ids in place, before the
+    experts are acquired (RouteHook). `predict(target, lead,
+    ids)`: may overwrite the look-ahead's predictions (moed.engines.lookahead.PredictHook).
+    What only observes (traces, tests) is added later: `ExpertStreamer.observers` and
+    `record_predictions`.
+    """
+
+    route: RouteHook | None = None
+    predict: PredictHook | None = None
+
+
+NO_HOOKS = EngineHooks()
+
+
+def check_repack(repack: str) -> None:
+    """ValueError unless `repack` is one of REPACK_CHOICES (every engine takes the same)."""
+    if repack not in REPACK_CHOICES:
+        raise ValueError(
+            f"repack must be one of {', '.join(REPACK_CHOICES)} (auto: stock's repacked kernels for every weight, "
+            f"dense: for the dense weights only, off: none), not {repack!r}"
+        )
+
+
 _SERVER_ONLY = ("client_timeout_s",)
-_STREAMER_FIELDS = ("strict", "prefetch", "prefetch_width", "prefetch_adapt")
 
 
 def _flags(group: str) -> list[tuple[str, Flag]]:
@@ -246,4 +286,14 @@ def _flags(group: str) -> list[tuple[str, Flag]]:
     return [(name, flag) for name, flag in found if flag is not None and group in flag.help]
 
 
-__all__ = ["RUN", "SERVE", "EngineOptions", "Flag"]
+__all__ = [
+    "RUN",
+    "SERVE",
+    "REPACK_CHOICES",
+    "EngineHooks",
+    "EngineOptions",
+    "Flag",
+    "NO_HOOKS",
+    "RouteHook",
+    "check_repack",
+]

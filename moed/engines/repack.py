@@ -12,8 +12,9 @@ the refusals when the file's expert bytes cannot serve that decision.
   computes on its layout; a plain file's experts of every type this CPU repacks
   are asked of the daemon in that layout, which it makes as it reads them (repack
   on read, moed.daemon.onread; issue 41). Either way the engine computes everything
-  as stock `llama_cpp.Llama` does on the original file (bit-exact). A type the
-  daemon cannot make (none in 0.3.36 outside RISC-V) stays plain, with a warning.
+  as stock `llama_cpp.Llama` does on the original file (bit-exact; its reference is
+  `UnpackedLlama(repack="auto")`, stock's load). A type the daemon cannot make (none
+  in 0.3.36 outside RISC-V) stays plain, with a warning.
 - `repack="dense"`: dense weights as stock, experts plain (the kernels of
   `UnpackedLlama(repack="dense")`, its reference): what "auto" did before repack on
   read, for a host where the transform's CPU costs more than the faster kernels
@@ -44,13 +45,14 @@ from dataclasses import dataclass, field
 
 from moed.engines import kernels
 from moed.engines.devices import Offload
+from moed.engines.options import REPACK_CHOICES, check_repack
 from moed.gguf import interleave
 from moed.gguf.catalog import EXPERT_RE
 from moed.gguf.header import Header, TensorInfo, type_name
 from moed.gguf.layouts import KEY_CPU, KEY_LAYOUTS, PLAIN, layout_refusal, parse_layouts, summary
 from moed.protocol.errors import LayoutUnavailable
 
-MODES = ("auto", "dense", "off")
+MODES = REPACK_CHOICES  # the option's values, declared with it (moed.engines.options)
 
 
 @dataclass
@@ -75,8 +77,7 @@ def plan(headers: list[Header], mode: str, path: str, offload: Offload | None = 
 
 
 def _plan(headers: list[Header], mode: str, path: str) -> LayoutPlan:
-    if mode not in MODES:
-        raise ValueError(f"repack must be one of {', '.join(MODES)}, not {mode!r}")
+    check_repack(mode)
     file_layouts = parse_layouts(headers[0].get(KEY_LAYOUTS))
     experts = [t for h in headers for t in h.tensors if EXPERT_RE.match(t.name)]
     types = {type_name(t.ggml_type) for t in experts}

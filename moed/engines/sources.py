@@ -1,15 +1,20 @@
 """Where an engine's routed experts come from: the `ExpertSource` interface and moed's.
 
 What this module owns: the narrow interface the llama.cpp adapter needs from a
-provider of expert bytes (extents per layer, acquire with piggybacked release,
-release, and for every granted expert either a (segment, fd, offset) to map or an
-address to copy from; prefetch and, optionally, `size_class(layer)` for the
-look-ahead), and its implementation over the moed client.
+provider of expert bytes, `ExpertSource` (extents per layer; one verb per step of a
+layer: `acquire` with the earlier grant's release piggybacked, `release`, and `hit`,
+the hit with no round trip, where the source has one; for every granted expert either
+a (segment, fd, offset) to map or an address to copy from; the look-ahead's
+`prefetch`, `capacity` and `size_class`; substitution's `resident`), with a default
+for every optional step, and its implementation over the moed client.
 
 Invariants:
-- A `Grant` is valid from `acquire` until it is released (by `release` or by
-  being passed as `release=` to the next acquire); its bytes do not change
-  while it is held, and the engine reads them only in that window.
+- A `Grant` is valid from the `acquire` (or the `hit`) that returned it until it is
+  released (by `release`, or by being passed as `release=` to the next acquire or
+  hit); its bytes do not change while it is held, and the engine reads them only in
+  that window.
+- `hit` changes nothing when it returns None: `release` is still held, for the
+  acquire that follows.
 - The moed source never opens the model file for expert bytes: everything comes
   from the daemon's read-only segments.
 """
@@ -21,6 +26,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
 
+from moed.gguf.layouts import PLAIN
 from moed.protocol.messages import PartExtent
 
 if TYPE_CHECKING:
@@ -42,34 +48,66 @@ class Grant(Protocol):
         """The daemon's slot holding the expert (every part at its part offset)."""
 
 
-class ExpertSource(Protocol):
+class ExpertSource:
+    """Where a streamed engine's routed experts come from: one verb per step of a layer.
+
+    A source says what it serves (`files`, `moe_layers`, `n_experts`, `n_expert_used`,
+    `extents`) and holds experts for the engine: `acquire` (ask the provider, the
+    earlier grant released in the same step), `release`, and, where the source has
+    hits with no round trip, `hit` (the hit only: a grant, or None and nothing changed).
+    A subclass implements `extents`, `acquire` and `release`; every other method has a
+    default here that says what an engine does without it, so the engine never asks
+    whether a source has a method.
+    """
+
     files: list[str]
     moe_layers: list[int]
     n_experts: int
     n_expert_used: int
+    # The layout of the experts' bytes the source serves (moed.gguf.layouts): the file's own.
+    expert_layout: str = PLAIN
+    # Whether `resident` reads what the source holds now (substitution needs that).
+    tells_residency: bool = False
 
-    def extents(self, layer: int) -> list[PartExtent]: ...
+    def extents(self, layer: int) -> list[PartExtent]:
+        """Where each part of `layer`'s experts lives in the model's files."""
+        raise NotImplementedError
 
-    def acquire(self, layer: int, experts: Sequence[int], release: Grant | None = None, local: bool = True) -> Grant:
-        """Hold `experts` of `layer` (releasing `release`); `local=False`: the hit with no round
-        trip was tried already for this layer and missed, so ask the daemon at once."""
-        ...
+    def acquire(self, layer: int, experts: Sequence[int], release: Grant | None = None) -> Grant:
+        """Hold `experts` of `layer`, asking the provider (no hit tried here: `hit` is that
+        step); `release`, the earlier grant, is released in the same step."""
+        raise NotImplementedError
 
-    def release(self, grant: Grant) -> None: ...
+    def release(self, grant: Grant) -> None:
+        """Let `grant` go: the engine reads none of its bytes any more."""
+        raise NotImplementedError
+
+    def hit(self, layer: int, experts: Sequence[int], release: Grant | None = None) -> Grant | None:
+        """Hold `experts` of `layer` with no round trip when every one is resident (releasing
+        `release`), else None with nothing changed. Default: no such hits."""
+        return None
 
     def capacity(self, layer: int) -> int | None:
-        """Most experts of `layer` one acquire can ever hold (None: unknown)."""
+        """Most experts of `layer` one acquire can ever hold (default None: unknown)."""
+        return None
+
+    def size_class(self, layer: int) -> object:
+        """Which layers share their slots (the look-ahead's cache estimate keeps one LRU a
+        class). Default: layers of one capacity share them."""
+        return self.capacity(layer)
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
-        """Read `experts` of `layer` ahead; never waits (needed only with prefetch on)."""
+        """Read `experts` of `layer` ahead; never waits. Default: a hint dropped."""
 
     def resident(self, layer: int, experts: Sequence[int]) -> np.ndarray:
-        """Which of `experts` of `layer` are resident now, with no round trip (needed only
-        with substitution on)."""
+        """Which of `experts` of `layer` are resident now, with no round trip. Default: none
+        known (`tells_residency` False)."""
+        return np.zeros(len(experts), dtype=bool)
 
     def lane(self) -> LaneSource | None:
-        """The source's hits for the lane layers (moed.engines.holds), or None: no lane
-        layers, every layer goes through `acquire`."""
+        """The source's hits for the lane layers (moed.engines.holds), or None (default): no
+        lane layers, every layer goes through `hit` and `acquire`."""
+        return None
 
 
 class LaneSource(Protocol):
@@ -108,8 +146,10 @@ class MoedGrant:
         return self.segment.base + self.segment.part_offset(self.lease.slot(expert), part)
 
 
-class MoedSource:
+class MoedSource(ExpertSource):
     """Experts served by a moed daemon through `moed.client`."""
+
+    tells_residency = True  # the connection's residency table
 
     def __init__(
         self, client, model_path: str, timeout_s: float | None = None, expert_layout: str = "", compute: str = ""
@@ -121,18 +161,29 @@ class MoedSource:
         self.moe_layers = list(self.model.moe_layers)
         self.n_experts = self.model.n_experts
         self.n_expert_used = self.model.n_expert_used
+        self.expert_layout = self.model.expert_layout
         self._layers = {l: self.model.layer(l) for l in self.moe_layers}
 
     def extents(self, layer: int) -> list[PartExtent]:
         """Where each part of the layer's experts lives: the wire's extents, as the daemon sent them."""
         return list(self._layers[layer].parts)
 
-    def acquire(
-        self, layer: int, experts: Sequence[int], release: Grant | None = None, local: bool = True
-    ) -> MoedGrant:
+    def acquire(self, layer: int, experts: Sequence[int], release: Grant | None = None) -> MoedGrant:
+        lease = self.model.acquire(
+            layer, list(experts), timeout_s=self.timeout_s, release=self._prior(release), local=False
+        )
+        return self._grant(lease)
+
+    def hit(self, layer: int, experts: Sequence[int], release: Grant | None = None) -> MoedGrant | None:
+        lease = self.model.hit(layer, list(experts), release=self._prior(release))
+        return self._grant(lease) if lease is not None else None
+
+    @staticmethod
+    def _prior(release: Grant | None) -> list:
         # Every grant a source is handed back is one it issued: a MoedGrant.
-        prior = [cast(MoedGrant, release).lease] if release is not None else []
-        lease = self.model.acquire(layer, list(experts), timeout_s=self.timeout_s, release=prior, local=local)
+        return [cast(MoedGrant, release).lease] if release is not None else []
+
+    def _grant(self, lease) -> MoedGrant:
         return MoedGrant(lease, self.model.segment(lease.class_id), (self.model.model_id, lease.class_id))
 
     def release(self, grant: Grant) -> None:

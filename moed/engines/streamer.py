@@ -10,10 +10,11 @@ Python reads the routed ids, acquires this layer's distinct experts (the earlier
 grant released in the same round trip), hands the grant to the holds in one call
 and makes the experts visible through the layer's placement (moed.engines.placement).
 When the look-ahead is on (prefetch or
-a trace recording predictions), the callback also stops at `ffn_norm-<layer>`
-(the router's input; gpt-oss's is `attn_post_norm-<layer>`, glm4moe's
-`post_attn_norm-<layer>`: `moed.gguf.archs`) and hands the normed hidden state to `moed.engines.lookahead`, which predicts
-later layers and, after this layer's acquire, prefetches them.
+a trace recording predictions), the callback also stops at the router's input
+(`moed.gguf.archs.RouterInput`: `ffn_norm-<layer>`; gpt-oss's is
+`attn_post_norm-<layer>`, glm4moe's `post_attn_norm-<layer>`, and for gemma4,
+llama4 and qwen4exp it is a residual) and hands its rows to `moed.engines.lookahead`,
+which predicts later layers and, after this layer's acquire, prefetches them.
 
 Invariants (what must happen before what):
 - `install` runs after llama.cpp mapped the model and before the first decode.
@@ -21,7 +22,7 @@ Invariants (what must happen before what):
   graph is one split in layer order), so the previous grant is hidden and then
   released in the same round trip as L's acquire.
 - What a layer holds has one owner, the layer holds: at most one of their own
-  lease, a Python grant and the pin hold. A grant Python acquired is handed to them
+  hit grant, a Python grant and the pin hold. A grant Python acquired is handed to them
   (`LayerHolds.hold`) and handed back at the next stop or after the decode.
 - Pages are hidden before their grant is released: once the daemon may reuse a
   slot, this process can no longer read it.
@@ -53,22 +54,23 @@ Invariants (what must happen before what):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import numpy as np
 
 from moed import libc
 from moed.engines import ggml_tensor, vm
 from moed.engines.expert_pages import ExpertPages, PartSpan, gaps
-from moed.engines.holds import LOST, MAP_FAILED, MISSED, HoldStats, LayerHolds, lost
+from moed.engines.holds import LOST, MAP_FAILED, NOT_TRIED, HoldStats, LayerHolds, lost
 from moed.engines.kernels import KernelSwitch
-from moed.engines.lookahead import Lookahead, PredictHook
+from moed.engines.lookahead import AheadObserver, Lookahead
+from moed.engines.options import NO_HOOKS, EngineHooks, EngineOptions
 from moed.engines.placement import CpuPages, Placement
 from moed.engines.predictor import GATING_SOFTMAX, gate
 from moed.engines.repack import LayoutPlan, dense_offloaded, prepare
@@ -79,13 +81,11 @@ from moed.gguf.archs import LAZY_TENSORS
 from moed.gguf.header import read_split
 
 if TYPE_CHECKING:
+    from moed.engines.device_host import HostSlots
     from moed.engines.device_slots import DeviceSlots
 
 log = logging.getLogger("moed.engine")
-
-# A benchmark hook: called with (layer, ids) where ids is the writable (n_tokens, k)
-# view of the router's choice; it may overwrite ids before the expert matmuls run.
-RouteHook = Callable[[int, np.ndarray], None]
+SlotsT = TypeVar("SlotsT", "DeviceSlots", "HostSlots")
 
 
 class RouteObserver(Protocol):
@@ -96,12 +96,6 @@ class RouteObserver(Protocol):
     def decoded(self) -> None: ...
 
 
-class AheadObserver(RouteObserver, Protocol):
-    """A RouteObserver that also sees the look-ahead's predictions (traces record them)."""
-
-    def ahead(self, layer: int, lead: int, ids: np.ndarray) -> None: ...
-
-
 @dataclass
 class StreamStats:
     layers: int = 0  # acquires
@@ -109,7 +103,7 @@ class StreamStats:
     acquire_s: float = 0.0  # time inside acquire (round trip + daemon reads)
     show_s: float = 0.0  # time mapping / copying pages
     decodes: int = 0
-    whole_decodes: int = 0  # decodes with no per-layer stop (every expert pinned: `begin`)
+    whole_decodes: int = 0  # decodes with no per-layer stop (every expert pinned: the holds count them)
     tokens: int = 0  # tokens in all decodes (prompt and generated)
     dense_locked_bytes: int = 0
     dense_lock_error: str = ""
@@ -121,42 +115,50 @@ def snapshot_bases(files: list[str]) -> set[int]:
     return set().union(*(vm.mapping_bases(path) for path in files))
 
 
+def _substituter(source: ExpertSource, options: EngineOptions) -> Substituter | None:
+    """The options' substitution (None: `subst` off, the exact path)."""
+    if options.subst is None:
+        return None
+    if not source.tells_residency:
+        raise ValueError("subst needs a source that knows what is resident (ExpertSource.tells_residency)")
+    return Substituter(options.subst, source.n_experts, source.n_expert_used, options.subst_window, options.subst_rule)
+
+
 class ExpertStreamer:
     """Owns the expert pages of one loaded llama.cpp model and the eval callback that fills them."""
 
     def __init__(
         self,
         source: ExpertSource,
-        route_hook: RouteHook | None = None,
-        strict: bool = False,
-        prefetch: str = "off",
-        prefetch_width: int | None = None,
-        prefetch_adapt: bool = True,
-        predict_hook: PredictHook | None = None,
-        substituter: Substituter | None = None,
+        options: EngineOptions,
+        hooks: EngineHooks = NO_HOOKS,
         layout: LayoutPlan | None = None,
-        gpu_slots: int = 0,
     ):
+        """`options`: the engine's (moed.engines.options: strict, the look-ahead's, substitution's);
+        `hooks`: its callbacks; `layout`: which weights run on ggml's repacked kernels and where
+        the layers compute (moed.engines.repack; None: all plain, on the CPU)."""
         if not ggml_tensor.layout_matches():
             raise RuntimeError(
                 "struct ggml_tensor layout does not match this llama.cpp; moed supports llama-cpp-python==0.3.36"
             )
+        # What the streamer owns is let go here, in the reverse order (close): the holds,
+        # the device slots, then the kernels; all after llama.cpp's model is freed.
+        self._teardown = contextlib.ExitStack()
         self.source = source
-        self.route_hook = route_hook
-        self.strict = strict
+        self.options = options
+        self.hooks = hooks
+        self.strict = options.strict
         self.observers: list[RouteObserver] = []
         self.stats = StreamStats()
         self.pages: ExpertPages | None = None
         # The files llama.cpp maps: the model's own, or its skeleton (same layout).
         self.mapped_files: list[str] = list(source.files)
-        self.prefetch = prefetch
-        self.prefetch_width = prefetch_width or source.n_expert_used
-        self.prefetch_adapt = prefetch_adapt
-        self.predict_hook = predict_hook
+        self.prefetch = options.prefetch
+        self.prefetch_width = options.prefetch_width or source.n_expert_used
         self.lookahead: Lookahead | None = None  # built at install (it reads the mapped routers)
         self.error: BaseException | None = None
         # Substitution (moed.engines.substitute): None is the exact path, untouched.
-        self.substituter = substituter
+        self.substituter = _substituter(source, options)
         self._parts: dict[int, list[PartSpan]] = {}
         # Where each layer's experts are made computable (moed.engines.placement): the CPU's
         # pages unless a device placement took the layer at load. Fixed after install.
@@ -168,11 +170,12 @@ class ExpertStreamer:
         # The one owner of what the routed layers hold (moed.engines.holds): built at install.
         self.holds: LayerHolds | None = None
         # The eval callback: its ask pass (every graph node) runs in C; the routed stops go to
-        # the layer holds (then `_on_route`), the norm stops to `_on_node`. Kept referenced for
-        # as long as llama.cpp may call it.
+        # the layer holds (then `_on_route`), the router-input stops to `_on_node`. Kept
+        # referenced for as long as llama.cpp may call it.
         self.c_callback = ggml_tensor.EvalCallback(self._on_node)
-        # The router's input node, `<prefix><layer>`: ffn_norm-, or the arch's own (set at install).
-        self.norm_prefix = ggml_tensor.NORM_PREFIX
+        # The router's input node (moed.gguf.archs.RouterInput), `<prefix><layer>`: ffn_norm-,
+        # or the arch's own (set at install).
+        self.router_input_prefix = ggml_tensor.ROUTER_INPUT_PREFIX
         # Each routed layer's stop: its top-k, or (device slots) the routing weights after it.
         self.route_prefix = ggml_tensor.TOPK_PREFIX
         # SOFTMAX_WEIGHT gating (gpt-oss): `ffn_moe_probs-L` holds the logits, so the
@@ -182,17 +185,23 @@ class ExpertStreamer:
         # Which weights run on ggml's repacked kernels (moed.engines.repack); None: all plain.
         self.layout = layout
         self.kernels: KernelSwitch | None = prepare(read_split(self.mapped_files[0]), layout) if layout else None
+        if self.kernels is not None:
+            self._teardown.callback(self.kernels.close)  # after the model: nothing computes with them
         self._headers: list = []
         self._bases: list[int] = []
         self._whole_tokens = 0  # tokens of the whole step under way (0: none)
-        # MOED_WHOLE_STEPS=0: stop at every layer even with every expert pinned (to measure them).
-        self.whole_steps = os.environ.get("MOED_WHOLE_STEPS", "1") != "0"
-        # Device expert slots a layer for the offloaded layers (moed.engines.device_slots): built
-        # by the load, between llama.cpp's model and its context; None without.
-        self.gpu_slots = gpu_slots
-        self.slots: DeviceSlots | None = None
+        # The toggle: MOED_WHOLE_STEPS=0 stops at every layer even with every expert pinned
+        # (to measure them). Whether one can be taken is the holds' (`has_pin_word`); how
+        # many were is their counter (`whole_decodes`).
+        self.whole_steps_allowed = os.environ.get("MOED_WHOLE_STEPS", "1") != "0"
+        # Device expert slots a layer for the offloaded layers (moed.engines.device_slots, or
+        # device_host's zero copy): made by the load, between llama.cpp's model and its
+        # context (`adopt_slots`); None without.
+        offload = layout.offload if layout is not None else None
+        self.gpu_slots = offload.gpu_slots if offload is not None else 0
+        self.slots: DeviceSlots | HostSlots | None = None
         # A device computes part of the graph: a failed decode runs on to its end (_fail).
-        self._offloaded = layout is not None and layout.offload is not None
+        self._offloaded = offload is not None
 
     # ---- install ---------------------------------------------------------
 
@@ -219,6 +228,7 @@ class ExpertStreamer:
         lane_source = self.source.lane() if lane else None
         lane_parts = {layer: self._parts[layer] for layer in lane} if lane_source is not None else {}
         self.holds = LayerHolds(self._on_route, self.source.n_experts, lane_source, lane_parts)
+        self._teardown.callback(self._close_holds)  # first at close: nothing else is let go before
         self.c_callback.set_holds(self.holds.handle)  # the path is chosen per decode (begin)
         self.cpu = CpuPages(self.pages, self._parts, self.holds)
         self._placements = dict.fromkeys(self._parts, self.cpu)
@@ -266,7 +276,7 @@ class ExpertStreamer:
         )
 
         arch = str(headers[0].get("general.architecture", ""))
-        self.norm_prefix = router_input(arch).prefix
+        self.router_input_prefix = router_input(arch).prefix
         self.router_gating = gating_of(headers[0])
         self.probs_are_logits = self.router_gating == GATING_SOFTMAX_WEIGHT
         layers = graph_moe_layers(headers[0], self.source.moe_layers)  # no prefetch into MTP layers
@@ -283,8 +293,8 @@ class ExpertStreamer:
             self.source,
             self.prefetch,
             self.prefetch_width,
-            adapt=self.prefetch_adapt,
-            predict_hook=self.predict_hook,
+            adapt=self.options.prefetch_adapt,
+            predict_hook=self.hooks.predict,
             layers=layers,
         )
 
@@ -353,17 +363,18 @@ class ExpertStreamer:
     # ---- the eval callback -----------------------------------------------
 
     def _on_node(self, tensor: int) -> bool:
-        """A computed router-input node (`ffn_norm-<n>`, while observing; the routed stops go
-        to the layer holds, then `_on_route`); False stops the graph."""
+        """A computed router-input node (moed.gguf.archs.RouterInput: `ffn_norm-<n>` or the
+        arch's own, while observing; the routed stops go to the layer holds, then
+        `_on_route`); False stops the graph."""
         try:
-            hit = ggml_tensor.node(tensor, self.norm_prefix, self.route_prefix)
-            if hit is None or hit[0] != ggml_tensor.NORM:
+            found = ggml_tensor.node(tensor, self.router_input_prefix, self.route_prefix)
+            if found is None or found[0] != ggml_tensor.ROUTER_INPUT:
                 return True
             if self.error is not None:
                 return self._offloaded  # see _on_route
             if self._experts_pending():
                 self._switch_experts(tensor)
-            layer = hit[1]
+            layer = found[1]
             if self._observing(layer):
                 assert self.lookahead is not None  # _observing requires the look-ahead
                 self.lookahead.observe(layer, ggml_tensor.rows_f32(tensor))
@@ -426,8 +437,8 @@ class ExpertStreamer:
         return la is not None and la.observing and layer in self._parts
 
     def _route(self, layer: int, tensor: int) -> np.ndarray:
-        if self.route_hook is not None:
-            self.route_hook(layer, ggml_tensor.topk_view(tensor))
+        if self.hooks.route is not None:
+            self.hooks.route(layer, ggml_tensor.topk_view(tensor))
         # A layer whose experts a table chose by token id (deepseek4's hash layers) is left
         # as it is: the model needs exactly those, and there is no ranking to substitute from.
         if self.substituter is not None and ggml_tensor.router_selected(tensor):
@@ -473,7 +484,7 @@ class ExpertStreamer:
             if prev is not None:
                 self._hide(prev)
             try:
-                grant = self.source.acquire(layer, experts, release=prev, local=status != MISSED)
+                grant = self._acquire(layer, experts, prev, try_hit=status == NOT_TRIED)
             except BaseException:
                 if prev is not None:
                     self._release_quietly(prev)
@@ -491,6 +502,12 @@ class ExpertStreamer:
         if la is not None:
             la.routed(layer, ids, len(experts), t1 - t0)
 
+    def _acquire(self, layer: int, experts: list[int], prev: Grant | None, try_hit: bool) -> Grant:
+        """`experts` of `layer`, `prev` released in the same step: the source's hit first when
+        the holds did not try one (NOT_TRIED), else (or when it misses) the source's acquire."""
+        grant = self.source.hit(layer, experts, release=prev) if try_hit else None
+        return grant if grant is not None else self.source.acquire(layer, experts, release=prev)
+
     def _let_go(self, grant: Grant) -> None:
         """Hide `grant`, then release it (its layer's matmuls have run)."""
         self._hide(grant)
@@ -504,7 +521,7 @@ class ExpertStreamer:
 
     @property
     def held(self) -> tuple[str, object] | None:
-        """What the layer holds hold now: None (an idle engine holds nothing), ("lease", n),
+        """What the layer holds hold now: None (an idle engine holds nothing), ("hit", n),
         ("grant", grant) or ("pin", model_id)."""
         return self.holds.held() if self.holds is not None else None
 
@@ -525,7 +542,7 @@ class ExpertStreamer:
         for layer in sorted(holds.layers):
             experts = [int(e) for e in (every if everything else every[src.resident(layer, every.tolist())])]
             for i in range(0, len(experts), src.n_expert_used):
-                grant = src.acquire(layer, experts[i : i + src.n_expert_used])
+                grant = self._acquire(layer, experts[i : i + src.n_expert_used], None, try_hit=True)
                 try:
                     for expert in grant.experts:
                         holds.place(layer, expert, grant.slot(expert), populate=True)
@@ -558,7 +575,7 @@ class ExpertStreamer:
     def _release_quietly(self, grant: Grant) -> None:
         try:
             self.source.release(grant)
-        except Exception as exc:  # noqa: BLE001 - the lease may already be gone with the failed acquire
+        except Exception as exc:  # noqa: BLE001 - the grant may already be gone with the failed acquire
             log.debug("release after failed acquire: %s", exc)
 
     def begin(self, n_tokens: int, tokens: np.ndarray | None = None) -> None:
@@ -570,7 +587,7 @@ class ExpertStreamer:
         if la is not None:
             la.begin_decode(n_tokens, tokens)
         observing = la is not None and la.observing
-        self.c_callback.stop_at_norm(observing, self.norm_prefix)
+        self.c_callback.stop_at_router_input(observing, self.router_input_prefix)
         if self.holds is not None:
             # With no hook and no substitution the ids are final at the stop, so the holds
             # try a lane layer's hit before Python sees it; with nothing for Python to do at
@@ -581,7 +598,7 @@ class ExpertStreamer:
             # this decode's first stop (`_on_route` switches them there, before the layer's
             # expert matmuls; a hit only maps pages, which the switch does not move), so no
             # stop is done alone.
-            final = self.route_hook is None and self.substituter is None
+            final = self.hooks.route is None and self.substituter is None
             alone = final and self._quiet() and not observing and not self._experts_pending()
             self.holds.begin(final, alone, alone and la is not None and la.mode != "off")
 
@@ -589,7 +606,7 @@ class ExpertStreamer:
         """Nothing for Python to do at a topk: no hook, no substitution, no trace."""
         la = self.lookahead
         return (
-            self.route_hook is None
+            self.hooks.route is None
             and self.substituter is None
             and not self.observers
             and (la is None or not la.observers)
@@ -601,7 +618,7 @@ class ExpertStreamer:
         Nothing to predict or prefetch either: the look-ahead sits the step out. Only when
         every routed layer is a lane layer (the pin hold maps and checks those)."""
         holds = self.holds
-        if holds is None or not holds.whole_steps_possible or not self.whole_steps or not self._quiet():
+        if holds is None or not holds.has_pin_word or not self.whole_steps_allowed or not self._quiet():
             return False
         if self._experts_pending() or holds.layers != set(self._parts):
             return False
@@ -617,7 +634,6 @@ class ExpertStreamer:
         # What the step used, as a hit would have counted it: each layer's distinct
         # experts, at most k a token and at most all of them.
         self.holds.whole_end(len(self.holds.layers) * min(n * k, self.source.n_experts))
-        self.stats.whole_decodes += 1
 
     def finish(self) -> None:
         """After llama_decode: hide and release what the last layer holds."""
@@ -628,14 +644,14 @@ class ExpertStreamer:
         la = self.lookahead
         if la is not None:
             la.end_decode()
-        grant, lease_ok = self.holds.end() if self.holds is not None else (None, True)
+        grant, hit_ok = self.holds.end() if self.holds is not None else (None, True)
         try:
             if grant is not None:
                 self._let_go(grant)
         finally:
             for placement in self.placements():
                 placement.end_decode()  # after a failure under an offload: all hidden again
-        if not lease_ok:
+        if not hit_ok:
             raise lost()
         if la is not None and self.holds is not None:
             for layer, experts in self.holds.take_log():
@@ -652,6 +668,7 @@ class ExpertStreamer:
             out.experts += hs.experts
             out.acquire_s += hs.acquire_s
             out.show_s += hs.show_s
+            out.whole_decodes = hs.whole_decodes
         return out
 
     def report(self) -> dict:
@@ -689,14 +706,32 @@ class ExpertStreamer:
             out.update(placement.stats())
         return out
 
-    def close(self) -> None:
-        """Give back what the layer holds hold, their buffers and hold indexes (the model is gone)."""
+    def adopt_slots(self, slots: SlotsT) -> SlotsT:
+        """`slots` (the offloaded layers' device slots, made by the load) are the streamer's
+        from now: closed with it, after the model and before the source's segments go."""
+        self.slots = slots
+        self._teardown.callback(self._close_slots)
+        return slots
+
+    def _close_slots(self) -> None:
+        slots, self.slots = self.slots, None
+        if slots is not None:
+            slots.close()
+
+    def _close_holds(self) -> None:
+        """Give back what the layer holds hold, their buffers and hold indexes."""
         holds, self.holds = self.holds, None
         if holds is not None:
             self.c_callback.set_holds(None)
             grant = holds.close()
             if grant is not None:
                 self._release_quietly(grant)
+
+    def close(self) -> None:
+        """Let go of what the streamer owns, after llama.cpp's model is freed (nothing reads
+        the experts or computes with the kernels any more): the layer holds' grants, buffers
+        and hold indexes, then the device slots, then the kernels. Idempotent."""
+        self._teardown.close()
 
     def take_error(self) -> BaseException | None:
         err, self.error = self.error, None

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from moed.engines.lookahead import AheadObserver
 from moed.traces import DECODE, PROMPT, TraceWriter
 
 
-class TraceRecorder:
-    """A RouteObserver (and AheadObserver) that appends one trace step per decode."""
+class TraceRecorder(AheadObserver):
+    """A route observer (and the look-ahead's) that appends one trace step per decode."""
 
     def __init__(self, writer: TraceWriter, moe_layers: list[int]):
         self.writer = writer

@@ -286,7 +286,7 @@ def _served_llama(
     except BaseException:
         client.close()
         raise
-    llm._own_client = client  # closed with the model
+    llm.own_client(client)  # closed with the model
     llm.interrupt_when = interrupt_when
     return llm
 

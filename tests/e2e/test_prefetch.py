@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from moed.engines.lookahead import AheadObserver
 from tests.e2e.conftest import LLAMA_KW, PROMPT, assert_bit_equal, greedy_logits
 
 pytestmark = pytest.mark.e2e
@@ -13,7 +14,7 @@ pytest.importorskip("llama_cpp")  # e2e needs the real llama.cpp (pyproject extr
 NEAR_TIE = 1e-4
 
 
-class ZeroLead:
+class ZeroLead(AheadObserver):
     """Applies layer L's own router at ffn_norm-L and compares with llama.cpp's ffn_moe_topk-L."""
 
     def __init__(self, predictor):
@@ -24,9 +25,6 @@ class ZeroLead:
 
     def hidden(self, layer: int, x: np.ndarray) -> None:
         self.hidden_rows[layer] = x.copy()
-
-    def ahead(self, layer: int, lead: int, ids: np.ndarray) -> None:
-        pass
 
     def route(self, layer: int, ids: np.ndarray) -> None:
         from moed.engines.predictor import top

@@ -88,3 +88,33 @@ def test_skeleton_prune_removes_only_what_no_engine_loaded_lately(tmp_path):
     other.mkdir()  # no stamp: not ours to judge
     assert prune(tmp_path, keep=kept) == [old]
     assert not old.exists() and recent.exists() and kept.exists() and other.exists()
+
+
+def test_an_expert_source_declares_a_default_for_every_optional_step():
+    """The engine never asks whether a source has a method: what a source leaves out is the
+    base class's declared default."""
+    import numpy as np
+    import pytest
+
+    from moed.engines.options import EngineOptions
+    from moed.engines.sources import ExpertSource
+    from moed.gguf.layouts import PLAIN
+
+    class Bare(ExpertSource):
+        files, moe_layers, n_experts, n_expert_used = ["m.gguf"], [0, 1], 8, 2
+
+    src = Bare()
+    assert src.hit(0, [1, 2]) is None  # no hits with no round trip: the cycle acquires
+    assert src.capacity(0) is None and src.size_class(0) == src.capacity(0)
+    assert src.lane() is None and src.expert_layout == PLAIN and not src.tells_residency
+    np.testing.assert_array_equal(src.resident(0, [1, 2, 3]), np.zeros(3, bool))
+    assert src.prefetch(0, [1]) is None
+    for step in (lambda: src.extents(0), lambda: src.acquire(0, [1]), lambda: src.release(None)):
+        with pytest.raises(NotImplementedError):
+            step()
+    pytest.importorskip("llama_cpp")
+    from moed.engines.streamer import _substituter
+
+    with pytest.raises(ValueError, match="tells_residency"):
+        _substituter(src, EngineOptions(subst=0.5))  # substitution needs residency it can read
+    assert _substituter(src, EngineOptions()) is None

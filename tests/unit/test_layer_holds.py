@@ -3,7 +3,7 @@
 The one owner of what a model's routed layers hold, driven through the C eval
 callback itself (called through ctypes with a fake top-k node, as ggml's scheduler
 calls it): a lane layer's hit taken in C (the ids read through the node's strides,
-holds and the state check of moed/_hitproto.h, the earlier lease released, touches
+holds and the state check of moed/_hitproto.h, the earlier hit grant released, touches
 and the hit counter left in the region, each expert's slot mapped at its
 addresses), done alone or told to Python; a miss handed to Python once, with the
 grant to let go, and Python's grant handed back in one call; a whole step on the
@@ -170,14 +170,14 @@ def test_a_hit_with_nothing_for_python_is_the_whole_layer_in_c(rig):
     assert rig.shows(4) == [bytes([1]) * 8, bytes([2]) * 8]
     stats = _evalcb.holds_stats(rig.h)
     assert (stats["layers"], stats["experts"], stats["maps"]) == (1, 2, 2)
-    assert _evalcb.holds_held(rig.h) == ("lease", 2)
+    assert _evalcb.holds_held(rig.h) == ("hit", 2)
     assert rig.crossings("alone") == (1, 0, 0, 0)
     assert _evalcb.holds_take_log(rig.h) == ([(LAYER, [1, 4])], False)
-    assert _evalcb.holds_end(rig.h) == (None, True)  # after the decode: the lease let go
+    assert _evalcb.holds_end(rig.h) == (None, True)  # after the decode: the hit grant let go
     assert rig.held() == [] and _evalcb.holds_held(rig.h) is None
 
 
-def test_the_next_layer_releases_the_earlier_lease_and_maps_only_a_changed_slot(rig):
+def test_the_next_layer_releases_the_earlier_hit_grant_and_maps_only_a_changed_slot(rig):
     rig.resident(1, slot=2)
     _evalcb.holds_begin(rig.h, True, True, False)
     assert rig.stop([1])
@@ -200,15 +200,15 @@ def test_a_hit_python_must_see_is_told_once_and_needs_no_call_back(rig):
 
 
 def test_a_miss_is_one_call_into_python_and_one_back(rig):
-    """The lease of the layer before is let go before Python asks the daemon; Python hands
+    """The hit grant of the layer before is let go before Python asks the daemon; Python hands
     its grant back in one call, which maps it; the next stop hands it to Python to let go."""
     rig.resident(1, slot=2)
     _evalcb.holds_begin(rig.h, True, True, False)
-    assert rig.stop([1])  # a hit: the holds' lease
+    assert rig.stop([1])  # a hit: the holds' hit grant
     granted = Grant([6], [1])
     rig.act = lambda layer, status, grant: rig.hand(granted) if status == holds.MISSED else None
     assert rig.stop([6])  # expert 6 is not resident
-    assert rig.calls == [(LAYER, holds.MISSED, None, [])]  # the earlier lease released first
+    assert rig.calls == [(LAYER, holds.MISSED, None, [])]  # the earlier hit grant released first
     assert _evalcb.holds_held(rig.h) == ("grant", granted)
     assert rig.shows(6) == [bytes([17]) * 8, bytes([18]) * 8]  # slot 1, mapped by the hand-back
     assert rig.crossings("missed") == (1, 1, 1, 1)
@@ -226,7 +226,7 @@ def test_a_miss_is_one_call_into_python_and_one_back(rig):
     rig.resident(4, slot=0)
     assert rig.stop([4])
     assert rig.calls[-1] == (LAYER, 1, second, [hold_word(0)])
-    assert _evalcb.holds_held(rig.h) == ("lease", 1)
+    assert _evalcb.holds_held(rig.h) == ("hit", 1)
     assert rig.crossings("hit") == (1, 1, 0, 0)
 
 
@@ -269,14 +269,14 @@ def test_anything_but_a_plain_hit_changes_nothing(rig, how):
     assert _evalcb.holds_stats(rig.h)["maps"] == 0  # nothing mapped: still PROT_NONE
 
 
-def test_a_refilled_slot_under_a_lease_is_reported_lost(rig):
+def test_a_refilled_slot_under_a_hit_grant_is_reported_lost(rig):
     rig.resident(1, slot=2)
     _evalcb.holds_begin(rig.h, True, True, False)
     assert rig.stop([1])
     rig.s[2] = ready(9)  # the daemon refilled it: only after a revoke whose grace ended
     rig.resident(5, slot=3)
     assert rig.stop([5])
-    assert rig.calls[-1][1] == holds.LOST  # the new lease is held; the old was lost
+    assert rig.calls[-1][1] == holds.LOST  # the new hit grant is held; the old was lost
     assert len(rig.held()) == 1
     rig.s[3] = ready(9)
     assert _evalcb.holds_end(rig.h) == (None, False)
@@ -315,12 +315,12 @@ def test_a_whole_step_holds_the_pin_hold_and_makes_no_stop(rig):
     assert rig.held() == []  # no per-layer hold
     _evalcb.holds_whole_end(rig.h, 12)
     assert int(rig.r[rz.W_PIN_HOLD]) == 0 and int(rig.r[COUNTER]) == 12
-    assert _evalcb.holds_held(rig.h) is None and _evalcb.holds_stats(rig.h)["whole_steps"] == 1
+    assert _evalcb.holds_held(rig.h) is None and _evalcb.holds_stats(rig.h)["whole_decodes"] == 1
     assert rig.stop([5]) is True  # stops again
 
 
 def test_the_norm_stop_goes_to_the_node_function(rig):
-    _evalcb.set_norm(rig.cfg, True)
+    _evalcb.set_router_input(rig.cfg, True)
     rig.tensor.name = b"ffn_norm-3"
     assert rig.stop([1]) and rig.norms == [ctypes.addressof(rig.tensor)] and rig.calls == []
 

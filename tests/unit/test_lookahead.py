@@ -17,6 +17,7 @@ from moed.engines.predictor import (
     tensor_f32,
     top,
 )
+from moed.engines.sources import ExpertSource
 
 E, D, LAYERS = 16, 32, [1, 2, 3, 4]
 
@@ -118,8 +119,9 @@ def test_tensor_f32_reads_f32_and_f16_at_an_address():
     np.testing.assert_array_equal(tensor_f32(h.ctypes.data, h.nbytes, T.F16, (4, 3)), a)
 
 
-class Drive:
-    """A source with a fixed capacity that records the prefetches it was sent (no daemon needed)."""
+class Drive(ExpertSource):
+    """A source with a fixed capacity that records the prefetches it was sent (no daemon needed);
+    the rest is ExpertSource's defaults (layers of one capacity share their slots)."""
 
     moe_layers = LAYERS
     n_expert_used = 2
@@ -139,7 +141,7 @@ def run_step(la: Lookahead, x: np.ndarray, routes: dict[int, np.ndarray], stop_a
     la.begin_decode(x.shape[0])
     for layer in LAYERS:
         la.observe(layer, x)
-        la.routed(layer, routes[layer], held=len(np.unique(routes[layer])), stall_s=0.001)
+        la.routed(layer, routes[layer], granted=len(np.unique(routes[layer])), stall_s=0.001)
         if layer == stop_after:
             break
     la.end_decode()
@@ -216,51 +218,51 @@ def drive_governor(g: PrefetchGovernor, on_s: float, off_s: float, steps: int, p
 
 
 @pytest.mark.parametrize("faster_on", [True, False])
-def test_governor_holds_the_faster_arm_between_paired_probes(faster_on):
-    g = PrefetchGovernor(probe=4, hold=8, hold_max=32, skip=2)
+def test_governor_runs_the_faster_arm_between_paired_probes(faster_on):
+    g = PrefetchGovernor(probe=4, stint=8, stint_max=32, skip=2)
     win = "on" if faster_on else "off"
     modes = drive_governor(g, 0.010 if faster_on else 0.012, 0.012 if faster_on else 0.010, 400)
     assert modes[:2] == ["shadow", "shadow"]  # cold steps: predict, send nothing, not timed
     assert modes[2:6] == ["on", "off", "on", "off"]  # the probe pairs the arms step by step
-    assert set(modes[6:14]) == {win}  # then holds the winner for `hold` steps
+    assert set(modes[6:14]) == {win}  # then runs the winner for `stint` steps
     assert modes[14:18] == ["on", "off", "on", "off"]
-    assert set(modes[18:34]) == {win}  # the same winner: the hold doubles
+    assert set(modes[18:34]) == {win}  # the same winner: the stint doubles
     share_loser = sum(m != win for m in modes[200:]) / len(modes[200:])
-    assert share_loser == pytest.approx(2 / 36, abs=0.02)  # half of each probe, once the hold is 32
+    assert share_loser == pytest.approx(2 / 36, abs=0.02)  # half of each probe, once the stint is 32
     assert g.last_median_s["on"] == (0.010 if faster_on else 0.012)
     assert (g.state()["prefetch_on_vs_off"] < 1) == faster_on
 
 
 def test_governor_below_the_precision_floor_stays_off_and_only_shadows():
-    g = PrefetchGovernor(probe=4, hold=8, hold_max=32, skip=5, skip_shadow=2, shadow_probe=2)
+    g = PrefetchGovernor(probe=4, stint=8, stint_max=32, skip=5, skip_shadow=2, shadow_probe=2)
     modes = drive_governor(g, 0.008, 0.012, 200, precision=0.6)  # faster on, but much of it wrong
     assert modes[:5] == ["shadow", "shadow", "off", "off", "off"]  # cold: measured, then known low
     assert "on" not in modes[5:]  # never issues again
-    # a probe below the floor is 2 shadow steps (no timing to pair), then holds that double
+    # a probe below the floor is 2 shadow steps (no timing to pair), then stints that double
     assert modes[5:7] == ["shadow", "shadow"] and set(modes[7:15]) == {"off"}
     assert modes[15:17] == ["shadow", "shadow"] and set(modes[17:33]) == {"off"}
     assert modes[33:35] == ["shadow", "shadow"] and set(modes[35:67]) == {"off"}
-    assert g.steps["shadow"] == 2 + 2 * 7  # probes at steps 5, 15, 33, then every 34 (the hold at its 32)
+    assert g.steps["shadow"] == 2 + 2 * 7  # probes at steps 5, 15, 33, then every 34 (the stint at its 32)
     assert g.state()["prefetch_precision"] == pytest.approx(0.6)
 
 
 def test_governor_cold_steps_stay_shadow_while_the_precision_is_good():
-    g = PrefetchGovernor(probe=4, hold=8, skip=5, skip_shadow=2)
+    g = PrefetchGovernor(probe=4, stint=8, skip=5, skip_shadow=2)
     modes = drive_governor(g, 0.010, 0.012, 9, precision=0.9)
     assert modes[:5] == ["shadow"] * 5  # nothing sent cold, the precision measured throughout
     assert modes[5:9] == ["on", "off", "on", "off"]
 
 
-def test_governor_turns_off_at_once_when_precision_drops_during_a_hold():
-    g = PrefetchGovernor(probe=4, hold=32, skip=2, precision_alpha=1.0)
-    drive_governor(g, 0.010, 0.012, 10)  # on won the first probe, holding on
+def test_governor_turns_off_at_once_when_precision_drops_during_a_stint():
+    g = PrefetchGovernor(probe=4, stint=32, skip=2, precision_alpha=1.0)
+    drive_governor(g, 0.010, 0.012, 10)  # on won the first probe, kept on
     assert g.mode == "on"
     g.scored(50, 100)  # the predictions went bad
     assert g.begin(decode_step=True) in ("shadow", "off")
 
 
 def test_governor_weighs_several_probes_against_one_noisy_one():
-    g = PrefetchGovernor(probe=2, hold=2, hold_max=2, skip=0, memory=4)
+    g = PrefetchGovernor(probe=2, stint=2, stint_max=2, skip=0, memory=4)
     for _ in range(3):  # three probes: on 17% faster
         for _ in range(4):
             g.end(0.010 if g.begin(decode_step=True) == "on" else 0.012)
@@ -270,7 +272,7 @@ def test_governor_weighs_several_probes_against_one_noisy_one():
 
 
 def test_governor_ignores_an_outlier_step():
-    g = PrefetchGovernor(probe=6, hold=8, skip=0)
+    g = PrefetchGovernor(probe=6, stint=8, skip=0)
     for t in [0.010, 0.012, 0.5, 0.012, 0.010, 0.012]:  # one preempted 'on' step
         g.begin(decode_step=True)
         g.end(t)

@@ -87,3 +87,55 @@ def test_the_settings_llama_cpp_pythons_server_passes_are_accepted():
     from moed.engines.llama_cpp import StreamedLlama, refuse_unknown
 
     refuse_unknown(StreamedLlama, {"rpc_servers": None, "mul_mat_q": True, "n_gpu_layers": -1, "seed": 1})
+
+
+@pytest.mark.parametrize("engine", ["StreamedLlama", "UnpackedLlama"])
+@pytest.mark.parametrize("value", ["auto", "dense", "off"])
+def test_both_engines_take_the_same_repack_values(engine, value):
+    """One set of names for the option, on both engines: a known value gets as far as the
+    model file (missing here), an unknown one is refused before, naming the three."""
+    pytest.importorskip("llama_cpp")
+    from moed.engines import llama_cpp as engines
+    from moed.engines.options import REPACK_CHOICES
+
+    assert value in REPACK_CHOICES
+    with pytest.raises(Exception) as known:
+        getattr(engines, engine)("/nonexistent/model.gguf", repack=value)
+    assert "repack must be" not in str(known.value)
+    with pytest.raises(ValueError, match=r"repack must be one of auto, dense, off .*'dense '"):
+        getattr(engines, engine)("/nonexistent/model.gguf", repack="dense ")
+
+
+@pytest.mark.parametrize("engine", ["StreamedLlama", "UnpackedLlama", "StockLlama"])
+def test_close_is_idempotent_and_safe_after_a_failed_init(engine):
+    """Teardown is one exit stack set up first: a failed __init__ unwinds it at once, and a
+    later close() (or the finalizer's) finds nothing left."""
+    pytest.importorskip("llama_cpp")
+    from moed.engines import llama_cpp as engines
+
+    cls = getattr(engines, engine)
+    llm = cls.__new__(cls)
+    from moed.protocol.errors import MoedError
+
+    with pytest.raises((OSError, ValueError, MoedError)):  # the missing file
+        llm.__init__("/nonexistent/model.gguf", n_ctx=64)
+    llm.close()
+    llm.close()
+
+
+def test_the_streamer_is_built_from_the_options_and_one_hooks_object():
+    """ExpertStreamer's constructor takes the declared options and one EngineHooks, nothing
+    else a caller sets: a new option is a field, never another parameter."""
+    pytest.importorskip("llama_cpp")
+    from moed.engines.options import NO_HOOKS, EngineHooks
+    from moed.engines.streamer import ExpertStreamer
+
+    assert list(inspect.signature(ExpertStreamer.__init__).parameters) == [
+        "self",
+        "source",
+        "options",
+        "hooks",
+        "layout",
+    ]
+    assert NO_HOOKS == EngineHooks() and NO_HOOKS.route is None and NO_HOOKS.predict is None
+    assert {f.name for f in dataclasses.fields(EngineHooks)} == {"route", "predict"}
