@@ -113,6 +113,7 @@ from moed.engines.device_slots import (
 )
 from moed.engines.ggml_tensor import GgmlTensor, loaded_library
 from moed.engines.kernels import GGML_BACKEND_BUFFER_USAGE_WEIGHTS, GgmlInitParams
+from moed.engines.placement import DevicePlacement
 from moed.engines.sources import ExpertSource, Grant, LaneSource
 
 if TYPE_CHECKING:
@@ -502,7 +503,7 @@ class HostSlots:
             self._ctx = 0
 
 
-class HostPlacement:
+class HostPlacement(DevicePlacement):
     """Zero copy as the engine's placement (moed.engines.placement.Placement) of its layers.
 
     `needs` names every distinct routed expert, so every layer acquires; `show` rewrites the
@@ -513,36 +514,13 @@ class HostPlacement:
     keeps in range.
     """
 
-    def __init__(self, slots: HostSlots):
-        self.slots = slots
-        self._ids: tuple[int, np.ndarray] | None = None
+    what = "zero copy"
 
-    def needs(self, layer: int, ids: np.ndarray) -> list[int]:
-        self._ids = (layer, ids)
+    def _needed(self, layer: int, ids: np.ndarray) -> list[int]:
         return self.slots.needed(layer, ids)
 
-    def show(self, grant: Grant | None, node: int | None, layer: int | None = None) -> None:
-        layer = grant.layer if grant is not None else layer
-        if layer is None or node is None:
-            raise ValueError("zero copy needs the layer's top-k node (and the layer, without a grant)")
-        ids, self._ids = (self._ids[1] if self._ids is not None and self._ids[0] == layer else None), None
+    def _route(self, layer: int, node: int, grant: Grant | None, ids: np.ndarray | None) -> None:
         self.slots.route(layer, node, grant, ids)
-
-    def hide(self, grant: Grant) -> None:
-        """Nothing: the device has run the layer's matmuls before the grant is released."""
-
-    def failed(self) -> None:
-        """Nothing: the imported segments stay mapped whatever failed."""
-
-    def skip(self, layer: int, topk: int) -> None:
-        self._ids = None
-        self.slots.skip(layer, topk)
-
-    def end_decode(self) -> None:
-        self._ids = None
-
-    def stats(self) -> dict:
-        return {"gpu_slots": self.slots.totals()}
 
 
 __all__ = ["HostImportUnavailable", "HostPlacement", "HostSlots", "HostStats", "can_import", "mapping_perms"]

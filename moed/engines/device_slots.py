@@ -66,6 +66,7 @@ import numpy as np
 
 from moed.engines.ggml_tensor import GGML_OBJECT_SIZE, GGML_TYPE_I32, NAME_OFFSET, GgmlTensor, loaded_library
 from moed.engines.kernels import GGML_BACKEND_BUFFER_USAGE_WEIGHTS, GgmlInitParams, GgmlObject
+from moed.engines.placement import DevicePlacement
 from moed.engines.sources import Grant
 from moed.protocol.errors import RequestTooLarge
 
@@ -559,7 +560,7 @@ class DeviceSlots:
         self._layers.clear()
 
 
-class SlotPlacement:
+class SlotPlacement(DevicePlacement):
     """Device slots as the engine's placement (moed.engines.placement.Placement) of their layers.
 
     The cycle may ask `needs(layer, ids)` first and acquire only what it names (the
@@ -570,43 +571,18 @@ class SlotPlacement:
     slots, always mapped (`failed`: nothing), over ids `skip` keeps in range.
     """
 
-    def __init__(self, slots: DeviceSlots):
-        self.slots = slots
-        self._ids: tuple[int, np.ndarray] | None = None  # (layer, ids) named by needs, for show
+    what = "device slots"
 
-    def needs(self, layer: int, ids: np.ndarray) -> list[int]:
-        """The experts of the batch's `ids` ((n_tokens, k), read at the stop) to acquire."""
-        self._ids = (layer, ids)
+    def _needed(self, layer: int, ids: np.ndarray) -> list[int]:
         return self.slots.missing(layer, ids)
 
-    def show(self, grant: Grant | None, node: int | None, layer: int | None = None) -> None:
-        layer = grant.layer if grant is not None else layer
-        if layer is None or node is None:
-            raise ValueError("device slots need the layer's top-k node (and the layer, without a grant)")
-        ids, self._ids = (self._ids[1] if self._ids is not None and self._ids[0] == layer else None), None
-
+    def _route(self, layer: int, node: int, grant: Grant | None, ids: np.ndarray | None) -> None:
         def fetch(misses: list[int]) -> ExpertBytes:
             if grant is None:
                 raise RuntimeError(f"layer {layer}: experts {misses} are in no slot and nothing was acquired")
             return self.slots.grant_reader(layer, grant)
 
         self.slots.route(layer, node, fetch, ids)
-
-    def hide(self, grant: Grant) -> None:
-        """Nothing: `show` copied the grant's bytes into device memory."""
-
-    def failed(self) -> None:
-        """Nothing: the slot layers' matmuls read device memory, mapped whatever failed."""
-
-    def skip(self, layer: int, topk: int) -> None:
-        self._ids = None
-        self.slots.skip(layer, topk)
-
-    def end_decode(self) -> None:
-        self._ids = None
-
-    def stats(self) -> dict:
-        return {"gpu_slots": self.slots.totals()}
 
 
 __all__ = [

@@ -120,3 +120,52 @@ class CpuPages:
 
 
 __all__ = ["CpuPages", "Placement"]
+
+
+class DevicePlacement:
+    """The common part of the device placements (moed.engines.device_slots' slots and
+    moed.engines.device_host's zero copy): the ids `needs` was given, kept for `show` of the
+    same layer; `hide` and `failed` do nothing (a device layer's matmuls read memory that
+    stays mapped whatever failed, and have run before the grant is released); `skip`
+    keeps a failed decode's ids in range. A subclass says what a layer must acquire
+    (`_needed`) and routes the ids (`_route`)."""
+
+    what = "a device placement"  # names the placement in its errors
+
+    def __init__(self, slots: Any):
+        self.slots = slots
+        self._ids: tuple[int, np.ndarray] | None = None  # (layer, ids) named by needs, for show
+
+    def needs(self, layer: int, ids: np.ndarray) -> list[int]:
+        """The experts of the batch's `ids` ((n_tokens, k), read at the stop) to acquire."""
+        self._ids = (layer, ids)
+        return self._needed(layer, ids)
+
+    def show(self, grant: Grant | None, node: int | None, layer: int | None = None) -> None:
+        layer = grant.layer if grant is not None else layer
+        if layer is None or node is None:
+            raise ValueError(f"{self.what} needs the layer's top-k node (and the layer, without a grant)")
+        ids, self._ids = (self._ids[1] if self._ids is not None and self._ids[0] == layer else None), None
+        self._route(layer, node, grant, ids)
+
+    def hide(self, grant: Grant) -> None:
+        """Nothing: the device has what it reads before the grant is released."""
+
+    def failed(self) -> None:
+        """Nothing: a device layer's matmuls read memory that stays mapped whatever failed."""
+
+    def skip(self, layer: int, topk: int) -> None:
+        self._ids = None
+        self.slots.skip(layer, topk)
+
+    def end_decode(self) -> None:
+        self._ids = None
+
+    def stats(self) -> dict[str, Any]:
+        return {"gpu_slots": self.slots.totals()}
+
+    def _needed(self, layer: int, ids: np.ndarray) -> list[int]:
+        raise NotImplementedError
+
+    def _route(self, layer: int, node: int, grant: Grant | None, ids: np.ndarray | None) -> None:
+        raise NotImplementedError
