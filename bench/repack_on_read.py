@@ -46,6 +46,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_vs_mmap import drop_page_cache  # noqa: E402
 
 CHUNK = 1 << 20
 GEOMETRIES = {
@@ -65,14 +67,6 @@ def ensure_model(geometry: str, layers: int, recipe: str) -> str:
         kw = dict(quant="q4_0") if recipe == "q4_0" else dict(recipe=recipe)
         make_model(path, layers=layers, **GEOMETRIES[geometry], **kw, align=4096, random_experts=True)
     return path
-
-
-def drop_page_cache(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def layouts_here(cat) -> dict[str, str]:
@@ -244,7 +238,6 @@ def run_engines(args) -> int:
     import statistics
     import subprocess
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import real_size
     from engine_vs_mmap import Cgroup, with_daemon
 
