@@ -21,9 +21,14 @@ import time
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from moed.engines.sources import ExpertSource  # noqa: E402
 
 
-class DroppingSource:
+class DroppingSource(ExpertSource):
+    """Serves nothing, holds nothing: the look-ahead's prefetches are dropped (the cost
+    measured is the predictor's alone)."""
+
     def __init__(self, layers: list[int], used: int):
         self.moe_layers, self.n_expert_used = layers, used
 
@@ -73,5 +78,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     sys.exit(main())

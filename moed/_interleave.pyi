@@ -18,3 +18,13 @@ def chunks(
     /,
 ) -> None: ...
 def kscales(src: Buffer | ndarray, dst: Buffer | ndarray, G: int, nb: int, bb: int, foff: int, o: int, /) -> None: ...
+def moves(
+    src: Buffer | ndarray,
+    dst: Buffer | ndarray,
+    G: int,
+    nb: int,
+    R: int,
+    bb: int,
+    plan: tuple[tuple[int, int, int, int, int, int], ...] | list[tuple[int, int, int, int, int, int]],
+    /,
+) -> None: ...
