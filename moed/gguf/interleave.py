@@ -239,6 +239,11 @@ def transform(layout: str | Layout, plain, out, ne0: int, ne1: int, native: bool
 _MOVE_KINDS = {"chunks": 0, "kscales": 1}  # moed/_interleave.c's MOVE_CHUNKS, MOVE_KSCALES
 
 
+def _xor_word(byte: int, chunk: int) -> int:
+    """`byte` in every byte of a `chunk`-byte piece: the word moed._interleave XORs it with."""
+    return int.from_bytes(bytes([byte]) * chunk, "little")
+
+
 @functools.cache
 def _plan(lay: Layout) -> tuple[tuple[int, int, int, int, int, int], ...] | None:
     """The layout's moves for moed._interleave.moves: (kind, field offset, field size, piece
@@ -248,7 +253,7 @@ def _plan(lay: Layout) -> tuple[tuple[int, int, int, int, int, int], ...] | None
         if f.kind not in _MOVE_KINDS:
             return None
         chunk = (f.chunk or lay.chunk) if f.kind == "chunks" else 1
-        plan.append((_MOVE_KINDS[f.kind], f.offset, f.size, chunk, o, int.from_bytes(bytes([f.xor]) * chunk, "little")))
+        plan.append((_MOVE_KINDS[f.kind], f.offset, f.size, chunk, o, _xor_word(f.xor, chunk)))
         o += lay.rows * f.size
     return tuple(plan)
 
@@ -348,7 +353,7 @@ class _Native(_Geometry):
     """The same moves in moed._interleave (C): a field's pieces, with their XOR, in one call."""
 
     def chunks(self, f: Field, chunk: int, o: int) -> None:
-        xor = int.from_bytes(bytes([f.xor]) * chunk, "little")
+        xor = _xor_word(f.xor, chunk)
         native_moves.chunks(self.src, self.dst, self.G, self.nblocks, self.R, self.bb, f.offset, f.size, chunk, o, xor)
 
     def kscales(self, f: Field, o: int) -> None:
