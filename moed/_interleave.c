@@ -27,6 +27,9 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 typedef struct {
     Py_buffer src, dst;
@@ -100,8 +103,36 @@ static int move_ok(const Move *m, Py_ssize_t R, Py_ssize_t bb) {
             memcpy(d + (k * R + r) * (Py_ssize_t)sizeof(T), &v, sizeof(T));           \
         }
 
+#if defined(__SSE2__)
+/* The common case of x86's layouts (q4_0_8x8, q4_K_8x8, iq4_nl_8x8, q8_0's quants): 8 rows in
+ * 8-byte pieces, the field whole 16-byte words. Each row's word holds its pieces k and k + 1;
+ * two rows' words unpacked give piece k of both rows, then piece k + 1: 8 loads and 8 stores
+ * for 128 bytes, where the loop below makes 16 of each (the transform is bound by those moves,
+ * not by memory: bench/RESULTS.md, "Issue 41"). */
+static int rows8_words(const Move *m, Py_ssize_t R) { return R == 8 && m->chunk == 8 && m->fsize % 16 == 0; }
+static void block_rows8_words(const Move *m, const uint8_t *s, uint8_t *d, Py_ssize_t row) {
+    const __m128i x = _mm_set1_epi64x((long long)m->xor);
+    for (Py_ssize_t k = 0; k < m->fsize / 8; k += 2) {
+        uint8_t *lo = d + k * 64, *hi = lo + 64; /* piece k of rows 0-7, then piece k + 1 */
+        for (int r = 0; r < 8; r += 2) {
+            __m128i a = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(s + r * row + k * 8)), x);
+            __m128i b = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(s + (r + 1) * row + k * 8)), x);
+            _mm_storeu_si128((__m128i *)(lo + r * 8), _mm_unpacklo_epi64(a, b));
+            _mm_storeu_si128((__m128i *)(hi + r * 8), _mm_unpackhi_epi64(a, b));
+        }
+    }
+}
+#else
+static int rows8_words(const Move *m, Py_ssize_t R) { return 0; }
+static void block_rows8_words(const Move *m, const uint8_t *s, uint8_t *d, Py_ssize_t row) {}
+#endif
+
 static void block_pieces(const Move *m, const uint8_t *s, uint8_t *d, Py_ssize_t R, Py_ssize_t row) {
     Py_ssize_t nk = m->fsize / m->chunk;
+    if (rows8_words(m, R)) {
+        block_rows8_words(m, s, d, row);
+        return;
+    }
     switch (m->chunk) {
     case 1: PIECES(uint8_t) break;
     case 2: PIECES(uint16_t) break;
@@ -145,7 +176,6 @@ static void block_kscales(const uint8_t *src, uint8_t *out, Py_ssize_t row) {
  * pieces of an interleaved block at a 16-byte aligned destination. */
 enum { STREAM_MAX = 4096 };
 #if defined(__SSE2__)
-#include <emmintrin.h>
 static int streamable(const uint8_t *dst, Py_ssize_t gout) {
     return ((uintptr_t)dst % 16) == 0 && gout % 16 == 0 && gout <= STREAM_MAX;
 }

@@ -123,6 +123,22 @@ def test_transform_is_ggmls_loops(layout, reference, ne0, ne1, native):
     assert bytes(out) == reference(plain, ne0, ne1)
 
 
+@pytest.mark.parametrize("layout", sorted(interleave.LAYOUTS))
+def test_native_moves_are_numpys_for_every_layout(layout):
+    """The C moves (their general loop and the 8-row, 16-byte-word path most x86 layouts
+    take) write what numpy writes, for every layout, on odd block counts and several groups."""
+    if interleave.native_moves is None:
+        pytest.skip("moed._interleave is not built")
+    lay = interleave.LAYOUTS[layout]
+    ne0, ne1 = lay.block.per_block * 5, lay.rows * 3
+    n = ne1 * ne0 // lay.block.per_block * lay.block.block_bytes
+    plain = np.random.default_rng(len(layout)).integers(0, 256, n, dtype=np.uint8).tobytes()
+    got, want = bytearray(n), bytearray(n)
+    interleave.transform(layout, plain, got, ne0, ne1)
+    interleave.transform(layout, plain, want, ne0, ne1, native=False)
+    assert bytes(got) == bytes(want)
+
+
 @pytest.mark.parametrize("layout", ["q4_0_8x8", "q4_K_8x8"])
 def test_native_moves_field_by_field_touch_only_their_field(layout):
     """`chunks` and `kscales` called one field at a time (a layout with a field only numpy
