@@ -331,9 +331,13 @@ class ModelHandle:
             )
             timeout_s = timeout if timeout_s is None else timeout_s
         experts = list(map(int, experts))
-        if local:
-            lease = self.hit(layer, experts, release)
+        if local and self._table is not None:
+            # `hit`'s body, inline: a local hit costs ~5 µs, and one more call and conversion
+            # showed in bench/acquire_latency.py (issue 39's A/B, bench/RESULTS.md)
+            lease = self._acquire_locally(layer, experts)
             if lease is not None:
+                for prior in release:
+                    prior.release()
                 return lease
         rel = [lease._take_for_release() for lease in release]
         g = self.client.request(m.Acquire(self.model_id, layer, experts, timeout_s, [r for r in rel if r]))
