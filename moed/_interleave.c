@@ -105,11 +105,11 @@ static int move_ok(const Move *m, Py_ssize_t R, Py_ssize_t bb) {
         }
 
 #if defined(__SSE2__)
-/* The common case of x86's layouts (q4_0_8x8, q4_K_8x8, iq4_nl_8x8, q8_0's quants): 8 rows in
- * 8-byte pieces, the field whole 16-byte words. Each row's word holds its pieces k and k + 1;
- * two rows' words unpacked give piece k of both rows, then piece k + 1: 8 loads and 8 stores
- * for 128 bytes, where the loop below makes 16 of each (the transform is bound by those moves,
- * not by memory: bench/RESULTS.md, "Issue 41"). */
+/* x86's 8x8 layouts (q4_0, q4_K, q5_K, q6_K, q2_K, iq4_nl, mxfp4): 8 rows in 8-byte pieces,
+ * the field whole 16-byte words. Each row's word holds its pieces k and k + 1; two rows'
+ * words unpacked give piece k of both rows, then piece k + 1: 8 loads and 8 stores for 128
+ * bytes, where the general loop below makes 16 of each. The moves cost, not only memory:
+ * q4_0_8x8 0.276 -> 0.229 CPU-s/GB (bench/RESULTS.md, "Issue 41"). */
 static int rows8_words(const Move *m, Py_ssize_t R) { return R == 8 && m->chunk == 8 && m->fsize % 16 == 0; }
 static void block_rows8_words(const Move *m, const uint8_t *s, uint8_t *d, Py_ssize_t row) {
     const __m128i x = _mm_set1_epi64x((long long)m->xor);
@@ -123,17 +123,16 @@ static void block_rows8_words(const Move *m, const uint8_t *s, uint8_t *d, Py_ss
         }
     }
 }
-#else
-static int rows8_words(const Move *m, Py_ssize_t R) { return 0; }
-static void block_rows8_words(const Move *m, const uint8_t *s, uint8_t *d, Py_ssize_t row) {}
 #endif
 
 static void block_pieces(const Move *m, const uint8_t *s, uint8_t *d, Py_ssize_t R, Py_ssize_t row) {
     Py_ssize_t nk = m->fsize / m->chunk;
+#if defined(__SSE2__)
     if (rows8_words(m, R)) {
         block_rows8_words(m, s, d, row);
         return;
     }
+#endif
     switch (m->chunk) {
     case 1: PIECES(uint8_t) break;
     case 2: PIECES(uint16_t) break;

@@ -29,10 +29,11 @@ Invariants:
 - No llama.cpp, no ggml, no CPU probe. Which layout an engine computes on is the
   engine's to say (its own ggml decides); this module only makes it.
 - The byte moves run in moed's C extension `moed._interleave` when it is built
-  (0.23-0.30 CPU-s a GB of cold bytes here, a plain copy 0.14: it knows no layout, only "this field of R rows, in pieces of n
-  bytes, to there", and Q4_K's scale regrouping; a layout's whole plan of such moves
-  runs block by block, in one pass over the bytes), and in numpy otherwise (0.5-0.8
-  CPU-s a GB); `transform(..., native=False)` forces numpy. Both are checked against ggml.
+  (0.23-0.30 CPU-s a GB of cold bytes here, a plain copy 0.14: it knows no layout,
+  only "this field of R rows, in pieces of n bytes, to there", and Q4_K's scale
+  regrouping; a layout's whole plan of such moves runs block by block, in one pass over
+  the bytes), and in numpy otherwise (0.5-0.8 CPU-s a GB); `transform(...,
+  native=False)` forces numpy. Both are checked against ggml.
 """
 
 from __future__ import annotations
