@@ -18,7 +18,7 @@ import warnings
 from typing import TYPE_CHECKING, cast
 
 from moed.badinput import BadInput
-from moed.engines.options import RUN, EngineOptions
+from moed.engines.options import N_GPU_LAYERS_HELP, RUN, EngineOptions
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -76,9 +76,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         "--n-gpu-layers",
         type=int,
         default=0,
-        help="dense layers on the GPU (the last N blocks and the output; -1: every layer), the routed "
-        "experts on the CPU from moed (llama.cpp's --n-cpu-moe); needs a GPU build of llama.cpp (Vulkan) "
-        "and a device (default 0: everything on the CPU)",
+        metavar="N",
+        help=N_GPU_LAYERS_HELP,
     )
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     p.add_argument("--seed", type=int, default=0)

@@ -23,7 +23,7 @@ import json
 import os
 
 from moed.badinput import BadInput
-from moed.engines.options import SERVE, EngineOptions
+from moed.engines.options import N_GPU_LAYERS_HELP, SERVE, EngineOptions
 
 DEFAULT_QUEUE = 16
 
@@ -41,8 +41,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--n-gpu-layers",
         type=int,
         default=None,
-        help="dense layers on the GPU (the last N blocks and the output; -1: every layer), the routed "
-        "experts on the CPU from moed (default 0: all on the CPU)",
+        metavar="N",
+        help=N_GPU_LAYERS_HELP,
     )
     p.add_argument("--chat-format", default=None, help="chat template name (default: the model's own)")
     p.add_argument("--api-key", default=None, help="require this bearer token")
@@ -73,11 +73,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_serve)
 
 
-def _engine_options(args: argparse.Namespace) -> dict:
-    """The EngineOptions every model gets, as the JSON the workers' spec carries."""
+def _engine_options(args: argparse.Namespace, models) -> dict:
+    """The EngineOptions every model gets, as the JSON the workers' spec carries; checked first,
+    as StreamedLlama checks them, for each model file with its `n_gpu_layers`, so a bad value
+    ends the command with one line before any worker starts (OptionError is a ValueError)."""
     import dataclasses
 
-    return dataclasses.asdict(EngineOptions.from_args(args, SERVE, socket_path=args.socket))
+    from moed.engines.options import ModelFacts
+
+    options = EngineOptions.from_args(args, SERVE, socket_path=args.socket)
+    options.check()
+    for settings in models:
+        if options.gpu_slots:
+            options.for_model(ModelFacts.of(settings.model), settings.n_gpu_layers)
+    return dataclasses.asdict(options)
 
 
 def _read_config(path: str) -> dict:
@@ -164,8 +173,9 @@ def _plan(args: argparse.Namespace):
     return ServePlan(
         host=server.host,
         port=server.port,
+    engine = _engine_options(args, [settings for settings, _ in pairs])
         models=models,
-        engine=_engine_options(args),
+        engine=engine,
         server=worker_server,
         queue_bound=args.queue,
         queue_timeout_s=args.queue_timeout,

@@ -2,14 +2,15 @@
 
 What this module owns: `gpu_devices()` (the GPU and integrated-GPU devices of the
 llama.cpp build in this process, by name) and `Offload`, the placement llama.cpp makes
-for `n_gpu_layers` (llama-model.cpp's rule: the last `n_gpu_layers` of the blocks plus
-the output layer, the output first; the input embeddings always on the CPU), which the
+for `n_gpu_layers` (llama-model.cpp's rule: N counts the output layer first, then the
+blocks from the last: the output layer and the last N-1 blocks; the input embeddings
+always on the CPU), which the
 engine needs before the load to keep the routed experts on the CPU (the `-ot exps=CPU`
 of llama.cpp's `--n-cpu-moe`) and the dense weights where stock puts them.
 
 Invariants:
-- `n_gpu_layers` means what llama-cpp-python and llama.cpp mean: N > 0 the last N blocks
-  and the output layer, 0 nothing, a negative value (-1, as people write it) every layer
+- `n_gpu_layers` means what llama-cpp-python and llama.cpp mean: N > 0 the output layer
+  and the last N-1 blocks (1: the output layer alone), 0 nothing, a negative value (-1, as people write it) every layer
   (llama-cpp-python passes 0x7FFFFFFF for -1; llama.cpp's `n_gpu_layers()` reads any other
   negative value as every layer too).
 - `offload_for` is None unless a GPU device exists and `n_gpu_layers` != 0: a CPU-only

@@ -38,7 +38,14 @@ from llama_cpp import Llama
 from moed.engines import blas, ggml_tensor
 from moed.engines.devices import compute_line, gpu_devices, offload_for
 from moed.engines.lookahead import PredictHook
-from moed.engines.options import EngineHooks, EngineOptions, RouteHook, check_repack
+from moed.engines.options import (
+    EngineHooks,
+    EngineOptions,
+    ModelFacts,
+    RouteHook,
+    check_n_gpu_layers,
+    check_repack,
+)
 from moed.engines.sources import ExpertSource, MoedSource
 from moed.engines.streamer import ExpertStreamer, snapshot_bases
 from moed.protocol.errors import BudgetExhausted, RequestTooLarge
@@ -487,9 +494,15 @@ class StreamedLlama(_OwnedLlama):
         if options.skeleton_dir is not None:
             options = dataclasses.replace(options, skeleton_dir=os.fspath(options.skeleton_dir))
         options.check()
+        n_gpu_layers = llama_kwargs.get("n_gpu_layers", 0)
+        check_n_gpu_layers(n_gpu_layers)
+        if options.gpu_slots:  # against the file: its top-k, its experts, the layers N offloads
+            options, note = options.for_model(ModelFacts.of(model_path), n_gpu_layers)
+            if note is not None:
+                warnings.warn(note, RuntimeWarning, stacklevel=3)
         self.options = options
         self._check_kwargs(llama_kwargs)
-        layout = self._plan(model_path, options, hooks, int(llama_kwargs.get("n_gpu_layers", 0) or 0))
+        layout = self._plan(model_path, options, hooks, n_gpu_layers)
         offload = layout.offload
         # Zero copy (moed.engines.device_host) where the experts are on a device at all.
         zero_copy = bool(options.gpu_zero_copy and offload is not None and offload.gpu_slots)
@@ -536,13 +549,7 @@ class StreamedLlama(_OwnedLlama):
         from moed.gguf.header import read_split
 
         headers = read_split(model_path)
-        gpu_slots = options.gpu_slots
-        if gpu_slots and not n_gpu_layers:
-            raise ValueError(
-                f"gpu_slots={gpu_slots} puts the offloaded layers' experts on the GPU: set n_gpu_layers too "
-                "(-1: every layer)"
-            )
-        offload = offload_for(headers, n_gpu_layers, gpu_slots)
+        offload = offload_for(headers, n_gpu_layers, options.gpu_slots)  # options.for_model checked the slots
         if offload is not None and (hooks.route is not None or options.subst is not None):
             what = "route_hook" if hooks.route is not None else "subst"
             raise ValueError(

@@ -21,14 +21,22 @@ Invariants:
 - A flag's `dest` is argparse's own (`--acquire-timeout` -> `args.acquire_timeout`),
   so the flags, their help and the names other code reads are as they were.
 - A new option is one field here, and its use in StreamedLlama.
-- The values are checked where they are used (`check()`, called by StreamedLlama),
-  so a bad flag fails as it always did: when the engine starts.
+- Every value is checked by its field's declared type and range before anything is
+  loaded (`check()`, called by StreamedLlama and by `moectl serve` before it starts a
+  worker): `bool` is refused where an int or a float is meant, a string is never read as
+  a truth value, and the error (`OptionError`, a TypeError and a ValueError) names the
+  option, the value and what it takes. `n_gpu_layers` stays llama.cpp's own setting
+  (a `Llama` keyword and the server's per-model setting) and is checked here by the same
+  rule (`check_n_gpu_layers`); what the options mean for one model file (`for_model`:
+  `gpu_slots` against its top-k and expert count, and against the layers `n_gpu_layers`
+  puts on the device) is checked from its header, again before any load.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -213,23 +221,76 @@ class EngineOptions:
         return tuple(f.name for f in dataclasses.fields(cls) if f.name not in _SERVER_ONLY)
 
     def check(self) -> None:
-        """ValueError for a value StreamedLlama cannot run with (repack: moed.engines.repack.plan)."""
+        """OptionError (a TypeError and a ValueError) for a value StreamedLlama cannot run with,
+        naming the option: first every field against its declared type, then the ranges
+        (repack: moed.engines.repack.plan)."""
         from moed.engines.lookahead import MODES
 
+        for f in dataclasses.fields(self):
+            check_type(f.name, getattr(self, f.name), str(f.type))
         if self.prefetch not in MODES:
-            raise ValueError(f"prefetch must be one of {', '.join(MODES)}, not {self.prefetch!r}")
+            raise OptionError("prefetch", self.prefetch, f"one of {', '.join(MODES)}")
         check_repack(self.repack)
         if self.warm not in WARM_CHOICES:
-            raise ValueError(f"warm must be one of {', '.join(WARM_CHOICES)}, not {self.warm!r}")
+            raise OptionError("warm", self.warm, f"one of {', '.join(WARM_CHOICES)}")
         if self.prefetch_width is not None and self.prefetch_width < 1:
-            raise ValueError(f"prefetch_width must be >= 1, not {self.prefetch_width}")
+            raise OptionError("prefetch_width", self.prefetch_width, "None (the model's top-k) or an int >= 1")
+        if self.subst_window is not None and self.subst_window < 1:
+            raise OptionError("subst_window", self.subst_window, "None (the model's top-k) or an int >= 1")
         if self.gpu_slots < 0:
-            raise ValueError(f"gpu_slots must be >= 0 (0: the experts on the CPU), not {self.gpu_slots}")
+            raise OptionError("gpu_slots", self.gpu_slots, "an int >= 0 (0: the experts on the CPU)")
         if self.gpu_zero_copy and not self.gpu_slots:
-            raise ValueError(
-                "gpu_zero_copy feeds the device slots from moed's RAM tier in place: set gpu_slots too (S bounds "
-                "a batch's distinct experts in a layer, as without it)"
+            raise OptionError(
+                "gpu_zero_copy",
+                True,
+                "False unless gpu_slots is set: zero copy feeds the device slots from moed's RAM tier in place; "
+                "set gpu_slots too (S bounds a batch's distinct experts in a layer, as without it)",
             )
+
+    def for_model(self, model: ModelFacts, n_gpu_layers: int) -> tuple[EngineOptions, str | None]:
+        """These options for one model file loaded with `n_gpu_layers` (checked by the same rule):
+        OptionError for device slots that cannot run (no `n_gpu_layers`, fewer than one token's
+        top-k, or no MoE layer among the layers N puts on the device), and `gpu_slots` above the
+        model's expert count recorded as that count, with a note saying so (None: nothing
+        changed). Every count that reports the slots (stream_stats, the daemon's engine line)
+        then says the one number."""
+        from moed.gguf.catalog import format_ranges
+
+        check_n_gpu_layers(n_gpu_layers)
+        s = self.gpu_slots
+        if not s:
+            return self, None
+        if not n_gpu_layers:
+            raise OptionError(
+                "gpu_slots",
+                s,
+                "0 unless n_gpu_layers is set: the slots hold the offloaded layers' experts "
+                "(n_gpu_layers=-1: every layer)",
+            )
+        if s < model.n_expert_used:
+            raise OptionError(
+                "gpu_slots",
+                s,
+                f"0 or at least {model.n_expert_used}: one token routes to {model.n_expert_used} "
+                "experts a layer in this model",
+            )
+        first = 0 if n_gpu_layers < 0 else max(model.n_layers + 1 - n_gpu_layers, 0)
+        if not any(layer >= first for layer in model.moe_layers):
+            on_device = "the output layer only" if first >= model.n_layers else f"blocks {first}-{model.n_layers - 1}"
+            raise OptionError(
+                "gpu_slots",
+                s,
+                f"0 with n_gpu_layers={n_gpu_layers}: N puts the output layer and the last N-1 "
+                f"blocks on the device, here {on_device}, and no routed-expert (MoE) layer among them "
+                f"(MoE layers: {format_ranges(model.moe_layers)}; n_gpu_layers=-1: every layer)",
+            )
+        if s <= model.n_experts:
+            return self, None
+        note = (
+            f"moed: gpu_slots={s} is more than this model's {model.n_experts} experts a layer: "
+            f"{model.n_experts} slots a layer, every expert on the device"
+        )
+        return dataclasses.replace(self, gpu_slots=model.n_experts), note
 
     @classmethod
     def add_flags(cls, parser: argparse.ArgumentParser, group: str) -> None:
@@ -278,6 +339,82 @@ def check_repack(repack: str) -> None:
         )
 
 
+class OptionError(TypeError, ValueError):
+    """A value an engine option does not take. A TypeError (a wrong type) and a ValueError (a
+    wrong value) both, so callers that catch either (the CLI's `ValueError` -> one line) see
+    it; `option`, `value` and `accepted` say which, what and what it takes."""
+
+    def __init__(self, option: str, value: Any, accepted: str):
+        self.option, self.value, self.accepted = option, value, accepted
+        super().__init__(f"{option}={value!r} is not accepted: {option} takes {accepted}")
+
+
+# What each declared type takes, as the errors say it. bool is not an int here (True is not
+# 1 slot) and no string is a truth value ("no" is not True).
+_TAKES = {
+    "bool": "True or False (a bool)",
+    "int": "a whole number (an int, not a bool, a float or a string)",
+    "float": "a number (an int or a float, not a bool or a string)",
+    "str": "a string",
+    "None": "None",
+}
+
+
+def _is(value: Any, kind: str) -> bool:
+    if kind == "None":
+        return value is None
+    if kind == "bool":
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if kind == "int":
+        return isinstance(value, numbers.Integral)
+    if kind == "float":
+        return isinstance(value, numbers.Real)
+    return kind == "str" and isinstance(value, str)
+
+
+def check_type(option: str, value: Any, declared: str) -> None:
+    """OptionError unless `value` is of the `declared` type (a field's annotation: "int",
+    "float | None", ...), naming `option`, the value and what it takes."""
+    kinds = [k.strip() for k in declared.split("|")]
+    if not any(_is(value, k) for k in kinds):
+        raise OptionError(option, value, " or ".join(_TAKES.get(k, k) for k in kinds))
+
+
+def check_n_gpu_layers(value: Any) -> None:
+    """OptionError unless `value` is an int: llama.cpp's own setting, checked by the options' rule."""
+    check_type("n_gpu_layers", value, "int")
+
+
+# `--n-gpu-layers`'s help, the same for every verb that has the flag (moectl generate, chat,
+# trace, kl and serve): N counts as llama.cpp counts, the output layer first.
+N_GPU_LAYERS_HELP = (
+    "layers on the GPU, counted as llama.cpp counts them: N is the output layer and the last N-1 blocks "
+    "(1: the output layer only; -1: every layer); their dense weights on the GPU, the routed experts on "
+    "the CPU from moed (llama.cpp's --n-cpu-moe) unless --gpu-slots; needs a GPU build of llama.cpp "
+    "(Vulkan) and a device (default 0: everything on the CPU)"
+)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What `EngineOptions.for_model` needs of a model file (moed.gguf.catalog.Catalog has each)."""
+
+    n_layers: int
+    moe_layers: tuple[int, ...]
+    n_experts: int
+    n_expert_used: int
+
+    @classmethod
+    def of(cls, path: str) -> ModelFacts:
+        """The facts from the file's header (the GGUF catalog: no llama.cpp, no expert bytes read)."""
+        from moed.gguf.catalog import Catalog
+
+        cat = Catalog.open(path)
+        return cls(cat.n_layers, tuple(cat.moe_layers), cat.n_experts, cat.n_expert_used)
+
+
 _SERVER_ONLY = ("client_timeout_s",)
 
 
@@ -293,7 +430,12 @@ __all__ = [
     "EngineHooks",
     "EngineOptions",
     "Flag",
+    "ModelFacts",
+    "N_GPU_LAYERS_HELP",
+    "OptionError",
     "NO_HOOKS",
     "RouteHook",
+    "check_n_gpu_layers",
     "check_repack",
+    "check_type",
 ]

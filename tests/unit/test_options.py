@@ -139,3 +139,164 @@ def test_the_streamer_is_built_from_the_options_and_one_hooks_object():
     ]
     assert NO_HOOKS == EngineHooks() and NO_HOOKS.route is None and NO_HOOKS.predict is None
     assert {f.name for f in dataclasses.fields(EngineHooks)} == {"route", "predict"}
+
+
+# ---- values checked by name (issue 47): the table of values once taken that should not be
+
+
+@pytest.mark.parametrize(
+    ("given", "option", "takes"),
+    [
+        ({"gpu_zero_copy": "no"}, "gpu_zero_copy", "True or False (a bool)"),  # was truthy: zero copy on
+        ({"gpu_zero_copy": 1}, "gpu_zero_copy", "True or False (a bool)"),
+        ({"gpu_slots": True}, "gpu_slots", "a whole number"),  # was 1 slot
+        ({"gpu_slots": "4"}, "gpu_slots", "a whole number"),  # was a TypeError without the option's name
+        ({"gpu_slots": 4.5}, "gpu_slots", "a whole number"),
+        ({"gpu_slots": -1}, "gpu_slots", "an int >= 0"),
+        ({"strict": "yes"}, "strict", "True or False (a bool)"),
+        ({"prefetch_adapt": None}, "prefetch_adapt", "True or False (a bool)"),
+        (
+            {"prefetch_width": False},
+            "prefetch_width",
+            "a whole number (an int, not a bool, a float or a string) or None",
+        ),
+        ({"prefetch_width": 0}, "prefetch_width", "an int >= 1"),
+        ({"subst_window": 2.0}, "subst_window", "a whole number (an int, not a bool, a float or a string) or None"),
+        ({"subst": "0.5"}, "subst", "a number"),
+        ({"subst": True}, "subst", "a number"),
+        ({"acquire_timeout_s": "5"}, "acquire_timeout_s", "a number"),
+        ({"prefetch": 1}, "prefetch", "a string"),
+        ({"repack": None}, "repack", "a string"),
+        ({"warm": "on"}, "warm", "one of off, resident, all"),
+        ({"gpu_zero_copy": True}, "gpu_zero_copy", "set gpu_slots too"),
+    ],
+)
+def test_a_value_of_the_wrong_type_or_range_is_refused_naming_the_option_the_value_and_what_it_takes(
+    given, option, takes
+):
+    from moed.engines.options import OptionError
+
+    with pytest.raises(OptionError) as info:
+        EngineOptions(**given).check()
+    err = info.value
+    (value,) = given.values()
+    assert err.option == option and takes in err.accepted, str(err)
+    assert str(err).startswith(f"{option}={value!r} is not accepted: {option} takes "), str(err)
+    assert isinstance(err, TypeError) and isinstance(err, ValueError), "callers catching either see it"
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        {},
+        {"gpu_slots": 4, "gpu_zero_copy": True, "strict": True, "prefetch_adapt": False},
+        {"acquire_timeout_s": 5, "subst": 1, "prefetch_width": 2, "subst_window": 3},  # an int is a number
+        {"acquire_timeout_s": 0.5, "subst": 0.25, "skeleton_dir": None, "socket_path": "/tmp/s"},
+    ],
+)
+def test_values_of_the_declared_types_pass(given):
+    import numpy as np
+
+    EngineOptions(**given).check()
+    EngineOptions(gpu_slots=np.int64(4)).check()  # a numpy integer is a whole number too
+
+
+@pytest.mark.parametrize("value", ["-1", -1.0, True, None])
+def test_n_gpu_layers_is_an_int(value):
+    from moed.engines.options import OptionError, check_n_gpu_layers
+
+    with pytest.raises(OptionError, match=r"^n_gpu_layers=.* is not accepted: n_gpu_layers takes a whole number"):
+        check_n_gpu_layers(value)
+    for ok in (-1, 0, 1, 99):
+        check_n_gpu_layers(ok)
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"gpu_slots": True}, "gpu_slots=True is not accepted"),
+        ({"gpu_slots": "4"}, "gpu_slots='4' is not accepted"),
+        ({"gpu_zero_copy": "no", "gpu_slots": 4}, "gpu_zero_copy='no' is not accepted"),
+        ({"n_gpu_layers": "-1"}, "n_gpu_layers='-1' is not accepted"),
+    ],
+)
+def test_streamed_llama_refuses_a_bad_value_before_it_opens_anything(given, message):
+    """The checks run first: the model file (missing here) is not even looked at."""
+    pytest.importorskip("llama_cpp")
+    from moed.engines.llama_cpp import StreamedLlama
+    from moed.engines.options import OptionError
+
+    with pytest.raises(OptionError, match=message):
+        StreamedLlama("/nonexistent/model.gguf", **given)
+
+
+# A model of 4 blocks, all MoE, 16 experts, top-4 (the issue's generated qwen3moe); one whose
+# first block is dense (deepseek2's leading dense block).
+QWEN = dict(n_layers=4, moe_layers=(0, 1, 2, 3), n_experts=16, n_expert_used=4)
+DEEPSEEK = dict(n_layers=4, moe_layers=(1, 2, 3), n_experts=16, n_expert_used=4)
+
+
+def _for_model(model: dict, n_gpu_layers: int, **given):
+    from moed.engines.options import ModelFacts
+
+    return EngineOptions(**given).for_model(ModelFacts(**model), n_gpu_layers)
+
+
+def test_gpu_slots_above_the_expert_count_are_recorded_as_the_count_with_a_note():
+    options, note = _for_model(QWEN, -1, gpu_slots=10000)
+    assert options.gpu_slots == 16
+    assert note is not None and "gpu_slots=10000" in note and "16 slots a layer" in note
+    options, note = _for_model(QWEN, -1, gpu_slots=16, gpu_zero_copy=True)
+    assert options.gpu_slots == 16 and note is None
+    assert _for_model(QWEN, -1, gpu_slots=4) == (EngineOptions(gpu_slots=4), None)
+    assert _for_model(QWEN, 0) == (EngineOptions(), None), "no slots: nothing to check against the file"
+
+
+@pytest.mark.parametrize(
+    ("model", "n_gpu_layers", "slots", "words"),
+    [
+        (QWEN, 0, 8, "0 unless n_gpu_layers is set"),
+        (QWEN, -1, 2, "at least 4: one token routes to 4 experts"),
+        (QWEN, -1, 3, "at least 4"),
+        (
+            QWEN,
+            1,
+            16,
+            "n_gpu_layers=1: N puts the output layer and the last N-1 blocks on the device, here the "
+            "output layer only, and no routed-expert (MoE) layer among them",
+        ),
+        (DEEPSEEK, 1, 16, "the output layer only"),
+    ],
+)
+def test_device_slots_that_cannot_run_are_refused_naming_both_options(model, n_gpu_layers, slots, words):
+    from moed.engines.options import OptionError
+
+    with pytest.raises(OptionError) as info:
+        _for_model(model, n_gpu_layers, gpu_slots=slots)
+    assert info.value.option == "gpu_slots" and words in str(info.value), str(info.value)
+    if "the output layer only" in words:  # no MoE layer offloaded: both options named, and what N puts there
+        assert f"n_gpu_layers={n_gpu_layers}" in str(info.value) and "gpu_slots=16" in str(info.value)
+
+
+def test_device_slots_need_one_offloaded_moe_layer():
+    assert _for_model(QWEN, 2, gpu_slots=8)[0].gpu_slots == 8  # the output and block 3
+    assert _for_model(DEEPSEEK, 2, gpu_slots=8)[0].gpu_slots == 8
+    assert _for_model(DEEPSEEK, 99, gpu_slots=8)[0].gpu_slots == 8  # more than the model: every layer
+    from moed.engines.options import OptionError
+
+    first_only = dict(n_layers=4, moe_layers=(0,), n_experts=16, n_expert_used=4)  # MoE in block 0 alone
+    with pytest.raises(OptionError, match=r"here blocks 1-3, and no routed-expert .*MoE layers: 0;"):
+        _for_model(first_only, 4, gpu_slots=8)
+
+
+@pytest.mark.parametrize("verb", ["generate", "chat", "trace", "kl", "serve"])
+def test_n_gpu_layers_help_says_what_n_means(verb, capsys):
+    """N is the output layer plus N-1 blocks, as llama.cpp counts (N=1: the output layer alone)."""
+    pytest.importorskip("llama_cpp")
+    from moed.ctl import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([verb, "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "N is the output layer and the last N-1 blocks (1: the output layer only; -1: every layer)" in out
+    assert "the last N blocks and the output" not in out
