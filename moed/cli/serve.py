@@ -168,12 +168,12 @@ def _plan(args: argparse.Namespace):
         models.append(ServedModel(alias, data, workers))
     if len({m.alias for m in models}) != len(models):
         raise ValueError("two models have the same alias")
+    engine = _engine_options(args, [settings for settings, _ in pairs])
     # Workers listen only on their private sockets: the front checks the API key.
     worker_server = server.model_dump(mode="json") | {"api_key": None}
     return ServePlan(
         host=server.host,
         port=server.port,
-    engine = _engine_options(args, [settings for settings, _ in pairs])
         models=models,
         engine=engine,
         server=worker_server,
