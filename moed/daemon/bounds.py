@@ -37,4 +37,5 @@ def limits(config) -> dict:
         "idle_timeout_s": config.idle_timeout_s,
         "max_opens_per_tenant": config.max_opens_per_tenant,
         "open_timeout_s": config.open_timeout_s,
+        "turn_max_s": config.turn_max_s,
     }

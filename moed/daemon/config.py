@@ -75,6 +75,12 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # The RAM tier's pages made in the background after a model opens, up to the budget, so a
     # first fill costs the drive's time only, not the kernel's page zeroing (moed.daemon.prefault).
     prefault: bool = True
+    # Compute turns (moed.daemon.turns): an engine that took a turn within turn_idle_s counts
+    # in the split of the cores; a turn held, or waited for, longer than turn_max_s no longer
+    # blocks anyone (one engine cannot stall the others).
+    turn_idle_s: float = 1.0
+    turn_max_s: float = 2.0
+
 
     def __post_init__(self):
         checks = [
@@ -104,6 +110,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             (0 <= self.read_retry_backoff_s <= 1, "read_retry_backoff_s must be 0..1 (seconds)"),
             (self.read_quarantine_s >= 0, "read_quarantine_s must not be negative (0: no quarantine)"),
             (self.read_stall_warn_s >= 0, "read_stall_warn_s must not be negative (0: off)"),
+            (self.turn_idle_s > 0, "turn_idle_s must be positive"),
+            (self.turn_max_s > 0, "turn_max_s must be positive"),
             (self.socket_path != "", "socket_path must not be empty"),
             (
                 len(os.fsencode(self.socket_path)) <= MAX_SOCKET_PATH_BYTES,

@@ -87,5 +87,6 @@ def visible_stats(session, stats: dict) -> dict:
         **stats,
         "tenants": [t for t in stats["tenants"] if t["uid"] == session.uid],
         "clients": [c for c in stats["clients"] if c["uid"] == session.uid],
+        "engines": [e for e in stats.get("engines", []) if e["uid"] == session.uid],
         "models": [r for r in stats["models"] if readable(r)],
     }

@@ -65,6 +65,7 @@ from .registry import Registry
 from .residency import Residency
 from .slots import Slots, wants
 from .tasks import stop_task
+from .turndesk import TurnDesk
 from .verify import Verifier
 
 log = logging.getLogger("moed")
@@ -173,6 +174,8 @@ class Daemon:
         self.registry = Registry(config, s, opener, self.counters, self._models_in_use, on_added=self._model_added)
         self.holds = LocalHolds(config, s, self.registry, self.counters)
         self.prefetches = Prefetches(s)
+        # Compute turns: which engines compute now, with how many threads (moed.daemon.turns)
+        self.turns = TurnDesk(loop, config.turn_idle_s, config.turn_max_s)
         self.sessions: set = set()
         self._lease_ids = itertools.count(1)
         self._maintain_task: asyncio.Task | None = None
@@ -423,6 +426,7 @@ class Daemon:
         self._maintain_task = None
 
     def close(self) -> None:
+        self.turns.close()
         self.prefault.close()
         self.reader.close()
         self.registry.close()

@@ -246,6 +246,8 @@ def snapshot(daemon) -> dict:
         "unpins_held": len(daemon.store.unpin_waiting),
         "revoked_regions": len(daemon.residency.revoked),
         **daemon.prefault.stats(),
+        **daemon.turns.stats(),  # turns, turn_waits, turn_wait_s, turns_overdue, engines_active
+        "engines": daemon.turns.rows(),
         "limits": limits(daemon.config),
         "clients": [s.buffers() for s in daemon.sessions],
         "models": [_model_row(daemon, m) for m in models],

@@ -20,7 +20,9 @@ fold_local), so the metrics equal `moectl stats --json` taken at the same moment
 
 Naming: counters end in `_total`, sizes in `_bytes`, durations in `_seconds`.
 Per-tenant metrics are labelled by `uid`, per-model ones by `model_id` and `model`
-(its path), per tenant and model by both. Left out of any equality with the JSON:
+(its path), per tenant and model by both, per engine (a connection that took a compute
+turn: its threads and its waits) by `engine` (the daemon's number), `pid` and `name`.
+Left out of any equality with the JSON:
 nothing; `moed_mem_available_bytes` and `moed_uptime_seconds` simply move between
 two snapshots.
 """
@@ -36,7 +38,15 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from moed.protocol.stats import Metric, ModelRow, Stats, TenantModelRow, TenantRow, metric_fields
+from moed.protocol.stats import (
+    Metric,
+    ModelRow,
+    Stats,
+    TenantModelRow,
+    TenantRow,
+    TurnRow,
+    metric_fields,
+)
 
 from .config import parse_listen
 
@@ -72,6 +82,8 @@ def families(stats: dict) -> Iterator:
     )
     pairs = [([str(t["uid"]), mid], row) for t in stats["tenants"] for mid, row in t["models"].items()]
     yield from _rows("tenant_model_", TenantModelRow, ["uid", "model_id"], pairs)
+    engines = [([str(e["engine_id"]), str(e["pid"]), e["name"]], e) for e in stats.get("engines", [])]
+    yield from _rows("engine_", TurnRow, ["engine", "pid", "name"], engines)
 
 
 def _rows(

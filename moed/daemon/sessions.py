@@ -25,6 +25,10 @@ connection in `moectl stats`, key `clients`):
   peer that does not read them within SEND_STALL_S is disconnected
   (moed.daemon.fdsend).
 The socket is never switched to blocking mode, so no peer can stall the loop.
+
+Compute turns (moed.daemon.turndesk): a TakeTurn is answered when the turn is granted;
+an acquire that waits on reads lets its connection's turn go and takes it back before
+its Granted goes out; closing the connection gives its turn to the next engine.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from .bounds import (
 from .core import Daemon, LeaseRecord, PendingAcquire
 from .counters import Tenant
 from .fdsend import FdSender
+from .turns import TurnAsk
 
 log = logging.getLogger("moed.sessions")
 
@@ -109,6 +114,8 @@ class Session(asyncio.Protocol):
             m.GetStats: self.on_stats,
             m.ListModels: self.on_models,
             m.MapHolds: self.on_map_holds,
+            m.TakeTurn: self.on_take_turn,
+            m.EndTurn: self.on_end_turn,
             **control.handlers(self),
         }
 
@@ -209,6 +216,7 @@ class Session(asyncio.Protocol):
         for lease in leases:
             self.daemon.release(lease)
         self.daemon.prefetches.forget(self)  # its queued read-ahead is no longer wanted
+        self.daemon.turns.forget(self)  # its compute turn goes to the next engine
         if self in self.daemon.residency.regions:
             # A peer that left stops counting now; one the daemon closed may be mid-hit
             # and does not know yet: its region is revoked (moed.protocol.residency_words).
@@ -394,9 +402,11 @@ class Session(asyncio.Protocol):
         if isinstance(got, LeaseRecord):
             return self._granted(got)
         self.pending = got
-        return self._acquire_slow(got)
+        # Its engine waits on reads (or room): another computes meanwhile (moed.daemon.turndesk).
+        turn = self.daemon.turns.let_go_for_read(self)
+        return self._acquire_slow(got, turn)
 
-    async def _acquire_slow(self, pending: PendingAcquire):
+    async def _acquire_slow(self, pending: PendingAcquire, turn: TurnAsk | None = None):
         try:
             lease = await pending.wait()
         finally:
@@ -404,7 +414,10 @@ class Session(asyncio.Protocol):
         if self.closed:  # the peer went away while we read: nobody holds this lease
             self.daemon.release(lease)
             return None
-        return self._granted(lease)
+        reply = self._granted(lease)  # held by the connection from here: closing it releases the lease
+        if turn is not None:  # the engine computes as soon as it has the reply: its turn first
+            await self.daemon.turns.take_back(self, turn)
+        return reply
 
     def _granted(self, lease: LeaseRecord) -> m.Granted:
         self.leases[lease.lease_id] = lease
@@ -429,6 +442,13 @@ class Session(asyncio.Protocol):
                 + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else "")
             )
         return done
+
+    def on_take_turn(self, msg: m.TakeTurn):
+        return self.daemon.turns.take(self, TurnAsk(msg.threads, msg.threads_batch, msg.cpus, msg.batch))
+
+    def on_end_turn(self, msg: m.EndTurn):
+        self.daemon.turns.end(self)
+        return m.TurnEnded()
 
     def on_prefetch(self, msg: m.Prefetch):
         model = self.model(msg.model_id)

@@ -259,6 +259,44 @@ class ReadErrorsCleared(Message, tag="read_errors_cleared"):
     cleared: int  # quarantined experts released
 
 
+# ---- compute turns (docs/design.md §11, "Cores shared by the engines"; moed.daemon.turns) ----
+
+MAX_THREADS = 1 << 16  # far above any core count; an engine's larger count is sent as this
+Threads = Annotated[int, msgspec.Meta(ge=0, le=MAX_THREADS)]
+
+
+class TakeTurn(Message, tag="take_turn"):
+    """Ask for a compute turn for one decode; the reply comes when it is granted (at most
+    about the daemon's `turn_max_s` later). `threads`, `threads_batch`: the engine's own
+    counts, 0 where the daemon decides; `cpus`: the cores the engine may run on; `batch`:
+    the decode computes more than one token (llama.cpp computes it with threads_batch)."""
+
+    threads: Threads = 0
+    threads_batch: Threads = 0
+    cpus: Annotated[int, msgspec.Meta(ge=1, le=MAX_THREADS)] = 1
+    batch: bool = False
+
+
+class EndTurn(Message, tag="end_turn"):
+    """Let the turn go after the decode: fire and forget (sent only after a TurnGranted,
+    so a daemon without the verb never sees it)."""
+
+    ack: bool = False
+
+
+class TurnGranted(Message, tag="turn_granted"):
+    """Compute now with these counts (the engine's own where it gave them)."""
+
+    n_threads: int
+    n_threads_batch: int
+    waited_s: float = 0.0
+
+
+class TurnEnded(Message, tag="turn_ended"):
+    """EndTurn's reply, sent only when it asked for one (`ack=True`)."""
+
+
+
 Request = (
     Hello
     | Ping
@@ -273,6 +311,8 @@ Request = (
     | Unpin
     | MapHolds
     | ClearReadErrors
+    | TakeTurn
+    | EndTurn
 )
 Reply = (
     Error
@@ -289,6 +329,8 @@ Reply = (
     | Unpinned
     | HoldsMapped
     | ReadErrorsCleared
+    | TurnGranted
+    | TurnEnded
 )
 
 REPLY_TYPE: dict[type, type] = {
@@ -305,6 +347,8 @@ REPLY_TYPE: dict[type, type] = {
     Unpin: Unpinned,
     MapHolds: HoldsMapped,
     ClearReadErrors: ReadErrorsCleared,
+    TakeTurn: TurnGranted,
+    EndTurn: TurnEnded,
 }
 
 REQUEST_TYPES: tuple[type, ...] = Request.__args__
@@ -328,4 +372,5 @@ __all__ = [
     "PartExtent",
     "LayerInfo",
     "SegmentInfo",
+    "MAX_THREADS",
 ] + [t.__name__ for t in REQUEST_TYPES + REPLY_TYPES]

@@ -151,6 +151,26 @@ class ClientRow(_Row):
     engines: list[tuple[int, str]] = []  # (model id, what computes where) of the engines it runs
 
 
+class TurnRow(_Row):
+    """One engine's (one connection's) compute turns and thread counts (moed.daemon.turns)."""
+
+    engine_id: int  # the daemon's number for this connection's engine (a label of its metrics)
+    pid: int
+    uid: int
+    name: str  # the client's name (Hello)
+    cpus: int  # the cores the engine may run on, as it said
+    threads: Annotated[int, gauge("threads", "Threads this engine computes single tokens with (its last turn)")]
+    threads_batch: Annotated[int, gauge("threads_batch", "Threads this engine computes prompt batches with")]
+    auto: bool  # the daemon decides a count of it (the user gave not both)
+    computing: Annotated[bool, gauge("computing", "1 while this engine holds a compute turn")]
+    waiting: bool  # waiting for a turn now
+    active: bool  # counts in the split of the cores (took a turn within turn_idle_s)
+    turns: Annotated[int, counter("turns", "Compute turns granted to this engine")]
+    turn_waits: Annotated[int, counter("turn_waits", "Turns this engine waited for")]
+    turn_wait_s: Annotated[float, counter("turn_wait_seconds", "Time this engine waited for turns")]
+    turns_overdue: Annotated[int, counter("turns_overdue", "Turns of this engine held past turn_max_s")]
+
+
 class Limits(_Row):
     max_clients: int
     max_clients_per_tenant: int
@@ -166,6 +186,7 @@ class Limits(_Row):
     local_hold_share: float = 0.5
     local_holds_per_connection: int = 0
     revoke_grace_s: float = 0.0
+    turn_max_s: float = 0.0  # a compute turn held (or waited for) longer no longer blocks others
 
 
 class HistogramRow(_Row):
@@ -278,3 +299,10 @@ class Stats(_Row):
         int, gauge("prefaulted_bytes", "RAM-tier bytes made ahead of their first fill (given back first)")
     ] = 0
     prefault_error: str = ""  # why prefaulting stopped, if it did
+    # Compute turns (moed.daemon.turns): the cores shared by the engines; per engine in `engines`
+    turns: Annotated[int, counter("turns", "Compute turns granted to engines")] = 0
+    turn_waits: Annotated[int, counter("turn_waits", "Compute turns an engine waited for")] = 0
+    turn_wait_s: Annotated[float, counter("turn_wait_seconds", "Time engines waited for compute turns")] = 0.0
+    turns_overdue: Annotated[int, counter("turns_overdue", "Compute turns held past turn_max_s")] = 0
+    engines_active: Annotated[int, gauge("engines_active", "Engines sharing the cores now")] = 0
+    engines: list[TurnRow] = []  # per connection that took a turn: its threads and its waits
