@@ -81,7 +81,6 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     turn_idle_s: float = 1.0
     turn_max_s: float = 2.0
 
-
     def __post_init__(self):
         checks = [
             (self.ram_budget_bytes > 0, "ram_budget_bytes must be positive"),

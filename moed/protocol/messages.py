@@ -296,7 +296,6 @@ class TurnEnded(Message, tag="turn_ended"):
     """EndTurn's reply, sent only when it asked for one (`ack=True`)."""
 
 
-
 Request = (
     Hello
     | Ping
