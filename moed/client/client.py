@@ -6,8 +6,27 @@ fire-and-forget Release, and `acquire(..., release=[...])` piggybacks releases
 on the next acquire.
 
 A dead daemon raises `DaemonUnavailable` promptly (the socket closes, or
-`timeout_s` passes without a reply); the client does not reconnect by itself
-(call `reconnect()`), since leases and models from the old connection are gone.
+`timeout_s` passes without a reply): the request in flight fails, since the leases
+of that connection are gone with it. The next request reconnects on its own: it
+retries from 50 ms, doubling to 1 s, for up to `reconnect_s` (default 30 s; 0 turns
+it off, and only `reconnect()` connects again), sends Hello, and re-opens every
+model still open on this client (`ModelHandle`s are re-bound to the new daemon's
+model ids, segments, residency tables and hold region). A daemon that does not
+answer within `reconnect_s` gives `DaemonUnavailable` saying so; the request after
+that tries again.
+
+Invariants of a reconnect (`generation` counts the connections):
+- nothing of the old connection stays mapped or counted by this client: its
+  segments, slot states and hold region are dropped before the new ones are mapped
+  (a lease still open keeps what it reads mapped until it is released);
+- a lease of an older generation is never released into the new connection (its
+  lease id means nothing there): a round-trip lease is forgotten, a local lease
+  clears its holds in its own (old) region; `view` of it raises `LeaseLost`;
+- a request is sent on the generation its ids were read for, or not at all.
+A local hit (moed.client.local) needs no round trip, so it cannot see the daemon
+die: until a round trip notices, it reads the dead daemon's segments, whose pages
+stay valid (and unchanged) while mapped. Engines check the connection before each
+decode (moed.engines.streamer).
 """
 
 from __future__ import annotations
@@ -18,6 +37,7 @@ import struct
 import threading
 import time
 import warnings
+import weakref
 
 import msgspec
 import numpy as np
@@ -32,6 +52,9 @@ from . import local
 from .segments import Segment
 
 DEFAULT_SPIN_US = 100.0  # busy-poll for a reply this long before sleeping (0: never)
+DEFAULT_RECONNECT_S = 30.0  # how long a lost connection is retried (systemd restarts moed in ~1 s)
+RECONNECT_FIRST_PAUSE_S = 0.05  # the first retry's pause, doubled after each failure ...
+RECONNECT_MAX_PAUSE_S = 1.0  # ... up to this
 
 
 class Client:
@@ -41,10 +64,21 @@ class Client:
         client_name: str = "",
         timeout_s: float | None = 120.0,
         spin_us: float | None = None,
+        reconnect_s: float = DEFAULT_RECONNECT_S,
     ):
+        """`reconnect_s`: how long a request retries a lost connection (0: never; see module)."""
         self.socket_path = socket_path or default_socket_path()
         self.client_name = client_name or f"pid{os.getpid()}"
         self.timeout_s = timeout_s
+        if reconnect_s < 0:
+            raise ValueError(f"reconnect_s={reconnect_s}: a number of seconds, 0 or more")
+        self.reconnect_s = float(reconnect_s)
+        self.generation = 0  # connections made: leases and ids belong to the one they came on
+        self._closed = False  # close() was called: no request reconnects
+        self._reviving = threading.Lock()  # one reconnect at a time
+        # The models opened on this client, re-opened on a reconnect (weak: a handle nobody
+        # holds is not opened again).
+        self._handles: weakref.WeakSet[ModelHandle] = weakref.WeakSet()
         if spin_us is None:
             spin_us = float(os.environ.get("MOED_CLIENT_SPIN_US", DEFAULT_SPIN_US))
         self.spin_ns = int(spin_us * 1000)
@@ -79,15 +113,90 @@ class Client:
                 f"cannot connect to moed at {self.socket_path}: {exc.strerror or exc}"
             ) from None
         self._sock = sock
+        self._closed = False
+        self.generation += 1
         self._frames, self._early = FrameReader(reply_decoder), []
         self.hello = self.request(m.Hello(m.PROTOCOL_VERSION, self.client_name))
+        try:
+            self._reopen()
+        except BaseException:
+            self._drop()  # no handle is left bound to a connection it could not open its model on
+            raise
 
-    def reconnect(self) -> None:
-        """Drop the old connection (its leases are gone) and connect again."""
-        self.close()
-        self.connect()
+    def reconnect(self, wait_s: float | None = None) -> None:
+        """Drop the connection (its leases are gone) and connect again, retrying from 50 ms,
+        doubling to 1 s, for up to `wait_s` (None: `reconnect_s`; 0: one try); every model
+        still open on this client is opened again (module docstring)."""
+        self._drop()
+        self._connect_retrying(self.reconnect_s if wait_s is None else wait_s)
+
+    def ensure_connected(self) -> None:
+        """Reconnect if the connection is gone (`alive()` False), as a request would: bounded by
+        `reconnect_s`, raising DaemonUnavailable if moed does not answer (or reconnect_s is 0)."""
+        if not self.alive():
+            self._revive()
+
+    def alive(self) -> bool:
+        """Whether the connection is up as far as this process can tell without a round trip
+        (one non-blocking peek: a daemon that died has closed its end)."""
+        sock = self._sock
+        if sock is None:
+            return False
+        try:
+            return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        except BlockingIOError:
+            return True  # nothing to read: the usual state of a live connection
+        except OSError:
+            return False
+
+    def _revive(self) -> None:
+        """The connection is gone: reconnect within `reconnect_s` (see module)."""
+        if self._closed:
+            raise errors.DaemonUnavailable("this Client was closed")
+        if self.reconnect_s <= 0:
+            raise errors.DaemonUnavailable(
+                "the connection to moed was lost (this Client has reconnect_s=0: Client.reconnect() connects again)"
+            )
+        with self._reviving:
+            if not self.alive():
+                self.reconnect()
+
+    def _connect_retrying(self, wait_s: float) -> None:
+        deadline = time.monotonic() + wait_s
+        pause = RECONNECT_FIRST_PAUSE_S
+        while True:
+            try:
+                self.connect()
+                return
+            except errors.DaemonUnavailable as exc:
+                self._drop()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    if wait_s <= 0:
+                        raise
+                    raise errors.DaemonUnavailable(
+                        f"moed at {self.socket_path} did not answer for {wait_s:g} s after the connection "
+                        f"was lost ({exc}); the next request tries again"
+                    ) from None
+            time.sleep(min(pause, left))  # the daemon is starting (or not): nothing to poll but the socket
+            pause = min(2 * pause, RECONNECT_MAX_PAUSE_S)
+
+    def _reopen(self) -> None:
+        """Open this client's models again on the new connection (their ids may have changed);
+        one that cannot be opened fails the reconnect with its error (none is left half bound)."""
+        for handle in list(self._handles):
+            path, expert_layout, compute = handle.asked
+            info, fds = self._open(m.OpenModel(path, expert_layout, compute))
+            handle._bind(info, self._map_model(info, fds))
 
     def close(self) -> None:
+        """Close the connection for good: no request reconnects after this (`connect()` and
+        `reconnect()` still do)."""
+        self._closed = True
+        self._drop()
+
+    def _drop(self) -> None:
+        """Let the connection go with everything mapped for it (see module invariants)."""
         if self._sock is not None:
             try:
                 self._sock.close()
@@ -109,18 +218,39 @@ class Client:
 
     # ---- wire --------------------------------------------------------------
 
-    def request(self, msg, fds: bool = False):
-        """Send one request and return its reply (raising the typed error it carries)."""
+    def request(self, msg, fds: bool = False, generation: int | None = None):
+        """Send one request and return its reply (raising the typed error it carries).
+
+        A lost connection is reconnected first (module docstring); `generation`: the
+        connection whose ids `msg` carries (a model id, lease ids): if another has replaced
+        it, nothing is sent and DaemonUnavailable is raised."""
         frame = _frame(msg)
+        if self._sock is None and generation is None:
+            self._revive()
+        try:
+            return self._round_trip(frame, fds, generation)
+        except _Unsent:
+            # The daemon was gone before the request left (an idle connection whose daemon
+            # died): no one saw it, so it goes to the daemon that is back, unless its ids
+            # belong to the old connection (the caller rebuilds it) or a reconnect is under way.
+            if generation is not None or self.reconnect_s <= 0 or self._closed or self._reviving.locked():
+                raise
+            self._revive()
+            return self._round_trip(frame, fds, None)
+
+    def _round_trip(self, frame: bytearray, fds: bool, generation: int | None):
         with self._lock:
-            sock = self._live()
+            sock = self._live(generation)
             try:
                 sock.sendall(frame)
-                reply, got_fds = self._recv_reply(sock, fds)
             except (BrokenPipeError, ConnectionResetError) as exc:
                 # The daemon may have refused us and hung up before our request
                 # arrived (too many clients, shutting down): its reason is
-                # waiting in the receive buffer.
+                # waiting in the receive buffer. Without one, it is gone.
+                self._broken(exc, self._parting_error(sock), unsent=True)
+            try:
+                reply, got_fds = self._recv_reply(sock, fds)
+            except (BrokenPipeError, ConnectionResetError) as exc:
                 reply, got_fds = self._parting_error(sock), []
                 self._broken(exc, reply)
             except (OSError, EOFError) as exc:
@@ -131,19 +261,24 @@ class Client:
             raise errors.error_for(reply.code, reply.message, reply.detail)
         return (reply, got_fds) if fds else reply
 
-    def send(self, msg) -> None:
-        """Send a fire-and-forget request (`ack=False`): no reply will come."""
+    def send(self, msg, generation: int | None = None) -> None:
+        """Send a fire-and-forget request (`ack=False`): no reply will come. Never reconnects
+        (DaemonUnavailable when the connection is gone); `generation` as for `request`."""
         frame = _frame(msg)
         with self._lock:
-            sock = self._live()
+            sock = self._live(generation)
             try:
                 sock.sendall(frame)
             except OSError as exc:
                 self._broken(exc)
 
-    def _live(self) -> socket.socket:
+    def _live(self, generation: int | None = None) -> socket.socket:
         if self._sock is None:
-            raise errors.DaemonUnavailable("not connected (call reconnect())")
+            raise errors.DaemonUnavailable(
+                "this Client was closed" if self._closed else "the connection to moed was lost"
+            )
+        if generation is not None and generation != self.generation:
+            raise errors.DaemonUnavailable("the connection these ids came from was lost (moed went away)")
         return self._sock
 
     def _parting_error(self, sock: socket.socket) -> m.Error | None:
@@ -153,12 +288,14 @@ class Client:
             got = self._early
         return next((r for r in got if isinstance(r, m.Error)), None)
 
-    def _broken(self, exc: BaseException, reason: m.Error | None = None):
+    def _broken(self, exc: BaseException, reason: m.Error | None = None, unsent: bool = False):
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()
         if reason is not None:
             raise errors.error_for(reason.code, reason.message, reason.detail)
+        if unsent:
+            raise _Unsent(f"connection to moed lost: {exc}") from None
         if isinstance(exc, (TimeoutError, BlockingIOError)):  # SO_RCVTIMEO expired
             raise errors.DaemonUnavailable(f"moed did not answer within {self.timeout_s}s") from None
         raise errors.DaemonUnavailable(f"connection to moed lost: {exc or 'closed'}") from None
@@ -218,7 +355,15 @@ class Client:
         raises LayoutUnavailable. `compute`: what computes where in the caller's engine, for
         `moectl stats`."""
         # the daemon resolves paths itself: never in its own working directory
-        info, fds = self._open(m.OpenModel(os.path.abspath(os.fspath(path)), expert_layout, compute[:256]))
+        asked = (os.path.abspath(os.fspath(path)), expert_layout, compute[:256])
+        info, fds = self._open(m.OpenModel(*asked))
+        handle = ModelHandle(self, info, self._map_model(info, fds), asked)
+        self._handles.add(handle)
+        return handle
+
+    def _map_model(self, info: m.ModelInfo, fds: list[int]) -> local.ReadOnlyWords | None:
+        """Map what came with an opened model (segments and slot states not mapped yet, the
+        hold region once); its residency table, or None (local hits off)."""
         n = len(info.segments)
         want = 2 * n + 1 if info.residency else n
         if len(fds) != want:
@@ -239,7 +384,7 @@ class Client:
                     self._states[seg_info.class_id] = local.ReadOnlyWords(fd)
             table = local.ReadOnlyWords(fds[2 * n])
             self._map_holds()
-        return ModelHandle(self, info, table if self._region is not None else None)
+        return table if self._region is not None else None
 
     def _open(self, msg: m.OpenModel):
         """OpenModel, waiting while this tenant's other opens are in flight (engines that
@@ -270,6 +415,11 @@ class Client:
         return self._segments[class_id]
 
 
+class _Unsent(errors.DaemonUnavailable):
+    """The connection was found gone before a request left: nothing was sent (safe to send
+    again on a new connection, with ids read again)."""
+
+
 def _frame(msg) -> bytearray:
     """The request's frame; a value the wire cannot carry (an id of 2**64) is a BadRequest."""
     try:
@@ -278,14 +428,45 @@ def _frame(msg) -> bytearray:
         raise errors.BadRequest(f"cannot send {type(msg).__name__}: {exc}") from None
 
 
-class ModelHandle:
-    """One open model on this connection; geometry mirrors the daemon's catalog."""
+def _geometry(info: m.ModelInfo) -> tuple:
+    """What a model must keep across a reconnect: its files' experts where they were."""
+    return (
+        info.files,
+        info.moe_layers,
+        info.n_experts,
+        info.n_expert_used,
+        info.expert_layout,
+        [(L.layer, L.parts) for L in info.layers],
+    )
 
-    def __init__(self, client: Client, info: m.ModelInfo, table: local.ReadOnlyWords | None = None):
+
+class ModelHandle:
+    """One open model on this client; geometry mirrors the daemon's catalog. A reconnect
+    binds it to the new daemon's model (`_bind`): `model_id` and size classes may change."""
+
+    def __init__(
+        self,
+        client: Client,
+        info: m.ModelInfo,
+        table: local.ReadOnlyWords | None = None,
+        asked: tuple[str, str, str] = ("", "", ""),
+    ):
         self.client = client
+        self.asked = asked  # OpenModel's (path, expert_layout, compute): what a reconnect opens again
+        self.local_tries = 0  # hits tried with no round trip (hp_hit runs), counted for the tests
+        self._bind(info, table)
+
+    def _bind(self, info: m.ModelInfo, table: local.ReadOnlyWords | None) -> None:
+        """Take `info` (and its residency table) as this model's: at open, and again on each
+        reconnect, where the model's id and size classes may differ but not its geometry."""
+        before: m.ModelInfo | None = getattr(self, "info", None)
+        if before is not None and _geometry(before) != _geometry(info):
+            raise errors.ModelStale(
+                f"{self.asked[0]}: the model changed while moed was away ({before.n_experts} experts, "
+                f"layers {before.moe_layers} before); open it again"
+            )
         self.info = info
         self._table = table  # None: every acquire is a round trip
-        self.local_tries = 0  # hits tried with no round trip (hp_hit runs), counted for the tests
         self._rows = {layer: i * info.n_experts for i, layer in enumerate(sorted(info.moe_layers))}
         self.model_id = info.model_id
         self.path = info.path
@@ -315,11 +496,16 @@ class ModelHandle:
         *,
         timeout: float | None = None,
         local: bool = True,
+        generation: int | None = None,
     ) -> Lease:
         """Hold `experts` of `layer`; blocks until they are resident. `release` piggybacks.
 
         `local`: try the hit with no round trip first (False: the caller tried it for this
         layer already, and it missed; the request goes to the daemon at once).
+
+        `generation`: the connection the caller's state belongs to (an engine's mappings):
+        when it is not the live one, DaemonUnavailable and nothing sent, never a reconnect
+        (None: a lost connection is reconnected first, module docstring).
 
         `timeout_s`: how long the daemon may wait for room (None: its default).
         `timeout` is the first interface's name (`m.acquire(layer, experts, timeout=None)`),
@@ -340,13 +526,35 @@ class ModelHandle:
                     prior.release()
                 return lease
         rel = [lease._take_for_release() for lease in release]
-        g = self.client.request(m.Acquire(self.model_id, layer, experts, timeout_s, [r for r in rel if r]))
+        client = self.client
+        rel_ids = [r for r in rel if r]
+        if generation is not None:
+            g = client.request(m.Acquire(self.model_id, layer, experts, timeout_s, rel_ids), generation=generation)
+        else:
+            g = self._ask(layer, experts, timeout_s, rel_ids)
         return Lease(self, layer, list(dict.fromkeys(experts)), g)
 
-    def hit(self, layer: int, experts, release=()) -> Lease | None:
+    def _ask(self, layer: int, experts: list[int], timeout_s: float | None, rel_ids: list[int]) -> m.Granted:
+        """Acquire's round trip, reconnecting first when the connection is lost; sent once more
+        on a new connection when the daemon was found gone before it left (the ids read again)."""
+        client = self.client
+        if client._sock is None:
+            client._revive()  # before the ids are read: a reconnect re-binds them
+        gen = client.generation
+        try:
+            return client.request(m.Acquire(self.model_id, layer, experts, timeout_s, rel_ids), generation=gen)
+        except _Unsent:
+            if client.reconnect_s <= 0:
+                raise
+        client._revive()
+        gen = client.generation  # the released leases went with the lost connection
+        return client.request(m.Acquire(self.model_id, layer, experts, timeout_s, []), generation=gen)
+
+    def hit(self, layer: int, experts, release=(), generation: int | None = None) -> Lease | None:
         """The hit with no round trip only: a lease when every expert is resident (`release`
-        released then), else None with nothing changed (ask with `acquire(local=False)`)."""
-        if self._table is None:
+        released then), else None with nothing changed (ask with `acquire(local=False)`);
+        `generation` as for `acquire` (not the live connection's: None)."""
+        if self._table is None or (generation is not None and generation != self.client.generation):
             return None
         lease = self._acquire_locally(layer, list(map(int, experts)))
         if lease is not None:
@@ -414,8 +622,9 @@ class ModelHandle:
         A hint: if the daemon is gone it is dropped here (the next acquire says
         so with DaemonUnavailable). Arguments that cannot be sent still raise.
         """
+        gen = self.client.generation
         try:
-            self.client.send(m.Prefetch(self.model_id, layer, [int(e) for e in experts], ack=False))
+            self.client.send(m.Prefetch(self.model_id, layer, [int(e) for e in experts], ack=False), gen)
         except errors.DaemonUnavailable:
             pass
 
@@ -423,7 +632,7 @@ class ModelHandle:
 class Lease:
     """Experts held in the RAM tier until released (or the connection closes)."""
 
-    __slots__ = ("model", "layer", "experts", "lease_id", "class_id", "slots", "_segment", "_live", "_holds")
+    __slots__ = ("model", "layer", "experts", "lease_id", "class_id", "slots", "_segment", "_live", "_holds", "_gen")
 
     def __init__(
         self,
@@ -442,6 +651,7 @@ class Lease:
         self._segment = model.segment(granted.class_id)
         self._live = True
         self._holds = holds  # a local lease (no round trip): its region, hold words and the class's states
+        self._gen = model.client.generation  # the connection it was granted on (module invariants)
 
     @property
     def segment(self) -> Segment:
@@ -453,6 +663,10 @@ class Lease:
     def view(self, expert: int, part: str) -> np.ndarray:
         if not self._live:
             raise errors.UnknownLease(f"lease {self.lease_id} was released")
+        if self._gen != self.model.client.generation:
+            raise errors.LeaseLost(
+                f"layer {self.layer}: this lease was granted on a connection to moed that was lost; acquire again"
+            )
         try:
             slot = self.slots[expert]
         except KeyError:
@@ -479,12 +693,14 @@ class Lease:
                     "what was read from it may be wrong"
                 )
             return None
-        return self.lease_id
+        # A lease of a lost connection: the daemon let it go when the connection closed.
+        return self.lease_id if self._gen == self.model.client.generation else None
 
     def release(self) -> None:
         lease_id = self._take_for_release()
-        if lease_id is not None and self.model.client._sock is not None:
-            self.model.client.send(m.Release([lease_id], ack=False))
+        client = self.model.client
+        if lease_id is not None and client._sock is not None:  # None: a lease of a lost connection
+            client.send(m.Release([lease_id], ack=False), self._gen)
 
     def __enter__(self) -> Lease:
         return self

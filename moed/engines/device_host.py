@@ -483,6 +483,18 @@ class HostSlots:
     def totals(self) -> dict:
         return dict(vars(self.stats))
 
+    def rebind(self) -> None:
+        """The daemon this engine imported died (moed.engines.streamer, `ensure_bound`): its
+        segments are the device's class tensors, which the model's expert tensors point at, and
+        llama.cpp's context was built over them. Not imported again into a running context:
+        the engine fails, clearly, and keeps the old segments mapped until it is closed (the
+        imports read them)."""
+        raise HostImportUnavailable(
+            "gpu_zero_copy: moed restarted, and this engine's device imported the old daemon's RAM tier "
+            "(its expert tensors are built over those segments): close the engine and load it again "
+            "(device slots without gpu_zero_copy survive a restart)"
+        )
+
     def close(self) -> None:
         """Free the imports and the rows; only once llama.cpp will never compute with the model
         again, and before the segments' mappings go (the client closes them)."""

@@ -547,6 +547,11 @@ class DeviceSlots:
         """The counters, for stream_stats()["gpu_slots"]."""
         return dict(vars(self.stats))
 
+    def rebind(self) -> None:
+        """The daemon came back (moed.engines.streamer, `ensure_bound`): nothing to do. The
+        slots hold copies of the file's bytes, uploaded from grants long released, and read
+        nothing of the daemon's; they stay valid, and their LRU with them."""
+
     def close(self) -> None:
         """Free the slot tensors; only once llama.cpp will never compute with the model again."""
         api = _api()

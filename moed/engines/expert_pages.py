@@ -174,6 +174,17 @@ class ExpertPages:
             libc.map_fixed(lo, hi - lo, PROT_NONE)
         self.zeroed = False
 
+    def reset(self) -> None:
+        """Every expert inaccessible again and nothing remembered, as right after `install`:
+        the daemon this engine mapped is gone (moed.engines.streamer, `rebind`), and no address
+        may keep showing its segments' pages or be taken for showing a slot of the new one."""
+        for lo, hi in self._pure_runs():
+            libc.map_fixed(lo, hi - lo, PROT_NONE)  # drops every MAP_SHARED slot mapping there
+        self._zero_mixed()
+        self._page_refs.clear()
+        self._zc.clear()
+        self.zeroed = False
+
     def _zero_mixed(self) -> None:
         """Expert bytes on pages shared with dense bytes back to zero (a copied expert's)."""
         for page in self._mixed_pages:

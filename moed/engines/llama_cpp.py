@@ -13,6 +13,10 @@ installs the expert pages right after the load, and whose `LlamaContext` sets
 Invariants:
 - Pinned to llama-cpp-python==0.3.36; the ggml tensor layout is checked at start.
 - Every decode ends with no grant held, also when it fails.
+- A daemon that dies fails the decode in flight with `DaemonUnavailable`; every
+  later decode first binds the engine again to the daemon that came back (the
+  client's bounded reconnect; `ExpertStreamer.ensure_bound`), with the model and
+  the KV cache kept, or raises `DaemonUnavailable` when it does not come back.
 - A prompt batch whose experts cannot be held at once lowers `n_batch` (halving)
   with a RuntimeWarning and retries from the first token not yet evaluated; at
   `n_batch == 1` the daemon's error propagates. Nothing fails silently.
@@ -341,6 +345,9 @@ def _hooked_internals(streamer: ExpertStreamer, zero_copy: bool = False) -> type
             super().__init__(model=model, params=params, verbose=verbose)
 
         def decode(self, batch):
+            # The daemon died since the last decode: bound again to the one that came back
+            # (bounded wait; the model and the KV cache are kept), before anything is read.
+            streamer.ensure_bound()
             n = int(batch.batch.n_tokens)
             ids = np.ctypeslib.as_array(batch.batch.token, shape=(n,)).copy() if batch.batch.token and n else None
             streamer.begin(n, ids)
@@ -430,6 +437,10 @@ class StreamedLlama(_OwnedLlama):
     (with `gpu_slots`; off by default): the device reads them in place from moed's RAM
     tier, imported as host memory, and nothing is uploaded (moed.engines.device_host;
     a real integrated GPU read imported host memory at about 1 GB/s).
+    A daemon restart needs no user code: the eval in flight raises `DaemonUnavailable`,
+    and the next one reconnects (the client's `reconnect_s`, default 30 s: retries from
+    50 ms doubling to 1 s), maps the new daemon's RAM tier, and runs on the same model
+    and KV cache; `ensure_connected()` does that step alone.
     The value options are declared once, in `moed.engines.options.EngineOptions`
     (defaults, flags, help); `self.options` holds them, and `from_options` builds
     an engine from one. The callbacks (`route_hook`, `predict_hook`) are gathered in
@@ -634,6 +645,12 @@ class StreamedLlama(_OwnedLlama):
         read), `subst_weight_share` (routing probability on stand-ins over all chosen).
         """
         return self.streamer.report()
+
+    def ensure_connected(self) -> None:
+        """Bind the engine to a live daemon now, as the next eval would: after moed restarted,
+        reconnect (bounded by the client's `reconnect_s`) and map the new RAM tier; nothing
+        when the connection is up. Raises DaemonUnavailable when moed does not come back."""
+        self.streamer.ensure_bound()
 
     def own_client(self, client) -> None:
         """`client` is this engine's: closed with it, after everything else (moectl serve

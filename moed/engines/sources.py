@@ -13,6 +13,9 @@ Invariants:
   released (by `release`, or by being passed as `release=` to the next acquire or
   hit); its bytes do not change while it is held, and the engine reads them only in
   that window.
+- A grant, segment or hit state belongs to one `generation` of the source's
+  connection; once it changes (the daemon died and the client reconnected) the engine
+  reads none of them again, and releasing an old grant sends nothing to the new daemon.
 - `hit` changes nothing when it returns None: `release` is still held, for the
   acquire that follows.
 - The moed source never opens the model file for expert bytes: everything comes
@@ -109,6 +112,21 @@ class ExpertSource:
         lane layers, every layer goes through `hit` and `acquire`."""
         return None
 
+    def generation(self) -> int:
+        """Which connection to the provider the grants, segments and hit state come through
+        now: the engine binds again when it changes (ExpertStreamer.ensure_bound). Default 0:
+        one, forever."""
+        return 0
+
+    def connected(self) -> bool:
+        """Whether that connection is up as far as can be told without a round trip (checked
+        before every decode, so it must cost next to nothing). Default True."""
+        return True
+
+    def reconnect(self) -> None:
+        """Make the connection live again if it was lost (bounded: DaemonUnavailable when the
+        provider does not come back), every grant of the old one void. Default: nothing."""
+
 
 class LaneSource(Protocol):
     """What the layer holds take their hits through: the connection's local-hit state
@@ -163,6 +181,9 @@ class MoedSource(ExpertSource):
         self.n_expert_used = self.model.n_expert_used
         self.expert_layout = self.model.expert_layout
         self._layers = {l: self.model.layer(l) for l in self.moe_layers}
+        # The connection the engine is bound to: grants come from it or not at all (a lost one is
+        # reconnected between decodes, by `reconnect`, never inside one).
+        self._gen = client.generation
 
     def extents(self, layer: int) -> list[PartExtent]:
         """Where each part of the layer's experts lives: the wire's extents, as the daemon sent them."""
@@ -170,12 +191,17 @@ class MoedSource(ExpertSource):
 
     def acquire(self, layer: int, experts: Sequence[int], release: Grant | None = None) -> MoedGrant:
         lease = self.model.acquire(
-            layer, list(experts), timeout_s=self.timeout_s, release=self._prior(release), local=False
+            layer,
+            list(experts),
+            timeout_s=self.timeout_s,
+            release=self._prior(release),
+            local=False,
+            generation=self._gen,
         )
         return self._grant(lease)
 
     def hit(self, layer: int, experts: Sequence[int], release: Grant | None = None) -> MoedGrant | None:
-        lease = self.model.hit(layer, list(experts), release=self._prior(release))
+        lease = self.model.hit(layer, list(experts), release=self._prior(release), generation=self._gen)
         return self._grant(lease) if lease is not None else None
 
     @staticmethod
@@ -204,6 +230,19 @@ class MoedSource(ExpertSource):
 
     def lane(self) -> MoedSource:
         return self  # a LaneSource: the client's local hits and segments
+
+    def generation(self) -> int:
+        return self.client.generation
+
+    def connected(self) -> bool:
+        return self._gen == self.client.generation and self.client.alive()
+
+    def reconnect(self) -> None:
+        """The client reconnects within its `reconnect_s` and re-opens the model (module
+        moed.client.client); the layers' size classes are read again (they may differ)."""
+        self.client.ensure_connected()
+        self._layers = {l: self.model.layer(l) for l in self.moe_layers}
+        self._gen = self.client.generation
 
     def local_hits(self) -> LocalHits | None:
         return self.model.local_hits()

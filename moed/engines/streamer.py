@@ -18,6 +18,10 @@ which predicts later layers and, after this layer's acquire, prefetches them.
 
 Invariants (what must happen before what):
 - `install` runs after llama.cpp mapped the model and before the first decode.
+- Every decode starts bound to the source's live connection (`ensure_bound`): after
+  the daemon died, the layer holds built over its region, tables and segments are
+  let go and every expert address is PROT_NONE again before the source reconnects,
+  and the holds are built again over the new connection before anything is read.
 - At the topk of layer L every expert matmul of earlier layers has run (the CPU
   graph is one split in layer order), so the previous grant is hidden and then
   released in the same round trip as L's acquire.
@@ -108,6 +112,7 @@ class StreamStats:
     dense_locked_bytes: int = 0
     dense_lock_error: str = ""
     dropped_expert_cache_bytes: int = 0
+    rebinds: int = 0  # times the engine was bound again to a daemon that came back (ensure_bound)
 
 
 def snapshot_bases(files: list[str]) -> set[int]:
@@ -202,6 +207,13 @@ class ExpertStreamer:
         self.slots: DeviceSlots | HostSlots | None = None
         # A device computes part of the graph: a failed decode runs on to its end (_fail).
         self._offloaded = offload is not None
+        # The source's connection the holds are bound to (ensure_bound), and why the engine
+        # cannot be bound again (None: it can).
+        self._generation = 0
+        self.dead: BaseException | None = None
+        # The counters of layer holds let go at a rebind, so the engine's totals run on.
+        self._past_holds = HoldStats()
+        self._past_layer_s: dict[int, float] = {}
 
     # ---- install ---------------------------------------------------------
 
@@ -221,17 +233,9 @@ class ExpertStreamer:
             self._parts.setdefault(span.layer, []).append(span)
         if not self.strict:
             self._zero_copy_layers = {layer for layer, ss in self._parts.items() if all(s.zero_copy for s in ss)}
-        # MOED_LANE=0: no lane layers, every layer through Python's path (to measure the lane,
-        # or to rule it out). With a GPU offload the top-k may be in a device's memory, which
-        # the holds (C, raw pointers) do not read: Python reads it through ggml's backend API.
-        lane = self._zero_copy_layers if os.environ.get("MOED_LANE") != "0" and not self._offloaded else set()
-        lane_source = self.source.lane() if lane else None
-        lane_parts = {layer: self._parts[layer] for layer in lane} if lane_source is not None else {}
-        self.holds = LayerHolds(self._on_route, self.source.n_experts, lane_source, lane_parts)
+        self._placements = {}
+        self._bind()
         self._teardown.callback(self._close_holds)  # first at close: nothing else is let go before
-        self.c_callback.set_holds(self.holds.handle)  # the path is chosen per decode (begin)
-        self.cpu = CpuPages(self.pages, self._parts, self.holds)
-        self._placements = dict.fromkeys(self._parts, self.cpu)
         self._drop_expert_cache()
         headers = read_split(self.mapped_files[0])  # one header read serves the three steps below
         self._lock_dense(bases, headers)
@@ -239,6 +243,64 @@ class ExpertStreamer:
         if self.kernels is not None:
             self._unlock_placed_dense(headers, bases)
             self._headers, self._bases = headers, bases  # for the expert switch at the first node
+
+    def _bind(self) -> None:
+        """The layer holds and the CPU placement over the source's connection as it is now (at
+        install, and again after the daemon came back: `ensure_bound`)."""
+        # MOED_LANE=0: no lane layers, every layer through Python's path (to measure the lane,
+        # or to rule it out). With a GPU offload the top-k may be in a device's memory, which
+        # the holds (C, raw pointers) do not read: Python reads it through ggml's backend API.
+        assert self.pages is not None, "install builds the pages first"
+        self._generation = self.source.generation()
+        lane = self._zero_copy_layers if os.environ.get("MOED_LANE") != "0" and not self._offloaded else set()
+        lane_source = self.source.lane() if lane else None
+        lane_parts = {layer: self._parts[layer] for layer in lane} if lane_source is not None else {}
+        self.holds = LayerHolds(self._on_route, self.source.n_experts, lane_source, lane_parts)
+        self.c_callback.set_holds(self.holds.handle)  # the path is chosen per decode (begin)
+        old, self.cpu = self.cpu, CpuPages(self.pages, self._parts, self.holds)
+        for layer in self._parts:  # a device placement keeps its layers (chosen at load)
+            if self._placements.get(layer, old) is old:
+                self._placements[layer] = self.cpu
+
+    def ensure_bound(self) -> None:
+        """Before a decode (and `warm`): the engine's experts come through a live connection.
+
+        When the source's connection was lost (the daemon died; `ExpertSource.connected`) or
+        replaced (`generation`), nothing of the old one may be read or mapped any more: the
+        layer holds are let go (their hit grant released into its own, old, region; the C
+        lane's pointers to the old tables and segments freed with them), every expert address
+        goes back to PROT_NONE (ExpertPages.reset: the old segments' pages unmapped, the
+        "which slot is behind which address" memory cleared), then the source reconnects
+        (bounded: DaemonUnavailable when the daemon does not come back, and the engine stays
+        unbound until a later decode succeeds) and the holds and CPU placement are built
+        again over the new connection. llama.cpp's model and context (the KV cache) are kept.
+        Device slots that copied their experts keep them (the bytes are the file's); slots
+        that imported the old daemon's segments are not imported again into a running
+        context (HostSlots.rebind raises, before the old segments are dropped, and every
+        later decode raises the same: the engine must be built again).
+        """
+        if self.dead is not None:
+            raise self.dead
+        src = self.source
+        if self.holds is not None and src.generation() == self._generation and src.connected():
+            return
+        self._unbind()
+        if self.slots is not None:
+            try:
+                self.slots.rebind()  # before the client drops the old segments: an import reads them
+            except BaseException as exc:
+                self.dead = exc
+                raise
+        src.reconnect()
+        self._bind()
+        self.stats.rebinds += 1
+
+    def _unbind(self) -> None:
+        """Let go of everything bound to the old connection (ensure_bound)."""
+        self._close_holds()
+        self._whole_tokens = 0
+        if self.pages is not None:
+            self.pages.reset()
 
     def _experts_pending(self) -> bool:
         return self.kernels is not None and self.kernels.experts_pending
@@ -535,6 +597,7 @@ class ExpertStreamer:
         mode and copy layers hide every released expert). Each acquire is a lease like
         a decode's, released at once; none is held after.
         """
+        self.ensure_bound()
         holds, src, n = self.holds, self.source, 0
         if holds is None or not holds.layers or holds.held() is not None:
             return 0
@@ -662,8 +725,8 @@ class ExpertStreamer:
     def totals(self) -> StreamStats:
         """This engine's counters, the layers the holds took in C included."""
         out = StreamStats(**vars(self.stats))
-        if self.holds is not None:
-            hs: HoldStats = self.holds.stats()
+        if self.holds is not None or self._past_holds.layers:
+            hs = self._hold_stats()
             out.layers += hs.layers
             out.experts += hs.experts
             out.acquire_s += hs.acquire_s
@@ -681,12 +744,13 @@ class ExpertStreamer:
         out["stall_s_per_token"] = s.acquire_s / s.tokens if s.tokens else 0.0
         out.update(self.placement_stats())
         holds = self.holds
-        out["lane_layers"] = holds.stats().layers if holds is not None else 0
+        out["lane_layers"] = self._hold_stats().layers
         if self.lookahead is not None:
             out.update(self.lookahead.totals())
-            if holds is not None:  # the hits taken in C, per layer (the holds count their own stall)
+            if holds is not None or self._past_layer_s:  # the hits taken in C, per layer (their own stall)
                 for layer, d in out["per_layer"].items():
-                    d["stall_s"] += holds.layer_acquire_s(layer)
+                    now = holds.layer_acquire_s(layer) if holds is not None else 0.0
+                    d["stall_s"] += now + self._past_layer_s.get(layer, 0.0)
                     d["stall_s_per_token"] = d["stall_s"] / s.tokens if s.tokens else 0.0
         if self.substituter is not None:
             out.update(self.substituter.totals(s.tokens))
@@ -704,7 +768,15 @@ class ExpertStreamer:
         out: dict = {}
         for placement in self.placements():
             out.update(placement.stats())
+        if "pages_maps" in out:
+            out["pages_maps"] += self._past_holds.maps  # mapped by layer holds let go at a rebind
         return out
+
+    def _hold_stats(self) -> HoldStats:
+        """The layer holds' counters, those let go at a rebind included."""
+        now = self.holds.stats() if self.holds is not None else HoldStats()
+        past = self._past_holds
+        return HoldStats(*(a + b for a, b in zip(vars(past).values(), vars(now).values())))
 
     def adopt_slots(self, slots: SlotsT) -> SlotsT:
         """`slots` (the offloaded layers' device slots, made by the load) are the streamer's
@@ -720,6 +792,10 @@ class ExpertStreamer:
 
     def _close_holds(self) -> None:
         """Give back what the layer holds hold, their buffers and hold indexes."""
+        if self.holds is not None:
+            self._past_holds = self._hold_stats()
+            for layer in self.holds.layers:
+                self._past_layer_s[layer] = self._past_layer_s.get(layer, 0.0) + self.holds.layer_acquire_s(layer)
         holds, self.holds = self.holds, None
         if holds is not None:
             self.c_callback.set_holds(None)

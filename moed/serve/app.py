@@ -34,11 +34,12 @@ When moed is down:
   (`ServedLlama` raises `MoedUnavailable`), never a hang (the client's timeout
   bounds every wait); a failed expert read is a 502 naming the expert
   (`ExpertReadFailed`), and the next request is served as usual;
-- the engine layer reconnects: before each request the proxy pings the current
-  model's connection; if it is gone the model is closed and loaded again on a
-  fresh connection (leases, model ids and segments of the old one are void), and
-  if that fails the request gets 503. A stream that loses moed after its first
-  token ends with an error event (its 200 was already sent).
+- the engine reconnects, with no model reload: before each request the proxy has
+  the current model bind itself to a live daemon (`StreamedLlama.ensure_connected`:
+  a peek when the connection is up; after a restart the client's bounded reconnect,
+  the new RAM tier mapped, the KV cache kept), and if moed does not come back within
+  the client's `reconnect_s` the request gets 503. A stream that loses moed after its
+  first token ends with an error event (its 200 was already sent).
 
 Options: `EngineOptions` (moed.engines.options, the one declaration of a streamed
 engine's options) is what `moectl serve` sets for every model the server loads; its
@@ -194,17 +195,6 @@ def _served_errors(llm: ServedLlama):
         raise ValueError(f"Requested tokens ({match.group(1)}) exceed context window of {llm.n_ctx()}") from exc
 
 
-def _connection_alive(llm: Any) -> bool:
-    client = getattr(llm, "moed_client", None)
-    if client is None:
-        return False
-    try:
-        client.ping()
-        return True
-    except errors.DaemonUnavailable:
-        return False
-
-
 class MoedLlamaProxy(LlamaProxy):
     """The server's model proxy, loading `ServedLlama`s and reconnecting them (see module)."""
 
@@ -226,14 +216,12 @@ class MoedLlamaProxy(LlamaProxy):
         if model is not None and model not in self._model_settings_dict:
             # llama-cpp-python answers with its default model; a client would believe another one answered.
             raise ModelNotFound(model, list(self._model_settings_dict))
-        current = self._current_model
-        if current is not None and not _connection_alive(current):
-            current.close()
-            self._current_model = None
         try:
-            return super().__call__(model)
+            llm = super().__call__(model)
+            if isinstance(llm, StreamedLlama):
+                llm.ensure_connected()  # after a daemon restart: the same engine, bound again
+            return llm
         except errors.DaemonUnavailable as exc:
-            self._current_model = None
             raise MoedUnavailable(UNAVAILABLE_PREFIX + str(exc)) from exc
 
     def load_llama_from_model_settings(self, settings: ModelSettings) -> llama_cpp.Llama:  # type: ignore[override]

@@ -49,7 +49,7 @@ if spec["which"] == "stock":
     llm, client = StockLlama(spec["model"], **kw), None
 else:
     from moed.client import Client
-    client = Client(spec["socket"], "gpu-faults")
+    client = Client(spec["socket"], "gpu-faults", reconnect_s=spec.get("reconnect_s", 30.0))
     llm = StreamedLlama(spec["model"], client=client, **spec.get("engine", {}), **kw)
 tokens = spec.get("tokens") or llm.tokenize(PROMPT)
 
@@ -158,6 +158,7 @@ def test_the_daemon_killed_mid_generation_is_a_typed_error_not_a_signal(aligned_
         n_gpu=99,
         socket=daemon.socket,
         daemon_pid=daemon.proc.pid,
+        reconnect_s=0.5,  # it never comes back: each eval waits this long for it, then says so
     )
     assert report["error"].startswith("DaemonUnavailable"), report
     assert report["held_after"] is False

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 import warnings
 
 import numpy as np
@@ -15,10 +16,10 @@ pytestmark = pytest.mark.e2e
 pytest.importorskip("llama_cpp")  # e2e needs the real llama.cpp (pyproject extra "llama")
 
 
-def streamed(daemon, path, **kw):
+def streamed(daemon, path, reconnect_s: float = 30.0, **kw):
     from moed.engines.llama_cpp import StreamedLlama
 
-    client = daemon.client("e2e")
+    client = daemon.client("e2e", reconnect_s=reconnect_s)
     return StreamedLlama(str(path), client=client, **{**LLAMA_KW, **kw}), client
 
 
@@ -325,14 +326,16 @@ def test_daemon_gone_mid_generation_is_a_typed_error(start_daemon, aligned_model
     # A budget that forces misses: experts already resident are served from the
     # engine's own mappings with no daemon (local hits), so only a miss can tell.
     d = start_daemon("2MiB")
-    llm, client = streamed(d, aligned_model)
+    llm, client = streamed(d, aligned_model, reconnect_s=1.0)
     try:
         tokens = llm.tokenize(PROMPT)
         llm.eval(tokens)
         d.kill()
-        with pytest.raises(DaemonUnavailable):
+        t0 = time.monotonic()
+        with pytest.raises(DaemonUnavailable, match="did not answer for 1 s"):  # it never comes back
             for _ in range(4):
                 llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        assert time.monotonic() - t0 < 10  # the reconnect's bounded wait, never a hang
         assert llm.streamer.held is None
     finally:
         llm.close()

@@ -289,7 +289,7 @@ def test_sigterm_exits_zero_and_leaves_nothing(start_daemon, tiny_model):
 
 def test_daemon_killed_clients_get_typed_error_and_restart_is_clean(start_daemon, tiny_model):
     d = start_daemon("8MiB")
-    c = d.client(timeout_s=5)
+    c = d.client(timeout_s=5, reconnect_s=0)  # no reconnect of its own (test_reconnect.py has those)
     m = c.open_model(tiny_model)
     with m.acquire(0, [0]):
         pass

@@ -143,7 +143,7 @@ def test_a_tenant_holding_over_its_share_locally_is_cut_off(start_shared, shared
     cat = Catalog.open(model)
     slot = expert_bytes(model, 0)
     d = start_shared(str(8 * slot))
-    greedy = d.client("greedy")
+    greedy = d.client("greedy", reconnect_s=0)  # the cut-off connection stays cut off (no reconnect)
     g = greedy.open_model(model)
     mine = list(range(6))  # 6 of 8 slots > LOCAL_HOLD_SHARE
     assert 6 / 8 > LOCAL_HOLD_SHARE
