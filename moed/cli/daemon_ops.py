@@ -125,6 +125,7 @@ def print_stats(s: dict) -> None:
             + (f", {s['revoked_regions']} closed connection(s) still draining" if s.get("revoked_regions") else ""),
         ),
         ("connections", _connections_line(s)),
+        ("device slots", _device_line(s)),
     ]
     for k, v in rows:
         t.add_row(k, v)
@@ -178,11 +179,29 @@ def _print_engines(console, clients: list[dict]) -> None:
     if not rows:
         return
     t = Table(title="engines")
-    for col in ("pid", "uid", "name", "model", "computes"):
+    for col in ("pid", "uid", "name", "model", "computes", "device slots"):
         t.add_column(col)
     for c, mid, what in rows:
-        t.add_row(str(c["pid"]), str(c["uid"]), c.get("name", ""), str(mid), what)
+        device = next((d for d in c.get("devices", []) if d["model_id"] == mid), None)
+        t.add_row(str(c["pid"]), str(c["uid"]), c.get("name", ""), str(mid), what, _device_cell(device))
     console.print(t)
+
+
+def _device_cell(d: dict | None) -> str:
+    """An engine's device slots as it last reported them (DeviceReport), or "" where it has none."""
+    if d is None:
+        return ""
+    moved = "read in place" if d["zero_copy"] else f"uploads {d['uploads']} ({format_size(d['upload_bytes'])})"
+    return f"{d['slots']} a layer x {d['layers']}: hits {d['hits']}, {moved}, evictions {d['evictions']}"
+
+
+def _device_line(s: dict) -> str:
+    """Every engine's device slots together, closed engines included (the daemon's sums)."""
+    return (
+        f"{s.get('device_hits', 0)} hits, {s.get('device_uploads', 0)} uploads "
+        f"({format_size(s.get('device_upload_bytes', 0))}), {s.get('device_evictions', 0)} evictions "
+        "in engines' device slots"
+    )
 
 
 def _print_models(console, models: list[dict]) -> None:

@@ -160,7 +160,8 @@ def device_line(st: dict) -> str:
         slots = st.get("gpu_slots", {})
         return (
             f"; {where}, their experts in {dev['gpu_slots']} device slots a layer "
-            f"(hits {slots.get('hits', 0)}, uploads {slots.get('uploads', 0)})"
+            f"(hits {slots.get('hits', 0)}, uploads {slots.get('uploads', 0)}, "
+            f"evictions {slots.get('evictions', 0)})"
         )
     return f"; dense {where}, experts on the CPU"
 

@@ -628,6 +628,16 @@ class ModelHandle:
         except errors.DaemonUnavailable:
             pass
 
+    def report_device(self, **counters) -> None:
+        """Tell the daemon this engine's device-slot counters for this model (`m.DeviceReport`'s
+        fields: slots, layers, hits, uploads, upload_bytes, evictions, zero_copy); fire and
+        forget, dropped if the daemon is gone, as a prefetch."""
+        gen = self.client.generation
+        try:
+            self.client.send(m.DeviceReport(self.model_id, **counters), gen)
+        except errors.DaemonUnavailable:
+            pass
+
 
 class Lease:
     """Experts held in the RAM tier until released (or the connection closes)."""

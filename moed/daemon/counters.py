@@ -94,6 +94,12 @@ class Counters:
     stale_detected: int = 0  # models found changed on disk (fstat) while open
     repacked_bytes: int = 0  # expert bytes transformed on read (moed.daemon.onread)
     repack_cpu_s: float = 0.0  # the reader threads' CPU time spent on it
+    # Engines' device slots (DeviceReport): each report's increase over that engine's last,
+    # so the sums only grow, and an engine that closes keeps what it counted.
+    device_hits: int = 0
+    device_uploads: int = 0
+    device_upload_bytes: int = 0
+    device_evictions: int = 0
     # Daemon acquires, from the request on the loop to its grant (hits granted at
     # once included; failed and local acquires not); reads, from submission to
     # completion on the loop (queueing behind other reads included).

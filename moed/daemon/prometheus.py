@@ -22,7 +22,9 @@ Naming: counters end in `_total`, sizes in `_bytes`, durations in `_seconds`.
 Per-tenant metrics are labelled by `uid`, per-model ones by `model_id` and `model`
 (its path), per tenant and model by both, per engine (a connection that took a compute
 turn: its threads and its waits) by `engine` (the daemon's number), `pid` and `name`.
-Left out of any equality with the JSON:
+An engine's device slots
+(`moed_engine_device_*`, its last DeviceReport) by `connection` (the daemon's number),
+`pid` and `model_id`. Left out of any equality with the JSON:
 nothing; `moed_mem_available_bytes` and `moed_uptime_seconds` simply move between
 two snapshots.
 """
@@ -39,6 +41,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from moed.protocol.stats import (
+    DeviceRow,
     Metric,
     ModelRow,
     Stats,
@@ -84,6 +87,12 @@ def families(stats: dict) -> Iterator:
     yield from _rows("tenant_model_", TenantModelRow, ["uid", "model_id"], pairs)
     engines = [([str(e["engine_id"]), str(e["pid"]), e["name"]], e) for e in stats.get("engines", [])]
     yield from _rows("engine_", TurnRow, ["engine", "pid", "name"], engines)
+    devices = [
+        ([str(d["connection"]), str(d["pid"]), str(d["model_id"])], d)
+        for c in stats["clients"]
+        for d in c.get("devices", [])
+    ]
+    yield from _rows("engine_device_", DeviceRow, ["connection", "pid", "model_id"], devices)
 
 
 def _rows(

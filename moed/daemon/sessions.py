@@ -96,6 +96,7 @@ class Session(asyncio.Protocol):
         self.models: set[int] = set()
         self.name = ""  # the client's name (Hello), for stats
         self.compute: dict[int, str] = {}  # model id -> what its engine computes where (OpenModel.compute)
+        self.devices: dict[int, dict] = {}  # model id -> its engine's last DeviceReport (a DeviceRow)
         self.pid = self.uid = self.gid = -1
         self.task: asyncio.Future | None = None
         self.pending: PendingAcquire | None = None  # the acquire waiting for room or reads
@@ -114,6 +115,7 @@ class Session(asyncio.Protocol):
             m.GetStats: self.on_stats,
             m.ListModels: self.on_models,
             m.MapHolds: self.on_map_holds,
+            m.DeviceReport: self.on_device_report,
             m.TakeTurn: self.on_take_turn,
             m.EndTurn: self.on_end_turn,
             **control.handlers(self),
@@ -131,6 +133,7 @@ class Session(asyncio.Protocol):
         self.tenant = self.daemon.tenant(self.uid)
         self.tenant.pids.add(self.pid)
         self.daemon.counters.connections += 1
+        self.number = self.daemon.counters.connections  # the daemon's number for it (a metrics label)
         refusal = self._refusal()
         self.daemon.sessions.add(self)
         self.daemon.wake()
@@ -269,6 +272,7 @@ class Session(asyncio.Protocol):
             "reading": self.reading,
             "name": self.name,
             "engines": sorted([mid, what] for mid, what in self.compute.items()),
+            "devices": [self.devices[mid] for mid in sorted(self.devices)],
         }
 
     # ---- dispatch ------------------------------------------------------------
@@ -453,6 +457,26 @@ class Session(asyncio.Protocol):
     def on_prefetch(self, msg: m.Prefetch):
         model = self.model(msg.model_id)
         return m.Prefetched(self.daemon.prefetch(model, msg.layer, msg.experts, self.tenant, source=self))
+
+    def on_device_report(self, msg: m.DeviceReport):
+        """Keep an engine's latest device counters, one row per model it opened here (bounded
+        like `compute`), and add what each grew by since its last report to the daemon's sums
+        (`Counters.device_*`: they only grow, and outlive the connection)."""
+        if msg.model_id not in self.models:
+            raise errors.UnknownModel(f"this connection has not opened model {msg.model_id}")
+        last = self.devices.get(msg.model_id, {})
+        c = self.daemon.counters
+        for name in ("hits", "uploads", "upload_bytes", "evictions"):
+            grown = max(getattr(msg, name) - last.get(name, 0), 0)
+            setattr(c, f"device_{name}", getattr(c, f"device_{name}") + grown)
+        self.devices[msg.model_id] = {
+            "model_id": msg.model_id,
+            "pid": self.pid,
+            "connection": self.number,
+            **{k: getattr(msg, k) for k in ("slots", "layers", "hits", "uploads", "upload_bytes", "evictions")},
+            "zero_copy": msg.zero_copy,
+        }
+        return m.DeviceReported()
 
     def on_stats(self, msg: m.GetStats):
         return m.StatsReply(msgspec.convert(control.visible_stats(self, self.daemon.stats()), Stats))

@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import os
 import threading
+import time
 import traceback
 import types
 import warnings
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 _HOOK_LOCK = threading.Lock()
+DEVICE_REPORT_S = 1.0  # the most often an engine tells the daemon its device counters (DeviceReport)
 # Settings llama-cpp-python's server passes to every model it loads that `Llama` takes only
 # through its `**kwargs` (and ignores): accepted, so the server seam keeps working.
 SERVER_EXTRAS = ("rpc_servers", "mul_mat_q")
@@ -540,6 +542,9 @@ class StreamedLlama(_OwnedLlama):
         self.moed_client = client
         self.streamer = ExpertStreamer(source, options, hooks, layout)
         self._teardown.callback(self.streamer.close)  # after the model: nothing reads its experts any more
+        # The device counters' last report (at close too: run after the model, before the slots go).
+        self._device_reported_at = -DEVICE_REPORT_S
+        self._teardown.callback(self._report_device, final=True)
         if options.skeleton_dir is not None:
             self.streamer.mapped_files = _skeleton(source, options.skeleton_dir)
             model_path = self.streamer.mapped_files[0]
@@ -610,7 +615,8 @@ class StreamedLlama(_OwnedLlama):
         start = self.n_tokens
         while True:
             try:
-                return super().eval(tokens[self.n_tokens - start :])
+                super().eval(tokens[self.n_tokens - start :])
+                return self._report_device()
             except (RequestTooLarge, BudgetExhausted) as exc:
                 if self.n_batch <= 1:
                     raise
@@ -623,6 +629,21 @@ class StreamedLlama(_OwnedLlama):
                     stacklevel=2,
                 )
                 self.n_batch = lowered
+
+    def _report_device(self, final: bool = False) -> None:
+        """The device slots' counters to the daemon (`moectl stats`, /metrics): after an eval at
+        most every DEVICE_REPORT_S, and once more at close (`final`), fire and forget, so the
+        cost is a frame a second; nothing without device slots."""
+        slots = self.streamer.slots if getattr(self, "streamer", None) is not None else None
+        now = time.monotonic()
+        if slots is None or (not final and now - self._device_reported_at < DEVICE_REPORT_S):
+            return
+        self._device_reported_at = now
+        t = slots.totals()
+        counters = {k: int(t[k]) for k in ("slots", "layers", "hits", "uploads", "upload_bytes", "evictions")}
+        # At close nothing may stop the unwinding; after an eval a failure here is a bug, raised.
+        with contextlib.suppress(Exception) if final else contextlib.nullcontext():
+            self.streamer.source.report_device({**counters, "zero_copy": bool(t.get("zero_copy", False))})
 
     def warm(self, everything: bool = False) -> int:
         """Map the experts the daemon holds now, so their first use costs no fault (a

@@ -112,6 +112,11 @@ class ExpertSource:
         lane layers, every layer goes through `hit` and `acquire`."""
         return None
 
+    def report_device(self, counters: dict) -> None:
+        """Tell the provider what the engine's device slots did (DeviceReport's fields: slots,
+        layers, hits, uploads, upload_bytes, evictions, zero_copy; totals since the engine
+        started); never waits, never errors back. Default: nobody to tell."""
+
     def generation(self) -> int:
         """Which connection to the provider the grants, segments and hit state come through
         now: the engine binds again when it changes (ExpertStreamer.ensure_bound). Default 0:
@@ -230,6 +235,9 @@ class MoedSource(ExpertSource):
 
     def lane(self) -> MoedSource:
         return self  # a LaneSource: the client's local hits and segments
+
+    def report_device(self, counters: dict) -> None:
+        self.model.report_device(**counters)
 
     def generation(self) -> int:
         return self.client.generation

@@ -296,6 +296,32 @@ class TurnEnded(Message, tag="turn_ended"):
     """EndTurn's reply, sent only when it asked for one (`ack=True`)."""
 
 
+# ---- what an engine's device does (docs/design.md §9.2 "Seeing it", §11) ----
+
+Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class DeviceReport(Message, tag="device_report"):
+    """An engine's device slots for one model it opened on this connection: its own counters
+    since it started (totals, so a report replaces the last: none is ever added twice), sent
+    fire and forget at the end of an eval at most about once a second and when it closes.
+    The daemon keeps the latest per (connection, model) and shows it in `moectl stats`."""
+
+    model_id: int
+    slots: Count = 0  # device slots a layer (S, as recorded: at most the model's experts)
+    layers: Count = 0  # layers whose experts compute in the device slots
+    hits: Count = 0  # (layer, expert) a batch used that a device slot already held
+    uploads: Count = 0  # experts copied into a device slot
+    upload_bytes: Count = 0
+    evictions: Count = 0  # device slots given to another expert
+    zero_copy: bool = False  # the device reads moed's RAM tier in place (nothing uploaded)
+    ack: bool = False
+
+
+class DeviceReported(Message, tag="device_reported"):
+    """DeviceReport's reply, sent only when it asked for one (`ack=True`)."""
+
+
 Request = (
     Hello
     | Ping
@@ -312,6 +338,7 @@ Request = (
     | ClearReadErrors
     | TakeTurn
     | EndTurn
+    | DeviceReport
 )
 Reply = (
     Error
@@ -330,6 +357,7 @@ Reply = (
     | ReadErrorsCleared
     | TurnGranted
     | TurnEnded
+    | DeviceReported
 )
 
 REPLY_TYPE: dict[type, type] = {
@@ -348,6 +376,7 @@ REPLY_TYPE: dict[type, type] = {
     ClearReadErrors: ReadErrorsCleared,
     TakeTurn: TurnGranted,
     EndTurn: TurnEnded,
+    DeviceReport: DeviceReported,
 }
 
 REQUEST_TYPES: tuple[type, ...] = Request.__args__

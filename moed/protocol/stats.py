@@ -135,6 +135,21 @@ class TenantRow(_Row):
     models: dict[str, TenantModelRow]
 
 
+class DeviceRow(_Row):
+    """One engine's device slots for one model (its latest DeviceReport; moed.engines.device_slots)."""
+
+    model_id: int
+    pid: int  # the engine's process
+    connection: int  # the daemon's number for the engine's connection (labels: connection, pid, model_id)
+    slots: Annotated[int, gauge("slots", "Device expert slots a layer of this engine")]
+    layers: int  # layers whose experts compute in the device slots
+    hits: Annotated[int, counter("hits", "Experts this engine's device slots already held")]
+    uploads: Annotated[int, counter("uploads", "Experts this engine copied into a device slot")]
+    upload_bytes: Annotated[int, counter("upload_bytes", "Bytes this engine copied into device slots")]
+    evictions: Annotated[int, counter("evictions", "Device slots this engine gave to another expert")]
+    zero_copy: bool = False  # the device reads moed's RAM tier in place
+
+
 class ClientRow(_Row):
     """What one connection makes the daemon hold now."""
 
@@ -149,6 +164,7 @@ class ClientRow(_Row):
     local_holds: int = 0  # slots it holds in its hold region (no round trip)
     name: str = ""  # the client's name (Hello)
     engines: list[tuple[int, str]] = []  # (model id, what computes where) of the engines it runs
+    devices: list[DeviceRow] = []  # its engines' device slots, as they last reported them
 
 
 class TurnRow(_Row):
@@ -306,3 +322,8 @@ class Stats(_Row):
     turns_overdue: Annotated[int, counter("turns_overdue", "Compute turns held past turn_max_s")] = 0
     engines_active: Annotated[int, gauge("engines_active", "Engines sharing the cores now")] = 0
     engines: list[TurnRow] = []  # per connection that took a turn: its threads and its waits
+    # Engines' device slots (DeviceReport), summed over every engine that reported, closed ones included
+    device_hits: Annotated[int, counter("device_hits", "Experts engines' device slots already held")] = 0
+    device_uploads: Annotated[int, counter("device_uploads", "Experts engines copied into device slots")] = 0
+    device_upload_bytes: Annotated[int, counter("device_upload_bytes", "Bytes engines copied into device slots")] = 0
+    device_evictions: Annotated[int, counter("device_evictions", "Device slots engines gave to another expert")] = 0

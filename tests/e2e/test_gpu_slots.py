@@ -85,8 +85,14 @@ def _child(argv: list[str]) -> None:
         daemon = client.stats()
         stats["daemon_evictions"] = daemon["evictions"]
         stats["engines"] = [what for c in daemon["clients"] for _, what in c["engines"]]
-    llm.close()
+    llm.close()  # its last DeviceReport goes before the close, on this connection: the daemon has it now
     if client is not None:
+        after = client.stats()
+        mine = [d for c in after["clients"] if c["pid"] == os.getpid() for d in c.get("devices", [])]
+        stats["daemon_device_rows"] = mine
+        stats["daemon_device_sums"] = {
+            k: after[f"device_{k}"] for k in ("hits", "uploads", "upload_bytes", "evictions")
+        }
         client.close()
     print(json.dumps(stats))
 
@@ -115,8 +121,21 @@ def engine(which, model, tmp_path, **kw) -> tuple[np.ndarray, dict]:
     return finish(run_engine(which, model, tmp_path, **kw), which)
 
 
+def check_reported(stats: dict) -> None:
+    """The daemon saw the engine's device counters (issue 47: `moectl stats`, --json, /metrics):
+    its connection's row equals the engine's own totals once it closed (the last report)."""
+    g = stats["gpu_slots"]
+    (row,) = stats["daemon_device_rows"]
+    assert row["zero_copy"] == g.get("zero_copy", False)
+    for key in ("slots", "layers", "hits", "uploads", "upload_bytes", "evictions"):
+        assert row[key] == g[key], f"{key}: the daemon says {row[key]}, the engine {g[key]}"
+    for key, total in stats["daemon_device_sums"].items():
+        assert total >= g[key], f"device_{key}: the daemon's sum {total} below this engine's {g[key]}"
+
+
 def check_slots(stats: dict, slots: int) -> None:
     assert stats["devices"]["experts"] == "GPU slots" and stats["devices"]["gpu_slots"] == slots
+    check_reported(stats)
     assert stats["engines"] and all(f"their experts in {slots} device slots a layer" in e for e in stats["engines"])
     g = stats["gpu_slots"]
     assert g["slots"] == slots and g["layers"] > 0
@@ -219,6 +238,7 @@ ZERO_COPY_BUDGET = "2MiB"
 
 def check_zero_copy(stats: dict, slots: int) -> None:
     assert stats["devices"]["experts"] == "GPU slots" and stats["devices"]["gpu_slots"] == slots
+    check_reported(stats)
     assert stats["engines"] and all("read in place from moed's RAM tier (zero copy)" in e for e in stats["engines"])
     g = stats["gpu_slots"]
     assert g["zero_copy"] and g["slots"] == slots and g["layers"] > 0
@@ -286,3 +306,20 @@ def test_zero_copy_needs_gpu_slots():
     with pytest.raises(ValueError, match="set gpu_slots too"):
         EngineOptions(gpu_zero_copy=True).check()
     EngineOptions(gpu_zero_copy=True, gpu_slots=8).check()
+
+
+@pytest.mark.parametrize("which", ["slots", "zero-copy"])
+def test_slots_above_the_expert_count_are_the_count_in_every_key(
+    vulkan_device, model_factory, start_daemon, tmp_path, which
+):
+    """gpu_slots=10000 on 16 experts is recorded as 16 (with a RuntimeWarning): the placement's
+    `slots`, `devices.gpu_slots` and the daemon's engine line all say 16 (issue 47; before, the
+    placement said 16 and the devices 10000, or zero copy 10000)."""
+    geometry = ZERO_COPY_GEOMETRY["qwen3moe"] if which == "zero-copy" else GEOMETRY
+    model = model_factory(**geometry)
+    daemon = start_daemon(ZERO_COPY_BUDGET if which == "zero-copy" else "256KiB")
+    got, stats = engine(which, model, tmp_path, socket=daemon.socket, slots=10000)
+    assert stats["devices"]["experts"] == "GPU slots" and stats["devices"]["gpu_slots"] == 16
+    assert stats["gpu_slots"]["slots"] == 16 and stats["daemon_device_rows"][0]["slots"] == 16
+    assert stats["engines"] and all("in 16 device slots a layer" in e for e in stats["engines"]), stats["engines"]
+    assert np.isfinite(got).all()

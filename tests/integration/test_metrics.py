@@ -205,3 +205,63 @@ def test_metrics_port_taken_fails_the_start_and_leaves_no_socket(tmp_path):
         )
     assert r.returncode == 2 and "cannot serve metrics" in r.stderr
     assert not os.path.exists(sock)
+
+
+def test_engines_device_counters_reach_stats_text_json_and_metrics(start_daemon, tiny_model):
+    """An engine's DeviceReport (issue 47): its latest counters per connection in `moectl stats`
+    (text and --json) and /metrics, labelled by pid and model; the daemon's sums grow by each
+    report's increase, so a second report adds nothing twice and a closed engine's count stays."""
+    port = free_port()
+    d = start_daemon("160KiB", "--metrics-listen", f"127.0.0.1:{port}")
+    one, two = d.client("engine one"), d.client("engine two")
+    h1, h2 = one.open_model(tiny_model), two.open_model(tiny_model)
+    h1.report_device(slots=4, layers=4, hits=10, uploads=6, upload_bytes=600, evictions=2)
+    h1.report_device(slots=4, layers=4, hits=30, uploads=9, upload_bytes=900, evictions=5)  # totals, not more
+    h2.report_device(slots=8, layers=2, hits=7, zero_copy=True)
+    h1.report_device(slots=4, layers=4, hits=1)  # a count that went down adds nothing
+    one.ping()
+    two.ping()  # each report was read before this answer
+    s = moectl_stats(d.socket)
+    rows = {d["hits"]: d for c in s["clients"] for d in c["devices"]}
+    assert set(rows) == {1, 7}
+    conn = rows[7].pop("connection")
+    assert conn > rows[1]["connection"] > 0, "numbered as the daemon accepted them"
+    assert rows[7] == {
+        "model_id": h2.model_id,
+        "pid": os.getpid(),
+        "slots": 8,
+        "layers": 2,
+        "hits": 7,
+        "uploads": 0,
+        "upload_bytes": 0,
+        "evictions": 0,
+        "zero_copy": True,
+    }
+    assert (s["device_hits"], s["device_uploads"], s["device_upload_bytes"], s["device_evictions"]) == (37, 9, 900, 5)
+    got = scrape(port)
+    assert got[("moed_device_hits_total", ())] == 37 and got[("moed_device_evictions_total", ())] == 5
+    labels = (("connection", str(conn)), ("model_id", str(h2.model_id)), ("pid", str(os.getpid())))
+    assert got[("moed_engine_device_slots", labels)] == 8 and got[("moed_engine_device_hits_total", labels)] == 7
+    text = subprocess.run(
+        [sys.executable, "-m", "moed.ctl", "--socket", d.socket, "stats"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "COLUMNS": "300"},  # rich's tables unwrapped
+    ).stdout
+    assert "37 hits, 9 uploads (900 B), 5 evictions in engines' device slots" in " ".join(text.split()), text
+    two.close()
+    wait_for(lambda: len(moectl_stats(d.socket)["clients"]) == 2, what="engine two's connection to close")
+    assert moectl_stats(d.socket)["device_hits"] == 37, "a closed engine's count stays in the sums"
+    one.close()
+
+
+def test_a_device_report_for_a_model_not_opened_is_dropped(start_daemon):
+    d = start_daemon("160KiB")
+    c = d.client("stray")
+    from moed.protocol import messages as m
+
+    c.send(m.DeviceReport(model_id=12345, hits=3))  # fire and forget: no reply, not even an error
+    c.ping()
+    assert c.stats()["device_hits"] == 0
+    c.close()
