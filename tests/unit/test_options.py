@@ -300,3 +300,22 @@ def test_n_gpu_layers_help_says_what_n_means(verb, capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "N is the output layer and the last N-1 blocks (1: the output layer only; -1: every layer)" in out
     assert "the last N blocks and the output" not in out
+
+
+@pytest.mark.parametrize(
+    ("given", "words"),
+    [
+        ({"n_gpu_layers": 1, "gpu_slots": 8}, "n_gpu_layers=1: N puts the output layer and the last N-1 blocks"),
+        ({"n_gpu_layers": -1, "gpu_slots": 1}, "0 or at least 2: one token routes to 2 experts"),
+        ({"gpu_slots": 4}, "0 unless n_gpu_layers is set"),
+    ],
+)
+def test_streamed_llama_checks_the_slots_against_the_file_before_it_connects(tiny_model, tmp_path, given, words):
+    """From the file's header (tiny_model: 4 MoE blocks, 8 experts, top-2), before any daemon or
+    load: the socket named here does not exist, and the error is the option's, not a connection's."""
+    pytest.importorskip("llama_cpp")
+    from moed.engines.llama_cpp import StreamedLlama
+    from moed.engines.options import OptionError
+
+    with pytest.raises(OptionError, match=words):
+        StreamedLlama(str(tiny_model), socket_path=str(tmp_path / "none.sock"), **given)
