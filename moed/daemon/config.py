@@ -39,7 +39,9 @@ class TenantConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     socket_path: str = DEFAULT_SOCKET
     ram_budget_bytes: int = 1 << 30
-    mem_floor_bytes: int = 0
+    # The memory guard's floor (moed.daemon.memguard). None (not given, or "auto"): 5% of the
+    # smaller of RAM and the memory cgroup's limit, at least 256 MiB, resolved at start. 0: off.
+    mem_floor_bytes: int | None = None
     pin_budget_bytes: int = 0
     policy: str = "lru"  # a name in policy.POLICIES
     reader_threads: int = 8
@@ -97,7 +99,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             (self.shutdown_grace_s >= 0, "shutdown_grace_s must not be negative"),
             (self.mem_sample_s > 0, "mem_sample_s must be positive"),
             (0 <= self.socket_mode <= 0o777, "socket_mode must be a permission mode like 0o660"),
-            (self.mem_floor_bytes >= 0 and self.pin_budget_bytes >= 0, "sizes must not be negative"),
+            ((self.mem_floor_bytes or 0) >= 0 and self.pin_budget_bytes >= 0, "sizes must not be negative"),
             (self.max_clients >= 1, "max_clients must be at least 1"),
             (self.max_clients_per_tenant >= 1, "max_clients_per_tenant must be at least 1"),
             (self.hello_timeout_s > 0, "hello_timeout_s must be positive"),
@@ -170,6 +172,8 @@ def _sizes(raw: dict[str, Any], where: str = "") -> dict[str, Any]:
     for key, value in raw.items():
         if isinstance(value, dict):
             value = _sizes(value, f"{where}{key}.")
+        elif not where and key == "mem_floor_bytes" and value == "auto":
+            value = None  # the default floor, also where a file gave one and a flag says auto
         elif key.endswith("_bytes") and isinstance(value, (str, int)):
             try:
                 value = parse_size(value)

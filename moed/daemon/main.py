@@ -3,20 +3,23 @@
 `Lifecycle.startup` runs the phases in order; each phase that makes a resource
 pushes its undo on the one `AsyncExitStack` before the next phase runs:
 
-1. `lock_memory`: probe mlock for the whole budget (refuse, exit 1, when told
+1. `size_memory`: the memory floor when none is given (5% of the smaller of RAM
+   and the memory cgroup's limit, at least 256 MiB), and a budget lowered, with a
+   warning, to fit in the cgroup's limit above the floor (moed.daemon.memguard);
+2. `lock_memory`: probe mlock for the whole budget (refuse, exit 1, when told
    to require it; else warn and serve unlocked);
-2. `make_daemon`: the daemon with its RAM tier, readers and store (undo: close
+3. `make_daemon`: the daemon with its RAM tier, readers and store (undo: close
    them, unmapping the segments);
-3. `handle_signals`: SIGTERM and SIGINT end the main loop (undo: the handlers go);
-4. `bind`: the socket, never over anything but a stale one (undo: close it and
+4. `handle_signals`: SIGTERM and SIGINT end the main loop (undo: the handlers go);
+5. `bind`: the socket, never over anything but a stale one (undo: close it and
    remove the path);
-5. `accept`: sessions on the socket (undo: stop accepting, give busy sessions a
+6. `accept`: sessions on the socket (undo: stop accepting, give busy sessions a
    bounded grace period to answer, close every connection, releasing its leases);
-6. `serve_metrics`: the Prometheus endpoint when `metrics_listen` is set (undo:
+7. `serve_metrics`: the Prometheus endpoint when `metrics_listen` is set (undo:
    stop it);
-7. `report_ready`: the ready line and READY=1 to systemd (undo: STOPPING=1 and
+8. `report_ready`: the ready line and READY=1 to systemd (undo: STOPPING=1 and
    the stopping line);
-8. `start_background`: the memory guard's and the daemon's periodic tasks
+9. `start_background`: the memory guard's and the daemon's periodic tasks
    (undo: stop them).
 
 Shutdown is the stack unwinding, the phases' undos in reverse; the same
@@ -39,6 +42,7 @@ import socket
 import stat
 import sys
 
+import msgspec
 import psutil
 import uvloop
 
@@ -47,6 +51,7 @@ from moed.protocol.sizes import format_size, parse_size
 
 from .config import Config, ConfigError, load_config
 from .core import Daemon
+from .memguard import MIN_AUTO_FLOOR_BYTES, MemoryReader, fit_budget
 from .memlock import mlock_status
 from .ramtier import MlockUnavailable
 from .sessions import Session
@@ -63,13 +68,29 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _floor(text: str) -> int | str:
+    return "auto" if text == "auto" else _size(text)
+
+
+FLOOR_HELP = (
+    "keep the memory available to moed (MemAvailable, or a memory cgroup's headroom) above this: "
+    "below it the cache gives memory back. Default (or 'auto'): 5%% of the smaller of the box's RAM "
+    "and the memory cgroup's limit, at least 256MiB; 0 turns the guard off"
+)
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="moed", description="The MoE expert streaming daemon (foreground).")
     p.add_argument(
         "--socket", dest="socket_path", help="Unix socket path (default: $MOED_SOCKET or /run/moed/moed.sock)"
     )
-    p.add_argument("--ram-budget", dest="ram_budget_bytes", type=_size, help="RAM tier budget, e.g. 8GiB")
-    p.add_argument("--mem-floor", dest="mem_floor_bytes", type=_size, help="keep MemAvailable above this")
+    p.add_argument(
+        "--ram-budget",
+        dest="ram_budget_bytes",
+        type=_size,
+        help="RAM tier budget, e.g. 8GiB (lowered at start to fit in a memory cgroup's limit less the floor)",
+    )
+    p.add_argument("--mem-floor", dest="mem_floor_bytes", type=_floor, help=FLOOR_HELP)
     p.add_argument("--pin-budget", dest="pin_budget_bytes", type=_size, help="pinned partition (host mirror)")
     p.add_argument("--config", help="TOML configuration file")
     p.add_argument("--direct-io", choices=["auto", "on", "off"], help="O_DIRECT reads (auto: probe, fall back)")
@@ -154,12 +175,40 @@ def _remove_socket(listener: socket.socket, path: str) -> None:
         os.unlink(path)
 
 
+def size_memory(config: Config, reader: MemoryReader) -> Config:
+    """`config` with the memory floor resolved (None: the default) and the budget fitted to the cgroup.
+
+    The budget is lowered to the memory cgroup's lowest limit less the floor and the pin
+    budget (`fit_budget`): above that the guard would hold the store back anyway, and the
+    kernel's OOM killer, not the guard, would have the last word while it fills.
+    """
+    floor = reader.auto_floor_bytes() if config.mem_floor_bytes is None else config.mem_floor_bytes
+    limit = reader.cgroup_limit_bytes()
+    try:
+        budget = fit_budget(config.ram_budget_bytes, config.pin_budget_bytes, floor, limit)
+        sized = msgspec.structs.replace(config, mem_floor_bytes=floor, ram_budget_bytes=budget)
+        sized.__post_init__()  # tenant floors must still fit a lowered budget
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+    if limit is not None and budget < config.ram_budget_bytes:
+        log.warning(
+            "the ram budget %s does not fit in the memory cgroup's limit %s above the memory floor %s "
+            "(pin budget %s): lowered to %s",
+            format_size(config.ram_budget_bytes),
+            format_size(limit),
+            format_size(floor),
+            format_size(config.pin_budget_bytes),
+            format_size(budget),
+        )
+    return sized
+
+
 def warn_about_sizes(config: Config) -> None:
     """Sizes the box cannot honour are legal (the guard copes) but almost surely a mistake."""
     total = psutil.virtual_memory().total
     for name, value in (
         ("ram budget", config.ram_budget_bytes + config.pin_budget_bytes),
-        ("memory floor", config.mem_floor_bytes),
+        ("memory floor", config.mem_floor_bytes or 0),
     ):
         if value > total:
             log.warning(
@@ -193,9 +242,11 @@ class Lifecycle:
         self.loop = asyncio.get_running_loop()
         self.should_exit = asyncio.Event()
         self.locked, self.lock_error = True, ""
+        self.floor_source = ""  # how the floor was chosen, for the ready line
         self.daemon: Daemon
 
     async def startup(self) -> None:
+        self.size_memory()
         self.lock_memory()
         self.make_daemon()
         self.handle_signals()
@@ -209,6 +260,15 @@ class Lifecycle:
         await self.should_exit.wait()
 
     # ---- the phases, each pushing its undo ------------------------------------
+
+    def size_memory(self) -> None:
+        """The floor and the budget every later phase sizes by (see `size_memory`)."""
+        if self.config.mem_floor_bytes is None:
+            self.floor_source = (
+                f" (the default: 5% of the smaller of RAM and the memory cgroup's limit, "
+                f"at least {format_size(MIN_AUTO_FLOOR_BYTES)})"
+            )
+        self.config = size_memory(self.config, MemoryReader())
 
     def lock_memory(self) -> None:
         """Can the whole budget be locked? Raises MlockUnavailable if required and not."""
@@ -258,11 +318,12 @@ class Lifecycle:
     def report_ready(self) -> None:
         config = self.config
         log.info(
-            "moed %s ready on %s: budget %s, mem floor %s, locked=%s, policy=%s",
+            "moed %s ready on %s: budget %s, mem floor %s%s, locked=%s, policy=%s",
             self.daemon.version,
             config.socket_path,
             format_size(config.ram_budget_bytes),
-            format_size(config.mem_floor_bytes),
+            format_size(self.daemon.memguard.floor_bytes),
+            self.floor_source,
             self.daemon.ramtier.locked,
             config.policy,
         )

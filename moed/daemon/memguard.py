@@ -21,6 +21,12 @@ container the host's MemAvailable says nothing about the OOM killer.
 
 Tenant floors do not hold against the guard: the box's other services come
 first.
+
+The default floor (`mem_floor_bytes` not given, or "auto"): 5% of the smaller of
+the box's RAM (MemTotal) and the lowest limit of a memory cgroup the daemon is in,
+at least 256 MiB (`auto_floor_bytes`). An explicit 0 turns the guard off. At start
+(`size_memory`, moed.daemon.main) a RAM tier that could not fit in the cgroup's
+limit above the floor is lowered to fit (`fit_budget`), with a warning.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ log = logging.getLogger("moed.memguard")
 MIN_HYSTERESIS_BYTES = 16 << 20
 PAGE_BYTES = 4096
 _NO_LIMIT = 1 << 60
+AUTO_FLOOR_DIVISOR = 20  # the default floor is 5% of the memory the daemon can see ...
+MIN_AUTO_FLOOR_BYTES = 256 << 20  # ... and never less than this
 
 
 def hysteresis_for(floor_bytes: int, budget_bytes: int | None = None) -> int:
@@ -68,6 +76,36 @@ def decide_limit(avail_bytes: int, floor_bytes: int, used_bytes: int, limit_byte
     return limit_bytes
 
 
+def auto_floor_bytes(ram_bytes: int, cgroup_limit_bytes: int | None) -> int:
+    """The floor when none is given: 5% of the smaller of RAM and the cgroup's limit, at least 256 MiB.
+
+    A twentieth keeps a big box's guard quiet until it is really short (1.2 GiB of 24),
+    and the minimum leaves a small box or container room for a process to start.
+    """
+    seen = ram_bytes if cgroup_limit_bytes is None else min(ram_bytes, cgroup_limit_bytes)
+    return max(MIN_AUTO_FLOOR_BYTES, seen // AUTO_FLOOR_DIVISOR)
+
+
+def fit_budget(budget_bytes: int, pin_bytes: int, floor_bytes: int, cgroup_limit_bytes: int | None) -> int:
+    """The RAM budget the tier may have in a cgroup: at most the limit less the floor and the pin budget.
+
+    The guard would never let the store grow past that (it keeps the cgroup's headroom
+    above the floor), so a larger budget only misleads: the stats, the mlock probe and
+    the prefault would all count memory the daemon can never use. Raises ValueError
+    when the floor and the pin budget leave no room at all.
+    """
+    if cgroup_limit_bytes is None:
+        return budget_bytes
+    room = cgroup_limit_bytes - floor_bytes - pin_bytes
+    if room < PAGE_BYTES:
+        raise ValueError(
+            f"the memory cgroup's limit {format_size(cgroup_limit_bytes)} leaves no room for a RAM budget "
+            f"above the memory floor {format_size(floor_bytes)} and the pin budget {format_size(pin_bytes)}: "
+            "give a smaller --mem-floor (0 turns the guard off) or a larger limit"
+        )
+    return min(budget_bytes, room - room % PAGE_BYTES)
+
+
 # ---- reading available memory ---------------------------------------------
 
 
@@ -79,6 +117,14 @@ class CgroupMemory:
     usage_path: str
     stat_path: str
     inactive_key: str
+
+    def limit_bytes(self) -> int | None:
+        """The limit, or None where there is none (or the file is gone)."""
+        try:
+            limit = _read_int(self.limit_path)
+        except OSError:
+            return None
+        return None if limit is None or limit >= _NO_LIMIT else limit
 
     def headroom_bytes(self) -> int | None:
         try:
@@ -147,6 +193,18 @@ class MemoryReader:
     def __init__(self):
         self.cgroups = find_cgroups()
 
+    def total_bytes(self) -> int:
+        """MemTotal: the box's RAM."""
+        return psutil.virtual_memory().total
+
+    def cgroup_limit_bytes(self) -> int | None:
+        """The lowest limit of the memory cgroups we are in, or None where none has one."""
+        limits = [x for x in (cg.limit_bytes() for cg in self.cgroups) if x is not None]
+        return min(limits, default=None)
+
+    def auto_floor_bytes(self) -> int:
+        return auto_floor_bytes(self.total_bytes(), self.cgroup_limit_bytes())
+
     def available_bytes(self) -> int:
         avail = psutil.virtual_memory().available
         for cg in self.cgroups:
@@ -163,22 +221,23 @@ class MemGuard:
     def __init__(
         self,
         store,
-        floor_bytes: int,
+        floor_bytes: int | None,
         sample_s: float,
         reader: MemoryReader | None = None,
         settle=lambda: None,
         room_changed=lambda: None,
         trim=lambda: 0,
     ):
-        """`settle` gives dropped slots' pages back; `room_changed` wakes acquires waiting for room;
-        `trim` gives back pages made ahead of use (moed.daemon.prefault) and returns their bytes."""
+        """`floor_bytes` None: the default floor (`auto_floor_bytes`); `settle` gives dropped slots'
+        pages back; `room_changed` wakes acquires waiting for room; `trim` gives back pages made
+        ahead of use (moed.daemon.prefault) and returns their bytes."""
         self.store = store
         self.settle = settle
         self.trim = trim
         self.room_changed = room_changed
-        self.floor_bytes = floor_bytes
         self.sample_s = sample_s
         self.reader = reader or MemoryReader()
+        self.floor_bytes = self.reader.auto_floor_bytes() if floor_bytes is None else floor_bytes
         self.given_back_bytes = 0
         self.actions = 0
         self.last_available_bytes = 0

@@ -76,6 +76,24 @@ def test_guard_started_with_floor_above_available_holds_store_empty(start_daemon
         assert s["mem_guard_active"] and s["effective_budget_bytes"] == 0 and s["used_bytes"] == 0
 
 
+def test_default_floor_is_derived_and_0_turns_the_guard_off(start_daemon):
+    """Issue 46: with no floor given the guard is on (5% of RAM or the cgroup's limit, at least 256 MiB)."""
+    from moed.daemon.memguard import MemoryReader
+
+    want = MemoryReader().auto_floor_bytes()  # the daemon sees the box and the cgroup this process sees
+    d = start_daemon("16MiB")
+    with d.client() as c:
+        assert c.stats()["mem_floor_bytes"] == want >= 256 << 20
+    assert "(the default: 5% of the smaller of RAM" in d.log()  # on the ready line
+    off = start_daemon("16MiB", "--mem-floor", "0")
+    with off.client() as c:
+        s = c.stats()
+    assert s["mem_floor_bytes"] == 0 and not s["mem_guard_active"]
+    auto = start_daemon("16MiB", "--mem-floor", "auto")
+    with auto.client() as c:
+        assert c.stats()["mem_floor_bytes"] == want
+
+
 def _set_floor(sock: str, floor: int) -> str:
     from moed.client import Client
 
@@ -90,9 +108,11 @@ def _set_floor(sock: str, floor: int) -> str:
 def test_only_an_operator_may_set_the_floor(daemon):
     os.chmod(daemon.dir, 0o755)
     os.chmod(daemon.socket, 0o666)
+    with daemon.client() as c:
+        floor = c.stats()["mem_floor_bytes"]  # the default floor
     assert as_peer(NOBODY, NOBODY, _set_floor, daemon.socket, 1) == Outcome(result="denied")
     with daemon.client() as c:
-        assert c.stats()["mem_floor_bytes"] == 0
+        assert c.stats()["mem_floor_bytes"] == floor != 1
     assert _set_floor(daemon.socket, 1) == "allowed"
 
 
