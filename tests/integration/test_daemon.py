@@ -277,13 +277,13 @@ def test_truncated_file_is_stale_and_daemon_serves(daemon, tiny_model, tmp_path,
 def test_sigterm_exits_zero_and_leaves_nothing(start_daemon, tiny_model):
     d = start_daemon("8MiB")
     before = {n for n in os.listdir("/dev/shm")}
-    c = d.client()
+    c = d.client(reconnect_s=1)
     m = c.open_model(tiny_model)
     m.acquire(0, [0, 1])  # still held at shutdown
     assert d.stop() == 0
     assert not os.path.exists(d.socket)
     assert {n for n in os.listdir("/dev/shm")} <= before
-    with pytest.raises(errors.DaemonUnavailable):
+    with pytest.raises(errors.DaemonUnavailable, match="did not answer for 1 s"):  # it stays gone
         c.stats()
 
 

@@ -105,14 +105,19 @@ def test_local_hits_come_back_on_the_new_daemons_tables(start_daemon, tiny_model
     d2 = start_daemon("8MiB", socket_dir=str(d.dir))
     with m.acquire(0, [2, 6]) as first:  # a round trip (read in again by the new daemon)
         assert not first.local
+
+    def local_holds() -> list[int]:
+        with d2.client("check") as op:
+            return [r["local_holds"] for r in op.stats()["clients"] if r["name"] == "local"]
+
     with m.acquire(0, [6, 2]) as hit:
         assert hit.local
         check_lease(cat, hit, 0, [2, 6])
-        with d2.client("check") as op:
-            assert [r["local_holds"] for r in op.stats()["clients"] if r["name"] == "local"] == [2]
-    held.release()  # its holds are cleared in the old region, never in the new one
-    with d2.client("check") as op:
-        assert [r["local_holds"] for r in op.stats()["clients"] if r["name"] == "local"] == [0]
+        assert local_holds() == [2]
+        held.release()  # its holds are cleared in the old region, never in the new one
+        assert local_holds() == [2]
+        check_lease(cat, hit, 0, [2, 6])
+    assert local_holds() == [0]
     c.close()
 
 
