@@ -13,13 +13,19 @@ Invariants:
 - Every byte outside the routed-expert extents equals the real file's byte, and
   the skeleton has the real file's size (checked by comparing dense ranges on
   creation, and by identity on reuse).
-- A skeleton is reused only for the same (device, inode, size, mtime) of the
-  real file; it is written under a temporary name and renamed into place.
+- A skeleton is reused only for the same (device, inode, size, mtime) of every
+  shard of the real file: the cache directory is named after them all, so a file
+  present there under the shard's name is that shard's skeleton.
+- A published skeleton is never replaced: each writer writes its own temporary file
+  and links it into place, and a writer that finds the name taken uses the file
+  already there. Replacing it would pull the file out from under an engine that is
+  loading it (its mapping would name a deleted file, and the engine could not find
+  it in /proc/self/maps).
 - Shards keep their file names, so llama.cpp finds the other shards of a split
   skeleton next to the first one.
-- Each writer writes its own temporary file (pid and thread in the name) and renames
-  it into place, so engines starting together (serve workers) never read a file
-  another one is still writing.
+- Each writer writes its own temporary file (pid and thread in the name) and links
+  it into place, so engines starting together (serve workers, engines started at
+  once on a box) never read a file another one is still writing.
 - StreamedLlama's default cache is per user (`default_dir`). A skeleton's stamp is
   touched on every reuse, and writing a new one removes the cache's skeletons unused
   for `MAX_IDLE_S`, so the cache holds what is in use, not every model ever opened.
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import pathlib
 import shutil
@@ -55,6 +62,14 @@ def _identity(path: str) -> str:
     return f"{st.st_dev:x}-{st.st_ino:x}-{st.st_size:x}-{st.st_mtime_ns:x}"
 
 
+def _key(files: list[str]) -> str:
+    """The cache directory's name: every shard's identity (one shard: as it always was)."""
+    ids = [_identity(f) for f in files]
+    if len(ids) == 1:
+        return ids[0]
+    return f"{ids[0]}-{hashlib.sha256('/'.join(ids).encode()).hexdigest()[:16]}"
+
+
 def expert_ranges(source: ExpertSource, shard: int) -> list[tuple[int, int]]:
     out = []
     for layer in source.moe_layers:
@@ -71,19 +86,19 @@ def dense_ranges(size: int, holes: list[tuple[int, int]]) -> list[tuple[int, int
 
 def skeleton_for(source: ExpertSource, cache_dir: str | os.PathLike) -> list[str]:
     """Paths of the skeleton shards for `source.files` under `cache_dir` (made if missing)."""
-    key = "-".join(_identity(f) for f in source.files[:1])
-    out_dir = pathlib.Path(cache_dir) / key
+    out_dir = pathlib.Path(cache_dir) / _key(source.files)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths, wrote = [], False
     for shard, real in enumerate(source.files):
         dst = out_dir / os.path.basename(real)
         stamp = out_dir / (dst.name + ".src")
-        if dst.exists() and stamp.exists() and stamp.read_text() == _identity(real):
+        if not dst.exists():
+            _write(real, str(dst), expert_ranges(source, shard))
+            wrote = True
+        if stamp.exists():
             os.utime(stamp)  # in use: kept by prune()
         else:
-            _write(real, str(dst), expert_ranges(source, shard))
             _write_text(stamp, _identity(real))
-            wrote = True
         paths.append(str(dst))
     if wrote:
         prune(pathlib.Path(cache_dir), keep=out_dir)
@@ -126,14 +141,28 @@ def _write(real: str, dst: str, holes: list[tuple[int, int]]) -> None:
         for lo, hi in dense_ranges(size, holes):
             _copy(src_fd, dst_fd, lo, hi - lo)
         os.fsync(dst_fd)
-        os.replace(tmp, dst)
-    except BaseException:
+        # Linked, not renamed: another writer's skeleton already there (same bytes) stays
+        # the file every engine loads.
+        _publish(tmp, dst)
+    finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        raise
-    finally:
         os.close(src_fd)
         os.close(dst_fd)
+
+
+def _publish(tmp: str, dst: str) -> None:
+    """Put `tmp` in place at `dst` unless a skeleton is there already."""
+    try:
+        os.link(tmp, dst)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK):
+            raise
+        # A filesystem without hard links: renamed only when no other writer got there first.
+        if not os.path.exists(dst):
+            os.replace(tmp, dst)
 
 
 def _copy(src_fd: int, dst_fd: int, offset: int, length: int) -> None:

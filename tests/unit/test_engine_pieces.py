@@ -118,3 +118,22 @@ def test_an_expert_source_declares_a_default_for_every_optional_step():
     with pytest.raises(ValueError, match="tells_residency"):
         _substituter(src, EngineOptions(subst=0.5))  # substitution needs residency it can read
     assert _substituter(src, EngineOptions()) is None
+
+
+def test_a_second_skeleton_writer_never_replaces_the_published_file(tmp_path):
+    """Engines started together each write a skeleton; the one published first stays, so an
+    engine loading it never finds its mapping pointing at a deleted file (issue 46)."""
+    from moed.engines.skeleton import _write
+
+    real = tmp_path / "model.gguf"
+    real.write_bytes(bytes(range(256)) * 64)
+    dst = tmp_path / "skel.gguf"
+    _write(str(real), str(dst), [(4096, 8192)])
+    first = os.stat(dst)
+    with open(dst, "rb") as loading:  # the first engine has it open
+        _write(str(real), str(dst), [(4096, 8192)])
+        assert os.fstat(loading.fileno()).st_ino == os.stat(dst).st_ino == first.st_ino
+        assert os.fstat(loading.fileno()).st_nlink == 1  # not deleted under it
+    body = dst.read_bytes()
+    assert body[:4096] == real.read_bytes()[:4096] and body[4096:8192] == bytes(4096)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf", "skel.gguf"]  # no temporaries left
