@@ -125,6 +125,7 @@ def print_stats(s: dict) -> None:
             + (f", {s['revoked_regions']} closed connection(s) still draining" if s.get("revoked_regions") else ""),
         ),
         ("connections", _connections_line(s)),
+        ("compute turns", _turns_line(s)),
         ("device slots", _device_line(s)),
     ]
     for k, v in rows:
@@ -132,6 +133,7 @@ def print_stats(s: dict) -> None:
     console.print(t)
     _print_models(console, s["models"])
     _print_engines(console, s.get("clients", []))
+    _print_threads(console, s.get("engines", []))
     tt = Table(title="tenants")
     for col in ("uid", "names", "hits", "misses", "hit rate", "read", "resident", "leases", "floor/ceiling"):
         tt.add_column(col)
@@ -169,6 +171,43 @@ def _connections_line(s: dict) -> str:
     if s.get("timed_out_connections"):
         line += f"; {s['timed_out_connections']} closed for silence"
     return line
+
+
+def _turns_line(s: dict) -> str:
+    """The cores shared by the engines (moed.daemon.turns): turns granted, and waited for."""
+    waits = s.get("turn_waits", 0)
+    line = f"{s.get('turns', 0)} granted, {s.get('engines_active', 0)} engines active"
+    if waits:
+        line += f"; {waits} waited, {s.get('turn_wait_s', 0.0):.3f} s in all"
+    if s.get("turns_overdue"):
+        line += f"; {s['turns_overdue']} held past {s.get('limits', {}).get('turn_max_s', '?')} s"
+    return line
+
+
+def _print_threads(console, engines: list[dict]) -> None:
+    """Each engine's thread counts and its waits for a compute turn."""
+    from rich.table import Table
+
+    if not engines:
+        return
+    t = Table(title="threads (compute turns)")
+    for col in ("pid", "name", "threads", "batch", "cores", "set by", "now", "turns", "waited", "wait s"):
+        t.add_column(col)
+    for e in engines:
+        now = "computing" if e["computing"] else "waiting" if e["waiting"] else "active" if e["active"] else "idle"
+        t.add_row(
+            str(e["pid"]),
+            e["name"],
+            str(e["threads"]),
+            str(e["threads_batch"]),
+            str(e["cpus"]),
+            "moed" if e["auto"] else "user",
+            now,
+            str(e["turns"]),
+            str(e["turn_waits"]),
+            f"{e['turn_wait_s']:.3f}",
+        )
+    console.print(t)
 
 
 def _print_engines(console, clients: list[dict]) -> None:

@@ -71,7 +71,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         "--ctx", type=int, default=None, help="context length (default: the model's training context, at most 4096)"
     )
     p.add_argument("--batch", type=int, default=512, help="prompt batch size (default 512)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: llama.cpp's)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="CPU threads (default: moed shares the cores among the engines)"
+    )
     p.add_argument(
         "--n-gpu-layers",
         type=int,

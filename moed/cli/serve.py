@@ -36,7 +36,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="llama_cpp.server config file (JSON or YAML) naming one or more models")
     p.add_argument("--alias", default=None, help="the model's name in the API (default: its path)")
     p.add_argument("--ctx", type=int, default=2048, help="context length in tokens, exactly (default 2048)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads of each worker (default: the server's)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads of each worker (default: moed shares the cores among the engines)",
+    )
     p.add_argument(
         "--n-gpu-layers",
         type=int,

@@ -347,6 +347,19 @@ class Client:
     def models(self) -> list[dict]:
         return msgspec.to_builtins(self.request(m.ListModels()).models)
 
+    def take_turn(self, threads: int = 0, threads_batch: int = 0, cpus: int = 1, batch: bool = False) -> m.TurnGranted:
+        """Wait for a compute turn (moed.daemon.turns) on this connection as it is: never
+        reconnects (DaemonUnavailable if it is gone; a daemon without turns: BadFrame).
+        `threads`/`threads_batch`: the caller's own counts, 0 where the daemon decides."""
+        cap = lambda n: min(max(int(n), 0), m.MAX_THREADS)  # noqa: E731 - the wire's bounds
+        ask = m.TakeTurn(cap(threads), cap(threads_batch), max(1, cap(cpus)), bool(batch))
+        return self.request(ask, generation=self.generation)
+
+    def end_turn(self, generation: int | None = None) -> None:
+        """Let the turn go, fire and forget; `generation`: the connection it was taken on
+        (another one knows nothing of it: DaemonUnavailable, nothing sent)."""
+        self.send(m.EndTurn(), generation=self.generation if generation is None else generation)
+
     def open_model(self, path: str | os.PathLike, expert_layout: str = "", compute: str = "") -> ModelHandle:
         """Open a model; `expert_layout` ("plain", "q4_0_8x8", "q4_K_8x8+plain", ...) is the
         layout the caller computes on ("" takes the file as it is): a plain file's experts

@@ -53,6 +53,7 @@ from moed.engines.options import (
 )
 from moed.engines.sources import ExpertSource, MoedSource
 from moed.engines.streamer import ExpertStreamer, snapshot_bases
+from moed.engines.turns import ComputeTurns, check_counts
 from moed.protocol.errors import BudgetExhausted, RequestTooLarge
 
 if TYPE_CHECKING:
@@ -303,9 +304,12 @@ def _device_slots(model, streamer: ExpertStreamer, zero_copy: bool) -> DeviceSlo
     return slots
 
 
-def _hooked_internals(streamer: ExpertStreamer, zero_copy: bool = False) -> types.ModuleType:
+def _hooked_internals(
+    streamer: ExpertStreamer, zero_copy: bool = False, turns: ComputeTurns | None = None
+) -> types.ModuleType:
     """A copy of `llama_cpp._internals` whose model and context classes stream experts;
-    `zero_copy`: the device slots read moed's segments in place (gpu_zero_copy)."""
+    `zero_copy`: the device slots read moed's segments in place (gpu_zero_copy); `turns`:
+    every decode computes in a turn of the daemon's, with its thread counts (moed.engines.turns)."""
     real = _llama_module.internals
     proxy = types.ModuleType(real.__name__)
     proxy.__dict__.update(real.__dict__)
@@ -352,6 +356,15 @@ def _hooked_internals(streamer: ExpertStreamer, zero_copy: bool = False) -> type
             streamer.ensure_bound()
             n = int(batch.batch.n_tokens)
             ids = np.ctypeslib.as_array(batch.batch.token, shape=(n,)).copy() if batch.batch.token and n else None
+            if turns is not None:  # no two engines' ggml workers spin against each other
+                turns.take(self.ctx, batch=n > 1)
+            try:
+                self._streamed_decode(batch, n, ids)
+            finally:
+                if turns is not None:
+                    turns.end()
+
+        def _streamed_decode(self, batch, n: int, ids) -> None:
             streamer.begin(n, ids)
             # A callback that answers False stops the graph but llama_decode still
             # returns 0 (ggml's scheduler only breaks out of the split), so the
@@ -443,6 +456,13 @@ class StreamedLlama(_OwnedLlama):
     and the next one reconnects (the client's `reconnect_s`, default 30 s: retries from
     50 ms doubling to 1 s), maps the new daemon's RAM tier, and runs on the same model
     and KV cache; `ensure_connected()` does that step alone.
+    Threads (llama.cpp's `n_threads`, `n_threads_batch`): a count given (K >= 1) stays
+    K; one left out (None, 0 or negative) is the daemon's to decide, applied between
+    decodes: every core this process may run on while it is the one engine computing,
+    an even share when several are (moed.daemon.turns). Either way each decode computes
+    in a turn the daemon grants, so engines that together ask for more threads than there
+    are cores take turns instead of spinning against each other (`MOED_TURNS=0`: no turns,
+    llama-cpp-python's default counts). The attributes follow the counts applied.
     The value options are declared once, in `moed.engines.options.EngineOptions`
     (defaults, flags, help); `self.options` holds them, and `from_options` builds
     an engine from one. The callbacks (`route_hook`, `predict_hook`) are gathered in
@@ -515,6 +535,7 @@ class StreamedLlama(_OwnedLlama):
                 warnings.warn(note, RuntimeWarning, stacklevel=3)
         self.options = options
         self._check_kwargs(llama_kwargs)
+        own_threads = check_counts(llama_kwargs)  # counts left to the daemon are None from here
         layout = self._plan(model_path, options, hooks, n_gpu_layers)
         offload = layout.offload
         # Zero copy (moed.engines.device_host) where the experts are on a device at all.
@@ -540,6 +561,7 @@ class StreamedLlama(_OwnedLlama):
                 compute=compute_line(offload) + (self._ZERO_COPY if zero_copy else ""),
             )
         self.moed_client = client
+        self.compute_turns = ComputeTurns(client, *own_threads, on_counts=self._threads_now)
         self.streamer = ExpertStreamer(source, options, hooks, layout)
         self._teardown.callback(self.streamer.close)  # after the model: nothing reads its experts any more
         # The device counters' last report (at close too: run after the model, before the slots go).
@@ -548,7 +570,7 @@ class StreamedLlama(_OwnedLlama):
         if options.skeleton_dir is not None:
             self.streamer.mapped_files = _skeleton(source, options.skeleton_dir)
             model_path = self.streamer.mapped_files[0]
-        self._load(_hooked_internals(self.streamer, zero_copy), model_path, llama_kwargs)
+        self._load(_hooked_internals(self.streamer, zero_copy, self.compute_turns), model_path, llama_kwargs)
         if not self._logits_all:  # Llama.eval asks for the last token's logits only
             # The load above ran streamer.install, which builds the look-ahead.
             assert self.streamer.lookahead is not None
@@ -664,8 +686,15 @@ class StreamedLlama(_OwnedLlama):
         `subst_per_token` (substitutions over all tokens), `subst_reads_avoided`
         (distinct missing experts per layer whose every use went to a stand-in, so no
         read), `subst_weight_share` (routing probability on stand-ins over all chosen).
+        Compute turns (moed.engines.turns): `turns` taken, `turn_wait_s` waited for them,
+        `threads_auto` (the daemon decides a thread count).
         """
-        return self.streamer.report()
+        return {**self.streamer.report(), **self.compute_turns.stats()}
+
+    def _threads_now(self, n_threads: int, n_threads_batch: int) -> None:
+        """The counts llama.cpp computes with changed (a turn's): the attributes follow."""
+        self.n_threads, self.n_threads_batch = n_threads, n_threads_batch
+        self.context_params.n_threads, self.context_params.n_threads_batch = n_threads, n_threads_batch
 
     def ensure_connected(self) -> None:
         """Bind the engine to a live daemon now, as the next eval would: after moed restarted,

@@ -257,8 +257,9 @@ def _served_llama(
 ) -> ServedLlama:
     from moed.client import Client
 
-    # The server passes every setting; only those the user set may warn.
-    for name in ("use_mlock", "n_gpu_layers"):
+    # The server passes every setting; only those the user set may warn. Thread counts the
+    # user did not set are the daemon's to share among the workers (moed.engines.turns).
+    for name in ("use_mlock", "n_gpu_layers", "n_threads", "n_threads_batch"):
         if name not in explicit:
             kwargs.pop(name, None)
     if kwargs.get("use_mmap") is False:
