@@ -104,6 +104,18 @@ def model_rows(prev: dict, cur: dict, dt: float) -> list[dict]:
     return [{**m, **_row_rates(before.get(m["model_id"]), m, dt)} for m in cur["models"]]
 
 
+def engine_rows(prev: dict, cur: dict, dt: float) -> list[dict]:
+    """One row per engine that took a compute turn (moed.daemon.turns): its snapshot row plus
+    turns a second and the share of the interval it waited for turns (a new one from 0)."""
+    before = {e["engine_id"]: e for e in prev.get("engines", [])}
+    rows = []
+    for e in cur.get("engines", []):
+        was = before.get(e["engine_id"], {"turns": 0, "turn_wait_s": 0.0})
+        waited = e["turn_wait_s"] - was["turn_wait_s"]
+        rows.append({**e, "turns_s": _per_s(was, e, "turns", dt), "wait_pct": _share(waited, dt)})
+    return rows
+
+
 def serve_snapshot(text: str) -> dict[str, dict[str, float]]:
     """Per model, the front's metrics that top shows, from their Prometheus text."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -201,8 +213,25 @@ def _servers(rows: list[dict]) -> Table:
     return t
 
 
+def _threads(rows: list[dict]) -> Table:
+    """The engines' threads and their waits for a compute turn (moed.daemon.turns)."""
+    t = Table("pid", "threads", "batch", "set by", "turns/s", "waiting", title="threads", title_justify="left")
+    t.add_column("name", no_wrap=True)
+    for e in rows:
+        t.add_row(
+            str(e["pid"]),
+            str(e["threads"]),
+            str(e["threads_batch"]),
+            "moed" if e["auto"] else "user",
+            _n(e["turns_s"]),
+            _pct(e["wait_pct"]),
+            e["name"],
+        )
+    return t
+
+
 def frame(prev: dict, cur: dict, dt: float, servers: list[dict] | None = None):
-    """One screen: header, rates, memory, tenants, models (and servers, when watched)."""
+    """One screen: header, rates, memory, tenants, models, the engines' threads (and servers, when watched)."""
     r = rates(prev, cur, dt)
     head = Text(
         f"moed {cur['version']}  pid {cur['pid']}  up {cur['uptime_s']:.0f} s  "
@@ -267,6 +296,8 @@ def frame(prev: dict, cur: dict, dt: float, servers: list[dict] | None = None):
             str(row["leases"]),
         )
     parts: list[Text | Table] = [head, t, _memory(cur), tenants, models]
+    if cur.get("engines"):
+        parts.append(_threads(engine_rows(prev, cur, dt)))
     if servers is not None:
         parts.append(_servers(servers))
     return Group(*parts)

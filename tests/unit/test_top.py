@@ -8,8 +8,8 @@ import msgspec
 import pytest
 from rich.console import Console
 
-from moed.cli.top import frame, model_rows, rates, tenant_rows
-from moed.protocol.stats import Stats
+from moed.cli.top import engine_rows, frame, model_rows, rates, tenant_rows
+from moed.protocol.stats import Stats, TurnRow
 
 MIB = 1 << 20
 
@@ -249,3 +249,42 @@ def test_server_rows_are_rates_over_the_interval(pair):
     text.print(frame(prev, cur, 2.0, [row]))
     line = next(line for line in text.export_text().splitlines() if "s:9478" in line)
     assert "100 ms" in line and "2/2" in line and "40.0" in line
+
+
+def engine(engine_id: int, turns: int, wait_s: float, **more) -> dict:
+    row = dict(
+        engine_id=engine_id,
+        pid=100 + engine_id,
+        uid=1000,
+        name=f"StreamedLlama[{100 + engine_id}]",
+        cpus=2,
+        threads=1,
+        threads_batch=1,
+        auto=True,
+        computing=False,
+        waiting=False,
+        active=True,
+        turns=turns,
+        turn_waits=0,
+        turn_wait_s=wait_s,
+        turns_overdue=0,
+    )
+    return msgspec.to_builtins(msgspec.convert(row | more, TurnRow))
+
+
+def test_engine_rows_are_turns_and_waits_over_the_interval(pair):
+    prev, cur = pair
+    prev["engines"] = [engine(1, 100, 1.0)]
+    cur["engines"] = [engine(1, 140, 1.5), engine(2, 10, 0.2, auto=False, threads=2, threads_batch=2)]
+    rows = {r["engine_id"]: r for r in engine_rows(prev, cur, 2.0)}
+    assert rows[1]["turns_s"] == 20 and rows[1]["wait_pct"] == pytest.approx(25.0)
+    assert rows[2]["turns_s"] == 5 and rows[2]["wait_pct"] == pytest.approx(10.0)  # new: counts from 0
+    text = render(prev, cur, 2.0)
+    line = next(x for x in text.splitlines() if "StreamedLlama[102]" in x)
+    assert "user" in line and "10.0%" in line and " 2 " in line
+    assert "threads" in text
+
+
+def test_no_engines_no_threads_table(pair):
+    prev, cur = pair
+    assert "threads" not in render(prev, cur, 2.0).split("models")[-1]
