@@ -38,8 +38,10 @@ When moed is down:
   the current model bind itself to a live daemon (`StreamedLlama.ensure_connected`:
   a peek when the connection is up; after a restart the client's bounded reconnect,
   the new RAM tier mapped, the KV cache kept), and if moed does not come back within
-  the client's `reconnect_s` the request gets 503. A stream that loses moed after its
-  first token ends with an error event (its 200 was already sent).
+  the client's `reconnect_s` the request gets 503. Only an engine that cannot be
+  bound again (`gpu_zero_copy`: its device imported the dead daemon's segments) is
+  closed and loaded again. A stream that loses moed after its first token ends with
+  an error event (its 200 was already sent).
 
 Options: `EngineOptions` (moed.engines.options, the one declaration of a streamed
 engine's options) is what `moectl serve` sets for every model the server loads; its
@@ -217,12 +219,26 @@ class MoedLlamaProxy(LlamaProxy):
             # llama-cpp-python answers with its default model; a client would believe another one answered.
             raise ModelNotFound(model, list(self._model_settings_dict))
         try:
-            llm = super().__call__(model)
-            if isinstance(llm, StreamedLlama):
-                llm.ensure_connected()  # after a daemon restart: the same engine, bound again
-            return llm
+            return self._bound(super().__call__(model), model)
         except errors.DaemonUnavailable as exc:
             raise MoedUnavailable(UNAVAILABLE_PREFIX + str(exc)) from exc
+
+    def _bound(self, llm: llama_cpp.Llama, model: str | None) -> llama_cpp.Llama:
+        """`llm` bound to a live daemon: after a restart the same engine, bound again; one that
+        cannot be (its zero-copy device slots imported the dead daemon's tier) loaded again."""
+        if not isinstance(llm, StreamedLlama):
+            return llm
+        try:
+            llm.ensure_connected()
+            return llm
+        except errors.DaemonUnavailable:
+            raise
+        except Exception:
+            if llm.streamer.dead is None:
+                raise
+        llm.close()
+        self._current_model = None
+        return super().__call__(model)
 
     def load_llama_from_model_settings(self, settings: ModelSettings) -> llama_cpp.Llama:  # type: ignore[override]
         """The server's own loader, building a ServedLlama where it builds a Llama."""
@@ -296,8 +312,9 @@ class DaemonProbe:
             for _ in range(2):
                 try:
                     if self._client is None:
+                        # reconnect_s=0: a probe answers at once; it makes a new client itself
                         self._client = Client(
-                            self.socket_path, client_name="moectl serve probe", timeout_s=self.timeout_s
+                            self.socket_path, client_name="moectl serve probe", timeout_s=self.timeout_s, reconnect_s=0
                         )
                     self._client.ping()
                     return None

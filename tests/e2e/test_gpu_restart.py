@@ -127,3 +127,34 @@ def test_zero_copy_slots_fail_clearly_after_a_restart(model_factory, start_daemo
         assert "close the engine and load it again" in err
     assert report["rebinds"] == 0
     assert_bit_equal(got, want[: len(got)])  # what it computed before the restart was right
+
+
+def test_serve_with_zero_copy_slots_loads_the_model_again_after_a_restart(model_factory, tmp_path, monkeypatch):
+    """`moectl serve --gpu-zero-copy`: the one engine that cannot be bound again is closed and
+    loaded again by the server when moed is back; the same greedy text as before the restart."""
+    pytest.importorskip("llama_cpp.server.app")  # the [server] extra
+    pytest.importorskip("openai")
+    from tests.e2e.serving import ServeProcess, complete
+
+    for k, v in VULKAN_ENV.items():
+        monkeypatch.setenv(k, v)  # the server's workers choose their device from these
+    model = model_factory(arch="qwen3moe", **ZERO_COPY_GEOMETRY["qwen3moe"])
+    d = DaemonProcess(ZERO_COPY_BUDGET)
+    d2 = server = None
+    try:
+        # 16 slots: every expert, so no prompt batch is split (lavapipe is slow enough)
+        gpu = ("--n-gpu-layers", "-1", "--gpu-slots", "16", "--gpu-zero-copy")
+        server = ServeProcess(d.socket, model, *gpu, log_dir=tmp_path)
+        server.client = server.client.with_options(timeout=300)
+        before = complete(server, 8).choices[0].text
+        d.kill()
+        d2 = DaemonProcess(ZERO_COPY_BUDGET, socket_dir=str(d.dir))
+        after = complete(server, 8)
+        assert after.choices[0].text == before and after.usage.completion_tokens == 8
+        assert server.proc.poll() is None
+    finally:
+        if server is not None:
+            server.stop()
+        if d2 is not None:
+            d2.stop()
+        d.close()

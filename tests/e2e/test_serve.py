@@ -101,7 +101,7 @@ def test_daemon_killed_mid_request_is_a_503_and_a_restart_recovers(tiny_model, t
     server = None
     try:
         server = ServeProcess(d.socket, tiny_model, log_dir=tmp_path)
-        complete(server, 4)  # loaded and warm
+        warm = complete(server, 8).choices[0].text  # loaded and warm
         outcome: dict = {}
 
         def long_request() -> None:
@@ -123,9 +123,11 @@ def test_daemon_killed_mid_request_is_a_503_and_a_restart_recovers(tiny_model, t
         assert "moed unavailable" in str(err.message)
 
         # moed is down: a new request is refused at once, with the reason.
+        t0 = time.monotonic()
         with pytest.raises(openai.APIStatusError) as down:
             complete(server, 4)
         assert down.value.status_code == 503 and "cannot connect to moed" in str(down.value.message)
+        assert time.monotonic() - t0 < 10, "the probe waited for moed to come back"
         with pytest.raises(openai.APIStatusError) as down_stream:
             complete(server, 4, stream=True)
         assert down_stream.value.status_code == 503
@@ -136,8 +138,8 @@ def test_daemon_killed_mid_request_is_a_503_and_a_restart_recovers(tiny_model, t
         assert hot.status_code == 400 and hot.json()["error"]["param"] == "temperature"
 
         d = DaemonProcess("512KiB", socket_dir=str(d.dir))
-        r = complete(server, 8)
-        assert r.usage.completion_tokens == 8
+        r = complete(server, 8)  # the same engine, bound to the new daemon (no reload)
+        assert r.usage.completion_tokens == 8 and r.choices[0].text == warm
         assert served_experts(d) > 0
         assert server.proc.poll() is None
     finally:
