@@ -162,6 +162,11 @@ class Lookahead:
         self._rows_now = 0  # rows of the last ffn_norm seen (the graph's tokens)
         self._out_rows: int | None = None  # rows the last layer kept, when fewer than the graph's
 
+    def forget_cache(self) -> None:
+        """The daemon restarted: it holds none of what the estimate counts resident, so the
+        estimate starts empty again (capacities and classes asked of the source anew)."""
+        self.cache = CacheEstimate(self.source.capacity, self.source.size_class)
+
     def mode_leads(self) -> tuple[int, ...]:
         return LEADS[self.mode]
 

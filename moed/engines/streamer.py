@@ -293,6 +293,8 @@ class ExpertStreamer:
                 raise
         src.reconnect()
         self._bind()
+        if self.lookahead is not None:
+            self.lookahead.forget_cache()
         self.stats.rebinds += 1
 
     def _unbind(self) -> None:

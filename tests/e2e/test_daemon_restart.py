@@ -73,6 +73,7 @@ def test_killed_mid_decode_the_eval_raises_and_the_first_after_the_restart_match
         for step in range(STEPS):
             tok = next_token(llm)
             if step == 3:
+                estimate = llm.streamer.lookahead.cache  # what the dead daemon probably holds
                 armed.append(d)
                 with pytest.raises(DaemonUnavailable):
                     llm.eval([tok])
@@ -84,6 +85,7 @@ def test_killed_mid_decode_the_eval_raises_and_the_first_after_the_restart_match
         assert_bit_equal(got, want[: len(got)])
         stats = llm.stream_stats()
         assert stats["rebinds"] == 1 and client.generation == 2
+        assert llm.streamer.lookahead.cache is not estimate  # the new daemon holds none of it
     finally:
         llm.close()
         client.close()
