@@ -9,6 +9,10 @@ Never imports the daemon, gguf, psutil or llama_cpp.
 
 Thread safety: one lock serialises the socket, so a Client may be shared by
 threads; each request holds it for one round trip.
+
+A daemon restart: the request in flight fails with DaemonUnavailable, the next one
+reconnects on its own (`Client(reconnect_s=30.0)`) and re-binds the open models
+(moed/client/client.py's docstring has the rules).
 """
 
 from .client import Client, Lease, ModelHandle, default_socket_path

@@ -10,6 +10,10 @@ Invariants:
   cleared before the index is handed out again (`give`);
 - a local lease's bytes are read only between a successful `hit` and its
   release, which clears its holds;
+- a region, its tables and its states belong to one connection: a reconnect
+  (moed.client.client) maps the new daemon's as new objects, and a local lease of
+  the old connection clears its holds in its own, old, region (never in the new
+  one); the old one is unmapped once the last such lease is released;
 - touches go into the ring before its head moves (a seq_cst store), so the
   daemon never reads a touch that is not written; the head is the region's
   word, and every recorder (this object, an engine's lane: moed/_hitproto.h)

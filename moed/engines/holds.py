@@ -37,7 +37,9 @@ Invariants:
   decode (`end`), and a Python grant is let go by Python at the next stop or after
   the decode (`end` gives it back), so an idle engine holds nothing;
 - the connection closing disables the hits first (`HoldRegion.on_close`), so no
-  hit is taken on a region the daemon no longer counts.
+  hit is taken on a region the daemon no longer counts; after a daemon restart the
+  streamer frees these holds and builds new ones over the new connection
+  (`ExpertStreamer.ensure_bound`): one holds object never spans two connections.
 
 `MOED_LANE=0` gives the holds no lane layers: every layer goes through Python.
 """
