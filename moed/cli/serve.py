@@ -169,7 +169,9 @@ def _plan(args: argparse.Namespace):
         if not os.path.exists(settings.model):
             raise FileNotFoundError(f"no such model file: {settings.model}")
         alias = settings.model_alias or settings.model
-        data = settings.model_dump(mode="json") | {"model_alias": alias}
+        # Only what was set: a worker tells the user's settings from the server's defaults by
+        # what is set (thread counts left out are moed's to share, moed.engines.turns).
+        data = settings.model_dump(mode="json", exclude_unset=True) | {"model_alias": alias}
         models.append(ServedModel(alias, data, workers))
     if len({m.alias for m in models}) != len(models):
         raise ValueError("two models have the same alias")

@@ -95,6 +95,25 @@ def test_two_streams_on_two_workers_overlap_and_match_one_worker(daemon, tiny_mo
         one.stop()
 
 
+def test_workers_share_the_cores(daemon, two):
+    """Workers are engines created without thread counts: the daemon splits the cores
+    between the two while both stream (moed.daemon.turns), and no count is a user's."""
+    spans: dict = {}
+    started = threading.Event()
+    long = threading.Thread(target=timed_stream, args=(two, 400, spans, 0, started))
+    long.start()
+    assert started.wait(60), "the long stream never started"
+    timed_stream(two, 60, spans, 1)  # both workers compute now
+    long.join(120)
+    with daemon.client("check") as c:
+        rows = [e for e in c.stats()["engines"] if e["name"] == "moectl serve"]
+    cores = len(os.sched_getaffinity(0))
+    assert len(rows) >= 2 and all(r["turns"] > 0 for r in rows), rows
+    assert all(r["auto"] for r in rows), rows
+    assert min(r["threads"] for r in rows) == max(1, cores // 2)  # the one that stopped first, when both ran
+    assert all(1 <= r["threads"] <= cores for r in rows)
+
+
 def test_a_killed_worker_fails_its_request_and_comes_back(two):
     before = {w["index"]: w for w in workers(two)}
     started = threading.Event()
