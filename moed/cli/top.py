@@ -107,10 +107,10 @@ def model_rows(prev: dict, cur: dict, dt: float) -> list[dict]:
 def engine_rows(prev: dict, cur: dict, dt: float) -> list[dict]:
     """One row per engine that took a compute turn (moed.daemon.turns): its snapshot row plus
     turns a second and the share of the interval it waited for turns (a new one from 0)."""
-    before = {e["engine_id"]: e for e in prev.get("engines", [])}
+    before = {e["connection"]: e for e in prev.get("engines", [])}
     rows = []
     for e in cur.get("engines", []):
-        was = before.get(e["engine_id"], {"turns": 0, "turn_wait_s": 0.0})
+        was = before.get(e["connection"], {"turns": 0, "turn_wait_s": 0.0})
         waited = e["turn_wait_s"] - was["turn_wait_s"]
         rows.append({**e, "turns_s": _per_s(was, e, "turns", dt), "wait_pct": _share(waited, dt)})
     return rows

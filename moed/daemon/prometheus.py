@@ -21,7 +21,7 @@ fold_local), so the metrics equal `moectl stats --json` taken at the same moment
 Naming: counters end in `_total`, sizes in `_bytes`, durations in `_seconds`.
 Per-tenant metrics are labelled by `uid`, per-model ones by `model_id` and `model`
 (its path), per tenant and model by both, per engine (a connection that took a compute
-turn: its threads and its waits) by `engine` (the daemon's number), `pid` and `name`.
+turn: its threads and its waits) by `connection` (the daemon's number), `pid` and `name`.
 An engine's device slots
 (`moed_engine_device_*`, its last DeviceReport) by `connection` (the daemon's number),
 `pid` and `model_id`. Left out of any equality with the JSON:
@@ -85,8 +85,8 @@ def families(stats: dict) -> Iterator:
     )
     pairs = [([str(t["uid"]), mid], row) for t in stats["tenants"] for mid, row in t["models"].items()]
     yield from _rows("tenant_model_", TenantModelRow, ["uid", "model_id"], pairs)
-    engines = [([str(e["engine_id"]), str(e["pid"]), e["name"]], e) for e in stats.get("engines", [])]
-    yield from _rows("engine_", TurnRow, ["engine", "pid", "name"], engines)
+    engines = [([str(e["connection"]), str(e["pid"]), e["name"]], e) for e in stats.get("engines", [])]
+    yield from _rows("engine_", TurnRow, ["connection", "pid", "name"], engines)
     devices = [
         ([str(d["connection"]), str(d["pid"]), str(d["model_id"])], d)
         for c in stats["clients"]

@@ -120,7 +120,8 @@ class TurnDesk:
         rows = []
         for e in self.turns.engines.values():
             session: Any = e.key  # a Session: the connection's own fields
-            rows.append({"pid": session.pid, "uid": session.uid, "name": session.name, **self.turns.row(e, now)})
+            own = {"connection": session.number, "pid": session.pid, "uid": session.uid, "name": session.name}
+            rows.append(own | self.turns.row(e, now))
         return rows
 
 

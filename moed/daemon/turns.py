@@ -35,7 +35,6 @@ mutating call returns the turns it granted (the driver delivers them); `end` and
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -67,7 +66,6 @@ class EngineTurns:
     """One engine's (one connection's) turns: what it asked, holds, and has been given."""
 
     key: Hashable
-    engine_id: int
     ask: TurnAsk = TurnAsk()
     last_s: float = 0.0  # when it last asked for or let go of a turn
     asked_s: float | None = None  # waiting since (None: not waiting)
@@ -99,7 +97,6 @@ class Turns:
     engines: dict[Hashable, EngineTurns] = field(default_factory=dict)
     queue: deque = field(default_factory=deque)  # keys waiting, first come first
     totals: Totals = field(default_factory=Totals)
-    _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
 
     # ---- what the sessions call --------------------------------------------------
 
@@ -107,7 +104,7 @@ class Turns:
         """`key` asks for a turn (a turn it still holds is let go first: one at a time)."""
         e = self.engines.get(key)
         if e is None:
-            e = self.engines[key] = EngineTurns(key, next(self._ids))
+            e = self.engines[key] = EngineTurns(key)
         if e.held_s is not None:
             self._let_go(e, now)
         if e.asked_s is None:
@@ -214,9 +211,8 @@ class Turns:
 
     def row(self, e: EngineTurns, now: float) -> dict:
         """The stats row of one engine (moed.protocol.stats.TurnRow's fields, less the
-        connection's own: pid, uid, name)."""
+        connection's own: connection, pid, uid, name)."""
         return {
-            "engine_id": e.engine_id,
             "cpus": e.ask.cpus,
             "threads": e.n_threads,
             "threads_batch": e.n_threads_batch,

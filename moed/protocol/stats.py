@@ -170,7 +170,7 @@ class ClientRow(_Row):
 class TurnRow(_Row):
     """One engine's (one connection's) compute turns and thread counts (moed.daemon.turns)."""
 
-    engine_id: int  # the daemon's number for this connection's engine (a label of its metrics)
+    connection: int  # the daemon's number for the engine's connection (labels: connection, pid, name)
     pid: int
     uid: int
     name: str  # the client's name (Hello)

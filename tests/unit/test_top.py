@@ -251,12 +251,12 @@ def test_server_rows_are_rates_over_the_interval(pair):
     assert "100 ms" in line and "2/2" in line and "40.0" in line
 
 
-def engine(engine_id: int, turns: int, wait_s: float, **more) -> dict:
+def engine(connection: int, turns: int, wait_s: float, **more) -> dict:
     row = dict(
-        engine_id=engine_id,
-        pid=100 + engine_id,
+        connection=connection,
+        pid=100 + connection,
         uid=1000,
-        name=f"StreamedLlama[{100 + engine_id}]",
+        name=f"StreamedLlama[{100 + connection}]",
         cpus=2,
         threads=1,
         threads_batch=1,
@@ -276,7 +276,7 @@ def test_engine_rows_are_turns_and_waits_over_the_interval(pair):
     prev, cur = pair
     prev["engines"] = [engine(1, 100, 1.0)]
     cur["engines"] = [engine(1, 140, 1.5), engine(2, 10, 0.2, auto=False, threads=2, threads_batch=2)]
-    rows = {r["engine_id"]: r for r in engine_rows(prev, cur, 2.0)}
+    rows = {r["connection"]: r for r in engine_rows(prev, cur, 2.0)}
     assert rows[1]["turns_s"] == 20 and rows[1]["wait_pct"] == pytest.approx(25.0)
     assert rows[2]["turns_s"] == 5 and rows[2]["wait_pct"] == pytest.approx(10.0)  # new: counts from 0
     text = render(prev, cur, 2.0)
