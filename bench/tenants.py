@@ -179,7 +179,7 @@ def run_engine(spec: dict) -> dict:
 
 
 def busy_loop(dec: Decoder, start: float, end: float) -> dict:
-    stall0, cpu0, n = dec.llm.streamer.stats.acquire_s, time.process_time(), 0
+    stall0, turn0, cpu0, n = dec.llm.streamer.stats.acquire_s, turn_wait_s(dec.llm), time.process_time(), 0
     now = time.monotonic()
     while now < end:
         dec.step()
@@ -191,20 +191,33 @@ def busy_loop(dec: Decoder, start: float, end: float) -> dict:
         "tok_s": round(n / took, 3),
         "cpu_ms_per_token": round(1e3 * (time.process_time() - cpu0) / max(n, 1), 1),
         "stall_ms_per_token": round(1e3 * (dec.llm.streamer.stats.acquire_s - stall0) / max(n, 1), 1),
+        # waiting for a compute turn (issue 46, item 3: the daemon's turns among its engines)
+        "turn_wait_ms_per_token": round(1e3 * (turn_wait_s(dec.llm) - turn0) / max(n, 1), 1),
     }
+
+
+def turn_wait_s(llm) -> float:
+    """The engine's time spent waiting for compute turns so far (0 with turns off)."""
+    turns = getattr(llm, "compute_turns", None)
+    return float(getattr(turns, "wait_s", 0.0))
 
 
 def idle_loop(dec: Decoder, start: float, end: float, gap_s: float, phase: float) -> dict:
     """One token every `gap_s`, the first at start + gap_s * (1 + phase); each one's latency."""
     latencies = []
-    at = start + gap_s * (1 + phase)
+    at, turn0 = start + gap_s * (1 + phase), turn_wait_s(dec.llm)
     while at < end:
         time.sleep(max(0.0, at - time.monotonic()))
         t = time.perf_counter()
         dec.step()
         latencies.append(round(1e3 * (time.perf_counter() - t), 1))
         at += gap_s
-    return {"tokens": len(latencies), "idle_ms": latencies}
+    turn_ms = 1e3 * (turn_wait_s(dec.llm) - turn0)
+    return {
+        "tokens": len(latencies),
+        "idle_ms": latencies,
+        "turn_wait_ms_per_token": round(turn_ms / max(1, len(latencies)), 1),
+    }
 
 
 # ---- routing streams (pure) -------------------------------------------------
@@ -380,8 +393,10 @@ def spawn_engine(args, point: dict, i: int, socket: str, logs: pathlib.Path) -> 
         "idle_gap_s": args.idle_gap_s,
         "phase": idle_phases(n)[i],
     }
+    env = {**os.environ, **({"MOED_TURNS": "0"} if args.turns == "off" else {})}
     return subprocess.Popen(
         [sys.executable, __file__, "--child", json.dumps(spec)],
+        env=env,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=open(logs / f"engine-{i}.log", "w"),
@@ -452,9 +467,14 @@ def summary(row: dict) -> dict:
     tokens = sum(r["tokens"] for r in rows)
     if row["activity"] == "equal":
         out = {"aggregate_tok_s": round(sum(busy), 3), "min_tok_s": min(busy), "max_tok_s": max(busy)}
+        out["turn_wait_ms_per_token"] = round(statistics.mean(r["turn_wait_ms_per_token"] for r in rows), 1)
     else:
         idle = [ms for r in rows if r["role"] == "idle" for ms in r["idle_ms"]]
         out = {"busy_tok_s": busy[0], "idle_tokens": len(idle)}
+        out["busy_turn_wait_ms_per_token"] = rows[0]["turn_wait_ms_per_token"]
+        out["idle_turn_wait_ms_per_token"] = round(
+            statistics.mean(r["turn_wait_ms_per_token"] for r in rows if r["role"] == "idle"), 1
+        )
         if idle:
             out.update(idle_ms_median=round(statistics.median(idle), 1), idle_ms_max=max(idle))
     out.update(
@@ -585,6 +605,12 @@ def main() -> int:
     ap.add_argument("--daemon-config", help="KEY=VALUE[,...]: config keys for every daemon (moed --config)")
     ap.add_argument("--shared-config", help="KEY=VALUE[,...]: config keys for the shared daemon only")
     ap.add_argument("--threads", default="1", help="llama.cpp threads per engine: N, or auto (pass nothing)")
+    ap.add_argument(
+        "--turns",
+        default="on",
+        choices=("on", "off"),
+        help="the engines' compute turns (issue 46 item 3); off: MOED_TURNS=0 in every engine",
+    )
     ap.add_argument("--prefetch", default="off", choices=("off", "gate", "gate2"))
     ap.add_argument("--recall", type=float, default=0.86, help="trace routing with prefetch: emulated recall")
     ap.add_argument("--window-s", type=float, help="timed window (default 20; quick 4)")
@@ -620,6 +646,7 @@ def main() -> int:
                 "budget": args.budget,
                 "cap": args.cap,
                 "threads": args.threads,
+                "turns": args.turns,
                 "prefetch": args.prefetch,
                 "window_s": args.window_s,
                 "warmup": args.warmup,
