@@ -40,6 +40,12 @@ the window, summed over the setup's daemons (`hit_rate_by_daemon` per daemon). W
 that limit (a fresh one per setup; root). The page cache of the model is dropped
 before each setup.
 
+Each engine also reports its wait for compute turns (issue 46 item 3: a shared daemon
+hands turns out among its engines, a private daemon has one engine); `--turns off` runs
+the engines with MOED_TURNS=0. `--daemon-config` / `--shared-config` set daemon config keys
+on every daemon / the shared one only (e.g. `--shared-config reader_threads=32`: the
+private setup has N daemons' reader threads).
+
 Prints one JSON line per setup, then per point: both setups' figures, the ratios shared
 / private (measured in the same run), and the goals beside them:
   unequal: busy engine shared >= 1.3x private; idle engines' token after a pause shared
