@@ -17,9 +17,10 @@ Invariants:
   later decode first binds the engine again to the daemon that came back (the
   client's bounded reconnect; `ExpertStreamer.ensure_bound`), with the model and
   the KV cache kept, or raises `DaemonUnavailable` when it does not come back.
-- A prompt batch whose experts cannot be held at once lowers `n_batch` (halving)
-  with a RuntimeWarning and retries from the first token not yet evaluated; at
-  `n_batch == 1` the daemon's error propagates. Nothing fails silently.
+- A prompt batch whose experts cannot be held at once (device slots or the daemon's
+  budget) is split for that `eval()` call alone: halved, with a RuntimeWarning naming
+  the limit, and retried from the first token not yet evaluated; at one token the
+  error propagates. `n_batch` stays what the user asked. Nothing fails silently.
 """
 
 from __future__ import annotations
@@ -243,6 +244,11 @@ class StockLlama(_OwnedLlama):
             refuse_unknown(type(self), llama_kwargs)
             self._route = _RouteCallback(route_hook) if route_hook is not None else None
             self._load(_unpacked_internals(self._route, stock=True), model_path, llama_kwargs)
+
+
+def _chunks(n: int, size: int) -> list[int]:
+    """The sizes of `Llama.eval`'s decodes of `n` tokens in batches of `size`."""
+    return [size] * (n // size) + ([n % size] if n % size else [])
 
 
 def _close_all(closables: list) -> None:
@@ -470,6 +476,7 @@ class StreamedLlama(_OwnedLlama):
     """
 
     _ZERO_COPY = ", read in place from moed's RAM tier (zero copy)"
+    eval_batches: list[int] = []  # the sizes of the last eval()'s decodes (set by each call)
 
     @classmethod
     def from_options(cls, model_path: str, options: EngineOptions, **kwargs):
@@ -633,24 +640,49 @@ class StreamedLlama(_OwnedLlama):
     # ---- evaluation with batch lowering ----------------------------------
 
     def eval(self, tokens: Sequence[int]) -> None:
+        """`Llama.eval`, except that a batch naming more experts in a layer than can be held at
+        once (the device slots, `SlotsExceeded`, or the daemon's budget) is split for this
+        call alone: the failing batch is halved (a RuntimeWarning names the limit) and the
+        rest of this call's tokens go in batches of that size, from the first token not yet
+        evaluated; at one token the error propagates. `n_batch` stays what was asked, so the
+        next call runs in full batches again. `eval_batches`: the sizes of this call's
+        decodes, in order (what stock must be fed to compute the same)."""
         tokens = list(tokens)
-        start = self.n_tokens
-        while True:
-            try:
-                super().eval(tokens[self.n_tokens - start :])
-                return self._report_device()
-            except (RequestTooLarge, BudgetExhausted) as exc:
-                if self.n_batch <= 1:
-                    raise
-                lowered = max(1, self.n_batch // 2)
-                warnings.warn(
-                    f"moed: a batch of {self.n_batch} tokens routes to more experts than the "
-                    f"daemon can hold at once ({type(exc).__name__}: {exc}); "
-                    f"lowering n_batch to {lowered}",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                self.n_batch = lowered
+        start, asked = self.n_tokens, self.n_batch
+        self.eval_batches = []
+        try:
+            while True:
+                done, size = self.n_tokens, self.n_batch
+                try:
+                    super().eval(tokens[self.n_tokens - start :])
+                    break
+                except (RequestTooLarge, BudgetExhausted) as exc:
+                    if size <= 1:
+                        raise
+                    self._split(exc, asked)
+                finally:  # the decodes that went through, at this attempt's size
+                    self.eval_batches += _chunks(self.n_tokens - done, size)
+        finally:
+            self.n_batch = asked
+        self._report_device()
+
+    def _split(self, exc: BaseException, asked: int) -> None:
+        """Halve this call's batches after `exc`, saying which limit the batch met."""
+        from moed.engines.device_slots import SlotsExceeded
+
+        if isinstance(exc, SlotsExceeded):
+            limit = f"the device slots (gpu_slots={self.options.gpu_slots} a layer)"
+        else:
+            limit = "what the daemon's budget can hold at once"
+        lowered = max(1, self.n_batch // 2)
+        warnings.warn(
+            f"moed: a batch of {self.n_batch} tokens routes to more experts in a layer than {limit} "
+            f"({type(exc).__name__}: {exc}); this call goes on in batches of {lowered} "
+            f"(n_batch stays {asked} for the next)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        self.n_batch = lowered
 
     def _report_device(self, final: bool = False) -> None:
         """The device slots' counters to the daemon (`moectl stats`, /metrics): after an eval at

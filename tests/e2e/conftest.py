@@ -25,15 +25,28 @@ LLAMA_KW = dict(n_ctx=256, n_batch=64, n_ubatch=64, logits_all=True, n_threads=2
 PROMPT = b"the expert model reads memory pages from the drive, one token at a time"
 
 
-def greedy_logits(llm, tokens: list[int], steps: int = 32) -> np.ndarray:
-    """Logits of every prompt position (one batch) and of `steps` greedy decode steps."""
+def greedy_logits(
+    llm, tokens: list[int], steps: int = 32, batches: list[int] | None = None, split: list[int] | None = None
+) -> np.ndarray:
+    """Logits of every prompt position (one eval() call) and of `steps` greedy decode steps.
+    `batches`: feed the prompt in these sub-batches instead, one eval() each (stock fed the
+    split a StreamedLlama made of its prompt); `split`: a list that receives the sizes of the
+    prompt's decodes (StreamedLlama's `eval_batches`; one batch for stock)."""
     llm.reset()
-    llm.eval(tokens)
+    for i, n in enumerate(batches or [len(tokens)]):
+        llm.eval(tokens[sum((batches or [])[:i]) :][:n])
+    if split is not None:
+        split[:] = batches or getattr(llm, "eval_batches", [len(tokens)])
     rows = [llm.scores[: llm.n_tokens].copy()]
     for _ in range(steps):
         llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
         rows.append(llm.scores[llm.n_tokens - 1 : llm.n_tokens].copy())
     return np.concatenate(rows)
+
+
+def unsplit(n_tokens: int, n_batch: int = LLAMA_KW["n_batch"]) -> list[int]:
+    """The decodes of an eval() of `n_tokens` in full batches (what `split` is when nothing was split)."""
+    return [min(n_batch, n_tokens - i) for i in range(0, n_tokens, n_batch)]
 
 
 def assert_bit_equal(a: np.ndarray, b: np.ndarray) -> None:

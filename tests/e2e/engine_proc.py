@@ -69,7 +69,7 @@ def main(argv: list[str]) -> int:
 def logits(socket: str, model: str, prompt: str, steps: int, out: str, strict: bool = False) -> int:
     """One engine of a test that starts several at once: ready, then go, then logits to `out`."""
     from tests.e2e.conftest import LLAMA_KW as REFERENCE_KW
-    from tests.e2e.conftest import greedy_logits
+    from tests.e2e.conftest import greedy_logits, unsplit
 
     client = Client(socket, "e2e-worker")
     # One thread: engines started together share a small box, and llama.cpp's spinning
@@ -79,11 +79,14 @@ def logits(socket: str, model: str, prompt: str, steps: int, out: str, strict: b
     print("ready", flush=True)
     sys.stdin.readline()
     started_s = time.monotonic()  # CLOCK_MONOTONIC: comparable between processes on one box
-    np.save(out, greedy_logits(llm, llm.tokenize(prompt.encode()), steps))
+    split: list[int] = []
+    np.save(out, greedy_logits(llm, llm.tokenize(prompt.encode()), steps, split=split))
     ended_s = time.monotonic()
     s = llm.stream_stats()
     keys = ("decodes", "layers", "pages_maps", "pages_copies", "pages_reprotects")
-    print(json.dumps({"started_s": started_s, "ended_s": ended_s, "n_batch": llm.n_batch, **{k: s[k] for k in keys}}))
+    # n_batch: the asked one, or 0 where the prompt's call was split (its batches could not be held)
+    n_batch = REFERENCE_KW["n_batch"] if split == unsplit(sum(split)) else 0
+    print(json.dumps({"started_s": started_s, "ended_s": ended_s, "n_batch": n_batch, **{k: s[k] for k in keys}}))
     llm.close()
     client.close()
     return 0

@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 from moed.modelgen import makemodel
-from tests.e2e.conftest import LLAMA_KW, PROMPT, assert_bit_equal, greedy_logits
+from tests.e2e.conftest import LLAMA_KW, PROMPT, assert_bit_equal, greedy_logits, unsplit
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("llama_cpp")  # e2e needs the real llama.cpp (pyproject extra "llama")
@@ -59,8 +59,9 @@ def run_streamed(daemon, path) -> tuple[np.ndarray, dict, dict]:
     try:
         llm = StreamedLlama(str(path), client=client, **LLAMA_KW)
         try:
-            logits = greedy_logits(llm, llm.tokenize(PROMPT))
-            assert llm.n_batch == LLAMA_KW["n_batch"], "the engine lowered n_batch: the budget is too small"
+            split: list[int] = []
+            logits = greedy_logits(llm, llm.tokenize(PROMPT), split=split)
+            assert split == unsplit(sum(split)), f"the engine split the prompt {split}: the budget is too small"
             return logits, llm.stream_stats(), client.stats()
         finally:
             llm.close()

@@ -73,9 +73,10 @@ scenario = spec["scenario"]
 if scenario == "logits":
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        np.save(spec["out"], greedy_logits(llm, tokens, steps=spec.get("steps", 8)))
+        split = []
+        np.save(spec["out"], greedy_logits(llm, tokens, steps=spec.get("steps", 8), batches=spec.get("batches"), split=split))
     report["warnings"] = [str(w.message) for w in caught]
-    report["n_batch"] = llm.n_batch
+    report["batches"], report["n_batch"] = split, llm.n_batch
 elif scenario == "killed":
     llm.eval(tokens)
     os.kill(spec["daemon_pid"], signal.SIGKILL)
@@ -135,16 +136,16 @@ def wide_model(model_factory):
 
 
 @pytest.mark.parametrize("n_gpu", [99, -1])
-def test_a_batch_over_the_budget_lowers_n_batch_under_an_offload_and_matches_stock(
-    wide_model, start_daemon, tmp_path, n_gpu
-):
+def test_a_batch_over_the_budget_is_split_under_an_offload_and_matches_stock(wide_model, start_daemon, tmp_path, n_gpu):
+    """The prompt's call is split (issue 47: n_batch stays the user's), the warning names the
+    budget, and stock fed the same sub-batches computes the same logits, bit for bit."""
     daemon = start_daemon("1MiB")
     got, report = logits("streamed", wide_model, tmp_path / "s.npy", n_gpu, daemon.socket)
-    lowered = report["n_batch"]
-    assert lowered < 64 and any("lowering n_batch" in w for w in report["warnings"]), report
+    split = report["batches"]
+    assert max(split) < 64 and report["n_batch"] == 64, report
+    assert any("the daemon's budget" in w and "n_batch stays 64" in w for w in report["warnings"]), report
     assert report["devices"]["gpu_layers"] == [0, 3] and report["devices"]["output_on_gpu"]
-    llama = {"n_batch": lowered, "n_ubatch": lowered}
-    want, _ = logits("stock", wide_model, tmp_path / "w.npy", n_gpu, llama=llama)
+    want, _ = logits("stock", wide_model, tmp_path / "w.npy", n_gpu, batches=split)
     assert_bit_equal(got, want)
     assert daemon.client("check").stats()["evictions"] > 0
 

@@ -53,8 +53,13 @@ def prompt_tokens(llm, kind: str) -> list[int]:
 
 
 def _child(argv: list[str]) -> None:
-    """which model out socket S prompt n_batch: one engine's greedy logits and stats, as JSON."""
-    which, model, out, socket, slots, prompt, n_batch = argv
+    """which model out socket S prompt n_batch [batches]: one engine's greedy logits and stats, as
+    JSON. `batches` (stock only; "16,16,8"): feed the prompt in these sub-batches, one eval()
+    each, as a streamed engine split it (its `eval_batches`). With the "long" prompt the engine
+    then reads a short prompt that fits (`<out>.after.npy`), to show the call after a split
+    runs in full batches again."""
+    which, model, out, socket, slots, prompt, n_batch, *rest = argv
+    batches = [int(n) for n in rest[0].split(",")] if rest and rest[0] else None
     kw = {**LLAMA_KW, "n_gpu_layers": -1, "n_batch": int(n_batch), "n_ubatch": int(n_batch)}
     if which == "stock":
         import llama_cpp
@@ -69,16 +74,29 @@ def _child(argv: list[str]) -> None:
         llm = StreamedLlama(model, client=client, gpu_slots=int(slots), gpu_zero_copy=zero_copy, **kw)
     tokens = prompt_tokens(llm, prompt)
     llm.reset()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # StreamedLlama says when it lowers n_batch
-        llm.eval(tokens)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # StreamedLlama says when it splits a call, naming the limit
+        for i, n in enumerate(batches or [len(tokens)]):
+            llm.eval(tokens[sum((batches or [])[:i]) :][:n])
     rows = [llm.scores[: llm.n_tokens].copy()]
-    n_batch_used = llm.n_batch
+    split = list(getattr(llm, "eval_batches", [len(tokens)]))
     for _ in range(STEPS):
         llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
         rows.append(llm.scores[llm.n_tokens - 1 : llm.n_tokens].copy())
     np.save(out, np.concatenate(rows))
-    stats = {"n_batch": n_batch_used, "prompt_tokens": len(tokens)}
+    stats = {
+        "batches": split if batches is None else batches,
+        "n_batch": max(split),  # the prompt's largest decode
+        "n_batch_after": llm.n_batch,  # what the engine keeps for the next call
+        "prompt_tokens": len(tokens),
+        "warnings": [str(w.message) for w in caught],
+    }
+    if prompt == "long":  # a prompt that fits, right after: one decode at the asked n_batch
+        llm.reset()
+        short = prompt_tokens(llm, "pair")  # 2 tokens: at most 4 experts a layer, within S=4
+        llm.eval(short)
+        np.save(str(out) + ".after.npy", llm.scores[: llm.n_tokens].copy())
+        stats["after_batches"] = list(getattr(llm, "eval_batches", [len(short)]))
     if client is not None:
         st = llm.stream_stats()
         stats["gpu_slots"], stats["devices"] = st["gpu_slots"], st["devices"]
@@ -100,11 +118,11 @@ def _child(argv: list[str]) -> None:
 # ---------------------------------------------------------------------- the tests (test process side)
 
 
-def run_engine(which, model, tmp_path, *, socket="", slots=8, prompt="short", n_batch=64, tag="") -> tuple:
+def run_engine(which, model, tmp_path, *, socket="", slots=8, prompt="short", n_batch=64, tag="", batches=()) -> tuple:
     out = tmp_path / f"{which}-{prompt}-{n_batch}{tag}.npy"
     env = {**os.environ, **VULKAN_ENV, "PYTHONPATH": str(ROOT)}
     code = "import sys\nfrom tests.e2e.test_gpu_slots import _child\n_child(sys.argv[1:])"
-    args = [which, str(model), str(out), socket, str(slots), prompt, str(n_batch)]
+    args = [which, str(model), str(out), socket, str(slots), prompt, str(n_batch), ",".join(map(str, batches))]
     return subprocess.Popen(
         [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     ), out
@@ -173,14 +191,34 @@ def test_slots_on_the_device_match_stock_computing_every_expert_there(
 def test_a_prompt_whose_experts_exceed_the_slots_is_split_and_matches_stock_on_the_same_split(
     vulkan_device, model_factory, start_daemon, tmp_path
 ):
+    """The call is split for itself alone (issue 47): its logits equal stock's fed the same
+    sub-batches, the warning names the device slots, and the next prompt, which fits, runs in
+    one batch at the asked n_batch, bit-exact with stock there."""
     model = model_factory(**GEOMETRY)
     daemon = start_daemon("256KiB")
     got, stats = engine("slots", model, tmp_path, socket=daemon.socket, slots=4, prompt="long")
+    check_split(stats, "the device slots (gpu_slots=4 a layer)")
+    want, _ = engine("stock", model, tmp_path, prompt="long", batches=stats["batches"])
+    assert_bit_equal(got, want)
+    check_after(tmp_path, "slots", "stock", stats)
+    check_slots(stats, 4)
+
+
+def check_split(stats: dict, limit: str) -> None:
+    """The prompt went in smaller decodes, said so naming `limit`, and n_batch stayed 64."""
     n_batch = stats["n_batch"]
     assert n_batch < 64 and stats["prompt_tokens"] > n_batch, "4 slots cannot hold the whole prompt's experts"
-    want, _ = engine("stock", model, tmp_path, prompt="long", n_batch=n_batch)
+    assert sum(stats["batches"]) == stats["prompt_tokens"]
+    assert stats["n_batch_after"] == 64, "n_batch is the user's: a split is for that call alone"
+    assert any(limit in w and "n_batch stays 64" in w for w in stats["warnings"]), stats["warnings"]
+
+
+def check_after(tmp_path, which: str, stock: str, stats: dict) -> None:
+    """The short prompt after the split: one decode of all its tokens, as stock's."""
+    assert stats["after_batches"] == [2], "the next call runs at the asked n_batch: one decode"
+    got = np.load(tmp_path / f"{which}-long-64.npy.after.npy")
+    want = np.load(tmp_path / f"{stock}-long-64.npy.after.npy")
     assert_bit_equal(got, want)
-    check_slots(stats, 4)
 
 
 def test_a_batch_over_8_tokens_runs_the_matmul_shaders_over_the_slots(
@@ -274,14 +312,14 @@ def test_zero_copy_splits_a_prompt_whose_experts_exceed_s_and_matches_stock_on_t
     vulkan_device, model_factory, start_daemon, tmp_path
 ):
     """S still bounds a batch's distinct experts in a layer (as for the copying slots), so a
-    long prompt lowers n_batch alike, and matches stock run on that split."""
+    long prompt is split alike (that call alone), and matches stock fed that split."""
     model = model_factory(**ZERO_COPY_GEOMETRY["qwen3moe"])
     daemon = start_daemon(ZERO_COPY_BUDGET)
     got, stats = engine("zero-copy", model, tmp_path, socket=daemon.socket, slots=4, prompt="long")
-    n_batch = stats["n_batch"]
-    assert n_batch < 64 and stats["prompt_tokens"] > n_batch, "4 experts a layer cannot hold the whole prompt's"
-    want, _ = engine("stock", model, tmp_path, prompt="long", n_batch=n_batch)
+    check_split(stats, "the device slots (gpu_slots=4 a layer)")
+    want, _ = engine("stock", model, tmp_path, prompt="long", batches=stats["batches"])
     assert_bit_equal(got, want)
+    check_after(tmp_path, "zero-copy", "stock", stats)
     check_zero_copy(stats, 4)
 
 

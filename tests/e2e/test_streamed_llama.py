@@ -212,23 +212,34 @@ def test_strict_mode_is_bit_exact_too(start_daemon, reference_logits, aligned_mo
         client.close()
 
 
-def test_batch_too_large_for_budget_lowers_n_batch(start_daemon, tiny_model):
+def test_a_batch_too_large_for_the_budget_is_split_for_that_call_alone(start_daemon, tiny_model):
+    """Issue 47: the call is split (a warning naming the budget), n_batch stays the user's, the
+    logits equal the reference fed the same sub-batches, and the next call, which fits, runs
+    in one batch at the asked n_batch."""
     from moed.engines.llama_cpp import UnpackedLlama
 
     # 4 slots of 8 experts: a long prompt batch routes to more than 4 experts per layer.
     d = start_daemon("96KiB")
     llm, client = streamed(d, tiny_model)
     try:
-        tokens = llm.tokenize(PROMPT)
-        with pytest.warns(RuntimeWarning, match="lowering n_batch"):
-            got = greedy_logits(llm, tokens, steps=8)
-        assert llm.n_batch < LLAMA_KW["n_batch"]
-        ref = UnpackedLlama(str(tiny_model), **{**LLAMA_KW, "n_batch": llm.n_batch, "n_ubatch": llm.n_batch})
+        tokens, split = llm.tokenize(PROMPT), []
+        with pytest.warns(RuntimeWarning, match=r"than what the daemon's budget can hold at once .*n_batch stays 64"):
+            got = greedy_logits(llm, tokens, steps=8, split=split)
+        assert max(split) < LLAMA_KW["n_batch"] and sum(split) == len(tokens), split
+        assert llm.n_batch == LLAMA_KW["n_batch"], "a split is for that call alone"
+        ref = UnpackedLlama(str(tiny_model), **LLAMA_KW)
         with warnings.catch_warnings():
-            want = greedy_logits(ref, tokens, steps=8)
-        ref.close()
+            want = greedy_logits(ref, tokens, steps=8, batches=split)
         assert np.array_equal(got.argmax(axis=1), want.argmax(axis=1))
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+        short = tokens[:2]  # two tokens route to at most 4 experts a layer: one batch
+        llm.reset()
+        llm.eval(short)
+        assert llm.eval_batches == [2]
+        ref.reset()
+        ref.eval(short)
+        np.testing.assert_allclose(llm.scores[:2], ref.scores[:2], rtol=0, atol=1e-4)
+        ref.close()
     finally:
         llm.close()
         client.close()

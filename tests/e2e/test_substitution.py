@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from tests.e2e.conftest import LLAMA_KW, PROMPT, assert_bit_equal, greedy_logits
+from tests.e2e.conftest import LLAMA_KW, PROMPT, assert_bit_equal, greedy_logits, unsplit
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("llama_cpp")  # e2e needs the real llama.cpp (pyproject extra "llama")
@@ -168,9 +168,10 @@ def test_substitutes_are_resident_next_k_and_a_resident_replay_is_bit_exact(requ
         sub = llm.streamer.substituter
         sub.log = []
         spy = ResidencySpy(llm.streamer.source)
-        got = greedy_logits(llm, llm.tokenize(PROMPT))
+        split: list[int] = []
+        got = greedy_logits(llm, llm.tokenize(PROMPT), split=split)
         st = llm.stream_stats()
-        assert llm.n_batch == LLAMA_KW["n_batch"]  # no batch lowering: one record per graph layer
+        assert split == unsplit(sum(split))  # no split prompt: one record per graph layer
         k = llm.streamer.source.n_expert_used
         softmax_weight = llm.streamer.probs_are_logits
     finally:
