@@ -116,6 +116,19 @@ def engine_rows(prev: dict, cur: dict, dt: float) -> list[dict]:
     return rows
 
 
+def device_rows(prev: dict, cur: dict, dt: float) -> list[dict]:
+    """One row per engine's device slots (its last DeviceReport, `clients[].devices`): hits,
+    uploads and evictions a second over the interval (a new one from 0; reports come about once
+    a second, so a rate moves in steps)."""
+    key = lambda d: (d["connection"], d["model_id"])  # noqa: E731
+    before = {key(d): d for c in prev["clients"] for d in c.get("devices", [])}
+    rows = []
+    for d in (d for c in cur["clients"] for d in c.get("devices", [])):
+        was = before.get(key(d), {"hits": 0, "uploads": 0, "evictions": 0})
+        rows.append({**d, **{f"{k}_s": _per_s(was, d, k, dt) for k in ("hits", "uploads", "evictions")}})
+    return rows
+
+
 def serve_snapshot(text: str) -> dict[str, dict[str, float]]:
     """Per model, the front's metrics that top shows, from their Prometheus text."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -230,6 +243,19 @@ def _threads(rows: list[dict]) -> Table:
     return t
 
 
+def _devices(rows: list[dict]) -> Table:
+    """The engines' device slots (moed.engines.device_slots, as each engine reports them)."""
+    t = Table("pid", "model", "slots", "layers", "hits/s", "uploads/s", "evict/s", title="device slots")
+    t.title_justify = "left"
+    for d in rows:
+        slots = f"{d['slots']}" + (" (zero copy)" if d["zero_copy"] else "")
+        t.add_row(
+            str(d["pid"]), str(d["model_id"]), slots, str(d["layers"]),
+            _n(d["hits_s"]), _n(d["uploads_s"]), _n(d["evictions_s"]),
+        )  # fmt: skip
+    return t
+
+
 def frame(prev: dict, cur: dict, dt: float, servers: list[dict] | None = None):
     """One screen: header, rates, memory, tenants, models, the engines' threads (and servers, when watched)."""
     r = rates(prev, cur, dt)
@@ -298,6 +324,9 @@ def frame(prev: dict, cur: dict, dt: float, servers: list[dict] | None = None):
     parts: list[Text | Table] = [head, t, _memory(cur), tenants, models]
     if cur.get("engines"):
         parts.append(_threads(engine_rows(prev, cur, dt)))
+    devices = device_rows(prev, cur, dt)
+    if devices:
+        parts.append(_devices(devices))
     if servers is not None:
         parts.append(_servers(servers))
     return Group(*parts)

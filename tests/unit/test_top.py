@@ -8,7 +8,7 @@ import msgspec
 import pytest
 from rich.console import Console
 
-from moed.cli.top import engine_rows, frame, model_rows, rates, tenant_rows
+from moed.cli.top import device_rows, engine_rows, frame, model_rows, rates, tenant_rows
 from moed.protocol.stats import Stats, TurnRow
 
 MIB = 1 << 20
@@ -288,3 +288,33 @@ def test_engine_rows_are_turns_and_waits_over_the_interval(pair):
 def test_no_engines_no_threads_table(pair):
     prev, cur = pair
     assert "threads" not in render(prev, cur, 2.0).split("models")[-1]
+
+
+def client_with_device(connection: int, hits: int, uploads: int, evictions: int) -> dict:
+    device = dict(
+        model_id=1, pid=100 + connection, connection=connection, slots=8, layers=4,
+        hits=hits, uploads=uploads, upload_bytes=uploads * 4096, evictions=evictions, zero_copy=False,
+    )  # fmt: skip
+    return dict(
+        pid=100 + connection, uid=1000, leases=0, busy=False, queued_requests=0, queued_bytes=0,
+        buffered_out_bytes=0, reading=True, engines=[[1, "layers 0-3 on Vulkan0"]], devices=[device],
+    )  # fmt: skip
+
+
+def test_device_rows_are_the_engines_device_slots_over_the_interval(pair):
+    """Issue 47: each engine's device hits, uploads and evictions a second, from its reports."""
+    prev, cur = pair
+    prev["clients"] = [client_with_device(1, 100, 40, 10)]
+    cur["clients"] = [client_with_device(1, 160, 50, 14), client_with_device(2, 20, 8, 0)]
+    rows = {r["connection"]: r for r in device_rows(prev, cur, 2.0)}
+    assert (rows[1]["hits_s"], rows[1]["uploads_s"], rows[1]["evictions_s"]) == (30, 5, 2)
+    assert (rows[2]["hits_s"], rows[2]["uploads_s"], rows[2]["evictions_s"]) == (10, 4, 0)  # new: counts from 0
+    text = render(prev, cur, 2.0)
+    assert "device slots" in text
+    line = next(x for x in text.splitlines() if " 101 " in x and " 30" in x)
+    assert " 8 " in line and " 5" in line
+
+
+def test_no_device_slots_no_device_table(pair):
+    prev, cur = pair
+    assert "device slots" not in render(prev, cur, 2.0)
