@@ -26,11 +26,24 @@ aggregate; the ratios are medians of the per-round ratios (drift slower than a r
 cancels). Prints one JSON line per case run and a summary with the ratios and goals
 (`--json`: the summary as one JSON object).
 
+`--user-threads ceiling` runs the daemon with `turn_user_threads = "ceiling"`: a count a
+user gave is then the most an engine gets while others compute, so k=cores engines compute
+side by side on a core each instead of in turn. Where one engine is about as fast on one
+thread as on every core (the issue's 2-vCPU VM), turns alone give k=cores about one
+engine's speed, 0.5x the per-core aggregate: run both to see which the goal needs.
+
+The issue's fourth goal (q30 in a 6 GiB cap: two engines at n_threads=2 against two at
+n_threads=1 on 2 cores, >= 0.9x) is `--cases k=cores,per-core` on bench/real_size.py's
+q30 file with `--budget 4GiB --warm off`, the daemon and engines run inside the cap by
+the caller (e.g. `cgexec -g memory:cap`); not part of the default run.
+
 Usage:
     .venv/bin/python bench/threads.py --quick          # smoke: a tiny model, a few tokens (about a minute)
     .venv/bin/python bench/threads.py                  # the figures: 48 tokens an engine, 3 rounds
     .venv/bin/python bench/threads.py --without-turns  # also the cases with turns off
     .venv/bin/python bench/threads.py --cases k=cores,per-core --rounds 5
+    .venv/bin/python bench/threads.py --user-threads ceiling   # a user's count as a ceiling (k=cores side by side)
+    .venv/bin/python bench/threads.py --model /path/q30.gguf --budget 4GiB --warm off --cases k=cores,per-core
 """
 
 from __future__ import annotations
@@ -86,13 +99,13 @@ GOALS = [("k=cores", "per-core", 0.8), ("defaults", "per-core", 0.8), ("alone", 
 # ---- one engine (a child process) -------------------------------------------------------
 
 
-def engine_main(sock: str, model: str, name: str, threads: int | None, tokens: int, warmup: int) -> int:
+def engine_main(sock: str, model: str, name: str, threads: int | None, tokens: int, warmup: int, warm: str) -> int:
     """Load, warm, say ready; on a line from stdin decode `tokens` and print one JSON line."""
     from moed.client import Client
     from moed.engines.llama_cpp import StreamedLlama
 
     # room for the prompt (one token a byte at most) and every token decoded
-    kw = dict(n_ctx=len(PROMPT) + warmup + tokens + 16, n_batch=64, n_ubatch=64, verbose=False, seed=0, warm="all")
+    kw = dict(n_ctx=len(PROMPT) + warmup + tokens + 16, n_batch=64, n_ubatch=64, verbose=False, seed=0, warm=warm)
     if threads is not None:
         kw.update(n_threads=threads, n_threads_batch=threads)
     client = Client(sock, name)
@@ -126,7 +139,18 @@ def decode(llm, n: int) -> None:
 def spawn(sock: str, model: str, name: str, case: Case, args) -> subprocess.Popen:
     threads = "none" if case.threads is None else str(case.threads)
     env = dict(os.environ, MOED_TURNS="1" if case.turns else "0")
-    cmd = [sys.executable, __file__, "--engine", sock, model, name, threads, str(args.tokens), str(args.warmup)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--engine",
+        sock,
+        model,
+        name,
+        threads,
+        str(args.tokens),
+        str(args.warmup),
+        args.warm,
+    ]
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
 
@@ -218,8 +242,9 @@ def print_summary(summary: dict) -> None:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--engine"]:
-        sock, model, name, threads, tokens, warmup = argv[1:7]
-        return engine_main(sock, model, name, None if threads == "none" else int(threads), int(tokens), int(warmup))
+        sock, model, name, threads, tokens, warmup, warm = argv[1:8]
+        count = None if threads == "none" else int(threads)
+        return engine_main(sock, model, name, count, int(tokens), int(warmup), warm)
     args = parse(argv)
     model = args.model or (QUICK_MODEL if args.quick else DEFAULT_MODEL)
     ensure_model(model, args.quick)
@@ -227,12 +252,14 @@ def main(argv: list[str]) -> int:
     names = args.cases.split(",") if args.cases else list(chosen)
     if unknown := [n for n in names if n not in chosen]:
         raise SystemExit(f"unknown case(s) {unknown}: choose from {', '.join(chosen)}")
+    from moed.protocol.sizes import parse_size
     from moed.testing import DaemonProcess
 
-    budget = os.path.getsize(model) + (64 << 20)  # every expert resident
+    # default: every expert resident (the figure is compute, not the drive)
+    budget = parse_size(args.budget) if args.budget else os.path.getsize(model) + (64 << 20)
     runs: dict[str, list[dict]] = {n: [] for n in names}
     rounds: list[dict[str, dict]] = []
-    with DaemonProcess(budget) as d:
+    with DaemonProcess(budget, config={"turn_user_threads": args.user_threads}) as d:
         for i in range(args.rounds):
             got = {}
             for name in names if i % 2 == 0 else names[::-1]:
@@ -256,6 +283,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=8, help="untimed decode tokens an engine first (default 8)")
     ap.add_argument("--rounds", type=int, default=3, help="times every case runs (default 3)")
     ap.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
+    ap.add_argument("--budget", default=None, help="the daemon's budget (default: the model's size, all resident)")
+    ap.add_argument("--warm", default="all", choices=("all", "resident", "off"), help="StreamedLlama(warm=...)")
+    ap.add_argument(
+        "--user-threads",
+        default="keep",
+        choices=("keep", "ceiling"),
+        help="the daemon's turn_user_threads: a user's count kept (engines given every core take turns) or a ceiling",
+    )
     ap.add_argument("--without-turns", action="store_true", help="also the cases with MOED_TURNS=0")
     ap.add_argument("--timeout-s", type=float, default=600.0, help="for each case (default 600)")
     ap.add_argument("--json", action="store_true", help="print only the summary, as one JSON object")

@@ -82,6 +82,9 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # blocks anyone (one engine cannot stall the others).
     turn_idle_s: float = 1.0
     turn_max_s: float = 2.0
+    # "keep": a thread count an engine's user gave is granted as it is (engines given every
+    # core take turns); "ceiling": it is the most the engine gets while others compute.
+    turn_user_threads: Literal["keep", "ceiling"] = "keep"
 
     def __post_init__(self):
         checks = [

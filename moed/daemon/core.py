@@ -175,7 +175,7 @@ class Daemon:
         self.holds = LocalHolds(config, s, self.registry, self.counters)
         self.prefetches = Prefetches(s)
         # Compute turns: which engines compute now, with how many threads (moed.daemon.turns)
-        self.turns = TurnDesk(loop, config.turn_idle_s, config.turn_max_s)
+        self.turns = TurnDesk(loop, config.turn_idle_s, config.turn_max_s, config.turn_user_threads)
         self.sessions: set = set()
         self._lease_ids = itertools.count(1)
         self._maintain_task: asyncio.Task | None = None

@@ -26,9 +26,9 @@ from .turns import TurnAsk, TurnGrant, Turns
 
 
 class TurnDesk:
-    def __init__(self, loop: asyncio.AbstractEventLoop, idle_s: float, max_s: float):
+    def __init__(self, loop: asyncio.AbstractEventLoop, idle_s: float, max_s: float, user_threads: str = "keep"):
         self.loop = loop
-        self.turns = Turns(idle_s=idle_s, max_s=max_s)
+        self.turns = Turns(idle_s=idle_s, max_s=max_s, user_threads=user_threads)
         self.waiters: dict[Hashable, asyncio.Future] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_for: float | None = None  # the deadline the timer is armed for

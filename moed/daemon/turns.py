@@ -11,7 +11,10 @@ cores run many times slower than one after the other (issue 46: 2.2-3.5 tok/s ag
 
 The rules:
 - Threads. A count the engine's user gave (`threads` >= 1) is its own and is never
-  changed. A count left to the daemon (0) is `cpus // active`, at least 1: `cpus` are the
+  changed (`user_threads="keep"`, the default; with `"ceiling"` it is the most the
+  engine gets: `min(threads, cpus // active)`, for boxes where one engine computes
+  about as fast on fewer threads, so that engines given every core compute side by
+  side instead of in turn). A count left to the daemon (0) is `cpus // active`, at least 1: `cpus` are the
   cores the engine may run on (its sched_getaffinity), `active` the engines that hold or
   wait for a turn now or let one go within `idle_s`, itself included. So one active
   engine gets every core it may run on, N share them, and an engine idle for more than
@@ -94,6 +97,7 @@ class Totals:
 class Turns:
     idle_s: float = 1.0
     max_s: float = 2.0
+    user_threads: str = "keep"  # "keep": a user's count is granted as it is; "ceiling": at most the share
     engines: dict[Hashable, EngineTurns] = field(default_factory=dict)
     queue: deque = field(default_factory=deque)  # keys waiting, first come first
     totals: Totals = field(default_factory=Totals)
@@ -143,6 +147,8 @@ class Turns:
     def counts(self, ask: TurnAsk, now: float) -> tuple[int, int]:
         """(n_threads, n_threads_batch) for `ask` now: the user's, or the cores' share."""
         share = max(1, ask.cpus // max(1, self.active(now)))
+        if self.user_threads == "ceiling":
+            return (min(ask.threads, share) or share, min(ask.threads_batch, share) or share)
         return (ask.threads or share, ask.threads_batch or share)
 
     def active(self, now: float) -> int:

@@ -8,8 +8,11 @@ engine's attributes follow, through `on_counts`); after the decode, `end` lets i
 fire-and-forget EndTurn (no second round trip).
 
 Invariants:
-- a count the user gave (`n_threads=K`, K >= 1) is the user's and is never changed; only
-  the counts left to the daemon (None, 0 or negative) follow its grants;
+- the engine computes with the counts each grant carries, and the daemon keeps a count
+  the user gave (`n_threads=K`, K >= 1) as it is (unless its operator set
+  `turn_user_threads = "ceiling"`: then K is the most it gets while others compute); the
+  counts left to the daemon (None, 0 or negative) follow the split of the cores. A count
+  above the wire's bound (`MAX_THREADS`), sent as the bound, is kept as given;
 - a decode never fails for lack of a turn: with no daemon, a daemon without the verb
   (BadFrame: it is not asked again on that connection), any other error of the request,
   or `MOED_TURNS=0`, the engine computes with the counts it has;
@@ -23,6 +26,7 @@ import os
 from collections.abc import Callable
 
 from moed.protocol import errors
+from moed.protocol.messages import MAX_THREADS
 
 COUNT_NAMES = ("n_threads", "n_threads_batch")
 
@@ -95,10 +99,9 @@ class ComputeTurns:
         self.apply(ctx, got.n_threads, got.n_threads_batch)
 
     def apply(self, ctx, n_threads: int, n_threads_batch: int) -> None:
-        """Compute with the daemon's counts where the user gave none; llama_set_n_threads
-        only when they change (it costs nothing, but the attributes follow only it)."""
-        n = self.threads or max(1, int(n_threads))
-        nb = self.threads_batch or max(1, int(n_threads_batch))
+        """Compute with the daemon's counts; llama_set_n_threads only when they change (it
+        costs nothing, but the attributes follow only it)."""
+        n, nb = _granted(self.threads, n_threads), _granted(self.threads_batch, n_threads_batch)
         if (n, nb) == self.applied:
             return
         if self.set_threads is None:
@@ -125,6 +128,14 @@ class ComputeTurns:
             "turn_wait_s": round(self.wait_s, 6),
             "threads_auto": self.auto,
         }
+
+
+def _granted(own: int, granted: int) -> int:
+    """The count to compute with: the grant, but a user's count above the wire's bound (sent
+    as the bound, and granted back as it) as the user gave it."""
+    if own > MAX_THREADS and granted == MAX_THREADS:
+        return own
+    return max(1, int(granted))
 
 
 def check_counts(llama_kwargs: dict) -> tuple[int, int]:

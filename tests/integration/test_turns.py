@@ -132,3 +132,14 @@ def test_stats_and_metrics_keys(daemon):
 
     names = {f.name for f in families(s)}
     assert {"moed_engine_threads", "moed_engine_turn_wait_seconds", "moed_turns", "moed_engines_active"} <= names
+
+
+def test_a_users_count_as_a_ceiling(start_daemon):
+    d = start_daemon("64MiB", config={"turn_user_threads": "ceiling"})
+    with d.client("a") as a, d.client("b") as b:
+        assert take(a, **WHOLE).n_threads == CORES  # alone: what it asked for
+        end(a)
+        assert take(b, **WHOLE).n_threads == CORES // 2  # a still counts: the share at most
+        assert take(a, **WHOLE).waited_s == 0.0  # side by side, not in turn
+        rows = engine_rows(d)
+        assert rows["a"]["computing"] and rows["b"]["computing"] and not rows["a"]["auto"]

@@ -9,6 +9,7 @@ import pytest
 from moed.engines.turns import ComputeTurns, check_counts, own_count
 from moed.protocol import errors
 from moed.protocol import messages as m
+from moed.protocol.messages import MAX_THREADS
 
 
 @pytest.mark.parametrize(("value", "own"), [(None, 0), (0, 0), (-1, 0), (-8, 0), (1, 1), (4, 4), (10**9, 10**9)])
@@ -76,11 +77,18 @@ def test_granted_counts_are_applied_once_and_the_attributes_follow():
     assert conn.ended == [1, 1, 1] and t.turns == 3
 
 
-def test_the_users_count_is_never_replaced():
-    conn = Connection(grant=(1, 1))
+def test_the_engine_computes_with_what_the_daemon_grants():
+    conn = Connection(grant=(4, 1))  # the daemon keeps the user's 4 and gives 1 for the batches
     t, applied, _ = engine(conn, threads=4)
     t.take(None, batch=True)
     assert applied == [(4, 1)] and conn.asked == [(4, 0, conn.asked[0][2], True)]
+
+
+def test_a_count_past_the_wires_bound_stays_as_given():
+    conn = Connection(grant=(MAX_THREADS, 2))
+    t, applied, _ = engine(conn, threads=10**6)
+    t.take(None, batch=False)
+    assert applied == [(10**6, 2)]
 
 
 def test_a_daemon_without_turns_is_not_asked_again_on_that_connection():

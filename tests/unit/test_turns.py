@@ -56,6 +56,17 @@ def test_the_users_count_stays_the_users(threads):
     assert granted(g, "mine") == (threads, threads)
 
 
+def test_as_a_ceiling_the_users_count_is_the_most_it_gets():
+    t = Turns(idle_s=IDLE_S, max_s=MAX_S, user_threads="ceiling")
+    k = TurnAsk(threads=2, threads_batch=2, cpus=2)
+    assert granted(t.take("a", k, 0.0), "a") == (2, 2)  # alone: all it asked for
+    assert granted(t.take("b", k, 0.1), "b") is None  # a computes on both cores: b waits
+    got = t.end("a", 0.2)
+    assert granted(got, "b") == (1, 1)  # two active: the share
+    assert granted(t.take("a", k, 0.3), "a") == (1, 1)  # side by side, one core each
+    assert granted(t.take("c", TurnAsk(threads=1, threads_batch=1, cpus=2), 0.4), "c") is None
+
+
 def test_only_the_count_left_out_follows_the_daemon():
     t = turns()
     t.take("other", TurnAsk(cpus=4), 0.0)
