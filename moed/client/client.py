@@ -22,7 +22,12 @@ Invariants of a reconnect (`generation` counts the connections):
 - a lease of an older generation is never released into the new connection (its
   lease id means nothing there): a round-trip lease is forgotten, a local lease
   clears its holds in its own (old) region; `view` of it raises `LeaseLost`;
-- a request is sent on the generation its ids were read for, or not at all.
+- a request is sent on the generation its ids were read for, or not at all; one
+  found to be unsendable (no connection, or its ids from a replaced one) was seen by
+  no daemon, and is sent again with its ids read again where the caller allows;
+- one thread reconnects at a time (`_reviving`), and until it has re-bound every
+  model, other threads' requests wait for it; a handle's local hits use only the
+  table, region and slot states of the connection it was bound on.
 A local hit (moed.client.local) needs no round trip, so it cannot see the daemon
 die: until a round trip notices, it reads the dead daemon's segments, whose pages
 stay valid (and unchanged) while mapped. Engines check the connection before each
@@ -76,6 +81,9 @@ class Client:
         self.generation = 0  # connections made: leases and ids belong to the one they came on
         self._closed = False  # close() was called: no request reconnects
         self._reviving = threading.Lock()  # one reconnect at a time
+        # The thread inside connect() (None: none): until it has re-bound every model, other
+        # threads' requests wait for it (their ids may be the old connection's).
+        self._connecting: int | None = None
         # The models opened on this client, re-opened on a reconnect (weak: a handle nobody
         # holds is not opened again).
         self._handles: weakref.WeakSet[ModelHandle] = weakref.WeakSet()
@@ -112,23 +120,27 @@ class Client:
             raise errors.DaemonUnavailable(
                 f"cannot connect to moed at {self.socket_path}: {exc.strerror or exc}"
             ) from None
+        self._connecting = threading.get_ident()  # before the socket is seen by other threads
         self._sock = sock
         self._closed = False
         self.generation += 1
         self._frames, self._early = FrameReader(reply_decoder), []
-        self.hello = self.request(m.Hello(m.PROTOCOL_VERSION, self.client_name))
         try:
+            self.hello = self.request(m.Hello(m.PROTOCOL_VERSION, self.client_name))
             self._reopen()
         except BaseException:
             self._drop()  # no handle is left bound to a connection it could not open its model on
             raise
+        finally:
+            self._connecting = None
 
     def reconnect(self, wait_s: float | None = None) -> None:
         """Drop the connection (its leases are gone) and connect again, retrying from 50 ms,
         doubling to 1 s, for up to `wait_s` (None: `reconnect_s`; 0: one try); every model
         still open on this client is opened again (module docstring)."""
-        self._drop()
-        self._connect_retrying(self.reconnect_s if wait_s is None else wait_s)
+        with self._reviving:
+            self._drop()
+            self._connect_retrying(self.reconnect_s if wait_s is None else wait_s)
 
     def ensure_connected(self) -> None:
         """Reconnect if the connection is gone (`alive()` False), as a request would: bounded by
@@ -158,8 +170,9 @@ class Client:
                 "the connection to moed was lost (this Client has reconnect_s=0: Client.reconnect() connects again)"
             )
         with self._reviving:
-            if not self.alive():
-                self.reconnect()
+            if not self.alive():  # unless another thread reconnected meanwhile
+                self._drop()
+                self._connect_retrying(self.reconnect_s)
 
     def _connect_retrying(self, wait_s: float) -> None:
         deadline = time.monotonic() + wait_s
@@ -232,8 +245,14 @@ class Client:
         except _Unsent:
             # The daemon was gone before the request left (an idle connection whose daemon
             # died): no one saw it, so it goes to the daemon that is back, unless its ids
-            # belong to the old connection (the caller rebuilds it) or a reconnect is under way.
-            if generation is not None or self.reconnect_s <= 0 or self._closed or self._reviving.locked():
+            # belong to the old connection (the caller rebuilds it) or it is part of connecting
+            # (connect() fails, and a reconnect's loop tries again).
+            if (
+                generation is not None
+                or self.reconnect_s <= 0
+                or self._closed
+                or self._connecting == threading.get_ident()
+            ):
                 raise
             self._revive()
             return self._round_trip(frame, fds, None)
@@ -273,12 +292,14 @@ class Client:
                 self._broken(exc)
 
     def _live(self, generation: int | None = None) -> socket.socket:
+        """The socket to send on; `_Unsent` (nothing was sent) when there is none, or when the
+        request's ids came from a connection another thread has replaced meanwhile."""
         if self._sock is None:
-            raise errors.DaemonUnavailable(
-                "this Client was closed" if self._closed else "the connection to moed was lost"
-            )
+            raise _Unsent("this Client was closed" if self._closed else "the connection to moed was lost")
         if generation is not None and generation != self.generation:
-            raise errors.DaemonUnavailable("the connection these ids came from was lost (moed went away)")
+            raise _Unsent("the connection these ids came from was lost (moed went away)")
+        if self._connecting is not None and self._connecting != threading.get_ident():
+            raise _Unsent("moed is being reconnected by another thread")
         return self._sock
 
     def _parting_error(self, sock: socket.socket) -> m.Error | None:
@@ -480,6 +501,7 @@ class ModelHandle:
             )
         self.info = info
         self._table = table  # None: every acquire is a round trip
+        self._region = self.client._region  # the hold region of the connection `table` came on
         self._rows = {layer: i * info.n_experts for i, layer in enumerate(sorted(info.moe_layers))}
         self.model_id = info.model_id
         self.path = info.path
@@ -579,7 +601,12 @@ class ModelHandle:
         """A hit with no round trip, or None (not all resident, or anything odd: ask the daemon)."""
         client = self.client
         region, row, info = client._region, self._rows.get(layer), self._layers.get(layer)
-        if region is None or row is None or info is None or client._sock is None:
+        # The region this handle's table was bound with (a reconnect under way may have mapped
+        # the new daemon's already, or dropped the old one's states).
+        if region is None or region is not self._region or row is None or info is None or client._sock is None:
+            return None
+        states = client._states.get(info.class_id)
+        if states is None:
             return None
         uniq = list(dict.fromkeys(experts))
         if not uniq or min(uniq) < 0 or max(uniq) >= self.n_experts:
@@ -588,12 +615,11 @@ class ModelHandle:
         if holds is None:
             return None  # every hold word in use: the daemon holds the rest
         self.local_tries += 1  # hp_hit runs: once a layer at most (tests count it)
-        slots = region.hit(self._table, row, uniq, client._states[info.class_id], info.class_id, holds)
+        slots = region.hit(self._table, row, uniq, states, info.class_id, holds)
         if slots is None:
             region.give(holds)
             return None
         region.record(self.model_id, info.class_id, slots)
-        states = client._states[info.class_id]
         return Lease(self, layer, uniq, m.Granted(0, info.class_id, slots), (region, holds, states))
 
     def local_hits(self) -> local.LocalHits | None:

@@ -151,3 +151,26 @@ def test_reconnect_s_0_turns_it_off(start_daemon, tiny_model):
     with m.acquire(0, [1]):
         pass
     c.close()
+
+
+def test_threads_sharing_a_client_all_come_back_on_one_reconnect(start_daemon, tiny_model):
+    """Four threads find the connection gone at once: one reconnects, the others wait for it
+    and ask again with the new ids (a request built with the old ones is sent once more)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cat = Catalog.open(tiny_model)
+    d = start_daemon("8MiB")
+    c = d.client("shared", timeout_s=5)
+    m = c.open_model(tiny_model)
+    kill(d)
+    start_daemon("8MiB", socket_dir=str(d.dir))
+
+    def grab(expert: int) -> bool:
+        with m.acquire(expert % 2, [expert]) as lease:
+            check_lease(cat, lease, expert % 2, [expert])
+        return True
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(grab, range(4)))
+    assert c.generation == 2
+    c.close()
