@@ -185,27 +185,26 @@ def _turns_line(s: dict) -> str:
 
 
 def _print_threads(console, engines: list[dict]) -> None:
-    """Each engine's thread counts and its waits for a compute turn."""
+    """Each engine's thread counts (decode/batch, and who set them) and its waits for a turn."""
     from rich.table import Table
 
     if not engines:
         return
     t = Table(title="threads (compute turns)")
-    for col in ("pid", "name", "threads", "batch", "cores", "set by", "now", "turns", "waited", "wait s"):
+    for col in ("pid", "threads", "cores", "by", "now", "turns", "waited"):
         t.add_column(col)
+    t.add_column("name", no_wrap=True)  # last and whole, as the tenants' names
     for e in engines:
         now = "computing" if e["computing"] else "waiting" if e["waiting"] else "active" if e["active"] else "idle"
         t.add_row(
             str(e["pid"]),
-            e["name"],
-            str(e["threads"]),
-            str(e["threads_batch"]),
+            f"{e['threads']}/{e['threads_batch']}",
             str(e["cpus"]),
             "moed" if e["auto"] else "user",
             now,
             str(e["turns"]),
-            str(e["turn_waits"]),
-            f"{e['turn_wait_s']:.3f}",
+            f"{e['turn_waits']}, {e['turn_wait_s']:.2f} s",
+            e["name"],
         )
     console.print(t)
 

@@ -6,6 +6,8 @@ go, an acquire that waits on reads lets another compute, a held turn is bounded,
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
@@ -132,6 +134,22 @@ def test_stats_and_metrics_keys(daemon):
 
     names = {f.name for f in families(s)}
     assert {"moed_engine_threads", "moed_engine_turn_wait_seconds", "moed_turns", "moed_engines_active"} <= names
+
+
+def test_moectl_stats_shows_each_engines_threads(daemon):
+    with daemon.client("engine-x") as a:
+        take(a, threads=1, cpus=CORES)
+        r = subprocess.run(
+            [sys.executable, "-m", "moed.ctl", "--socket", daemon.socket, "stats"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        end(a)
+    assert r.returncode == 0, r.stderr
+    assert "compute turns" in r.stdout and "1 granted" in r.stdout
+    line = next(x for x in r.stdout.splitlines() if "engine-x" in x)
+    assert "computing" in line and "moed" in line  # the batch count is the daemon's
 
 
 def test_a_users_count_as_a_ceiling(start_daemon):
