@@ -1,39 +1,39 @@
 """Compute turns: which engines compute now, and with how many threads.
 
 What this module owns: the rules that share the box's cores among the engines of one
-daemon (docs/design.md §11, "Cores shared by the engines"), as a pure, synchronous state
-machine: no I/O, no asyncio and no clock of its own (every call is given `now`, seconds
-of a monotonic clock). The turn desk (moed/daemon/turndesk.py) drives it from the
-sessions and a timer. An engine asks for a turn before each llama_decode and lets it go
-after; ggml's workers spin at barriers, so two engines whose threads together exceed the
-cores run many times slower than one after the other (issue 46: 2.2-3.5 tok/s against
-20.9-26.7 on two vCPUs).
+daemon (docs/design.md §11.1, "Cores shared by the engines"), as a pure, synchronous
+state machine: no I/O, no asyncio and no clock of its own (every call is given `now`,
+seconds of a monotonic clock). The turn desk (moed/daemon/turndesk.py) drives it from
+the sessions and a timer. An engine asks for a turn before each llama_decode and lets it
+go after; ggml's workers spin at barriers, so two engines whose threads together exceed
+the cores run many times slower than one after the other (issue 46: 2.2-3.5 tok/s
+against 20.9-26.7 on two vCPUs).
 
 The rules:
-- Threads. A count the engine's user gave (`threads` >= 1) is its own and is never
-  changed (`user_threads="keep"`, the default; with `"ceiling"` it is the most the
-  engine gets: `min(threads, cpus // active)`, for boxes where one engine computes
-  about as fast on fewer threads, so that engines given every core compute side by
-  side instead of in turn). A count left to the daemon (0) is `cpus // active`, at least 1: `cpus` are the
+- Threads. A count the engine's user gave (`threads` >= 1) is granted as it is
+  (`user_threads="keep"`, the default; with `"ceiling"` it is the most the engine gets,
+  `min(threads, cpus // active)`, for boxes where one engine computes about as fast on
+  fewer threads, so that engines given every core compute side by side instead of in
+  turn). A count left to the daemon (0) is `cpus // active`, at least 1: `cpus` are the
   cores the engine may run on (its sched_getaffinity), `active` the engines that hold or
-  wait for a turn now or let one go within `idle_s`, itself included. So one active
-  engine gets every core it may run on, N share them, and an engine idle for more than
-  `idle_s` stops counting. Counts are computed when the turn is granted.
+  wait for a turn now or asked for or let go of one within `idle_s`, itself included. So
+  one active engine gets every core it may run on, N share them, and an engine idle for
+  more than `idle_s` stops counting. Counts are computed when the turn is granted.
 - Turns. A turn is granted at once when none waits ahead of it and the threads of the
   turns held now plus its own fit in its cores, or when no turn is held; otherwise it
   waits, first come first served. A turn is charged the threads its decode computes
   with (`threads_batch` for a batch of more than one token), at most `cpus`.
-- Bounds (a tenant cannot hurt another). A turn held longer than `max_s` is overdue and
-  no longer counts against anyone (neither in the cores computing nor among the active
-  engines once `idle_s` has passed since it was asked for); a turn waited for longer than `max_s` is granted
+- Bounds (a tenant cannot hurt another). A turn held longer than `max_s` is overdue: it
+  no longer counts in the cores computing, nor makes its engine active (once `idle_s`
+  has passed since it was asked for); a turn waited for longer than `max_s` is granted
   whatever computes. So no engine waits much more than `max_s` for a turn, whatever
   another engine does, and a waiter is granted by `tick` at `next_deadline()` at the
   latest. What one connection makes this hold: one record, at most one turn held and
   one waited for (its connection has one request in flight), until `forget`.
 
-Invariants: an engine is in `held`, in `queue`, or in neither, never in both; every
-mutating call returns the turns it granted (the driver delivers them); `end` and
-`forget` of an engine holding nothing change nothing.
+Invariants: an engine holds a turn (`held_s` set), waits in `queue` (`asked_s` set), or
+neither, never both; every mutating call returns the turns it granted (the driver
+delivers them); `end` and `forget` of an engine holding nothing change nothing.
 """
 
 from __future__ import annotations
