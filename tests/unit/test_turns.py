@@ -4,6 +4,9 @@ with the values users pass (the engine's side: tests/unit/test_engine_turns.py).
 from __future__ import annotations
 
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from moed.daemon.turns import TurnAsk, Turns
 
@@ -158,3 +161,74 @@ def test_the_stats_row_says_what_the_engine_has():
     t.end("a", 0.6)
     rows = {e.key: t.row(e, 0.7) for e in t.engines.values()}
     assert rows["b"]["computing"] and rows["b"]["threads"] == 1 and rows["b"]["turn_waits"] == 1
+
+
+# ---- any sequence: the invariants after every step (hypothesis) ---------------------------
+
+KEYS = st.sampled_from("abcde")
+ASKS = st.builds(
+    TurnAsk,
+    threads=st.sampled_from([0, 0, 1, 2, 4, 10**6]),
+    threads_batch=st.sampled_from([0, 1, 2, 64]),
+    cpus=st.sampled_from([1, 2, 4]),
+    batch=st.booleans(),
+)
+
+
+class TurnsMachine(RuleBasedStateMachine):
+    """Engines ask, end, leave and time passes in any order; the driver ticks at every step
+    (its timer fires at `next_deadline`, earlier is only more often)."""
+
+    def __init__(self):
+        super().__init__()
+        self.t = Turns(idle_s=IDLE_S, max_s=MAX_S)
+        self.now = 0.0
+
+    @rule(key=KEYS, ask=ASKS)
+    def take(self, key, ask):
+        if key not in self.t.queue:  # a connection has one request in flight
+            self.check(self.t.take(key, ask, self.now))
+
+    @rule(key=KEYS)
+    def end(self, key):
+        self.check(self.t.end(key, self.now))
+
+    @rule(key=KEYS)
+    def forget(self, key):
+        self.check(self.t.forget(key, self.now))
+
+    @rule(dt=st.sampled_from([0.0, 0.01, 0.5, 1.5, 2.5]))
+    def wait(self, dt):
+        self.now += dt
+        self.check(self.t.tick(self.now))
+
+    def check(self, grants):
+        for g in grants:
+            e = self.t.engines[g.key]
+            assert e.held_s == self.now and e.asked_s is None
+            assert g.n_threads >= 1 and g.n_threads_batch >= 1
+            assert g.waited_s <= MAX_S + 2.5  # granted within the step after its wait ran out
+            if e.ask.threads:
+                assert g.n_threads == e.ask.threads  # "keep": the user's count as given
+
+    @invariant()
+    def holding_or_waiting_never_both(self):
+        queued = list(self.t.queue)
+        assert len(queued) == len(set(queued))
+        for key, e in self.t.engines.items():
+            assert (e.asked_s is not None) == (key in queued)
+            assert e.asked_s is None or e.held_s is None
+
+    @invariant()
+    def nobody_waits_while_nothing_counts(self):
+        if self.t.queue:
+            assert self.t.computing(self.now) > 0
+
+    @invariant()
+    def no_wait_outlives_the_bound(self):
+        for key in self.t.queue:
+            assert self.now - self.t.engines[key].asked_s <= MAX_S
+
+
+TestTurnsMachine = TurnsMachine.TestCase
+TestTurnsMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
