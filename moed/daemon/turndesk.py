@@ -17,6 +17,7 @@ What must happen when:
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Coroutine, Hashable
 from typing import Any
 
@@ -32,10 +33,13 @@ class TurnDesk:
         self.waiters: dict[Hashable, asyncio.Future] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_for: float | None = None  # the deadline the timer is armed for
+        # time.monotonic, not loop.time(): uvloop's is cached per iteration in whole
+        # milliseconds, and a hand-off between two engines takes less than one.
+        self.clock = time.monotonic
 
     def take(self, key: Hashable, ask: TurnAsk) -> m.TurnGranted | Coroutine:
         """The reply to a TakeTurn: now, or a coroutine that waits for it."""
-        mine = self._deliver(self.turns.take(key, ask, self.loop.time()), key)
+        mine = self._deliver(self.turns.take(key, ask, self.clock()), key)
         if mine is not None:
             return _reply(mine)
         future = self.waiters[key] = self.loop.create_future()
@@ -49,7 +53,7 @@ class TurnDesk:
                 del self.waiters[key]
 
     def end(self, key: Hashable) -> None:
-        self._deliver(self.turns.end(key, self.loop.time()))
+        self._deliver(self.turns.end(key, self.clock()))
 
     def let_go_for_read(self, key: Hashable) -> TurnAsk | None:
         """`key` waits on reads: its turn goes to the next; what it asked with, to take it back."""
@@ -67,7 +71,7 @@ class TurnDesk:
         future = self.waiters.pop(key, None)
         if future is not None and not future.done():
             future.cancel()
-        self._deliver(self.turns.forget(key, self.loop.time()))
+        self._deliver(self.turns.forget(key, self.clock()))
 
     def close(self) -> None:
         if self._timer is not None:
@@ -96,16 +100,17 @@ class TurnDesk:
             self._timer = None
         if when is not None and self._timer is None:
             # A little past the deadline, so the bound has passed when tick looks.
-            self._timer, self._timer_for = self.loop.call_at(when + 0.001, self._tick), when
+            delay_s = max(0.0, when - self.clock()) + 0.001
+            self._timer, self._timer_for = self.loop.call_later(delay_s, self._tick), when
 
     def _tick(self) -> None:
         self._timer = self._timer_for = None
-        self._deliver(self.turns.tick(self.loop.time()))
+        self._deliver(self.turns.tick(self.clock()))
 
     # ---- stats -----------------------------------------------------------------------
 
     def stats(self) -> dict:
-        t, now = self.turns.totals, self.loop.time()
+        t, now = self.turns.totals, self.clock()
         return {
             "turns": t.turns,
             "turn_waits": t.turn_waits,
@@ -116,7 +121,7 @@ class TurnDesk:
 
     def rows(self) -> list[dict]:
         """One row per connection that took a turn (moed.protocol.stats.TurnRow)."""
-        now = self.loop.time()
+        now = self.clock()
         rows = []
         for e in self.turns.engines.values():
             session: Any = e.key  # a Session: the connection's own fields

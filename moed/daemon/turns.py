@@ -101,6 +101,7 @@ class Turns:
     engines: dict[Hashable, EngineTurns] = field(default_factory=dict)
     queue: deque = field(default_factory=deque)  # keys waiting, first come first
     totals: Totals = field(default_factory=Totals)
+    _asking: Hashable = None  # the key whose `take` is granting now (its grant waited for nothing)
 
     # ---- what the sessions call --------------------------------------------------
 
@@ -114,7 +115,11 @@ class Turns:
         if e.asked_s is None:
             self.queue.append(key)
         e.ask, e.asked_s, e.last_s = ask, now, now
-        return self._grant(now)
+        self._asking = key
+        try:
+            return self._grant(now)
+        finally:
+            self._asking = None
 
     def end(self, key: Hashable, now: float) -> list[TurnGrant]:
         """`key` lets its turn go (nothing if it holds none)."""
@@ -191,7 +196,7 @@ class Turns:
 
     def _give(self, e: EngineTurns, n: int, nb: int, charge: int, now: float) -> TurnGrant:
         assert e.asked_s is not None
-        waited_s, waited = now - e.asked_s, now > e.asked_s
+        waited_s, waited = now - e.asked_s, e.key != self._asking
         e.asked_s, e.held_s, e.charge, e.overdue = None, now, charge, False
         e.n_threads, e.n_threads_batch = n, nb
         e.turns += 1
