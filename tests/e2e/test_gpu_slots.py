@@ -30,7 +30,7 @@ import warnings
 import numpy as np
 import pytest
 
-from tests.e2e.conftest import LLAMA_KW, PROMPT, ROOT, VULKAN_ENV, assert_bit_equal
+from tests.e2e.conftest import LLAMA_KW, PROMPT, ROOT, VULKAN_ENV, assert_bit_equal, unsplit
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("llama_cpp")
@@ -86,7 +86,8 @@ def _child(argv: list[str]) -> None:
     np.save(out, np.concatenate(rows))
     stats = {
         "batches": split if batches is None else batches,
-        "n_batch": max(split),  # the prompt's largest decode
+        # the asked n_batch where the prompt went in full batches, else its split's largest decode
+        "n_batch": int(n_batch) if split == unsplit(len(tokens), int(n_batch)) else max(split),
         "n_batch_after": llm.n_batch,  # what the engine keeps for the next call
         "prompt_tokens": len(tokens),
         "warnings": [str(w.message) for w in caught],
