@@ -237,6 +237,13 @@ class Client:
         A lost connection is reconnected first (module docstring); `generation`: the
         connection whose ids `msg` carries (a model id, lease ids): if another has replaced
         it, nothing is sent and DaemonUnavailable is raised."""
+        try:
+            return self._request(msg, fds, generation)
+        except _Unsent as exc:  # callers see the type they were promised, not the internal one
+            raise errors.DaemonUnavailable(str(exc)) from None
+
+    def _request(self, msg, fds: bool = False, generation: int | None = None):
+        """`request`, raising `_Unsent` when nothing left (callers that send again catch it)."""
         frame = _frame(msg)
         if self._sock is None and generation is None:
             self._revive()
@@ -285,7 +292,10 @@ class Client:
         (DaemonUnavailable when the connection is gone); `generation` as for `request`."""
         frame = _frame(msg)
         with self._lock:
-            sock = self._live(generation)
+            try:
+                sock = self._live(generation)
+            except _Unsent as exc:
+                raise errors.DaemonUnavailable(str(exc)) from None
             try:
                 sock.sendall(frame)
             except OSError as exc:
@@ -577,10 +587,10 @@ class ModelHandle:
             client._revive()  # before the ids are read: a reconnect re-binds them
         gen = client.generation
         try:
-            return client.request(m.Acquire(self.model_id, layer, experts, timeout_s, rel_ids), generation=gen)
-        except _Unsent:
+            return client._request(m.Acquire(self.model_id, layer, experts, timeout_s, rel_ids), generation=gen)
+        except _Unsent as exc:
             if client.reconnect_s <= 0:
-                raise
+                raise errors.DaemonUnavailable(str(exc)) from None
         client._revive()
         gen = client.generation  # the released leases went with the lost connection
         return client.request(m.Acquire(self.model_id, layer, experts, timeout_s, []), generation=gen)
