@@ -186,7 +186,7 @@ def test_warm_at_load_maps_what_it_says(start_daemon, reference_logits, aligned_
     finally:
         llm.close()
         client.close()
-    with pytest.raises(ValueError, match="warm must be one of"):
+    with pytest.raises(ValueError, match="warm takes one of off, resident, all"):
         streamed(daemon, aligned_model, warm="yes")
 
 
