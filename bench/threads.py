@@ -26,11 +26,11 @@ aggregate; the ratios are medians of the per-round ratios (drift slower than a r
 cancels). Prints one JSON line per case run and a summary with the ratios and goals
 (`--json`: the summary as one JSON object).
 
-`--user-threads ceiling` runs the daemon with `turn_user_threads = "ceiling"`: a count a
-user gave is then the most an engine gets while others compute, so k=cores engines compute
-side by side on a core each instead of in turn. Where one engine is about as fast on one
-thread as on every core (the issue's 2-vCPU VM), turns alone give k=cores about one
-engine's speed, 0.5x the per-core aggregate: run both to see which the goal needs.
+`--user-threads keep` runs the daemon with `turn_user_threads = "keep"`: a count a user
+gave is then granted as given however many engines compute, so k=cores engines take turns
+instead of computing side by side on a core each (the default, "ceiling"). Where one
+engine is about as fast on one thread as on every core (the issue's 2-vCPU VM), turns
+alone give k=cores about one engine's speed, 0.5x the per-core aggregate.
 
 The issue's fourth goal (q30 in a 6 GiB cap: two engines at n_threads=2 against two at
 n_threads=1 on 2 cores, >= 0.9x) is `--cases k=cores,per-core` on bench/real_size.py's
@@ -42,7 +42,7 @@ Usage:
     .venv/bin/python bench/threads.py                  # the figures: 48 tokens an engine, 3 rounds
     .venv/bin/python bench/threads.py --without-turns  # also the cases with turns off
     .venv/bin/python bench/threads.py --cases k=cores,per-core --rounds 5
-    .venv/bin/python bench/threads.py --user-threads ceiling   # a user's count as a ceiling (k=cores side by side)
+    .venv/bin/python bench/threads.py --user-threads keep   # a user's count always as given (k=cores take turns)
     .venv/bin/python bench/threads.py --model /path/q30.gguf --budget 4GiB --warm off --cases k=cores,per-core
 """
 
@@ -287,7 +287,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--warm", default="all", choices=("all", "resident", "off"), help="StreamedLlama(warm=...)")
     ap.add_argument(
         "--user-threads",
-        default="keep",
+        default="ceiling",
         choices=("keep", "ceiling"),
         help="the daemon's turn_user_threads: a user's count kept (engines given every core take turns) or a ceiling",
     )

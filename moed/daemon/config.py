@@ -82,9 +82,10 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # blocks anyone (one engine cannot stall the others).
     turn_idle_s: float = 1.0
     turn_max_s: float = 2.0
-    # "keep": a thread count an engine's user gave is granted as it is (engines given every
-    # core take turns); "ceiling": it is the most the engine gets while others compute.
-    turn_user_threads: Literal["keep", "ceiling"] = "keep"
+    # "ceiling" (default): a thread count an engine's user gave is granted as given while the
+    # engine is alone, and is the most it gets while others compute (its share of the cores);
+    # "keep": always granted as given (engines given every core then take turns).
+    turn_user_threads: Literal["keep", "ceiling"] = "ceiling"
 
     def __post_init__(self):
         checks = [

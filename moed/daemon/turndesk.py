@@ -27,7 +27,7 @@ from .turns import TurnAsk, TurnGrant, Turns
 
 
 class TurnDesk:
-    def __init__(self, loop: asyncio.AbstractEventLoop, idle_s: float, max_s: float, user_threads: str = "keep"):
+    def __init__(self, loop: asyncio.AbstractEventLoop, idle_s: float, max_s: float, user_threads: str = "ceiling"):
         self.loop = loop
         self.turns = Turns(idle_s=idle_s, max_s=max_s, user_threads=user_threads)
         self.waiters: dict[Hashable, asyncio.Future] = {}

@@ -10,11 +10,13 @@ the cores run many times slower than one after the other (issue 46: 2.2-3.5 tok/
 against 20.9-26.7 on two vCPUs).
 
 The rules:
-- Threads. A count the engine's user gave (`threads` >= 1) is granted as it is
-  (`user_threads="keep"`, the default; with `"ceiling"` it is the most the engine gets,
-  `min(threads, cpus // active)`, for boxes where one engine computes about as fast on
-  fewer threads, so that engines given every core compute side by side instead of in
-  turn). A count left to the daemon (0) is `cpus // active`, at least 1: `cpus` are the
+- Threads. A count the engine's user gave (`threads` >= 1) is granted as it is while
+  the engine is the only active one; while others are active it is the most the engine
+  gets, `min(threads, cpus // active)` (`user_threads="ceiling"`, the default: ggml's
+  workers gain little from a core another engine would otherwise use, so engines given
+  every core compute side by side on their share instead of in turn; bench/threads.py
+  measured 0.98x the per-core aggregate against about 0.2-0.5x taking turns). With
+  `"keep"` a user's count is always granted as given, and such engines take turns. A count left to the daemon (0) is `cpus // active`, at least 1: `cpus` are the
   cores the engine may run on (its sched_getaffinity), `active` the engines that hold or
   wait for a turn now or asked for or let go of one within `idle_s`, itself included. So
   one active engine gets every core it may run on, N share them, and an engine idle for
@@ -97,7 +99,7 @@ class Totals:
 class Turns:
     idle_s: float = 1.0
     max_s: float = 2.0
-    user_threads: str = "keep"  # "keep": a user's count is granted as it is; "ceiling": at most the share
+    user_threads: str = "ceiling"  # "ceiling": a user's count is at most the share; "keep": granted as it is
     engines: dict[Hashable, EngineTurns] = field(default_factory=dict)
     queue: deque = field(default_factory=deque)  # keys waiting, first come first
     totals: Totals = field(default_factory=Totals)
@@ -151,8 +153,9 @@ class Turns:
 
     def counts(self, ask: TurnAsk, now: float) -> tuple[int, int]:
         """(n_threads, n_threads_batch) for `ask` now: the user's, or the cores' share."""
-        share = max(1, ask.cpus // max(1, self.active(now)))
-        if self.user_threads == "ceiling":
+        active = max(1, self.active(now))
+        share = max(1, ask.cpus // active)
+        if self.user_threads == "ceiling" and active > 1:  # alone, a user's count is granted as given
             return (min(ask.threads, share) or share, min(ask.threads_batch, share) or share)
         return (ask.threads or share, ask.threads_batch or share)
 

@@ -8,9 +8,10 @@ engine's attributes follow, through `on_counts`); after the decode, `end` lets i
 fire-and-forget EndTurn (no second round trip).
 
 Invariants:
-- the engine computes with the counts each grant carries, and the daemon keeps a count
-  the user gave (`n_threads=K`, K >= 1) as it is (unless its operator set
-  `turn_user_threads = "ceiling"`: then K is the most it gets while others compute); the
+- the engine computes with the counts each grant carries; the daemon grants a count the
+  user gave (`n_threads=K`, K >= 1) as given while the engine is the only active one, and
+  at most its share while others are (the operator's `turn_user_threads = "keep"`: always
+  as given); the
   counts left to the daemon (None, 0 or negative) follow the split of the cores. A count
   above the wire's bound (`MAX_THREADS`), sent as the bound, is kept as given;
 - a decode never fails for lack of a turn: with no daemon, a daemon without the verb

@@ -20,6 +20,14 @@ WHOLE = dict(threads=CORES, threads_batch=CORES, cpus=CORES)  # a user's n_threa
 
 
 @pytest.fixture
+def daemon(start_daemon):
+    """A daemon that grants a user's count as given (`turn_user_threads = "keep"`): engines
+    given every core then take turns, the mechanics these tests watch. The default (a
+    ceiling among others) has its own test below."""
+    return start_daemon("64MiB", config={"turn_user_threads": "keep"})
+
+
+@pytest.fixture
 def pool():
     with ThreadPoolExecutor(4) as ex:
         yield ex
@@ -105,7 +113,7 @@ def test_an_acquire_waiting_on_reads_lets_another_compute(daemon, tiny_model, po
 
 
 def test_a_turn_held_too_long_no_longer_blocks(start_daemon, pool):
-    d = start_daemon("64MiB", config={"turn_max_s": 0.3})
+    d = start_daemon("64MiB", config={"turn_max_s": 0.3, "turn_user_threads": "keep"})
     with d.client("hog") as hog, d.client("b") as b:
         take(hog, **WHOLE)  # and never lets it go
         got = pool.submit(take, b, **WHOLE).result(timeout=10)
@@ -153,7 +161,7 @@ def test_moectl_stats_shows_each_engines_threads(daemon):
 
 
 def test_a_users_count_as_a_ceiling(start_daemon):
-    d = start_daemon("64MiB", config={"turn_user_threads": "ceiling"})
+    d = start_daemon("64MiB")  # the default: a user's count is a ceiling among others
     with d.client("a") as a, d.client("b") as b:
         assert take(a, **WHOLE).n_threads == CORES  # alone: what it asked for
         end(a)

@@ -14,7 +14,8 @@ IDLE_S, MAX_S = 1.0, 2.0
 
 
 def turns() -> Turns:
-    return Turns(idle_s=IDLE_S, max_s=MAX_S)
+    """The turn rules with a user's count kept as given (the mechanics of waiting)."""
+    return Turns(idle_s=IDLE_S, max_s=MAX_S, user_threads="keep")
 
 
 def granted(grants, key) -> tuple[int, int] | None:
@@ -57,6 +58,14 @@ def test_the_users_count_stays_the_users(threads):
     t.end("other", 0.0)
     g = t.take("mine", TurnAsk(threads=threads, threads_batch=threads, cpus=2), 0.1)
     assert granted(g, "mine") == (threads, threads)
+
+
+def test_by_default_a_users_count_is_kept_alone_and_a_ceiling_among_others():
+    t = Turns(idle_s=IDLE_S, max_s=MAX_S)
+    alone = TurnAsk(threads=3, threads_batch=3, cpus=2)
+    assert granted(t.take("a", alone, 0.0), "a") == (3, 3)  # the only engine: as given, past the cores too
+    t.end("a", 0.0)
+    assert granted(t.take("b", TurnAsk(threads=2, threads_batch=2, cpus=2), 0.1), "b") == (1, 1)  # a is active
 
 
 def test_as_a_ceiling_the_users_count_is_the_most_it_gets():
@@ -181,7 +190,7 @@ class TurnsMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.t = Turns(idle_s=IDLE_S, max_s=MAX_S)
+        self.t = Turns(idle_s=IDLE_S, max_s=MAX_S, user_threads="keep")
         self.now = 0.0
 
     @rule(key=KEYS, ask=ASKS)
