@@ -43,7 +43,7 @@ Usage:
     .venv/bin/python bench/threads.py --without-turns  # also the cases with turns off
     .venv/bin/python bench/threads.py --cases k=cores,per-core --rounds 5
     .venv/bin/python bench/threads.py --user-threads keep   # a user's count always as given (k=cores take turns)
-    .venv/bin/python bench/threads.py --model /path/q30.gguf --budget 4GiB --warm off --cases k=cores,per-core
+    .venv/bin/python bench/threads.py --model /path/q30.gguf --budget 4GiB --warm off --random-tokens --cases k=cores,per-core
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import select
 import statistics
 import subprocess
@@ -99,7 +100,9 @@ GOALS = [("k=cores", "per-core", 0.8), ("defaults", "per-core", 0.8), ("alone", 
 # ---- one engine (a child process) -------------------------------------------------------
 
 
-def engine_main(sock: str, model: str, name: str, threads: int | None, tokens: int, warmup: int, warm: str) -> int:
+def engine_main(
+    sock: str, model: str, name: str, threads: int | None, tokens: int, warmup: int, warm: str, random_tokens: bool
+) -> int:
     """Load, warm, say ready; on a line from stdin decode `tokens` and print one JSON line."""
     from moed.client import Client
     from moed.engines.llama_cpp import StreamedLlama
@@ -111,11 +114,12 @@ def engine_main(sock: str, model: str, name: str, threads: int | None, tokens: i
     client = Client(sock, name)
     llm = StreamedLlama(model, client=client, **kw)
     llm.eval(llm.tokenize(PROMPT.encode()))
-    decode(llm, warmup)
+    pick = random.Random(name).randrange if random_tokens else None
+    decode(llm, warmup, pick)
     print("ready", flush=True)
     sys.stdin.readline()
     start = time.monotonic()  # CLOCK_MONOTONIC: comparable between processes on one box
-    decode(llm, tokens)
+    decode(llm, tokens, pick)
     end = time.monotonic()
     st = llm.stream_stats()
     out = dict(start=start, end=end, tokens=tokens, n_threads=llm.n_threads, n_threads_batch=llm.n_threads_batch)
@@ -125,12 +129,14 @@ def engine_main(sock: str, model: str, name: str, threads: int | None, tokens: i
     return 0
 
 
-def decode(llm, n: int) -> None:
-    """`n` decode steps of one token each: the prompt's tokens over again (a decode's cost does not
-    depend on which token; without logits_all llama-cpp-python keeps no logits to pick one by)."""
+def decode(llm, n: int, pick=None) -> None:
+    """`n` decode steps of one token each: the prompt's tokens over again (a decode's compute does
+    not depend on which token; without logits_all llama-cpp-python keeps no logits to pick one
+    by), or with `pick`, tokens drawn at random from the vocabulary: on a random-weight model
+    they route as widely as tokens sampled at a high temperature, so the drive is in the figure."""
     prompt = llm.tokenize(PROMPT.encode(), add_bos=False)
     for i in range(n):
-        llm.eval([prompt[i % len(prompt)]])
+        llm.eval([pick(llm.n_vocab()) if pick else prompt[i % len(prompt)]])
 
 
 # ---- the cases --------------------------------------------------------------------------
@@ -150,6 +156,7 @@ def spawn(sock: str, model: str, name: str, case: Case, args) -> subprocess.Pope
         str(args.tokens),
         str(args.warmup),
         args.warm,
+        "random" if args.random_tokens else "prompt",
     ]
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
@@ -242,9 +249,9 @@ def print_summary(summary: dict) -> None:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--engine"]:
-        sock, model, name, threads, tokens, warmup, warm = argv[1:8]
+        sock, model, name, threads, tokens, warmup, warm, feed = argv[1:9]
         count = None if threads == "none" else int(threads)
-        return engine_main(sock, model, name, count, int(tokens), int(warmup), warm)
+        return engine_main(sock, model, name, count, int(tokens), int(warmup), warm, feed == "random")
     args = parse(argv)
     model = args.model or (QUICK_MODEL if args.quick else DEFAULT_MODEL)
     ensure_model(model, args.quick)
@@ -294,6 +301,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--without-turns", action="store_true", help="also the cases with MOED_TURNS=0")
     ap.add_argument("--timeout-s", type=float, default=600.0, help="for each case (default 600)")
     ap.add_argument("--json", action="store_true", help="print only the summary, as one JSON object")
+    ap.add_argument(
+        "--random-tokens",
+        action="store_true",
+        help="decode tokens drawn at random (the drive in the figure, for --budget below the model)",
+    )
     ap.add_argument("--quick", action="store_true", help="smoke run: a tiny model, 6 tokens, 1 round")
     args = ap.parse_args(argv)
     if args.quick:
