@@ -238,3 +238,15 @@ def vulkan_device() -> str:
             "(lavapipe: mesa-vulkan-drivers) is installed; scripts/setup-system installs both where it can"
         )
     return devices
+
+
+def greedy_steps(llm, tokens: list[int], rows: list, steps: int = 32):
+    """`greedy_logits` one eval at a time: yields after each, appending its logits to `rows`."""
+    llm.reset()
+    llm.eval(tokens)
+    rows.append(llm.scores[: llm.n_tokens].copy())
+    yield
+    for _ in range(steps):
+        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        rows.append(llm.scores[llm.n_tokens - 1 : llm.n_tokens].copy())
+        yield

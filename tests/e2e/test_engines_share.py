@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.e2e.conftest import LLAMA_KW, PROMPT, assert_bit_equal
+from tests.e2e.conftest import LLAMA_KW, PROMPT, assert_bit_equal, greedy_steps
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("llama_cpp")  # e2e needs the real llama.cpp (pyproject extra "llama")
@@ -99,18 +99,6 @@ def test_killed_engine_leaves_daemon_and_other_engine_unharmed(small_daemon, tin
     assert "Traceback" not in small_daemon.log()
     # and the daemon still serves a fresh engine the same text
     assert result(spawn(small_daemon.socket, tiny_model, PROMPTS[1])) == want
-
-
-def greedy_steps(llm, tokens: list[int], rows: list, steps: int = 32):
-    """`greedy_logits` one eval at a time: yields after each, appending its logits to `rows`."""
-    llm.reset()
-    llm.eval(tokens)
-    rows.append(llm.scores[: llm.n_tokens].copy())
-    yield
-    for _ in range(steps):
-        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
-        rows.append(llm.scores[llm.n_tokens - 1 : llm.n_tokens].copy())
-        yield
 
 
 def test_two_architectures_share_a_daemon_and_each_stays_bit_exact(

@@ -9,25 +9,13 @@ import os
 import numpy as np
 import pytest
 
-from tests.e2e.conftest import LLAMA_KW, assert_bit_equal
+from tests.e2e.conftest import LLAMA_KW, assert_bit_equal, greedy_steps
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("llama_cpp")  # e2e needs the real llama.cpp (pyproject extra "llama")
 
 CORES = len(os.sched_getaffinity(0))  # this host's, as the engines see it
 AUTO_KW = {k: v for k, v in LLAMA_KW.items() if k != "n_threads"}  # no thread count: the daemon's
-
-
-def greedy_steps(llm, tokens: list[int], rows: list, steps: int = 32):
-    """conftest's `greedy_logits` one eval at a time: yields after each, appending its logits."""
-    llm.reset()
-    llm.eval(tokens)
-    rows.append(llm.scores[: llm.n_tokens].copy())
-    yield
-    for _ in range(steps):
-        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
-        rows.append(llm.scores[llm.n_tokens - 1 : llm.n_tokens].copy())
-        yield
 
 
 def run_in_turn(llms: list, tokens: list[int]) -> list[np.ndarray]:
