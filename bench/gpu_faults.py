@@ -77,7 +77,7 @@ def main() -> None:
             model = ensure_model(arch, z, pathlib.Path(args.model_dir))
             with DaemonProcess(gf.ZERO_COPY_BUDGET if z else gf.COPY_BUDGET) as daemon:
                 for n_batch in ints(args.n_batches):
-                    group = [gf.Config(arch, s, z, n_batch) for s in ints(args.slots)]
+                    group = [gf.EngineSetup(arch, s, z, n_batch) for s in ints(args.slots)]
                     got = gf.check_configs(group, model, daemon.socket, lengths, out / f"{arch}-{z}-{n_batch}")
                     for c in got:
                         print(json.dumps({**vars(c), "config": c.config.name}), flush=True)

@@ -48,7 +48,7 @@ TEXT = b"the expert model reads memory pages from the drive, one token at a time
 
 
 @dataclass(frozen=True)
-class Config:
+class EngineSetup:
     """One engine process: the cases of every prompt length share it."""
 
     arch: str
@@ -65,7 +65,7 @@ class Config:
 class Case:
     """One prompt of one configuration, and what it gave."""
 
-    config: Config
+    config: EngineSetup
     length: int
     batches: list[int]  # the engine's decodes of the prompt call (eval_batches)
     n_batch_after: int  # the engine's n_batch after the call: the asked one, always
@@ -112,8 +112,8 @@ def model_kwargs(arch: str, zero_copy: bool) -> dict:
     return {"arch": arch, "experts": EXPERTS, "used": USED, "ctx": 1024, **geometry}
 
 
-def configs(families=FAMILIES, slots=SLOTS, zero_copy=(False, True), n_batches=N_BATCHES) -> list[Config]:
-    return [Config(a, s, z, n) for a in families for z in zero_copy for s in slots for n in n_batches]
+def configs(families=FAMILIES, slots=SLOTS, zero_copy=(False, True), n_batches=N_BATCHES) -> list[EngineSetup]:
+    return [EngineSetup(a, s, z, n) for a in families for z in zero_copy for s in slots for n in n_batches]
 
 
 # ---------------------------------------------------------------------- the engine (child side)
@@ -199,7 +199,7 @@ def run(spec: dict) -> list[dict]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def engine(config: Config, model: str, socket: str, lengths, out: Path) -> list[dict] | str:
+def engine(config: EngineSetup, model: str, socket: str, lengths, out: Path) -> list[dict] | str:
     """The engine's facts for each prompt length (logits in out/I.npy), or why its process failed."""
     spec = dict(which="engine", model=model, socket=socket, slots=config.slots, zero_copy=config.zero_copy)
     try:
@@ -216,7 +216,7 @@ def stock(model: str, n_batch: int, jobs: set[tuple[int, tuple[int, ...]]], out:
     return {job: out / f"{i}.npy" for i, job in enumerate(order)}
 
 
-def check_configs(configs: list[Config], model: str, socket: str, lengths=PROMPT_LENGTHS, out=None) -> list[Case]:
+def check_configs(configs: list[EngineSetup], model: str, socket: str, lengths=PROMPT_LENGTHS, out=None) -> list[Case]:
     """Run each configuration's engine (one model, one n_batch) over `lengths`, then one stock
     process for every call those engines made, and compare prompt by prompt."""
     import numpy as np

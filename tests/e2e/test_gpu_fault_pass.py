@@ -33,7 +33,7 @@ def test_a_family_at_twice_top_k_splits_only_the_calls_that_need_it(model_factor
     experts a layer than S and are split; each equals stock on the same decodes."""
     model = model_factory(**gf.model_kwargs(arch, False))
     daemon = start_daemon(gf.COPY_BUDGET)
-    config = gf.Config(arch, 2 * gf.USED, False, 8)
+    config = gf.EngineSetup(arch, 2 * gf.USED, False, 8)
     check(gf.check_configs([config], str(model), daemon.socket, (1, 5, 40), tmp_path))
 
 
@@ -43,7 +43,7 @@ def test_zero_copy_at_top_k_then_a_300_token_prompt_at_the_expert_count(model_fa
     bit-exact with stock's whole call."""
     model = model_factory(**gf.model_kwargs("qwen3moe", True))
     daemon = start_daemon(gf.ZERO_COPY_BUDGET)
-    top_k, every = (gf.Config("qwen3moe", s, True, 512) for s in (gf.USED, gf.EXPERTS))
+    top_k, every = (gf.EngineSetup("qwen3moe", s, True, 512) for s in (gf.USED, gf.EXPERTS))
     check(gf.check_configs([top_k], str(model), daemon.socket, (5, 40), tmp_path / "k"))
     whole = gf.check_configs([every], str(model), daemon.socket, (300,), tmp_path / "n")
     check(whole, some_split=False)
