@@ -35,6 +35,13 @@ Engines:
   back; with zero copy also moed's acquire and release every layer (local hits). The
   reference page's "host round trip at each layer" is 0.37 ms on a real GPU.
 
+`--after-split` runs one `slots` engine instead (issue 47): a call too large for its slots
+(`--n-batch` pseudo-random tokens, more distinct experts a layer than S), then, after
+`reset()`, a 300-token prompt of one token repeated (every row routes alike: top-k experts
+a layer, within S at any batch size). It prints the `n_batch` asked, the too-large call's
+decodes (`eval_batches`) and the warning, `n_batch` after it, and the 300-token prompt's
+decodes, which must be ceil(300 / n_batch) at the asked `n_batch`, with its time.
+
 Prints one JSON line per run, then per engine the median decode tok/s and its median
 per-round ratio to stock, the per-layer stop (from slots-all against stock, and the
 engine's own time in acquire and in the slot cycle), the upload bandwidth (upload_bytes /
@@ -59,6 +66,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 ENGINES = ("stock", "hybrid", "slots", "zero-copy", "stop", "stop-zero-copy")
+AFTER_SPLIT = "after-split"  # --after-split: not a timed engine
+LONG_PROMPT = 300
 STOP_ENGINES = ("stop", "stop-zero-copy")
 NO_STOP = b"moed-bench-no-stop-"  # a routed stop no node is named after: the ask pass wants none
 LLAMA_KW = dict(n_ctx=512, n_batch=64, n_ubatch=64, n_threads=2, verbose=False, seed=0, n_gpu_layers=-1)
@@ -73,6 +82,8 @@ def child(args: argparse.Namespace) -> None:
     import numpy as np
 
     kw = dict(LLAMA_KW)
+    if args.engine == AFTER_SPLIT:
+        return after_split_child(args, {**kw, "n_batch": args.n_batch, "n_ubatch": args.n_batch})
     client = None
     if args.engine == "stock":
         import llama_cpp
@@ -212,6 +223,50 @@ def stop_child(args: argparse.Namespace, llm, client, rng, n_vocab: int) -> None
     print(json.dumps(out))
 
 
+def after_split_child(args: argparse.Namespace, kw: dict) -> None:
+    """A too-large call, then a 300-token prompt that fits: its decodes at the asked n_batch."""
+    import warnings
+
+    import numpy as np
+
+    from moed.client import Client
+    from moed.engines.llama_cpp import StreamedLlama
+
+    client = Client(args.socket, "bench-after-split")
+    llm = StreamedLlama(args.model, client=client, prefetch="off", gpu_slots=args.slots, **kw)
+    rng = np.random.default_rng(SEED)
+    wide = [int(t) for t in rng.integers(1, llm.n_vocab(), args.n_batch)]
+    llm.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        llm.eval(wide)
+    out = {
+        "engine": AFTER_SPLIT,
+        "slots": args.slots,
+        "n_batch_asked": args.n_batch,
+        "too_large_call": {"tokens": len(wide), "eval_batches": list(llm.eval_batches)},
+        "warnings": [str(w.message) for w in caught],
+        "n_batch_after": llm.n_batch,
+    }
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval([wide[0]] * LONG_PROMPT)
+    wall = time.perf_counter() - t0
+    want = [min(args.n_batch, LONG_PROMPT - i) for i in range(0, LONG_PROMPT, args.n_batch)]
+    out["long_prompt"] = {
+        "tokens": LONG_PROMPT,
+        "eval_batches": list(llm.eval_batches),
+        "decodes": len(llm.eval_batches),
+        "ceil_300_over_n_batch": len(want),
+        "at_asked_n_batch": llm.eval_batches == want,
+        "s": wall,
+    }
+    out["n_batch_end"] = llm.n_batch
+    llm.close()
+    client.close()
+    print(json.dumps(out))
+
+
 # ---------------------------------------------------------------------- the run (parent)
 
 
@@ -247,6 +302,7 @@ def run_one(engine: str, model: str, args: argparse.Namespace) -> dict:
             daemon.socket if daemon else "",
             *("--slots", str(args.slots), "--experts", str(args.experts)),
             *("--tokens", str(args.tokens), "--warmup", str(args.warmup), "--stop-warmup", str(args.stop_warmup)),
+            *("--n-batch", str(args.n_batch)),
         ]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
@@ -277,7 +333,9 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=16, help="S: device slots a layer (slots, zero-copy)")
     ap.add_argument("--budget", default="96MiB", help="moed's budget for hybrid, slots, zero-copy")
     ap.add_argument("--model-dir", default="/tmp/moed-bench-gpu-slots")
-    ap.add_argument("--child", choices=ENGINES, dest="engine", help=argparse.SUPPRESS)
+    ap.add_argument("--after-split", action="store_true", help="a too-large call, then a 300-token prompt (issue 47)")
+    ap.add_argument("--n-batch", type=int, default=64, help="--after-split: the n_batch asked")
+    ap.add_argument("--child", choices=(*ENGINES, AFTER_SPLIT), dest="engine", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--socket", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -289,6 +347,10 @@ def main() -> None:
     device = found.stdout.strip().splitlines()[-1] if found.stdout.strip() else ""
     if not device:
         raise SystemExit("no GPU device ggml sees (lavapipe: set GGML_VK_VISIBLE_DEVICES=0)")
+    if args.after_split:
+        res = run_one(AFTER_SPLIT, ensure_model(args), args)
+        print(json.dumps({"device": device, **res}, indent=1))
+        return after_split_report(res)
     engines = args.engines.split(",")
     if unknown := [e for e in engines if e not in ENGINES]:
         raise SystemExit(f"unknown engine(s) {unknown}: choose from {','.join(ENGINES)}")
@@ -322,6 +384,21 @@ def main() -> None:
                 if "tok_s" in res:
                     ratios[e].append(res["tok_s"] / this["stock"]["tok_s"])
     report(device, engines, runs, ratios, args)
+
+
+def after_split_report(res: dict) -> None:
+    from moed.testing.gpu_faults import compact
+
+    asked, long = res["n_batch_asked"], res["long_prompt"]
+    print(
+        f"\nn_batch asked {asked}, S={res['slots']}; the too-large call of {res['too_large_call']['tokens']} tokens "
+        f"went as {compact(res['too_large_call']['eval_batches'])}; n_batch after it {res['n_batch_after']}; the "
+        f"{long['tokens']}-token prompt after it: {long['decodes']} decodes [{compact(long['eval_batches'])}] (ceil(300/{asked}) = "
+        f"{long['ceil_300_over_n_batch']}, {'at' if long['at_asked_n_batch'] else 'NOT at'} the asked n_batch), "
+        f"{long['s']:.2f} s"
+    )
+    if not long["at_asked_n_batch"] or res["n_batch_end"] != asked:
+        raise SystemExit("the prompt after the split did not run at the asked n_batch")
 
 
 def report(device: str, engines: list[str], runs: dict, ratios: dict, args: argparse.Namespace) -> None:
