@@ -230,7 +230,11 @@ def check_configs(configs: list[EngineSetup], model: str, socket: str, lengths=P
         runs[config] = (mine, engine(config, model, socket, lengths, mine))
     jobs = {(n, tuple(unsplit(n, n_batch))) for n in lengths}
     jobs |= {(f["length"], tuple(f["batches"])) for _, facts in runs.values() if isinstance(facts, list) for f in facts}
-    want = stock(model, n_batch, jobs, out / f"stock-{n_batch}")
+    try:
+        want = stock(model, n_batch, jobs, out / f"stock-{n_batch}")
+    except RuntimeError as exc:  # stock itself died: no reference for this group, said per case
+        why = f"no reference: {str(exc).splitlines()[0]}"
+        return [Case(c, n, [], -1, why, False) for c in configs for n in lengths]
     cases = []
     for config, (mine, facts) in runs.items():
         if isinstance(facts, str):
