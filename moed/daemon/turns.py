@@ -66,6 +66,24 @@ class TurnGrant:
     waited: bool  # it was queued (not granted when asked)
 
 
+@dataclass
+class Totals:
+    """Turns counted: one engine's (EngineTurns.counts) or, since the daemon started,
+    every connection's, closed ones included (Turns.totals, for stats)."""
+
+    turns: int = 0
+    turn_waits: int = 0
+    turn_wait_s: float = 0.0
+    turns_overdue: int = 0
+
+    def granted(self, waited_s: float | None) -> None:
+        """A turn given; `waited_s`: how long it was queued (None: granted when asked)."""
+        self.turns += 1
+        if waited_s is not None:
+            self.turn_waits += 1
+            self.turn_wait_s += waited_s
+
+
 @dataclass(eq=False)
 class EngineTurns:
     """One engine's (one connection's) turns: what it asked, holds, and has been given."""
@@ -79,20 +97,7 @@ class EngineTurns:
     overdue: bool = False  # its held turn ran past max_s
     n_threads: int = 0  # the counts of its last grant (0: none yet)
     n_threads_batch: int = 0
-    turns: int = 0
-    turn_waits: int = 0
-    turn_wait_s: float = 0.0
-    turns_overdue: int = 0
-
-
-@dataclass
-class Totals:
-    """Since the daemon started, connections that closed included (stats)."""
-
-    turns: int = 0
-    turn_waits: int = 0
-    turn_wait_s: float = 0.0
-    turns_overdue: int = 0
+    counts: Totals = field(default_factory=Totals)  # its own; Turns.totals counts them all
 
 
 @dataclass
@@ -176,8 +181,8 @@ class Turns:
                 continue
             if now - e.held_s > self.max_s:  # it no longer blocks anyone (counted once)
                 e.overdue = True
-                e.turns_overdue += 1
-                self.totals.turns_overdue += 1
+                for t in (e.counts, self.totals):
+                    t.turns_overdue += 1
                 continue
             busy += e.charge
         return busy
@@ -202,13 +207,8 @@ class Turns:
         waited_s, waited = now - e.asked_s, e.key != self._asking
         e.asked_s, e.held_s, e.charge, e.overdue = None, now, charge, False
         e.n_threads, e.n_threads_batch = n, nb
-        e.turns += 1
-        self.totals.turns += 1
-        if waited:
-            e.turn_waits += 1
-            e.turn_wait_s += waited_s
-            self.totals.turn_waits += 1
-            self.totals.turn_wait_s += waited_s
+        for t in (e.counts, self.totals):
+            t.granted(waited_s if waited else None)
         return TurnGrant(e.key, n, nb, waited_s, waited)
 
     def _let_go(self, e: EngineTurns, now: float) -> None:
@@ -234,10 +234,10 @@ class Turns:
             "computing": e.held_s is not None,
             "waiting": e.asked_s is not None,
             "active": self._is_active(e, now),
-            "turns": e.turns,
-            "turn_waits": e.turn_waits,
-            "turn_wait_s": round(e.turn_wait_s, 6),
-            "turns_overdue": e.turns_overdue,
+            "turns": e.counts.turns,
+            "turn_waits": e.counts.turn_waits,
+            "turn_wait_s": round(e.counts.turn_wait_s, 6),
+            "turns_overdue": e.counts.turns_overdue,
         }
 
 

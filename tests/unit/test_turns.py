@@ -121,7 +121,7 @@ def test_a_turn_held_too_long_no_longer_blocks():
     assert t.next_deadline() == pytest.approx(MAX_S)
     assert t.tick(MAX_S - 0.01) == []
     assert [g.key for g in t.tick(MAX_S + 0.01)] == ["b"]
-    assert t.engines["hog"].turns_overdue == 1 and t.totals.turns_overdue == 1
+    assert t.engines["hog"].counts.turns_overdue == 1 and t.totals.turns_overdue == 1
     # the hog still holds, overdue: b's next turn is granted at once
     t.end("b", 2.1)
     assert granted(t.take("b", k, 2.2), "b") == (2, 2)
@@ -157,7 +157,7 @@ def test_asking_again_while_holding_lets_the_first_turn_go():
     k = TurnAsk(threads=2, threads_batch=2, cpus=2)
     t.take("a", k, 0.0)
     assert granted(t.take("a", k, 0.1), "a") == (2, 2)
-    assert t.engines["a"].turns == 2 and t.computing(0.1) == 2
+    assert t.engines["a"].counts.turns == 2 and t.computing(0.1) == 2
 
 
 def test_the_stats_row_says_what_the_engine_has():
