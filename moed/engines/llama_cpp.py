@@ -462,8 +462,10 @@ class StreamedLlama(_OwnedLlama):
     and the next one reconnects (the client's `reconnect_s`, default 30 s: retries from
     50 ms doubling to 1 s), maps the new daemon's RAM tier, and runs on the same model
     and KV cache; `ensure_connected()` does that step alone.
-    Threads (llama.cpp's `n_threads`, `n_threads_batch`): a count given (K >= 1) stays
-    K; one left out (None, 0 or negative) is the daemon's to decide, applied between
+    Threads (llama.cpp's `n_threads`, `n_threads_batch`): a count given (K >= 1) is
+    used in full while this is the only active engine and is at most an even share of
+    the cores while several are (the daemon's `turn_user_threads = "keep"`: always K);
+    one left out (None, 0 or negative) is the daemon's to decide, applied between
     decodes: every core this process may run on while it is the one engine computing,
     an even share when several are (moed.daemon.turns). Either way each decode computes
     in a turn the daemon grants, so engines that together ask for more threads than there
