@@ -59,8 +59,8 @@ Invariants:
 - The tensors are switched before any context computes with the model (as for device slots:
   the scheduler places an op when it splits a graph), and freed only after the model is
   freed; the segments' mappings outlive the imports (the client is closed after).
-- A failed route, and `skip` at a later stop of a failed decode, write slot 0 for every id:
-  in range of every class tensor, whatever the slot holds (the decode's outputs are thrown
+- A failed route, and `skip` at a later stop of a failed decode, write k distinct moed slots
+  a row (`device_slots.skip_ids`): in range of every class tensor, whatever the slot holds (the decode's outputs are thrown
   away). Reading a hole of the sparse segment there faults a zero page into the memfd.
 
 Refused at load, with the reason (`HostImportUnavailable`):
@@ -110,6 +110,7 @@ from moed.engines.device_slots import (
     _api,
     _topk_shape,
     _write_ids,
+    skip_ids,
 )
 from moed.engines.ggml_tensor import GgmlTensor, loaded_library
 from moed.engines.kernels import GGML_BACKEND_BUFFER_USAGE_WEIGHTS, GgmlInitParams
@@ -475,10 +476,11 @@ class HostSlots:
                 self.stats.row_bytes += r.stride
 
     def skip(self, layer: int, topk: int) -> None:
-        """Slot 0 for every id of `topk`: a decode that failed computes on to its end over slot 0."""
+        """In-range moed slots for every id of `topk` (`skip_ids`): a decode that failed computes
+        on to its end over them."""
         n_rows, k, nb1 = _topk_shape(layer, topk)
         if k and n_rows:
-            _write_ids(topk, np.zeros((n_rows, k), np.int32), nb1)
+            _write_ids(topk, skip_ids(n_rows, k, self._layers[layer].capacity), nb1)
 
     def totals(self) -> dict:
         return dict(vars(self.stats))

@@ -43,8 +43,8 @@ Invariants:
 - A slot the batch in flight uses is never evicted. A batch naming more distinct
   experts in a layer than it has slots raises `SlotsExceeded` (a `RequestTooLarge`, on
   which the engine lowers `n_batch`; `missing` raises it before anything is acquired),
-  and a failed `route`, like `skip` at a later stop of a failed decode, writes slot 0
-  for every id, so no matmul can read past a slot tensor.
+  and a failed `route`, like `skip` at a later stop of a failed decode, writes k distinct
+  slots a row (`skip_ids`), so no matmul can read past a slot tensor.
 - An expert enters a slot's LRU entry only once all its parts (and rows) are on the
   device; a failed upload leaves the slots it was filling free.
 - Uploads use the plain layout (ggml's device kernels read the file's bytes): a file
@@ -134,6 +134,15 @@ def _topk_shape(layer: int, topk: int) -> tuple[int, int, int]:
     if int(t.ne[2]) * int(t.ne[3]) != 1:
         raise RuntimeError(f"the top-k of layer {layer} has more than two dimensions: unexpected graph")
     return int(t.ne[1]), int(t.ne[0]), int(t.nb[1])
+
+
+def skip_ids(n_rows: int, k: int, n_slots: int) -> np.ndarray:
+    """In-range ids for a failed decode's top-k: k distinct slots a row, the rows spread over
+    all `n_slots` (k <= n_slots, checked at load). Never one slot for every id: a token naming
+    the same expert k times, the whole batch on one slot, is a top-k llama.cpp never makes, and
+    ggml-vulkan's MUL_MAT_ID computed inf from it at >= 256 tokens (gpt-oss on lavapipe,
+    measured: inf in the KV cache's freed cells, NaN in every later batch's masked attention)."""
+    return (np.arange(n_rows * k, dtype=np.int32) % n_slots).reshape(n_rows, k)
 
 
 def _write_ids(topk: int, ids: np.ndarray, nb1: int) -> None:
@@ -377,7 +386,7 @@ class DeviceSlots:
                 )
             api.buffer_set_usage(out.buffer, GGML_BACKEND_BUFFER_USAGE_WEIGHTS)  # the scheduler's cue
             # Zeros, never what the allocator left: a failed decode computes on to its end over
-            # slot 0 (`skip`), and NaN there would stay in the KV cache's freed cells, where a
+            # `skip_ids`' slots, and NaN there would stay in the KV cache's freed cells, where a
             # later batch's masked attention multiplies it by 0 (NaN; measured: wrong logits
             # after a split batch). Zero quantized blocks decode to zero weights.
             api.buffer_clear(out.buffer, 0)
@@ -472,11 +481,11 @@ class DeviceSlots:
         return np.array(ids, np.int32)
 
     def skip(self, layer: int, topk: int) -> None:
-        """Slot 0 for every id of `topk`: a decode that failed (nothing placed for this layer)
-        computes on to its end over in-range slots, never past a slot tensor."""
+        """In-range slots for every id of `topk` (`skip_ids`): a decode that failed (nothing
+        placed for this layer) computes on to its end over them, never past a slot tensor."""
         n_rows, k, nb1 = _topk_shape(layer, topk)
         if k and n_rows:
-            _write_ids(topk, np.zeros((n_rows, k), np.int32), nb1)
+            _write_ids(topk, skip_ids(n_rows, k, self._layers[layer].n_slots), nb1)
 
     def _checked(self, layer: int, L: _SlotLayer, want: np.ndarray) -> np.ndarray:
         """`want` (sorted distinct experts), checked against the layer's expert count and slots."""

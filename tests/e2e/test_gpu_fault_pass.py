@@ -48,3 +48,17 @@ def test_zero_copy_at_top_k_then_a_300_token_prompt_at_the_expert_count(model_fa
     whole = gf.check_configs([every], str(model), daemon.socket, (300,), tmp_path / "n")
     check(whole, some_split=False)
     assert whole[0].batches == [300], "S holds every expert: one decode at the asked n_batch"
+
+
+def test_gpt_oss_300_token_prompt_split_after_failed_attempts_of_256_and_more(model_factory, start_daemon, tmp_path):
+    """gpt-oss, copying slots at top-k, n_batch 512: the 300-token prompt fails whole and at
+    256, 128, ... tokens before single tokens go through. The failed attempts compute on to
+    their end over `skip`'s ids, whose values stay in the KV cache's freed cells; one slot for
+    every id made inf there (ggml-vulkan's MUL_MAT_ID, >= 256 tokens) and NaN in 255 of the
+    300 rows after. Bit-exact with stock fed the same 300 single tokens."""
+    model = model_factory(**gf.model_kwargs("gpt-oss", False))
+    daemon = start_daemon(gf.COPY_BUDGET)
+    config = gf.EngineSetup("gpt-oss", gf.USED, False, 512)
+    cases = gf.check_configs([config], str(model), daemon.socket, (300,), tmp_path)
+    check(cases)
+    assert cases[0].batches == [1] * 300, cases[0].row()
