@@ -18,7 +18,7 @@ import warnings
 from typing import TYPE_CHECKING, cast
 
 from moed.badinput import BadInput
-from moed.engines.options import N_GPU_LAYERS_HELP, RUN, EngineOptions
+from moed.engines.options import RUN, EngineOptions
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -71,19 +71,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         "--ctx", type=int, default=None, help="context length (default: the model's training context, at most 4096)"
     )
     p.add_argument("--batch", type=int, default=512, help="prompt batch size (default 512)")
-    p.add_argument(
-        "--threads", type=int, default=None, help="CPU threads (default: moed shares the cores among the engines)"
-    )
-    p.add_argument(
-        "--n-gpu-layers",
-        type=int,
-        default=0,
-        metavar="N",
-        help=N_GPU_LAYERS_HELP,
-    )
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     p.add_argument("--seed", type=int, default=0)
-    EngineOptions.add_flags(p, RUN)  # --skeleton-dir, --prefetch, --prefetch-width, --subst, --subst-rule, --repack
+    # The engine's options (moed.engines.options): --skeleton-dir, --prefetch, ..., and the llama.cpp
+    # settings that are options too: --n-gpu-layers, --threads.
+    EngineOptions.add_flags(p, RUN)
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's load log")
 
 
@@ -182,13 +174,12 @@ def lookahead_line(st: dict) -> str:
 
 
 def _llama_settings(args) -> dict:
-    """The llama.cpp settings every engine verb takes from its flags (one place for generate, chat, kl)."""
+    """llama.cpp's own settings every engine verb takes from its flags (one place for generate, chat,
+    kl); those that are engine options too (n_gpu_layers, the thread counts) come with the options."""
     return dict(
         n_ctx=args.ctx or _default_ctx(args.model),
         n_batch=args.batch,
         n_ubatch=args.batch,
-        n_threads=args.threads,
-        n_gpu_layers=args.n_gpu_layers,
         seed=args.seed,
         verbose=args.verbose,
     )
@@ -350,8 +341,11 @@ def cmd_kl(args: argparse.Namespace) -> int:
             )
             sessions.append(s)
             return s.llm
-        # repack="auto" on a plain file: its experts are repacked on read, so stock's load (issue 41)
-        return UnpackedLlama(args.model, repack=args.repack, **kw)
+        # repack="auto" on a plain file: its experts are repacked on read, so stock's load (issue 41);
+        # on the same layers and threads as the streamed run
+        return UnpackedLlama(
+            args.model, repack=args.repack, **kw, **EngineOptions.from_args(args, RUN).llama_settings()
+        )
 
     try:
         try:

@@ -11,8 +11,12 @@ One model from the arguments, or several from the server's own config file
 (`--config F`: JSON or YAML, `{"host": ..., "port": ..., "models": [{"model": PATH,
 "model_alias": NAME, "n_ctx": N, "workers": W, ...}]}`; `workers` is moed's, the rest
 the server's); `--host`/`--port` override the file's, `--workers` sets every model's
-that the file leaves unset. Engine flags (`--prefetch`, ...) apply to every model.
-Requests queue for a free worker (`--queue` of them a model, then 503 with
+that the file leaves unset. Engine flags (`--prefetch`, `--n-gpu-layers`, `--threads`,
+`--gpu-slots`, ...: moed.engines.options) apply to every model; a model of the file may
+set any of them for itself by the option's name (`"n_gpu_layers": -1`, `"gpu_slots": 8`,
+`"n_threads": 4`: `EngineOptions.per_model()`), which wins over the flag. Every model's
+options are checked, against its file, before any worker starts: a bad value ends the
+command with one line naming the option (and the model). Requests queue for a free worker (`--queue` of them a model, then 503 with
 Retry-After); `--interrupt-requests` lets a new request cut the running stream instead.
 """
 
@@ -23,7 +27,7 @@ import json
 import os
 
 from moed.badinput import BadInput
-from moed.engines.options import N_GPU_LAYERS_HELP, SERVE, EngineOptions
+from moed.engines.options import SERVE, EngineOptions
 
 DEFAULT_QUEUE = 16
 
@@ -36,19 +40,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="llama_cpp.server config file (JSON or YAML) naming one or more models")
     p.add_argument("--alias", default=None, help="the model's name in the API (default: its path)")
     p.add_argument("--ctx", type=int, default=2048, help="context length in tokens, exactly (default 2048)")
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="CPU threads of each worker (default: moed shares the cores among the engines)",
-    )
-    p.add_argument(
-        "--n-gpu-layers",
-        type=int,
-        default=None,
-        metavar="N",
-        help=N_GPU_LAYERS_HELP,
-    )
     p.add_argument("--chat-format", default=None, help="chat template name (default: the model's own)")
     p.add_argument("--api-key", default=None, help="require this bearer token")
     p.add_argument("--workers", type=int, default=None, help="engine processes per model (default 1)")
@@ -73,24 +64,27 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a new request cuts the running stream (which ends with finish_reason 'interrupted'); "
         "default: requests queue",
     )
-    EngineOptions.add_flags(p, SERVE)  # StreamedLlama's options, for every model
+    EngineOptions.add_flags(p, SERVE)  # StreamedLlama's options (--n-gpu-layers, --threads, ...), for every model
     p.add_argument("--verbose", action="store_true", help="llama.cpp's load log and uvicorn's access log")
     p.set_defaults(func=cmd_serve)
 
 
-def _engine_options(args: argparse.Namespace, models) -> dict:
-    """The EngineOptions every model gets, as the JSON the workers' spec carries; checked first,
-    as StreamedLlama checks them, for each model file with its `n_gpu_layers`, so a bad value
-    ends the command with one line before any worker starts (OptionError is a ValueError)."""
+def _engine_options(base: EngineOptions, settings, own: dict) -> dict:
+    """One model's EngineOptions (the command's, with the model's own from the config file), as
+    the JSON its workers' spec carries; checked first, as StreamedLlama checks them, against
+    the model file, so a bad value ends the command with one line before any worker starts
+    (OptionError is a ValueError)."""
     import dataclasses
 
-    from moed.engines.options import ModelFacts
+    from moed.engines.options import ModelFacts, OptionError
 
-    options = EngineOptions.from_args(args, SERVE, socket_path=args.socket)
-    options.check()
-    for settings in models:
+    options = dataclasses.replace(base, **own)
+    try:
+        options.check()
         if options.gpu_slots:
-            options.for_model(ModelFacts.of(settings.model), settings.n_gpu_layers)
+            options.for_model(ModelFacts.of(settings.model))
+    except OptionError as exc:
+        raise ValueError(f"model {settings.model_alias or settings.model}: {exc}") from None
     return dataclasses.asdict(options)
 
 
@@ -109,14 +103,18 @@ def _read_config(path: str) -> dict:
 
 
 def _settings(args: argparse.Namespace):
-    """(server settings, [(model settings, workers)]) from the arguments or the config file."""
+    """(server settings, [(model settings, workers, the model's own engine options)]) from the
+    arguments or the config file."""
     from llama_cpp.server.settings import ConfigFileSettings, ModelSettings, ServerSettings
 
     if args.config:
         data = _read_config(args.config)
         models = data.get("models") or []
-        # `workers` is moed's: the server's own settings would refuse it.
-        counts = [m.pop("workers", None) if isinstance(m, dict) else None for m in models]
+        # `workers` and the engine options are moed's, taken as written (the server's own
+        # settings would refuse moed's options, and read "-1" or true as a number).
+        entries = [m if isinstance(m, dict) else {} for m in models]
+        counts = [m.pop("workers", None) for m in entries]
+        own = [{name: m.pop(name) for name in EngineOptions.per_model() if name in m} for m in entries]
         file_settings = ConfigFileSettings.model_validate(data)
         server = ServerSettings.model_validate(file_settings.model_dump(exclude={"models"}))
         if "interrupt_requests" not in file_settings.model_fields_set:
@@ -125,19 +123,14 @@ def _settings(args: argparse.Namespace):
         if not file_settings.models:
             raise ValueError(f"{args.config}: no models")
         default = args.workers if args.workers is not None else 1
-        pairs = [(m, n if n is not None else default) for m, n in zip(file_settings.models, counts)]
+        models = [(m, n if n is not None else default, o) for m, n, o in zip(file_settings.models, counts, own)]
     else:
         server = ServerSettings(host="127.0.0.1", port=8000, interrupt_requests=False)
-        given = {
-            "n_threads": args.threads,
-            "chat_format": args.chat_format,
-            "model_alias": args.alias,
-            "n_gpu_layers": args.n_gpu_layers,
-        }
+        given = {"chat_format": args.chat_format, "model_alias": args.alias}
         model = ModelSettings(
             model=args.model, n_ctx=args.ctx, verbose=args.verbose, **{k: v for k, v in given.items() if v is not None}
         )
-        pairs = [(model, args.workers if args.workers is not None else 1)]
+        models = [(model, args.workers if args.workers is not None else 1, {})]
     updates = {
         "host": args.host,
         "port": args.port,
@@ -147,10 +140,10 @@ def _settings(args: argparse.Namespace):
     server = server.model_copy(update={k: v for k, v in updates.items() if v is not None})
     if args.queue < 0 or args.queue_timeout <= 0 or args.grace < 0:
         raise ValueError("--queue must be >= 0, --queue-timeout > 0 and --grace >= 0")
-    for m, n in pairs:
+    for m, n, _ in models:
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"model {m.model_alias or m.model}: workers must be a whole number >= 1, not {n!r}")
-    return server, pairs
+    return server, models
 
 
 def _metrics_listen(value: str | None) -> tuple[str, int] | None:
@@ -163,26 +156,27 @@ def _metrics_listen(value: str | None) -> tuple[str, int] | None:
 def _plan(args: argparse.Namespace):
     from moed.serve.lifecycle import ServedModel, ServePlan
 
-    server, pairs = _settings(args)
+    server, entries = _settings(args)
+    base = EngineOptions.from_args(args, SERVE, socket_path=args.socket)
+    base.check()  # a flag's bad value names the option alone: it is every model's
     models = []
-    for settings, workers in pairs:
+    for settings, workers, own in entries:
         if not os.path.exists(settings.model):
             raise FileNotFoundError(f"no such model file: {settings.model}")
         alias = settings.model_alias or settings.model
         # Only what was set: a worker tells the user's settings from the server's defaults by
-        # what is set (thread counts left out are moed's to share, moed.engines.turns).
+        # what is set (moed.serve.app).
         data = settings.model_dump(mode="json", exclude_unset=True) | {"model_alias": alias}
-        models.append(ServedModel(alias, data, workers))
+        models.append(ServedModel(alias, data, workers, _engine_options(base, settings, own)))
     if len({m.alias for m in models}) != len(models):
         raise ValueError("two models have the same alias")
-    engine = _engine_options(args, [settings for settings, _ in pairs])
     # Workers listen only on their private sockets: the front checks the API key.
     worker_server = server.model_dump(mode="json") | {"api_key": None}
     return ServePlan(
         host=server.host,
         port=server.port,
         models=models,
-        engine=engine,
+        socket_path=base.socket_path,
         server=worker_server,
         queue_bound=args.queue,
         queue_timeout_s=args.queue_timeout,

@@ -49,7 +49,6 @@ from moed.engines.options import (
     EngineOptions,
     ModelFacts,
     RouteHook,
-    check_n_gpu_layers,
     check_repack,
 )
 from moed.engines.sources import ExpertSource, MoedSource
@@ -453,6 +452,9 @@ class StreamedLlama(_OwnedLlama):
     experts plain; "off" runs everything on the plain kernels. moed.engines.repack.
     `warm`: "off" (default); "resident" maps the experts the daemon holds at load,
     "all" reads and maps every expert (see `warm()`).
+    `n_gpu_layers` (llama.cpp's own, passed on to it): N counts as llama.cpp counts, the
+    output layer and the last N-1 blocks on the GPU (-1: every layer), their dense weights
+    there and the routed experts on the CPU from moed (moed.engines.devices).
     `gpu_slots`: with `n_gpu_layers`, the offloaded layers' routed experts computed on
     the GPU from S device slots a layer (moed.engines.device_slots). `gpu_zero_copy`
     (with `gpu_slots`; off by default): the device reads them in place from moed's RAM
@@ -471,8 +473,9 @@ class StreamedLlama(_OwnedLlama):
     in a turn the daemon grants, so engines that together ask for more threads than there
     are cores take turns instead of spinning against each other (`MOED_TURNS=0`: no turns,
     llama-cpp-python's default counts). The attributes follow the counts applied.
-    The value options are declared once, in `moed.engines.options.EngineOptions`
-    (defaults, flags, help); `self.options` holds them, and `from_options` builds
+    The value options, llama.cpp's `n_gpu_layers`, `n_threads` and `n_threads_batch`
+    included, are declared once, in `moed.engines.options.EngineOptions` (defaults, flags,
+    help, checks); `self.options` holds them, and `from_options` builds
     an engine from one. The callbacks (`route_hook`, `predict_hook`) are gathered in
     one `EngineHooks`; the streamer is built from the two.
     """
@@ -506,6 +509,9 @@ class StreamedLlama(_OwnedLlama):
         subst_window: int | None = None,
         repack: str = "auto",
         warm: str = "off",
+        n_gpu_layers: int = 0,
+        n_threads: int | None = None,
+        n_threads_batch: int | None = None,
         gpu_slots: int = 0,
         gpu_zero_copy: bool = False,
         **llama_kwargs,
@@ -536,16 +542,17 @@ class StreamedLlama(_OwnedLlama):
         if options.skeleton_dir is not None:
             options = dataclasses.replace(options, skeleton_dir=os.fspath(options.skeleton_dir))
         options.check()
-        n_gpu_layers = llama_kwargs.get("n_gpu_layers", 0)
-        check_n_gpu_layers(n_gpu_layers)
         if options.gpu_slots:  # against the file: its top-k, its experts, the layers N offloads
-            options, note = options.for_model(ModelFacts.of(model_path), n_gpu_layers)
+            options, note = options.for_model(ModelFacts.of(model_path))
             if note is not None:
                 warnings.warn(note, RuntimeWarning, stacklevel=3)
         self.options = options
+        # The options that are llama.cpp's settings too (n_gpu_layers, the thread counts) are
+        # its keywords as well: checked above, passed on from here.
+        llama_kwargs = {**llama_kwargs, **options.llama_settings()}
         self._check_kwargs(llama_kwargs)
         own_threads = check_counts(llama_kwargs)  # counts left to the daemon are None from here
-        layout = self._plan(model_path, options, hooks, n_gpu_layers)
+        layout = self._plan(model_path, options, hooks)
         offload = layout.offload
         # Zero copy (moed.engines.device_host) where the experts are on a device at all.
         zero_copy = bool(options.gpu_zero_copy and offload is not None and offload.gpu_slots)
@@ -589,14 +596,14 @@ class StreamedLlama(_OwnedLlama):
             self.warm(everything=options.warm == "all")
 
     @staticmethod
-    def _plan(model_path: str, options: EngineOptions, hooks: EngineHooks, n_gpu_layers: int):
+    def _plan(model_path: str, options: EngineOptions, hooks: EngineHooks):
         """Where the layers compute and on which kernels (moed.engines.repack.LayoutPlan, its
         `offload` the GPU's share): what the options ask of this file on this host, checked."""
         from moed.engines import repack as kernel_layout
         from moed.gguf.header import read_split
 
         headers = read_split(model_path)
-        offload = offload_for(headers, n_gpu_layers, options.gpu_slots)  # options.for_model checked the slots
+        offload = offload_for(headers, options.n_gpu_layers, options.gpu_slots)  # for_model checked the slots
         if offload is not None and (hooks.route is not None or options.subst is not None):
             what = "route_hook" if hooks.route is not None else "subst"
             raise ValueError(

@@ -18,18 +18,25 @@ Invariants:
   README's; StreamedLlama builds its EngineOptions from its keywords by these names
   and hands the streamer that object (tests/unit/test_options.py checks the
   signature, the flags and the README against this declaration).
-- A flag's `dest` is argparse's own (`--acquire-timeout` -> `args.acquire_timeout`),
-  so the flags, their help and the names other code reads are as they were.
-- A new option is one field here, and its use in StreamedLlama.
+- A flag's `dest` is argparse's own (`--acquire-timeout` -> `args.acquire_timeout`,
+  `--threads` -> `args.threads`), so the flags, their help and the names other code
+  reads are as they were.
+- A new option is one field here, and its use in StreamedLlama. No verb declares an
+  engine flag by hand.
+- Some options are llama.cpp's own settings too (`llama_settings()`: `n_gpu_layers`,
+  `n_threads`, `n_threads_batch`, marked `llama=True`): declared and checked here like
+  every other, and passed on to `llama_cpp.Llama` by StreamedLlama as its keywords of
+  the same names, so each is one value, never a second keyword beside the option.
 - Every value is checked by its field's declared type and range before anything is
   loaded (`check()`, called by StreamedLlama and by `moectl serve` before it starts a
-  worker): `bool` is refused where an int or a float is meant, a string is never read as
-  a truth value, and the error (`OptionError`, a TypeError and a ValueError) names the
-  option, the value and what it takes. `n_gpu_layers` stays llama.cpp's own setting
-  (a `Llama` keyword and the server's per-model setting) and is checked here by the same
-  rule (`check_n_gpu_layers`); what the options mean for one model file (`for_model`:
-  `gpu_slots` against its top-k and expert count, and against the layers `n_gpu_layers`
-  puts on the device) is checked from its header, again before any load.
+  worker, for every model with the options it gets): `bool` is refused where an int or
+  a float is meant, a string is never read as a truth value nor as a number, and the
+  error (`OptionError`, a TypeError and a ValueError) names the option, the value and
+  what it takes. What the options mean for one model file (`for_model`: `gpu_slots`
+  against its top-k and expert count, and against the layers `n_gpu_layers` puts on the
+  device) is checked from its header, again before any load.
+- A `moectl serve` config's model entry may set, for itself, the options serve's flags
+  set for every model and llama.cpp's settings among the options (`per_model()`).
 """
 
 from __future__ import annotations
@@ -71,13 +78,17 @@ class Flag:
         return self.name.lstrip("-").replace("-", "_")
 
 
-def _option(default: Any, flag: Flag | None = None) -> Any:
-    return field(default=default, metadata={"flag": flag} if flag is not None else {})
+def _option(default: Any, flag: Flag | None = None, *, llama: bool = False) -> Any:
+    """A field's default, its flag (None: Python and config only) and whether it is llama.cpp's
+    own setting too (`llama`: passed on to `llama_cpp.Llama` under the field's name)."""
+    return field(default=default, metadata={"flag": flag, "llama": llama})
 
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """What a streamed engine is told, besides llama.cpp's own settings.
+    """What a streamed engine is told: moed's options and the llama.cpp settings that are
+    options too (where the layers compute and on how many threads); the rest of llama.cpp's
+    settings (n_ctx, n_batch, seed, ...) are its own, passed through.
 
     See StreamedLlama's docstring for what each option does.
     """
@@ -181,6 +192,39 @@ class EngineOptions:
             choices=WARM_CHOICES,
         ),
     )
+    # llama.cpp's own settings as well (llama=True: StreamedLlama passes them on). N counts as
+    # llama.cpp counts it (moed.engines.devices): the output layer first, then the blocks from
+    # the last; any negative value is every layer.
+    n_gpu_layers: int = _option(
+        0,
+        Flag(
+            "--n-gpu-layers",
+            dict.fromkeys(
+                (RUN, SERVE),
+                "layers on the GPU, counted as llama.cpp counts them: N is the output layer and the last N-1 "
+                "blocks (1: the output layer only; -1: every layer); their dense weights on the GPU, the routed "
+                "experts on the CPU from moed (llama.cpp's --n-cpu-moe) unless --gpu-slots; needs a GPU build of "
+                "llama.cpp (Vulkan) and a device (default 0: everything on the CPU)",
+            ),
+            type=int,
+            metavar="N",
+        ),
+        llama=True,
+    )
+    # None (or 0, or negative): the daemon's to decide, between decodes (moed.engines.turns).
+    n_threads: int | None = _option(
+        None,
+        Flag(
+            "--threads",
+            {
+                RUN: "CPU threads (default: moed shares the cores among the engines)",
+                SERVE: "CPU threads of each worker (default: moed shares the cores among the engines)",
+            },
+            type=int,
+        ),
+        llama=True,
+    )
+    n_threads_batch: int | None = _option(None, llama=True)
     gpu_slots: int = _option(
         0,
         Flag(
@@ -220,10 +264,26 @@ class EngineOptions:
         """The fields that are StreamedLlama keyword arguments (all but the server's own)."""
         return tuple(f.name for f in dataclasses.fields(cls) if f.name not in _SERVER_ONLY)
 
+    def llama_settings(self) -> dict[str, Any]:
+        """The options that are llama.cpp's own settings too, as `llama_cpp.Llama`'s keywords."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata.get("llama")}
+
+    @classmethod
+    def per_model(cls) -> tuple[str, ...]:
+        """The options one model of `moectl serve` may set for itself (a config's model entry): those
+        serve's flags set for every model, and llama.cpp's settings among the options."""
+        return tuple(
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.metadata.get("llama") or (f.metadata.get("flag") is not None and SERVE in f.metadata["flag"].help)
+        )
+
     def check(self) -> None:
         """OptionError (a TypeError and a ValueError) for a value StreamedLlama cannot run with,
         naming the option: first every field against its declared type, then the ranges
-        (repack: moed.engines.repack.plan)."""
+        (repack: moed.engines.repack.plan). llama.cpp's settings take every int of their type,
+        as llama.cpp does: a negative `n_gpu_layers` is every layer, and a thread count of
+        None, 0 or below is the daemon's to choose (moed.engines.turns.own_count)."""
         from moed.engines.lookahead import MODES
 
         for f in dataclasses.fields(self):
@@ -247,16 +307,15 @@ class EngineOptions:
                 "set gpu_slots too (S bounds a batch's distinct experts in a layer, as without it)",
             )
 
-    def for_model(self, model: ModelFacts, n_gpu_layers: int) -> tuple[EngineOptions, str | None]:
-        """These options for one model file loaded with `n_gpu_layers` (checked by the same rule):
-        OptionError for device slots that cannot run (no `n_gpu_layers`, fewer than one token's
-        top-k, or no MoE layer among the layers N puts on the device), and `gpu_slots` above the
-        model's expert count recorded as that count, with a note saying so (None: nothing
-        changed). Every count that reports the slots (stream_stats, the daemon's engine line)
-        then says the one number."""
+    def for_model(self, model: ModelFacts) -> tuple[EngineOptions, str | None]:
+        """These options for one model file (after `check()`): OptionError for device slots that
+        cannot run (no `n_gpu_layers`, fewer than one token's top-k, or no MoE layer among the
+        layers N puts on the device), and `gpu_slots` above the model's expert count recorded
+        as that count, with a note saying so (None: nothing changed). Every count that reports
+        the slots (stream_stats, the daemon's engine line) then says the one number."""
         from moed.gguf.catalog import format_ranges
 
-        check_n_gpu_layers(n_gpu_layers)
+        n_gpu_layers = self.n_gpu_layers
         s = self.gpu_slots
         if not s:
             return self, None
@@ -382,21 +441,6 @@ def check_type(option: str, value: Any, declared: str) -> None:
         raise OptionError(option, value, " or ".join(_TAKES.get(k, k) for k in kinds))
 
 
-def check_n_gpu_layers(value: Any) -> None:
-    """OptionError unless `value` is an int: llama.cpp's own setting, checked by the options' rule."""
-    check_type("n_gpu_layers", value, "int")
-
-
-# `--n-gpu-layers`'s help, the same for every verb that has the flag (moectl generate, chat,
-# trace, kl and serve): N counts as llama.cpp counts, the output layer first.
-N_GPU_LAYERS_HELP = (
-    "layers on the GPU, counted as llama.cpp counts them: N is the output layer and the last N-1 blocks "
-    "(1: the output layer only; -1: every layer); their dense weights on the GPU, the routed experts on "
-    "the CPU from moed (llama.cpp's --n-cpu-moe) unless --gpu-slots; needs a GPU build of llama.cpp "
-    "(Vulkan) and a device (default 0: everything on the CPU)"
-)
-
-
 @dataclass(frozen=True)
 class ModelFacts:
     """What `EngineOptions.for_model` needs of a model file (moed.gguf.catalog.Catalog has each)."""
@@ -431,11 +475,9 @@ __all__ = [
     "EngineOptions",
     "Flag",
     "ModelFacts",
-    "N_GPU_LAYERS_HELP",
     "OptionError",
     "NO_HOOKS",
     "RouteHook",
-    "check_n_gpu_layers",
     "check_repack",
     "check_type",
 ]

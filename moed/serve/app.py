@@ -11,8 +11,14 @@ the module-level `llama_cpp.server.app.LlamaProxy`; `install()` puts
 server's own loader with `llama_cpp.Llama` swapped (under a lock, for the length
 of that call) for a factory that builds a `ServedLlama`, so every setting the
 server maps (chat format, cache, draft model, kv overrides...) keeps its meaning.
-`n_gpu_layers`, when set, is StreamedLlama's GPU hybrid (dense layers on the GPU, the
-experts on the CPU from moed). Settings moed cannot honour get a RuntimeWarning and are
+The server's settings that are engine options too (`n_gpu_layers`, `n_threads`,
+`n_threads_batch`: `EngineOptions.llama_settings()`) are the options': the server
+passes every one, its defaults included, so only a value set on the model's settings
+(`model_fields_set`) is taken, as that model's option (checked by StreamedLlama like
+every option); `moectl serve` puts a model's own values in its options instead.
+`n_gpu_layers` is StreamedLlama's GPU hybrid (dense layers on the GPU, the experts on
+the CPU from moed); thread counts left out are the daemon's to share among the workers
+(moed.engines.turns). Settings moed cannot honour get a RuntimeWarning and are
 ignored: use_mlock (when set explicitly: StreamedLlama's own warning), use_mmap=false,
 lora, rpc servers; a Hugging Face repo is refused (moed streams local files).
 
@@ -44,8 +50,9 @@ When moed is down:
   an error event (its 200 was already sent).
 
 Options: `EngineOptions` (moed.engines.options, the one declaration of a streamed
-engine's options) is what `moectl serve` sets for every model the server loads; its
-`client_timeout_s` is the timeout of the connection the factory opens per model.
+engine's options) is what `moectl serve` sets for the model a worker loads (one
+`EngineOptions` per model); its `client_timeout_s` is the timeout of the connection the
+factory opens per model.
 
 Invariant: the model is only closed or rebuilt inside the proxy's `__call__`,
 which the server runs under its inner lock, so never under a request using it.
@@ -54,6 +61,7 @@ which the server runs under its inner lock, so never under a request using it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import re
@@ -273,11 +281,14 @@ def _served_llama(
 ) -> ServedLlama:
     from moed.client import Client
 
-    # The server passes every setting; only those the user set may warn. Thread counts the
-    # user did not set are the daemon's to share among the workers (moed.engines.turns).
-    for name in ("use_mlock", "n_gpu_layers", "n_threads", "n_threads_batch"):
-        if name not in explicit:
-            kwargs.pop(name, None)
+    # The server passes every setting, its defaults included. Those that are engine options
+    # are the options' (one keyword each): a value set on the model's settings is this
+    # model's option, the server's default is dropped (thread counts left out are the
+    # daemon's to share among the workers). use_mlock warns only when the user set it.
+    given = {name: kwargs.pop(name) for name in options.llama_settings() if name in kwargs}
+    options = dataclasses.replace(options, **{k: v for k, v in given.items() if k in explicit})
+    if "use_mlock" not in explicit:
+        kwargs.pop("use_mlock", None)
     if kwargs.get("use_mmap") is False:
         warnings.warn(
             "moectl serve ignores use_mmap=false: the experts are mapped into llama.cpp's mapping",

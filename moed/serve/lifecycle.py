@@ -42,11 +42,14 @@ from moed.serve.worker import WorkerSpec
 
 @dataclass(frozen=True)
 class ServedModel:
-    """One model of the server: its alias, its llama_cpp.server settings (JSON) and its worker count."""
+    """One model of the server: its alias, its llama_cpp.server settings (JSON), its worker count
+    and its engine options (moed.engines.options.EngineOptions fields, its dataclasses.asdict:
+    the command's flags with the model's own from the config, checked by moed.cli.serve)."""
 
     alias: str
     settings: dict
     workers: int = 1
+    engine: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ class ServePlan:
     host: str
     port: int
     models: list[ServedModel]
-    engine: dict  # moed.engines.options.EngineOptions fields (its dataclasses.asdict)
+    socket_path: str | None  # the daemon's (every model's engine options name it)
     server: dict  # llama_cpp.server ServerSettings, as JSON (what every worker runs)
     queue_bound: int = 16
     queue_timeout_s: float | None = 300.0
@@ -96,7 +99,7 @@ def _pools(plan: ServePlan, run_dir: str) -> tuple[dict[str, WorkerPool], list[W
     for m_index, model in enumerate(plan.models):
         sockets = [os.path.join(run_dir, f"m{m_index}-w{i}.sock") for i in range(model.workers)]
         spec_path = os.path.join(run_dir, f"m{m_index}.json")
-        WorkerSpec(plan.engine, plan.server, model.settings, sockets, plan.verbose).write(spec_path)
+        WorkerSpec(model.engine, plan.server, model.settings, sockets, plan.verbose).write(spec_path)
         slots = [WorkerSlot(i, path) for i, path in enumerate(sockets)]
         pool = WorkerPool(model.alias, slots, plan.queue_bound, interrupting, plan.queue_timeout_s)
         pools[model.alias] = pool
@@ -158,9 +161,8 @@ def _announce(plan: ServePlan) -> None:
     metrics = (
         f"; metrics on http://{plan.metrics_listen[0]}:{plan.metrics_listen[1]}/metrics" if plan.metrics_listen else ""
     )
-    socket_path = plan.engine.get("socket_path")
     print(
-        f"moectl serve: {names} on http://{plan.host}:{plan.port}/v1 (moed at {socket_path}){metrics}",
+        f"moectl serve: {names} on http://{plan.host}:{plan.port}/v1 (moed at {plan.socket_path}){metrics}",
         file=sys.stderr,
         flush=True,
     )

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 class WorkerSpec:
     """What the front tells every worker of one model (written as JSON into its run directory)."""
 
-    engine: dict  # moed.engines.options.EngineOptions fields
+    engine: dict  # this model's moed.engines.options.EngineOptions fields
     server: dict  # llama_cpp.server ServerSettings, as JSON
     model: dict  # llama_cpp.server ModelSettings, as JSON
     sockets: list[str]  # the Unix socket of worker i

@@ -59,3 +59,19 @@ def test_an_unknown_flag_with_nothing_near_gets_no_guess(capsys):
     with pytest.raises(SystemExit):
         main(["stats", "--zzzz"])
     assert "unrecognized arguments: --zzzz\n" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("verb", [["generate", "m.gguf", "--prompt", "x"], ["serve", "m.gguf"]])
+@pytest.mark.parametrize(("flag", "value"), [("--n-gpu-layers", "x"), ("--n-gpu-layers", "1.5"), ("--threads", "two")])
+def test_an_engine_flag_that_is_not_a_number_is_argparses_error(verb, flag, value, capsys):
+    """The flags come from the option table (moed.engines.options), typed there: a value that is
+    not an int is refused by argparse before the verb runs, naming the flag."""
+    pytest.importorskip("llama_cpp")
+    from moed.ctl import main
+
+    with pytest.raises(SystemExit) as info:
+        main([*verb, flag, value])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: invalid int value: '{value}'" in err, err
+    assert f"moectl {verb[0]}" in err and "Traceback" not in err

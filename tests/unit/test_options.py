@@ -201,14 +201,88 @@ def test_values_of_the_declared_types_pass(given):
     EngineOptions(gpu_slots=np.int64(4)).check()  # a numpy integer is a whole number too
 
 
-@pytest.mark.parametrize("value", ["-1", -1.0, True, None])
-def test_n_gpu_layers_is_an_int(value):
-    from moed.engines.options import OptionError, check_n_gpu_layers
+@pytest.mark.parametrize("value", ["-1", -1.0, 1.5, True, False, None])
+def test_n_gpu_layers_is_an_option_and_an_int(value):
+    """llama.cpp's setting, declared as an option: checked by check() like every other field."""
+    from moed.engines.options import OptionError
 
-    with pytest.raises(OptionError, match=r"^n_gpu_layers=.* is not accepted: n_gpu_layers takes a whole number"):
-        check_n_gpu_layers(value)
-    for ok in (-1, 0, 1, 99):
-        check_n_gpu_layers(ok)
+    with pytest.raises(OptionError) as info:
+        EngineOptions(n_gpu_layers=value).check()
+    assert info.value.option == "n_gpu_layers", str(info.value)
+    assert str(info.value).startswith(f"n_gpu_layers={value!r} is not accepted: n_gpu_layers takes a whole number")
+    for ok in (-1, -2, 0, 1, 99):  # any negative is every layer, as llama.cpp reads it
+        EngineOptions(n_gpu_layers=ok).check()
+
+
+@pytest.mark.parametrize("name", ["n_threads", "n_threads_batch"])
+@pytest.mark.parametrize("value", ["4", 2.0, True])
+def test_thread_counts_are_options_and_ints_or_none(name, value):
+    from moed.engines.options import OptionError
+
+    with pytest.raises(
+        OptionError, match=rf"^{name}={value!r} is not accepted: {name} takes a whole number .* or None"
+    ):
+        EngineOptions(**{name: value}).check()
+    for ok in (None, 0, -1, 1, 8):  # None, 0 and below: the daemon's to choose
+        EngineOptions(**{name: ok}).check()
+
+
+def test_llama_cpps_settings_among_the_options_are_declared_once_and_passed_on_by_name():
+    """n_gpu_layers and the thread counts are options and llama.cpp's keywords both: the table
+    says which, StreamedLlama hands them to llama.cpp from there, and no verb declares their
+    flags by hand (each flag appears once in the verb's parser, from the table)."""
+    pytest.importorskip("llama_cpp")
+    import llama_cpp
+
+    from moed.ctl import build_parser
+
+    options = EngineOptions(n_gpu_layers=-1, n_threads=3)
+    assert options.llama_settings() == {"n_gpu_layers": -1, "n_threads": 3, "n_threads_batch": None}
+    llama = inspect.signature(llama_cpp.Llama.__init__).parameters
+    assert all(name in llama for name in options.llama_settings()), "each is a llama_cpp.Llama keyword"
+    assert {"n_gpu_layers", "n_threads", "n_threads_batch", "gpu_slots", "prefetch"} <= set(EngineOptions.per_model())
+    assert "socket_path" not in EngineOptions.per_model() and "subst" not in EngineOptions.per_model()
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    required = {"generate": ["--prompt", "x"], "trace": ["--prompt-file", "p", "-o", "t"], "kl": ["--prompt-file", "p"]}
+    for verb, group in [("generate", RUN), ("chat", RUN), ("trace", RUN), ("kl", RUN), ("serve", SERVE)]:
+        parser = sub.choices[verb]
+        flags = [s for a in parser._actions for s in a.option_strings]
+        for flag in ("--n-gpu-layers", "--threads", "--gpu-slots"):
+            assert flags.count(flag) == 1, f"{verb} {flag}"
+        args = parser.parse_args(["m.gguf", "--n-gpu-layers", "-1", "--threads", "2", *required.get(verb, [])])
+        assert EngineOptions.from_args(args, group).llama_settings() == {
+            "n_gpu_layers": -1,
+            "n_threads": 2,
+            "n_threads_batch": None,
+        }
+
+
+@pytest.mark.filterwarnings("ignore:moed. n_gpu_layers is set but this llama.cpp sees no GPU device")
+def test_streamed_llama_hands_llama_cpp_its_settings_from_the_options(monkeypatch):
+    """One value each: StreamedLlama's keywords n_gpu_layers / n_threads are the options', and
+    llama.cpp gets them under the same names (never a second keyword beside the option)."""
+    pytest.importorskip("llama_cpp")
+    from moed.engines import llama_cpp as engines
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def plan(model_path, options, hooks):
+        seen["options"] = options
+        raise Stop
+
+    def check_counts(kwargs):
+        seen["llama"] = dict(kwargs)
+        return (0, 0)
+
+    monkeypatch.setattr(engines.StreamedLlama, "_plan", staticmethod(plan))
+    monkeypatch.setattr(engines, "check_counts", check_counts)
+    with pytest.raises(Stop):
+        engines.StreamedLlama("/nonexistent/model.gguf", n_gpu_layers=2, n_threads=3, n_ctx=64)
+    assert seen["options"].n_gpu_layers == 2 and seen["options"].n_threads == 3
+    assert seen["llama"]["n_gpu_layers"] == 2 and seen["llama"]["n_threads"] == 3 and seen["llama"]["n_ctx"] == 64
 
 
 @pytest.mark.parametrize(
@@ -218,6 +292,9 @@ def test_n_gpu_layers_is_an_int(value):
         ({"gpu_slots": "4"}, "gpu_slots='4' is not accepted"),
         ({"gpu_zero_copy": "no", "gpu_slots": 4}, "gpu_zero_copy='no' is not accepted"),
         ({"n_gpu_layers": "-1"}, "n_gpu_layers='-1' is not accepted"),
+        ({"n_gpu_layers": True}, "n_gpu_layers=True is not accepted"),
+        ({"n_gpu_layers": 1.5}, "n_gpu_layers=1.5 is not accepted"),
+        ({"n_threads": "2"}, "n_threads='2' is not accepted"),
     ],
 )
 def test_streamed_llama_refuses_a_bad_value_before_it_opens_anything(given, message):
@@ -239,7 +316,9 @@ DEEPSEEK = dict(n_layers=4, moe_layers=(1, 2, 3), n_experts=16, n_expert_used=4)
 def _for_model(model: dict, n_gpu_layers: int, **given):
     from moed.engines.options import ModelFacts
 
-    return EngineOptions(**given).for_model(ModelFacts(**model), n_gpu_layers)
+    options = EngineOptions(n_gpu_layers=n_gpu_layers, **given)
+    options.check()
+    return options.for_model(ModelFacts(**model))
 
 
 def test_gpu_slots_above_the_expert_count_are_recorded_as_the_count_with_a_note():
@@ -248,7 +327,7 @@ def test_gpu_slots_above_the_expert_count_are_recorded_as_the_count_with_a_note(
     assert note is not None and "gpu_slots=10000" in note and "16 slots a layer" in note
     options, note = _for_model(QWEN, -1, gpu_slots=16, gpu_zero_copy=True)
     assert options.gpu_slots == 16 and note is None
-    assert _for_model(QWEN, -1, gpu_slots=4) == (EngineOptions(gpu_slots=4), None)
+    assert _for_model(QWEN, -1, gpu_slots=4) == (EngineOptions(n_gpu_layers=-1, gpu_slots=4), None)
     assert _for_model(QWEN, 0) == (EngineOptions(), None), "no slots: nothing to check against the file"
 
 
