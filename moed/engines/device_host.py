@@ -27,10 +27,14 @@ What this module owns, for one loaded model:
   the same ids, so each layer gets a device tensor of as many rows as the class has slots,
   and a row is copied (a few KiB) when the moed slot it stands for holds another expert of
   the layer than last time; nothing else is ever copied;
-- the per-layer cycle `route(layer, topk, grant)`: at `ffn_moe_weights-L` (after the routing
-  weights were gathered by expert id, as for device slots) every distinct expert the batch
-  routes to is held by moed's grant, and the top-k's ids are rewritten into moed slot
-  indices (`grant.slot(expert)`), through the top-k's strides.
+- the ids of a stop (`_slot_ids`, called by `show` at `ffn_moe_weights-L`, after the
+  routing weights were gathered by expert id, as for device slots): every distinct expert
+  the batch routes to is held by moed's grant, and the top-k's ids are rewritten into moed
+  slot indices (`grant.slot(expert)`).
+
+`ZeroCopyPlacement` is this strategy of moed.engines.device_placement's `DevicePlacement`
+(which owns the stop, the top-k, the retargeting and the lifetime). It allocates no slots
+of its own: the slots are moed's.
 
 Why the grant held until the next layer's acquire is enough (the placement's `hide` does
 nothing): the device reads a moed slot from the moment the layer's `MUL_MAT_ID` runs until
@@ -59,9 +63,10 @@ Invariants:
 - The tensors are switched before any context computes with the model (as for device slots:
   the scheduler places an op when it splits a graph), and freed only after the model is
   freed; the segments' mappings outlive the imports (the client is closed after).
-- A failed route, and `skip` at a later stop of a failed decode, write k distinct moed slots
-  a row (`device_slots.skip_ids`): in range of every class tensor, whatever the slot holds (the decode's outputs are thrown
-  away). Reading a hole of the sparse segment there faults a zero page into the memfd.
+- A failed `show`, and `skip` at a later stop of a failed decode, write k distinct moed slots
+  a row (`device_placement.skip_ids`): in range of every class tensor, whatever the slot
+  holds (the decode's outputs are thrown away). Reading a hole of the sparse segment there
+  faults a zero page into the memfd.
 
 Refused at load, with the reason (`HostImportUnavailable`):
 - a device with no host-pointer import (`buffer_from_host_ptr` absent from its interface), or
@@ -94,73 +99,26 @@ MADV_REMOVE when it drops a slot would stay pinned under the import until it is 
 from __future__ import annotations
 
 import ctypes
-import functools
 import mmap
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from moed.engines import vm
-from moed.engines.device_slots import (
-    _EXPERT_AXIS,
-    ModelTensors,
-    SlotsExceeded,
-    _api,
-    _topk_shape,
-    _write_ids,
-    skip_ids,
-)
-from moed.engines.ggml_tensor import GgmlTensor, loaded_library
-from moed.engines.kernels import GGML_BACKEND_BUFFER_USAGE_WEIGHTS, GgmlInitParams
-from moed.engines.placement import DevicePlacement
-from moed.engines.sources import ExpertSource, Grant, LaneSource
+from moed.engines.device_placement import DeviceLayer, DevicePart, DevicePlacement, DeviceStats, retarget
+from moed.engines.device_probe import ExpertTensor, ModelTensors
+from moed.engines.ggml_api import GgmlTensor, api, has_host_ptr_import
+from moed.engines.sources import ExpertSource, Grant
 
 if TYPE_CHECKING:
     from moed.client.segments import Segment
 
 PAGE = mmap.PAGESIZE
-# struct ggml_backend_device_i (ggml-backend-impl.h): buffer_from_host_ptr is its ninth pointer.
-_IFACE_BUFFER_FROM_HOST_PTR = 8
 
 
 class HostImportUnavailable(RuntimeError):
     """The device cannot read moed's RAM tier in place (why is in the message)."""
-
-
-class _HostApi:
-    def __init__(self) -> None:
-        base = loaded_library("ggml-base")
-        p, sz = ctypes.c_void_p, ctypes.c_size_t
-
-        def bind(name: str, restype, *argtypes):
-            fn = getattr(base, name)
-            fn.restype, fn.argtypes = restype, list(argtypes)
-            return fn
-
-        self.buft_device = bind("ggml_backend_buft_get_device", p, p)
-        self.dev_name = bind("ggml_backend_dev_name", ctypes.c_char_p, p)
-        self.from_host_ptr = bind("ggml_backend_dev_buffer_from_host_ptr", p, p, p, sz, sz)
-        self.buffer_base = bind("ggml_backend_buffer_get_base", p, p)
-        self.buffer_size = bind("ggml_backend_buffer_get_size", sz, p)
-        self.alloc_size = bind("ggml_backend_buffer_get_alloc_size", sz, p, p)
-        self.tensor_alloc = bind("ggml_backend_tensor_alloc", ctypes.c_int, p, p, p)
-        self.supports_op = bind("ggml_backend_dev_supports_op", ctypes.c_bool, p, p)
-        self.type_size = bind("ggml_type_size", sz, ctypes.c_int)
-        self.type_name = bind("ggml_type_name", ctypes.c_char_p, ctypes.c_int)
-
-
-@functools.cache
-def _host_api() -> _HostApi:
-    return _HostApi()
-
-
-def can_import(device: int) -> bool:
-    """Whether the device's interface has a host-pointer import at all (a NULL entry would be
-    called as it is by `ggml_backend_dev_buffer_from_host_ptr`)."""
-    slot = device + _IFACE_BUFFER_FROM_HOST_PTR * ctypes.sizeof(ctypes.c_void_p)
-    return bool(ctypes.c_void_p.from_address(slot).value)
 
 
 def mapping_perms(addr: int) -> str:
@@ -172,20 +130,11 @@ def mapping_perms(addr: int) -> str:
 
 
 @dataclass
-class HostStats:
+class ZeroCopyStats(DeviceStats):
     """stream_stats()["gpu_slots"] under zero copy: the copying slots' keys (nothing uploaded,
-    nothing evicted on the device) and the imports'."""
+    nothing evicted on the device; `hits` every (layer, expert) a batch used, each read in
+    place from a moed slot; `device_bytes` the bias and scale rows only) and the imports'."""
 
-    slots: int = 0  # S: the distinct experts one batch may name in a layer
-    layers: int = 0  # layers whose experts the device reads in place
-    device_bytes: int = 0  # device memory of its own: the bias and scale rows only
-    hits: int = 0  # (layer, expert) a batch used, every one read in place from a moed slot
-    uploads: int = 0
-    upload_bytes: int = 0
-    evictions: int = 0
-    upload_s: float = 0.0
-    cycles: int = 0  # route calls
-    cycle_s: float = 0.0  # time in route (bias and scale rows included)
     zero_copy: bool = True
     segments: int = 0  # segments imported (one per size class an offloaded layer uses)
     imported_bytes: int = 0
@@ -206,76 +155,74 @@ class _Import:
 
 
 @dataclass
-class _Rows:
-    part: str
-    kind: str  # bias, scale
-    tensor: int  # our device tensor of `capacity` rows
-    stride: int  # bytes of one row
-    rows: np.ndarray  # the model's rows (one an expert), host copy
-    owner: np.ndarray  # moed slot -> the expert of this layer whose row it holds (-1: none)
-
-
-@dataclass
-class _HostLayer:
+class _ZeroCopyLayer(DeviceLayer):
     class_id: int
-    n_expert: int
-    capacity: int
-    rows: list[_Rows] = field(default_factory=list)
-    ctx: int = 0
-    buffer: int = 0
+    rows: list[DevicePart]  # the biases and scales: `n_ids` rows, one a moed slot
+    owner: np.ndarray  # moed slot -> the expert of this layer whose rows it holds (-1: none)
 
 
-class HostSlots:
-    """The offloaded layers' expert tensors over moed's imported segments, for one loaded model.
+class ZeroCopyPlacement(DevicePlacement):
+    """The offloaded layers' expert tensors over moed's imported segments, for one loaded model,
+    as the engine's placement of those layers.
 
-    `found`: `device_slots.probe(model)`, before any context of the model exists; `source`:
-    an ExpertSource whose `lane()` gives its segments (`layer_segment(layer)` -> (class id,
-    Segment)); `gpu_slots`: S, the bound on a
-    batch's distinct experts in one layer; `layers`: default every layer on a device.
+    `found`: `probe(model)`, before any context of the model exists; `source`: an
+    ExpertSource whose `lane()` gives its segments (`layer_segment(layer)` -> (class id,
+    Segment)); `gpu_slots`: S, the bound on a batch's distinct experts in one layer;
+    `layers`: default every layer on a device.
+
+    `needs` names every distinct routed expert, so every layer acquires; `show` rewrites the
+    ids into the grant's moed slots. `hide` has nothing to do: the grant stays held until
+    the streamer releases it at the next layer's acquire or after the decode, when the
+    device has run this layer's matmuls (the module docstring says why).
     """
 
+    what = "zero copy"
+    counts: ZeroCopyStats
+
     def __init__(self, found: ModelTensors, source: ExpertSource, gpu_slots: int, layers=None):
-        if gpu_slots < 1:
-            raise ValueError(f"gpu_slots must be at least 1, not {gpu_slots}")
         segments = source.lane()
         if segments is None:
             raise HostImportUnavailable("gpu_zero_copy reads moed's RAM-tier segments: this source has none")
-        by_layer: dict[int, list[tuple[str, str, int]]] = {}
-        for (layer, part, kind), addr in sorted(found.experts.items()):
-            by_layer.setdefault(layer, []).append((part, kind, addr))
-        wanted = set(found.layer_buft) & set(by_layer) if layers is None else set(layers)
-        for layer in sorted(wanted):
-            if layer not in by_layer or layer not in found.layer_buft:
-                raise ValueError(f"layer {layer} has no expert tensors on a device: nothing to read in place")
-        self.gpu_slots = gpu_slots
-        self.stats = HostStats(slots=gpu_slots)
+        self._segments = segments
         self._imports: dict[int, _Import] = {}
-        self._layers: dict[int, _HostLayer] = {}
-        self._ctx = _api().init(GgmlInitParams(_api().tensor_overhead() * (len(found.experts) + 1), None, True))
-        if not self._ctx:
-            raise MemoryError("ggml_init failed")
-        try:
-            for layer in sorted(wanted):
-                self._layers[layer] = self._build(layer, by_layer[layer], found.layer_buft[layer], segments)
-        except BaseException:
-            self.close()
-            raise
-        self.stats.layers = len(self._layers)
-        self.stats.segments = len(self._imports)
-        self.stats.imported_bytes = sum(i.size for i in self._imports.values())
-        self.stats.device_bytes = sum(_api().nbytes(r.tensor) for L in self._layers.values() for r in L.rows)
+        self._class_ctx = 0  # the class tensors' headers (their data: the imports)
+        super().__init__(found, gpu_slots, layers)
+        self.counts.segments = len(self._imports)
+        self.counts.imported_bytes = sum(i.size for i in self._imports.values())
+
+    def _new_counts(self) -> ZeroCopyStats:
+        return ZeroCopyStats()
 
     # ---- load
+
+    def _build_layer(self, found: ModelTensors, layer: int) -> _ZeroCopyLayer:
+        """The layer's weights pointed at its class's tensors over the import, and its biases'
+        and scales' rows in device tensors of our own."""
+        class_id, segment = self._segments.layer_segment(layer)
+        n = found.n_expert(layer)
+        buft = found.layer_buft[layer]
+        imp = self._import(class_id, segment, buft)
+        if not self._class_ctx:
+            self._class_ctx = self._context(len(found.experts))
+        tensors = found.tensors(layer)
+        for t in tensors:
+            if t.kind == "weight":
+                self._check_served(layer, t, class_id, segment)
+                retarget(t.addr, self._class_tensor(imp, t))
+        others = [t for t in tensors if t.kind != "weight"]
+        capacity = segment.info.capacity
+        rows = self._place_parts(layer, others, capacity, buft) if others else []
+        return _ZeroCopyLayer(n, min(self.gpu_slots, n), capacity, class_id, rows, np.full(capacity, -1, np.int64))
 
     def _import(self, class_id: int, segment: Segment, buft: int) -> _Import:
         """The segment imported into `buft`'s device (once per class)."""
         imp = self._imports.get(class_id)
         if imp is not None:
             return imp
-        api, host = _api(), _host_api()
-        device = host.buft_device(buft)
-        name = host.dev_name(device).decode() if device else "?"
-        if not device or not can_import(device):
+        g = api()
+        device = g.ggml_backend_buft_get_device(buft)
+        name = g.ggml_backend_dev_name(device).decode() if device else "?"
+        if not device or not has_host_ptr_import(device):
             raise HostImportUnavailable(
                 f"gpu_zero_copy: device {name} has no host-pointer import (buffer_from_host_ptr): "
                 "use the copying device slots (gpu_zero_copy=False)"
@@ -284,8 +231,8 @@ class HostSlots:
         if ptr % PAGE:
             raise HostImportUnavailable(f"gpu_zero_copy: segment {class_id} is mapped at {ptr:#x}, not page-aligned")
         perms = mapping_perms(ptr)
-        self.stats.read_only = self.stats.read_only and perms.startswith("r") and "w" not in perms
-        buffer = host.from_host_ptr(device, ptr, size, size)
+        self.counts.read_only = self.counts.read_only and perms.startswith("r") and "w" not in perms
+        buffer = g.ggml_backend_dev_buffer_from_host_ptr(device, ptr, size, size)
         if not buffer:
             raise HostImportUnavailable(
                 f"gpu_zero_copy: device {name} refused to import moed's segment {class_id} ({size} bytes at "
@@ -293,197 +240,115 @@ class HostSlots:
                 "size aligned to the device's minImportedHostPointerAlignment, a size within its largest buffer "
                 "and a host-visible coherent cached memory type; use gpu_zero_copy=False"
             )
-        api.buffer_set_usage(buffer, GGML_BACKEND_BUFFER_USAGE_WEIGHTS)  # the scheduler's cue
-        imp = _Import(
-            class_id, segment, device, buffer, int(host.buffer_base(buffer) or 0), int(host.buffer_size(buffer))
-        )
-        self._imports[class_id] = imp
+        self._own_buffer(buffer)
+        base, got = int(g.ggml_backend_buffer_get_base(buffer) or 0), int(g.ggml_backend_buffer_get_size(buffer))
+        imp = self._imports[class_id] = _Import(class_id, segment, device, buffer, base, got)
         return imp
 
-    def _class_tensor(self, imp: _Import, part: str, model: GgmlTensor) -> int:
-        """Our tensor of part `part` over every slot of the import's class, shaped as `model`'s."""
-        key = (part, int(model.type), int(model.ne[0]), int(model.ne[1]), int(model.nb[1]))
+    @staticmethod
+    def _check_served(layer: int, t: ExpertTensor, class_id: int, segment: Segment) -> None:
+        """The model's weight `t` is one contiguous block an expert, of the bytes moed serves."""
+        m = GgmlTensor.from_address(t.addr)
+        if t.part not in segment.info.part_names:
+            raise ValueError(f"layer {layer}: moed's segment {class_id} has no part {t.part!r}")
+        k = segment.part_index(t.part)
+        if int(m.ne[3]) != 1 or int(m.nb[2]) != int(m.nb[1]) * int(m.ne[1]):
+            raise ValueError(f"{m.name.decode()}: not one contiguous block an expert ({list(m.ne)}, {list(m.nb)})")
+        if int(m.nb[2]) != segment.info.part_bytes[k]:
+            raise ValueError(
+                f"{m.name.decode()}: {int(m.nb[2])} bytes an expert, moed's segment {class_id} part {t.part} "
+                f"holds {segment.info.part_bytes[k]}"
+            )
+
+    def _class_tensor(self, imp: _Import, t: ExpertTensor) -> int:
+        """Our tensor of part `t.part` over every slot of the import's class, shaped as `t`."""
+        model = GgmlTensor.from_address(t.addr)
+        key = (t.part, int(model.type), int(model.ne[0]), int(model.ne[1]), int(model.nb[1]))
         addr = imp.tensors.get(key)
-        if addr is not None:
-            return addr
-        api, host = _api(), _host_api()
+        if addr is None:
+            addr = imp.tensors[key] = self._new_class_tensor(imp, t.part, model)
+        return addr
+
+    def _new_class_tensor(self, imp: _Import, part: str, model: GgmlTensor) -> int:
+        g = api()
         info = imp.segment.info
         k = imp.segment.part_index(part)
         capacity, stride, off = info.capacity, info.part_stride[k], info.part_off[k]
-        block = int(host.type_size(int(model.type)))
+        block = int(g.ggml_type_size(int(model.type)))
         if stride % block:
             raise HostImportUnavailable(
                 f"gpu_zero_copy: moed's slots of part {part} are {stride} bytes apart ({info.part_bytes[k]} rounded "
-                f"up to a page), not a whole number of {host.type_name(int(model.type)).decode()} blocks "
+                f"up to a page), not a whole number of {g.ggml_type_name(int(model.type)).decode()} blocks "
                 f"({block} bytes): ggml-vulkan finds an expert at a whole number of blocks (nb[2] / block size); "
                 "a part whose size is a multiple of the page has no padding (use gpu_zero_copy=False)"
             )
         ne = (ctypes.c_int64 * 4)(int(model.ne[0]), int(model.ne[1]), capacity, 1)
-        addr = api.new_tensor(self._ctx, int(model.type), 4, ne)
+        addr = g.ggml_new_tensor(self._class_ctx, int(model.type), 4, ne)
         if not addr:
             raise MemoryError("ggml_new_tensor failed")
         t = GgmlTensor.from_address(addr)
         t.nb[2], t.nb[3] = stride, stride * capacity
-        if not host.supports_op(imp.device, addr):  # else ggml's scheduler aborts at the first graph
+        if not g.ggml_backend_dev_supports_op(imp.device, addr):  # else ggml's scheduler aborts at the first graph
             raise HostImportUnavailable(
                 f"gpu_zero_copy: part {part} of moed's {capacity} slots of segment {imp.class_id} is "
-                f"{_api().nbytes(addr)} bytes, more than device {host.dev_name(imp.device).decode()} binds in one "
-                "tensor (ggml-vulkan: maxStorageBufferRange without 64-bit indexing, or its largest buffer): "
-                "a smaller daemon budget, or gpu_zero_copy=False"
+                f"{g.ggml_nbytes(addr)} bytes, more than device {g.ggml_backend_dev_name(imp.device).decode()} "
+                "binds in one tensor (ggml-vulkan: maxStorageBufferRange without 64-bit indexing, or its largest "
+                "buffer): a smaller daemon budget, or gpu_zero_copy=False"
             )
-        end = off + host.alloc_size(imp.buffer, addr)
+        end = off + g.ggml_backend_buffer_get_alloc_size(imp.buffer, addr)
         if off % PAGE or end > imp.size:
             raise HostImportUnavailable(
                 f"gpu_zero_copy: part {part} of segment {imp.class_id} spans {off}-{end}, outside its "
                 f"{imp.size}-byte import"
             )
-        if host.tensor_alloc(imp.buffer, addr, imp.base + off) != 0:
+        if g.ggml_backend_tensor_alloc(imp.buffer, addr, imp.base + off) != 0:
             raise HostImportUnavailable(f"gpu_zero_copy: ggml could not place part {part} in the import")
-        imp.tensors[key] = addr
         return addr
 
-    def _build(self, layer: int, tensors: list[tuple[str, str, int]], buft: int, segments: LaneSource) -> _HostLayer:
-        class_id, segment = segments.layer_segment(layer)
-        n_expert = {int(GgmlTensor.from_address(a).ne[_EXPERT_AXIS[kind]]) for _, kind, a in tensors}
-        if len(n_expert) != 1:
-            raise ValueError(f"layer {layer}: its expert tensors disagree on the expert count {sorted(n_expert)}")
-        imp = self._import(class_id, segment, buft)
-        capacity = segment.info.capacity
-        out = _HostLayer(class_id, n_expert.pop(), capacity)
-        weights: list[tuple[str, str, int]] = []
-        others: list[tuple[str, str, int]] = []
-        for part, kind, addr in tensors:
-            (weights if kind == "weight" else others).append((part, kind, addr))
-        for part, _, addr in weights:
-            t = GgmlTensor.from_address(addr)
-            if part not in segment.info.part_names:
-                raise ValueError(f"layer {layer}: moed's segment {class_id} has no part {part!r}")
-            k = segment.part_index(part)
-            if int(t.ne[3]) != 1 or int(t.nb[2]) != int(t.nb[1]) * int(t.ne[1]):
-                raise ValueError(f"{t.name.decode()}: not one contiguous block an expert ({list(t.ne)}, {list(t.nb)})")
-            if int(t.nb[2]) != segment.info.part_bytes[k]:
-                raise ValueError(
-                    f"{t.name.decode()}: {int(t.nb[2])} bytes an expert, moed's segment {class_id} part {part} "
-                    f"holds {segment.info.part_bytes[k]}"
-                )
-            mine = GgmlTensor.from_address(self._class_tensor(imp, part, t))
-            t.buffer, t.data = mine.buffer, mine.data
-            for d in range(4):
-                t.ne[d], t.nb[d] = mine.ne[d], mine.nb[d]
-        if others:
-            self._rows(layer, out, others, buft)
-        return out
-
-    def _rows(self, layer: int, out: _HostLayer, tensors: list[tuple[str, str, int]], buft: int) -> None:
-        """Device tensors of `capacity` rows for the layer's biases and scales."""
-        api = _api()
-        out.ctx = api.init(GgmlInitParams(api.tensor_overhead() * (len(tensors) + 1), None, True))
-        if not out.ctx:
-            raise MemoryError("ggml_init failed")
-        made = []
-        for part, kind, addr in tensors:
-            t = GgmlTensor.from_address(addr)
-            axis = _EXPERT_AXIS[kind]
-            ne = [int(x) for x in t.ne]
-            if any(ne[d] != 1 for d in range(axis + 1, 4)):
-                raise ValueError(f"{t.name.decode()}: {ne} has dimensions past the expert axis")
-            ne[axis] = out.capacity
-            made.append((part, kind, addr, api.new_tensor(out.ctx, t.type, 4, (ctypes.c_int64 * 4)(*ne))))
-        out.buffer = api.alloc_ctx_tensors(out.ctx, buft)
-        if not out.buffer:
-            raise MemoryError(f"layer {layer}: no device memory for {out.capacity} bias/scale rows")
-        api.buffer_set_usage(out.buffer, GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
-        api.buffer_clear(out.buffer, 0)  # zero rows, never NaN, under ids `skip` wrote
-        for part, kind, addr, mine in made:
-            t, m = GgmlTensor.from_address(addr), GgmlTensor.from_address(mine)
-            stride = int(t.nb[_EXPERT_AXIS[kind]])
-            rows = np.empty(out.n_expert * stride, np.uint8)
-            api.tensor_get(addr, rows.ctypes.data, 0, rows.nbytes)
-            out.rows.append(_Rows(part, kind, mine, stride, rows, np.full(out.capacity, -1, np.int64)))
-            t.buffer, t.data = m.buffer, m.data
-            for d in range(4):
-                t.ne[d], t.nb[d] = m.ne[d], m.nb[d]
-
-    # ---- what the engine asks
-
-    @property
-    def layers(self) -> list[int]:
-        return sorted(self._layers)
-
-    def __contains__(self, layer: int) -> bool:
-        return layer in self._layers
+    # ---- the per-layer cycle
 
     def capacity(self, layer: int) -> int:
         """The moed slots the layer's class tensors cover (its segment's capacity)."""
-        return self._layers[layer].capacity
+        return self._layers[layer].n_ids
 
-    def needed(self, layer: int, ids) -> list[int]:
-        """Every distinct expert of `ids` (all are acquired: the device reads them in moed's
-        slots); SlotsExceeded, before any acquire, when they are more than S."""
-        L = self._layers[layer]
-        want = np.unique(np.asarray(ids, np.int64))
-        if len(want) and (want[0] < 0 or want[-1] >= L.n_expert):
-            raise RuntimeError(f"layer {layer}: expert id {int(want[0] if want[0] < 0 else want[-1])} out of range")
-        if len(want) > self.gpu_slots:
-            raise SlotsExceeded(
-                f"layer {layer}: the batch routes to {len(want)} experts, gpu_slots={self.gpu_slots} a layer"
-            )
-        return [int(e) for e in want]
+    def _to_acquire(self, layer: int, want: np.ndarray) -> list[int]:
+        return want.tolist()  # all: the device reads them in moed's slots
 
-    def route(self, layer: int, topk: int, grant: Grant | None, ids: np.ndarray | None = None) -> np.ndarray:
-        """Rewrite `topk`'s expert ids into the moed slots `grant` holds them in (device memory,
-        through the top-k's strides); returns the (n_tokens, k) expert ids. `grant` must hold
-        every expert `topk` names, until the layer's matmuls have run (the module docstring)."""
-        t0 = time.perf_counter()
-        L = self._layers[layer]
-        n_rows, k, nb1 = _topk_shape(layer, topk)
-        if k == 0 or n_rows == 0:
-            return np.empty((n_rows, k), np.int32)
-        if ids is None:
-            ids = np.empty((n_rows, k), np.int32)
-            _api().tensor_get_2d(topk, ids.ctypes.data, 0, 4 * k, n_rows, nb1, 4 * k)
-        elif ids.shape != (n_rows, k):
-            raise ValueError(f"layer {layer}: ids of shape {ids.shape} for a top-k of ({n_rows}, {k})")
-        try:
-            want = np.asarray(self.needed(layer, ids), np.int64)
-            if grant is None:
-                raise RuntimeError(f"layer {layer}: experts {want.tolist()} routed and nothing was acquired")
-            slots = np.fromiter((grant.slot(int(e)) for e in want), np.int64, len(want))
-            if len(slots) and (slots.min() < 0 or slots.max() >= L.capacity):
-                raise RuntimeError(f"layer {layer}: moed slot {int(slots.max())} outside the {L.capacity} imported")
-            self._rows_for(L, want, slots)
-            lut = np.zeros(L.n_expert, np.int32)
-            lut[want] = slots
-            _write_ids(topk, np.ascontiguousarray(lut[ids], np.int32), nb1)
-        except BaseException:
-            self.skip(layer, topk)  # in range of every class tensor, whatever computes before the graph stops
-            raise
-        self.stats.hits += len(want)
-        self.stats.cycles += 1
-        self.stats.cycle_s += time.perf_counter() - t0
-        return np.array(ids, np.int32)
+    def _slot_ids(self, layer: int, ids: np.ndarray, grant: Grant | None) -> np.ndarray:
+        """`ids` as the moed slots `grant` holds them in; `grant` must hold every expert they
+        name until the layer's matmuls have run (the module docstring)."""
+        L = self._zero_copy(layer)
+        want = self.distinct(layer, ids)
+        if grant is None:
+            raise RuntimeError(f"layer {layer}: experts {want.tolist()} routed and nothing was acquired")
+        slots = np.fromiter((grant.slot(int(e)) for e in want), np.int64, len(want))
+        if len(slots) and (slots.min() < 0 or slots.max() >= L.n_ids):
+            raise RuntimeError(f"layer {layer}: moed slot {int(slots.max())} outside the {L.n_ids} imported")
+        self._rows_for(L, want, slots)
+        lut = np.zeros(L.n_expert, np.int32)
+        lut[want] = slots
+        self.counts.hits += len(want)
+        return lut[ids]
 
-    def _rows_for(self, L: _HostLayer, want: np.ndarray, slots: np.ndarray) -> None:
+    def _rows_for(self, L: _ZeroCopyLayer, want: np.ndarray, slots: np.ndarray) -> None:
         """Each bias and scale row the batch's moed slots stand for, where the slot last stood
         for another expert of the layer."""
-        api = _api()
-        for r in L.rows:
-            stale = r.owner[slots] != want
-            for e, s in zip(want[stale].tolist(), slots[stale].tolist()):
-                api.tensor_set(r.tensor, r.rows.ctypes.data + e * r.stride, s * r.stride, r.stride)
-                r.owner[s] = e
-                self.stats.row_uploads += 1
-                self.stats.row_bytes += r.stride
+        g, c = api(), self.counts
+        stale = L.owner[slots] != want
+        for e, s in zip(want[stale].tolist(), slots[stale].tolist()):
+            for r in L.rows:
+                assert r.rows is not None  # rows parts only: the weights are moed's
+                g.ggml_backend_tensor_set(r.ours, r.rows.ctypes.data + e * r.stride, s * r.stride, r.stride)
+                c.row_uploads += 1
+                c.row_bytes += r.stride
+            L.owner[s] = e
 
-    def skip(self, layer: int, topk: int) -> None:
-        """In-range moed slots for every id of `topk` (`skip_ids`): a decode that failed computes
-        on to its end over them."""
-        n_rows, k, nb1 = _topk_shape(layer, topk)
-        if k and n_rows:
-            _write_ids(topk, skip_ids(n_rows, k, self._layers[layer].capacity), nb1)
+    def _zero_copy(self, layer: int) -> _ZeroCopyLayer:
+        L = self._layers[layer]
+        assert isinstance(L, _ZeroCopyLayer)
+        return L
 
-    def totals(self) -> dict:
-        return dict(vars(self.stats))
+    # ---- lifetime
 
     def rebind(self) -> None:
         """The daemon this engine imported died (moed.engines.streamer, `ensure_bound`): its
@@ -498,43 +363,16 @@ class HostSlots:
         )
 
     def close(self) -> None:
-        """Free the imports and the rows; only once llama.cpp will never compute with the model
-        again, and before the segments' mappings go (the client closes them)."""
-        api = _api()
-        for L in self._layers.values():
-            if L.buffer:
-                api.buffer_free(L.buffer)
-                L.buffer = 0
-            if L.ctx:
-                api.free(L.ctx)
-                L.ctx = 0
-        self._layers.clear()
-        for imp in self._imports.values():
-            api.buffer_free(imp.buffer)
+        """Free the imports and the rows (the base's close); only once llama.cpp will never
+        compute with the model again, and before the segments' mappings go (the client closes
+        them)."""
         self._imports.clear()
-        if self._ctx:
-            api.free(self._ctx)
-            self._ctx = 0
+        self._class_ctx = 0
+        super().close()
 
 
-class HostPlacement(DevicePlacement):
-    """Zero copy as the engine's placement (moed.engines.placement.Placement) of its layers.
+# The name streamer.py's type-only import gives an adopted device placement, either strategy
+# (`ExpertStreamer.adopt_slots`): goes when the streamer no longer names it.
+HostSlots = DevicePlacement
 
-    `needs` names every distinct routed expert, so every layer acquires; `show` rewrites the
-    ids into the grant's moed slots. `hide` has nothing to do: the grant stays held until
-    the streamer releases it at the next layer's acquire or after the decode, when the
-    device has run this layer's matmuls (the module docstring says why). A failed decode's
-    matmuls read the imported segments, always mapped (`failed`: nothing), over ids `skip`
-    keeps in range.
-    """
-
-    what = "zero copy"
-
-    def _needed(self, layer: int, ids: np.ndarray) -> list[int]:
-        return self.slots.needed(layer, ids)
-
-    def _route(self, layer: int, node: int, grant: Grant | None, ids: np.ndarray | None) -> None:
-        self.slots.route(layer, node, grant, ids)
-
-
-__all__ = ["HostImportUnavailable", "HostPlacement", "HostSlots", "HostStats", "can_import", "mapping_perms"]
+__all__ = ["HostImportUnavailable", "HostSlots", "ZeroCopyPlacement", "ZeroCopyStats", "mapping_perms"]

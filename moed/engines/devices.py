@@ -22,14 +22,12 @@ Invariants:
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import re
 from dataclasses import dataclass
 
-from moed.engines.ggml_tensor import loaded_library
+from moed.engines.ggml_api import GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU, api
 
-GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU = 1, 2
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 _INPUT = ("token_embd.", "per_layer_token_embd.")  # the input layer: always the CPU's
 
@@ -37,19 +35,12 @@ _INPUT = ("token_embd.", "per_layer_token_embd.")  # the input layer: always the
 @functools.cache
 def gpu_devices() -> tuple[str, ...]:
     """'name (description)' of every GPU or integrated-GPU device ggml enumerates."""
-    lib = loaded_library("ggml")
-    count, get = lib.ggml_backend_dev_count, lib.ggml_backend_dev_get
-    count.restype, get.restype, get.argtypes = ctypes.c_size_t, ctypes.c_void_p, [ctypes.c_size_t]
-    base = loaded_library("ggml-base")
-    kind, name, desc = base.ggml_backend_dev_type, base.ggml_backend_dev_name, base.ggml_backend_dev_description
-    kind.restype, kind.argtypes = ctypes.c_int, [ctypes.c_void_p]
-    for fn in (name, desc):
-        fn.restype, fn.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
+    g = api()
     out = []
-    for i in range(count()):
-        dev = get(i)
-        if kind(dev) in (GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU):
-            out.append(f"{name(dev).decode()} ({desc(dev).decode()})")
+    for i in range(g.ggml_backend_dev_count()):
+        dev = g.ggml_backend_dev_get(i)
+        if g.ggml_backend_dev_type(dev) in (GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU):
+            out.append(f"{g.ggml_backend_dev_name(dev).decode()} ({g.ggml_backend_dev_description(dev).decode()})")
     return tuple(out)
 
 

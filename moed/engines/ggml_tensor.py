@@ -1,18 +1,23 @@
-"""The ctypes view of `struct ggml_tensor` for the ggml inside llama-cpp-python 0.3.36.
+"""Reading a computed graph node of the ggml inside llama-cpp-python 0.3.36, and the eval callback.
 
-What this module owns: the field layout, reading a tensor's name without
-building a Python string per node, reading the routed expert ids of an
-`ffn_moe_topk-<layer>` tensor, and viewing the float rows of an `ffn_norm-<layer>`
-tensor (the normed FFN input the gate-ahead predictor reads; gpt-oss names it
-`attn_post_norm-<layer>`, so the norm node's prefix is a parameter).
+What this module owns: the node names the engine stops at (`ffn_moe_topk-<layer>`, the
+routing weights `ffn_moe_weights-<layer>`, the router's input), reading a tensor's name
+without building a Python string per node, reading the routed expert ids of an
+`ffn_moe_topk-<layer>` tensor, viewing the float rows of an `ffn_norm-<layer>` tensor
+(the normed FFN input the gate-ahead predictor reads; gpt-oss names it
+`attn_post_norm-<layer>`, so the norm node's prefix is a parameter), and llama.cpp's
+`cb_eval` (`EvalCallback`, its ask pass in C). The struct layout and every ggml call
+are moed.engines.ggml_api's.
 
 Invariants:
 - The layout is that of ggml.h in the pinned llama-cpp-python; `layout_matches()`
-  checks it against the library (`ggml_tensor_overhead()` is the object header
-  plus `sizeof(struct ggml_tensor)`), and the engine refuses to run if it does not.
+  (ggml_api's) checks it against the library, and the engine refuses to run if it
+  does not.
 - `ffn_moe_topk` is a view (argsort, then the first k columns), so its rows are
   `nb[1]` bytes apart, not `k * 4`: ids are always read through the strides.
   Float rows are read through the strides too (any node may be a view).
+- A node whose buffer is not host memory (a layer llama.cpp offloaded) is read through
+  ggml's backend API (`_bytes_at`), never through its data pointer (the device's).
 """
 
 from __future__ import annotations
@@ -24,38 +29,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from moed import libc
+from moed.engines.ggml_api import GGML_TYPE_F32, GGML_TYPE_I32, NAME_OFFSET, GgmlTensor, api
+from moed.engines.ggml_api import layout_matches as layout_matches  # the streamer's check, where it always was
 
-GGML_MAX_DIMS = 4
-GGML_MAX_OP_PARAMS = 64
-GGML_MAX_SRC = 10
-GGML_MAX_NAME = 64
-GGML_TYPE_F32 = 0
-GGML_TYPE_I32 = 26
-# sizeof(struct ggml_object): offs, size (size_t), next (ptr), type (enum), padding[4].
-GGML_OBJECT_SIZE = 32
-
-
-class GgmlTensor(ctypes.Structure):
-    _fields_ = [
-        ("type", ctypes.c_int),
-        ("buffer", ctypes.c_void_p),
-        ("ne", ctypes.c_int64 * GGML_MAX_DIMS),
-        ("nb", ctypes.c_size_t * GGML_MAX_DIMS),
-        ("op", ctypes.c_int),
-        ("op_params", ctypes.c_int32 * (GGML_MAX_OP_PARAMS // 4)),
-        ("flags", ctypes.c_int32),
-        ("src", ctypes.c_void_p * GGML_MAX_SRC),
-        ("view_src", ctypes.c_void_p),
-        ("view_offs", ctypes.c_size_t),
-        ("data", ctypes.c_void_p),
-        ("name", ctypes.c_char * GGML_MAX_NAME),
-        ("extra", ctypes.c_void_p),
-        ("padding", ctypes.c_char * 8),
-    ]
-
-
-NAME_OFFSET = GgmlTensor.name.offset
 # What the layer holds (moed/_evalcb.c) read of a topk node: (name, type, ne, nb, data) offsets.
 LANE_LAYOUT = (NAME_OFFSET, GgmlTensor.type.offset, GgmlTensor.ne.offset, GgmlTensor.nb.offset, GgmlTensor.data.offset)
 TOPK_PREFIX = b"ffn_moe_topk-"
@@ -120,61 +96,6 @@ class PythonEvalCallback:
     def install(self, params) -> None:
         params.cb_eval = self.function
         params.cb_eval_user_data = None
-
-
-# One symbol each library defines, to find it through libllama's own dependency tree.
-_LIBRARY_SYMBOL = {"ggml-base": "ggml_init", "ggml-cpu": "ggml_backend_cpu_reg", "ggml": "ggml_backend_dev_count"}
-
-
-class LibraryMismatch(RuntimeError):
-    """moed could not reach the copy of a ggml library that llama.cpp runs."""
-
-
-@functools.cache
-def loaded_library(stem: str) -> ctypes.CDLL:
-    """The very copy of llama-cpp-python's `lib<stem>` that llama.cpp itself runs.
-
-    Why not open it by path: the wheel holds `libggml-cpu.so`, `.so.0` and `.so.0.25.3`
-    as three separate files (wheels keep no symlinks), libllama links the `.so.0` one,
-    and a path that names the same file another way (the venv's `lib64 -> lib` link on
-    sys.path, a symlinked checkout) is a different file to the dynamic loader. Any such
-    open loads a second ggml with its own CPU device and buffer types, and a tensor
-    given that copy's CPU_REPACK buffer makes llama.cpp abort at context creation
-    ("pre-allocated tensor ... in a buffer (CPU_REPACK) that cannot run the operation";
-    issue 30: it happened or not depending on how the process had imported llama_cpp).
-
-    So the library is found from libllama's own handle, whatever sys.path says: dlsym
-    through that handle searches libllama's dependency tree, which holds exactly the
-    copies llama.cpp runs; dladdr names the file that symbol lives in; dlopen with
-    RTLD_NOLOAD returns that already loaded copy and never loads a new one. The
-    handle's symbol is then checked against llama.cpp's own (LibraryMismatch if not).
-    """
-    import os
-
-    from llama_cpp import llama_cpp as bindings
-
-    symbol = _LIBRARY_SYMBOL[stem]
-    want = ctypes.cast(getattr(bindings._lib, symbol), ctypes.c_void_p).value
-    path = libc.file_of_address(want) if want else None
-    if path is None:
-        raise LibraryMismatch(f"llama.cpp's {symbol} could not be located (lib{stem})")
-    lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-    got = ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value
-    if got != want:
-        raise LibraryMismatch(f"{path}: {symbol} at {got:#x}, llama.cpp runs it at {want:#x}")
-    return lib
-
-
-def ggml_base_library() -> ctypes.CDLL:
-    """libggml-base from the installed llama-cpp-python (it exports ggml_tensor_overhead)."""
-    return loaded_library("ggml-base")
-
-
-def layout_matches() -> bool:
-    """True when our struct has the size the library allocates per tensor."""
-    lib = ggml_base_library()
-    lib.ggml_tensor_overhead.restype = ctypes.c_size_t
-    return lib.ggml_tensor_overhead() == GGML_OBJECT_SIZE + ctypes.sizeof(GgmlTensor)
 
 
 def topk_layer(tensor_ptr: int) -> int | None:
@@ -272,41 +193,17 @@ def topk_view(tensor_ptr: int) -> np.ndarray:
     return _rows_view(t, int(t.ne[1]), int(t.ne[0]), writable=True)
 
 
-class DeviceTensors:
-    """ggml's backend calls for a computed node that may live in a device's memory (a layer
-    llama.cpp offloaded with n_gpu_layers): `is_host(buffer)` and `get(tensor, out, n)`."""
-
-    def __init__(self) -> None:
-        lib = ggml_base_library()
-        self._is_host = lib.ggml_backend_buffer_is_host
-        self._is_host.argtypes, self._is_host.restype = [ctypes.c_void_p], ctypes.c_bool
-        self._get = lib.ggml_backend_tensor_get
-        self._get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
-        self._get.restype = None
-
-    def is_host(self, buffer: int) -> bool:
-        return bool(self._is_host(buffer))
-
-    def get(self, tensor: GgmlTensor, out, n_bytes: int) -> None:
-        self._get(ctypes.addressof(tensor), out, 0, n_bytes)
-
-
-@functools.cache
-def device_tensors() -> DeviceTensors:
-    return DeviceTensors()
-
-
 def _bytes_at(t: GgmlTensor, span: int, writable: bool = False):
     """The `span` bytes of a computed tensor: its host buffer in place, or, for a tensor in a
     device's memory (a GPU layer's router, norm or top-k), a copy read through ggml's
     backend API (ggml_backend_tensor_get: the data pointer is the device's, never readable
     here). `span` is the tensor's ggml_nbytes for the views this module reads."""
-    if not t.buffer or device_tensors().is_host(t.buffer):
+    if not t.buffer or api().ggml_backend_buffer_is_host(t.buffer):
         return (ctypes.c_char * span).from_address(t.data)
     if writable:
         raise RuntimeError("a node in a device's memory cannot be rewritten in place (route_hook with n_gpu_layers)")
     out = (ctypes.c_char * span)()
-    device_tensors().get(t, out, span)
+    api().ggml_backend_tensor_get(ctypes.addressof(t), out, 0, span)
     return out
 
 

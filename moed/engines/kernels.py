@@ -8,8 +8,8 @@ that (a repacked tensor leaves its file offset, and loading would read every
 expert), so moed does it itself, after the load, with ggml's own code.
 
 What this module owns:
-- the handles into ggml: the CPU device, its CPU_REPACK buffer type, the CPU
-  feature probes (`Ggml`, one per process);
+- the CPU device as ggml has it: its CPU_REPACK buffer type, the CPU feature
+  probes (`CpuBackend`, one per process; every ggml call is moed.engines.ggml_api's);
 - `layout_of(ggml_type, ne)`: the layout this CPU's ggml computes a weight on,
   "plain" or ggml's repack name ("q4_0_8x8"); ggml itself decides (a tensor
   allocated in CPU_REPACK gets repack traits in `extra` exactly when ggml would
@@ -30,7 +30,7 @@ llama.cpp's loader from a list moed computes from the file's header alone. The
 expert tensors are found from the first graph node Python sees in the first decode
 (before any expert matmul of that decode), through pointers llama.cpp itself wrote.
 Every ggml entry point is taken from the very library copy llama.cpp runs
-(`ggml_tensor.loaded_library`): a second copy's CPU_REPACK buffer type is a
+(`ggml_api.loaded_library`): a second copy's CPU_REPACK buffer type is a
 different pointer, which llama.cpp's scheduler rejects with an abort.
 
 Invariants:
@@ -58,87 +58,59 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from moed.engines.ggml_tensor import GGML_OBJECT_SIZE, NAME_OFFSET, GgmlTensor, loaded_library
+from moed.engines.ggml_api import (
+    GGML_BACKEND_BUFFER_USAGE_WEIGHTS,
+    NAME_OFFSET,
+    GgmlInitParams,
+    GgmlTensor,
+    api,
+    context_tensors,
+    reg_proc,
+)
 from moed.gguf.archs import DENSE_MATMUL
 
 PLAIN = "plain"
 REPACK_BUFT = b"CPU_REPACK"
-GGML_BACKEND_BUFFER_USAGE_WEIGHTS = 1
-GGML_OBJECT_TYPE_TENSOR = 0
 
 # ggml types (ggml.h) that ggml's CPU backend may repack.
 Q4_0, Q8_0, Q2_K, Q4_K, Q5_K, Q6_K, IQ4_NL, MXFP4, Q1_0 = 2, 8, 10, 12, 13, 14, 20, 39, 41
+_FEATURES = ("avx2", "avx512", "neon", "dotprod", "matmul_int8", "sve", "vxe", "riscv_v")
 
 
-class GgmlInitParams(ctypes.Structure):
-    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
-
-
-class GgmlObject(ctypes.Structure):
-    _fields_ = [
-        ("offs", ctypes.c_size_t),
-        ("size", ctypes.c_size_t),
-        ("next", ctypes.c_void_p),
-        ("type", ctypes.c_int),
-        ("padding", ctypes.c_char * 4),
-    ]
-
-
-def _bind(lib: ctypes.CDLL, name: str, restype, *argtypes):
-    fn = getattr(lib, name)
-    fn.restype, fn.argtypes = restype, list(argtypes)
-    return fn
-
-
-class Ggml:
-    """The ggml entry points moed uses, bound once per process (`ggml()`)."""
+class CpuBackend:
+    """ggml's CPU device as this process's llama.cpp has it, found once (`cpu_backend()`):
+    the device, its own buffer type, its extra buffer types (CPU_REPACK) and the CPU
+    features ggml's repack choice depends on."""
 
     def __init__(self) -> None:
-        base, cpu = loaded_library("ggml-base"), loaded_library("ggml-cpu")
-        p, sz, i = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
-        self.init = _bind(base, "ggml_init", p, GgmlInitParams)
-        self.free = _bind(base, "ggml_free", None, p)
-        self.new_tensor = _bind(base, "ggml_new_tensor", p, p, i, i, ctypes.POINTER(ctypes.c_int64))
-        self.tensor_overhead = _bind(base, "ggml_tensor_overhead", sz)
-        self.alloc_ctx_tensors = _bind(base, "ggml_backend_alloc_ctx_tensors_from_buft", p, p, p)
-        self.buffer_free = _bind(base, "ggml_backend_buffer_free", None, p)
-        self.buffer_set_usage = _bind(base, "ggml_backend_buffer_set_usage", None, p, i)
-        self.buffer_base = _bind(base, "ggml_backend_buffer_get_base", p, p)
-        self.buffer_size = _bind(base, "ggml_backend_buffer_get_size", sz, p)
-        self.tensor_set = _bind(base, "ggml_backend_tensor_set", None, p, p, sz, sz)
-        self.buft_name = _bind(base, "ggml_backend_buft_name", ctypes.c_char_p, p)
-        self.buffer_type = _bind(base, "ggml_backend_buffer_get_type", p, p)
-        proc = _bind(base, "ggml_backend_reg_get_proc_address", p, p, ctypes.c_char_p)
-        dev_get = _bind(base, "ggml_backend_reg_dev_get", p, p, sz)
-        reg = _bind(cpu, "ggml_backend_cpu_reg", p)()
-        self.cpu_dev = dev_get(reg, 0)
-        self.cpu_buft = _bind(base, "ggml_backend_dev_buffer_type", p, p)(self.cpu_dev)
-        extra = proc(reg, b"ggml_backend_dev_get_extra_bufts")
+        g = api()
+        reg = g.ggml_backend_cpu_reg()
+        self.cpu_dev = g.ggml_backend_reg_dev_get(reg, 0)
+        self.cpu_buft = g.ggml_backend_dev_buffer_type(self.cpu_dev)
+        p = ctypes.c_void_p
+        extra = reg_proc(reg, b"ggml_backend_dev_get_extra_bufts", ctypes.POINTER(p), p)
         self.extra_bufts: dict[bytes, int] = {}
-        if extra:
-            arr = ctypes.CFUNCTYPE(ctypes.POINTER(p), p)(extra)(self.cpu_dev)
+        if extra is not None:
+            arr = extra(self.cpu_dev)
             k = 0
             while arr[k]:
-                self.extra_bufts[self.buft_name(arr[k])] = arr[k]
+                self.extra_bufts[g.ggml_backend_buft_name(arr[k])] = arr[k]
                 k += 1
         self.repack_buft = self.extra_bufts.get(REPACK_BUFT)
-        has = {}
-        for feat in ("avx2", "avx512", "neon", "dotprod", "matmul_int8", "sve", "vxe", "riscv_v"):
-            has[feat] = bool(_bind(cpu, f"ggml_cpu_has_{feat}", i)())
-        has["sve32"] = has["sve"] and _bind(cpu, "ggml_cpu_get_sve_cnt", i)() == 32
+        has = {feat: bool(getattr(g, f"ggml_cpu_has_{feat}")()) for feat in _FEATURES}
+        has["sve32"] = has["sve"] and g.ggml_cpu_get_sve_cnt() == 32
         self.has = has
 
     def features(self) -> str:
         """The CPU features ggml's repack choice depends on, as a short string."""
         import platform
 
-        on = [f for f in ("avx2", "avx512", "neon", "dotprod", "matmul_int8", "sve", "vxe", "riscv_v") if self.has[f]]
-        return " ".join([platform.machine(), *on])
+        return " ".join([platform.machine(), *(f for f in _FEATURES if self.has[f])])
 
 
 @functools.cache
-def ggml() -> Ggml:
-    return Ggml()
+def cpu_backend() -> CpuBackend:
+    return CpuBackend()
 
 
 def _repack_name(ggml_type: int, ne1: int, has: dict[str, bool]) -> str | None:
@@ -167,33 +139,33 @@ class _Context:
     """A ggml context of tensor headers (no data) plus the CPU_REPACK buffer behind them."""
 
     def __init__(self, shapes: list[tuple[int, tuple[int, ...]]]):
-        g = ggml()
-        if g.repack_buft is None:
+        g, repack_buft = api(), cpu_backend().repack_buft
+        if repack_buft is None:
             raise RuntimeError("this llama.cpp build has no CPU_REPACK buffer type")
-        self.ctx = g.init(GgmlInitParams(g.tensor_overhead() * (len(shapes) + 1), None, True))
+        self.ctx = g.ggml_init(GgmlInitParams(g.ggml_tensor_overhead() * (len(shapes) + 1), None, True))
         if not self.ctx:
             raise MemoryError("ggml_init failed")
         self.buffer = None
         self.tensors = []
         for ggml_type, ne in shapes:
             dims = (ctypes.c_int64 * 4)(*(list(ne) + [1] * (4 - len(ne))))
-            self.tensors.append(g.new_tensor(self.ctx, ggml_type, 4, dims))
-        self.buffer = g.alloc_ctx_tensors(self.ctx, g.repack_buft)
+            self.tensors.append(g.ggml_new_tensor(self.ctx, ggml_type, 4, dims))
+        self.buffer = g.ggml_backend_alloc_ctx_tensors_from_buft(self.ctx, repack_buft)
         if not self.buffer:
-            g.free(self.ctx)
+            g.ggml_free(self.ctx)
             raise MemoryError(f"could not allocate a CPU_REPACK buffer for {len(shapes)} tensors")
-        g.buffer_set_usage(self.buffer, GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
+        g.ggml_backend_buffer_set_usage(self.buffer, GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
 
     def view(self, k: int) -> GgmlTensor:
         return GgmlTensor.from_address(self.tensors[k])
 
     def close(self) -> None:
-        g = ggml()
+        g = api()
         if self.buffer:
-            g.buffer_free(self.buffer)
+            g.ggml_backend_buffer_free(self.buffer)
             self.buffer = None
         if self.ctx:
-            g.free(self.ctx)
+            g.ggml_free(self.ctx)
             self.ctx = None
 
 
@@ -206,8 +178,8 @@ def _probe_shape(ne: Iterable[int]) -> tuple[int, int]:
 @functools.cache
 def layout_of(ggml_type: int, ne: tuple[int, ...]) -> str:
     """The layout this CPU's llama.cpp computes a weight of this type and shape on."""
-    g = ggml()
-    if g.repack_buft is None:
+    cpu = cpu_backend()
+    if cpu.repack_buft is None:
         return PLAIN
     ctx = _Context([(ggml_type, _probe_shape(ne))])
     try:
@@ -216,7 +188,7 @@ def layout_of(ggml_type: int, ne: tuple[int, ...]) -> str:
         ctx.close()
     if not repacks:
         return PLAIN
-    return _repack_name(ggml_type, ne[1], g.has) or f"repacked-{ggml_type}"
+    return _repack_name(ggml_type, ne[1], cpu.has) or f"repacked-{ggml_type}"
 
 
 class Repacker:
@@ -235,7 +207,7 @@ class Repacker:
     def __call__(self, plain: bytes) -> bytes:
         if len(plain) != self.n_bytes:
             raise ValueError(f"one expert is {self.n_bytes} bytes, got {len(plain)}")
-        ggml().tensor_set(self._tensor, plain, 0, self.n_bytes)
+        api().ggml_backend_tensor_set(self._tensor, plain, 0, self.n_bytes)
         return ctypes.string_at(self._data, self.n_bytes)
 
     def close(self) -> None:
@@ -246,19 +218,10 @@ class Repacker:
 
 
 def _walk_context(tensor_addr: int) -> dict[bytes, list[int]]:
-    """Every tensor of the ggml context holding `tensor_addr`, by name (ggml_get_next_tensor's walk)."""
-    obj = GgmlObject.from_address(tensor_addr - GGML_OBJECT_SIZE)
-    mem_buffer = tensor_addr - obj.offs
+    """Every tensor of the ggml context holding `tensor_addr`, by name."""
     out: dict[bytes, list[int]] = {}
-    addr = mem_buffer
-    for _ in range(1 << 20):
-        o = GgmlObject.from_address(addr)
-        if o.type == GGML_OBJECT_TYPE_TENSOR:
-            t = mem_buffer + o.offs
-            out.setdefault(ctypes.string_at(t + NAME_OFFSET), []).append(t)
-        if not o.next:
-            break
-        addr = o.next
+    for t in context_tensors(tensor_addr):
+        out.setdefault(ctypes.string_at(t + NAME_OFFSET), []).append(t)
     return out
 
 
@@ -361,12 +324,12 @@ class DenseOverrides:
                 patterns.append(f"^{re.escape(kind)}$")
             else:
                 patterns.append(rf"^blk\.(?:{'|'.join(layers)})\.{re.escape(kind)}$")
-        buft = ggml().repack_buft
+        buft = cpu_backend().repack_buft
         if patterns and buft is None:
             raise RuntimeError("this llama.cpp build has no CPU_REPACK buffer type")
         placed = [(p.encode(), buft) for p in patterns]
         if experts_on_cpu:  # first: the loader takes the first pattern that matches
-            placed.insert(0, (EXPERTS_PATTERN, ggml().cpu_buft))
+            placed.insert(0, (EXPERTS_PATTERN, cpu_backend().cpu_buft))
         self.patterns = [p for p, _ in placed]
         self.array = (BuftOverride * (len(placed) + 1))()
         for k, (pattern, target) in enumerate(placed):

@@ -57,8 +57,7 @@ from moed.engines.turns import ComputeTurns, check_counts
 from moed.protocol.errors import BudgetExhausted, RequestTooLarge
 
 if TYPE_CHECKING:
-    from moed.engines.device_host import HostSlots
-    from moed.engines.device_slots import DeviceSlots
+    from moed.engines.placement import DeviceLayers
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 _HOOK_LOCK = threading.Lock()
@@ -276,37 +275,18 @@ def _skeleton(source, skeleton_dir: str | os.PathLike) -> list[str]:
         return list(source.files)
 
 
-def _device_slots(model, streamer: ExpertStreamer, zero_copy: bool) -> DeviceSlots | HostSlots:
-    """The offloaded layers' device slots (moed.engines.device_slots), found by a probe
-    context and switched in now; `zero_copy`: moed's segments imported into the device
-    instead (moed.engines.device_host). The streamer owns them from the moment they
-    exist: it closes them after the model, before the client unmaps the segments."""
-    from moed.engines.device_host import HostImportUnavailable, HostSlots
-    from moed.engines.device_slots import DeviceSlots, probe
-    from moed.gguf.layouts import PLAIN
+def _device_slots(model, streamer: ExpertStreamer, zero_copy: bool) -> DeviceLayers | None:
+    """The offloaded layers' device placement (moed.engines.placement.device_layers: copied
+    slots, or with `zero_copy` moed's segments imported into the device), switched in now;
+    None without one. The streamer owns it from the moment it exists: it closes it after
+    the model, before the client unmaps the segments."""
+    from moed.engines.placement import device_layers
 
-    found = probe(model.model)
-    src, n_slots = streamer.source, streamer.gpu_slots
-    if zero_copy:
-        if src.expert_layout != PLAIN:
-            raise HostImportUnavailable(
-                f"gpu_zero_copy: moed serves this model's experts in the {src.expert_layout} layout; the device "
-                "reads the plain one in place"
-            )
-        if n_slots < src.n_expert_used:
-            raise ValueError(f"gpu_slots={n_slots}: one token routes to {src.n_expert_used} experts a layer")
-        return streamer.adopt_slots(HostSlots(found, src, n_slots))
-    slots = streamer.adopt_slots(DeviceSlots(found, n_slots))
-    for layer in slots.layers:
-        served = {e.part: e.bytes_per_expert for e in src.extents(layer)}
-        if slots.part_bytes(layer) != served:
-            raise RuntimeError(f"layer {layer}: device slot parts {slots.part_bytes(layer)} but moed serves {served}")
-        if slots.n_slots(layer) < src.n_expert_used:
-            raise ValueError(
-                f"gpu_slots={n_slots}: layer {layer} has {slots.n_slots(layer)} slots, "
-                f"one token routes to {src.n_expert_used} experts"
-            )
-    return slots
+    offload = streamer.layout.offload if streamer.layout is not None else None
+    built = device_layers(model.model, streamer.source, offload, zero_copy)
+    if built is not None:
+        streamer.adopt_slots(built.placement)
+    return built
 
 
 def _hooked_internals(
@@ -334,14 +314,10 @@ def _hooked_internals(
         try:
             # Device slots replace the offloaded layers' expert tensors before any context
             # exists: ggml's scheduler places a MUL_MAT_ID when it splits a graph.
-            slots = _device_slots(model, streamer, zero_copy) if streamer.gpu_slots else None
+            device = _device_slots(model, streamer, zero_copy)
             streamer.install(before)
-            if slots is not None:
-                from moed.engines.device_host import HostPlacement, HostSlots
-                from moed.engines.device_slots import SlotPlacement
-
-                placement = HostPlacement(slots) if isinstance(slots, HostSlots) else SlotPlacement(slots)
-                streamer.place_on(placement, slots.layers, stop=ggml_tensor.WEIGHTS_PREFIX)
+            if device is not None:
+                streamer.place_on(device.placement, device.layers, stop=device.stop)
         except BaseException:
             model.close()  # first: the slots (the streamer's, closed with it) outlive the model
             raise

@@ -1,13 +1,15 @@
 """Where a layer's granted experts are made computable: the engine's placement seam.
 
 What this module owns: the `Placement` interface the per-layer cycle
-(moed.engines.streamer) calls once it holds a layer's grant, and its CPU
-implementation, `CpuPages`: the experts shown at their own addresses in llama.cpp's
-mapping of the model (moed.engines.expert_pages); the lane layers' addresses are mapped
-by the layer holds alone (moed.engines.holds: when they take a hit, or in the same call
-that hands them Python's grant), so `show` leaves those layers to them. Device expert slots
-(moed.engines.device_slots) are the second implementation: a layer's placement is
-chosen at load, by where that layer's experts compute, and never changes.
+(moed.engines.streamer) calls once it holds a layer's grant; its CPU implementation,
+`CpuPages`: the experts shown at their own addresses in llama.cpp's mapping of the model
+(moed.engines.expert_pages); the lane layers' addresses are mapped by the layer holds
+alone (moed.engines.holds: when they take a hit, or in the same call that hands them
+Python's grant), so `show` leaves those layers to them; and the builder of the device
+placement (`device_layers`): the offloaded layers' experts computed on the GPU, by copied
+slots (moed.engines.device_slots) or zero copy (moed.engines.device_host), both
+moed.engines.device_placement's `DevicePlacement`. A layer's placement is chosen at
+load, by where that layer's experts compute, and never changes.
 
 Invariants (the cycle keeps them; each placement relies on them):
 - At a routed stop the layer holds go first (a lane layer's hit, in C); when they
@@ -28,12 +30,20 @@ Invariants (the cycle keeps them; each placement relies on them):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from moed.engines.device_host import HostImportUnavailable, ZeroCopyPlacement
+from moed.engines.device_placement import DevicePlacement
+from moed.engines.device_probe import ModelTensors, probe
+from moed.engines.device_slots import SlotPlacement
+from moed.engines.devices import Offload
 from moed.engines.expert_pages import ExpertPages, PartSpan
-from moed.engines.sources import Grant
+from moed.engines.ggml_tensor import WEIGHTS_PREFIX
+from moed.engines.sources import ExpertSource, Grant
+from moed.gguf.layouts import PLAIN
 
 if TYPE_CHECKING:
     from moed.engines.holds import LayerHolds
@@ -119,53 +129,63 @@ class CpuPages:
         return out
 
 
-__all__ = ["CpuPages", "Placement"]
+# ---------------------------------------------------------------------- the device placement, built
 
 
-class DevicePlacement:
-    """The common part of the device placements (moed.engines.device_slots' slots and
-    moed.engines.device_host's zero copy): the ids `needs` was given, kept for `show` of the
-    same layer; `hide` and `failed` do nothing (a device layer's matmuls read memory that
-    stays mapped whatever failed, and have run before the grant is released); `skip`
-    keeps a failed decode's ids in range. A subclass says what a layer must acquire
-    (`_needed`) and routes the ids (`_route`)."""
+@dataclass(frozen=True)
+class DeviceLayers:
+    """What `device_layers` built: the placement, the layers it computes and their stop
+    nodes (layer L stops at `<stop>L`). The placement owns what it allocated until its
+    `close()`, which must run after llama.cpp's model is freed and before the source's
+    segments are unmapped."""
 
-    what = "a device placement"  # names the placement in its errors
+    placement: DevicePlacement
+    layers: list[int]
+    stop: bytes
 
-    def __init__(self, slots: Any):
-        self.slots = slots
-        self._ids: tuple[int, np.ndarray] | None = None  # (layer, ids) named by needs, for show
 
-    def needs(self, layer: int, ids: np.ndarray) -> list[int]:
-        """The experts of the batch's `ids` ((n_tokens, k), read at the stop) to acquire."""
-        self._ids = (layer, ids)
-        return self._needed(layer, ids)
+def device_layers(model: int, source: ExpertSource, offload: Offload | None, zero_copy: bool) -> DeviceLayers | None:
+    """The device placement of a loaded model's offloaded layers, or None without one
+    (no offload, or `offload.gpu_slots` 0: their experts stay the CPU's). Between
+    llama.cpp's model and its context: the expert tensors are found by a probe context and
+    switched now. `zero_copy`: moed's segments imported into the device
+    (moed.engines.device_host), else copied slots (moed.engines.device_slots). What the
+    source serves is checked against the model before anything is allocated."""
+    if offload is None or not offload.gpu_slots:
+        return None
+    found = probe(model)
+    n = offload.gpu_slots
+    placement: DevicePlacement
+    if zero_copy:
+        _check_zero_copy(source, n)
+        placement = ZeroCopyPlacement(found, source, n)
+    else:
+        _check_copies(found, source, n)
+        placement = SlotPlacement(found, n)
+    return DeviceLayers(placement, placement.layers, WEIGHTS_PREFIX)
 
-    def show(self, grant: Grant | None, node: int | None, layer: int | None = None) -> None:
-        layer = grant.layer if grant is not None else layer
-        if layer is None or node is None:
-            raise ValueError(f"{self.what} needs the layer's top-k node (and the layer, without a grant)")
-        ids, self._ids = (self._ids[1] if self._ids is not None and self._ids[0] == layer else None), None
-        self._route(layer, node, grant, ids)
 
-    def hide(self, grant: Grant) -> None:
-        """Nothing: the device has what it reads before the grant is released."""
+def _check_zero_copy(source: ExpertSource, n: int) -> None:
+    if source.expert_layout != PLAIN:
+        raise HostImportUnavailable(
+            f"gpu_zero_copy: moed serves this model's experts in the {source.expert_layout} layout; the device "
+            "reads the plain one in place"
+        )
+    if n < source.n_expert_used:
+        raise ValueError(f"gpu_slots={n}: one token routes to {source.n_expert_used} experts a layer")
 
-    def failed(self) -> None:
-        """Nothing: a device layer's matmuls read memory that stays mapped whatever failed."""
 
-    def skip(self, layer: int, topk: int) -> None:
-        self._ids = None
-        self.slots.skip(layer, topk)
+def _check_copies(found: ModelTensors, source: ExpertSource, n: int) -> None:
+    """Each slot layer's parts are the bytes moed serves, and its slots hold a token's experts."""
+    for layer in found.device_layers():
+        served = {e.part: e.bytes_per_expert for e in source.extents(layer)}
+        if found.part_bytes(layer) != served:
+            raise RuntimeError(f"layer {layer}: device slot parts {found.part_bytes(layer)} but moed serves {served}")
+        slots = min(n, found.n_expert(layer))
+        if slots < source.n_expert_used:
+            raise ValueError(
+                f"gpu_slots={n}: layer {layer} has {slots} slots, one token routes to {source.n_expert_used} experts"
+            )
 
-    def end_decode(self) -> None:
-        self._ids = None
 
-    def stats(self) -> dict[str, Any]:
-        return {"gpu_slots": self.slots.totals()}
-
-    def _needed(self, layer: int, ids: np.ndarray) -> list[int]:
-        raise NotImplementedError
-
-    def _route(self, layer: int, node: int, grant: Grant | None, ids: np.ndarray | None) -> None:
-        raise NotImplementedError
+__all__ = ["CpuPages", "DeviceLayers", "Placement", "device_layers"]

@@ -246,7 +246,7 @@ def file_transform(headers: list[Header]):
 
     kvs: dict[str, str | list[str]] = {
         KEY_LAYOUTS: format_layouts(found),
-        KEY_CPU: kernels.ggml().features(),
+        KEY_CPU: kernels.cpu_backend().features(),
         KEY_BUILD: llama_cpp.__version__,
     }
     return Transform(unit_of, kvs)

@@ -54,7 +54,7 @@ def test_the_build_has_no_amx_path():
     from moed.engines import kernels
 
     assert not compiled_features().get("AMX_INT8", False)
-    assert b"AMX" not in kernels.ggml().extra_bufts  # only CPU_REPACK (or nothing) is offered
+    assert b"AMX" not in kernels.cpu_backend().extra_bufts  # only CPU_REPACK (or nothing) is offered
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 instruction sets")

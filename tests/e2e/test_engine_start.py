@@ -126,7 +126,7 @@ def test_moed_reaches_the_ggml_llama_cpp_runs_whatever_path_imported_it(tmp_path
     script = (
         "import ctypes, llama_cpp\n"
         "from llama_cpp import llama_cpp as b\n"
-        "from moed.engines.ggml_tensor import loaded_library\n"
+        "from moed.engines.ggml_api import loaded_library\n"
         "for stem, sym in (('ggml-cpu', 'ggml_backend_cpu_reg'), ('ggml-base', 'ggml_init')):\n"
         "    lib = loaded_library(stem)\n"
         "    a = ctypes.cast(getattr(lib, sym), ctypes.c_void_p).value\n"

@@ -29,17 +29,18 @@ TYPES = {
 @pytest.mark.parametrize("name", list(TYPES))
 def test_an_experts_repacked_bytes_are_its_own_range(name):
     from moed.engines import kernels
+    from moed.engines.ggml_api import api
 
     ggml_type, per_block, block_bytes = TYPES[name]
     ne0, ne1, n_expert = 512, 64, 4
     layout = kernels.layout_of(ggml_type, (ne0, ne1))
     if layout == kernels.PLAIN:
-        pytest.skip(f"this CPU's llama.cpp does not repack {name} ({kernels.ggml().features()})")
+        pytest.skip(f"this CPU's llama.cpp does not repack {name} ({kernels.cpu_backend().features()})")
     one = ne0 * ne1 // per_block * block_bytes
     plain = np.random.default_rng(ggml_type).integers(0, 256, one * n_expert, dtype=np.uint8).tobytes()
     whole = kernels._Context([(ggml_type, (ne0, ne1, n_expert))])
     try:
-        kernels.ggml().tensor_set(whole.tensors[0], plain, 0, len(plain))
+        api().ggml_backend_tensor_set(whole.tensors[0], plain, 0, len(plain))
         want = ctypes.string_at(whole.view(0).data, len(plain))
     finally:
         whole.close()

@@ -46,24 +46,23 @@ def ggml_traits_repack(layout, plain: bytes, ne0: int, ne1: int) -> bytes:
     """ggml's own repack code for `layout`, whichever this CPU would choose: the traits' member
     (`repack(ggml_tensor *, const void *, size_t)`, which reads nothing of `this`) on a tensor
     of a plain CPU context."""
-    from moed.engines import kernels
-    from moed.engines.ggml_tensor import GgmlTensor, loaded_library
+    from moed.engines.ggml_api import GgmlInitParams, GgmlTensor, api, loaded_library
 
-    g = kernels.ggml()
+    g = api()
     try:
         fn = getattr(loaded_library("ggml-cpu"), traits_symbol(layout))
     except AttributeError:
         pytest.skip(f"this libggml-cpu exports no repack for {layout.name}")
     fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-    ctx = g.init(kernels.GgmlInitParams(len(plain) + 4096 + g.tensor_overhead(), None, False))
+    ctx = g.ggml_init(GgmlInitParams(len(plain) + 4096 + g.ggml_tensor_overhead(), None, False))
     try:
-        t = g.new_tensor(ctx, layout.ggml_type, 4, (ctypes.c_int64 * 4)(ne0, ne1, 1, 1))
+        t = g.ggml_new_tensor(ctx, layout.ggml_type, 4, (ctypes.c_int64 * 4)(ne0, ne1, 1, 1))
         view = GgmlTensor.from_address(t)
         assert view.nb[3] == len(plain)
         assert fn(None, t, plain, len(plain)) == 0
         return ctypes.string_at(view.data, len(plain))
     finally:
-        g.free(ctx)
+        g.ggml_free(ctx)
 
 
 def layouts():

@@ -64,7 +64,9 @@ def need_repack(path) -> None:
     from moed.engines import kernels
 
     if expected_layout(path) == kernels.PLAIN:
-        pytest.skip(f"this CPU's llama.cpp repacks none of this model's expert types ({kernels.ggml().features()})")
+        pytest.skip(
+            f"this CPU's llama.cpp repacks none of this model's expert types ({kernels.cpu_backend().features()})"
+        )
 
 
 def expected_layout(path) -> str:

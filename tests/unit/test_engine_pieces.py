@@ -113,11 +113,11 @@ def test_an_expert_source_declares_a_default_for_every_optional_step():
         with pytest.raises(NotImplementedError):
             step()
     pytest.importorskip("llama_cpp")
-    from moed.engines.streamer import _substituter
+    from moed.engines.cycle import substituter_for
 
     with pytest.raises(ValueError, match="tells_residency"):
-        _substituter(src, EngineOptions(subst=0.5))  # substitution needs residency it can read
-    assert _substituter(src, EngineOptions()) is None
+        substituter_for(src, EngineOptions(subst=0.5))  # substitution needs residency it can read
+    assert substituter_for(src, EngineOptions()) is None
 
 
 def test_a_second_skeleton_writer_never_replaces_the_published_file(tmp_path):
@@ -137,3 +137,92 @@ def test_a_second_skeleton_writer_never_replaces_the_published_file(tmp_path):
     body = dst.read_bytes()
     assert body[:4096] == real.read_bytes()[:4096] and body[4096:8192] == bytes(4096)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf", "skel.gguf"]  # no temporaries left
+
+
+# ---------------------------------------------------------------------- the device slots' LRU
+
+
+def _old_lru_step(lru: dict, free: list, want: list[int]) -> int:
+    """The device slots' LRU as it was (an ordered dict of expert -> slot, oldest first, and a
+    free list): one batch's distinct experts `want` (sorted); returns its evictions."""
+    misses = []
+    for e in want:
+        if e in lru:
+            lru[e] = lru.pop(e)  # the batch's hits go last
+        else:
+            misses.append(e)
+    planned, evicted = [], 0
+    for e in misses:
+        if free:
+            planned.append((e, free.pop()))
+        else:
+            oldest = next(iter(lru))
+            planned.append((e, lru.pop(oldest)))
+            evicted += 1
+    for e, slot in planned:
+        lru[e] = slot
+    return evicted
+
+
+def test_the_device_lru_evicts_as_the_ordered_dict_it_replaced():
+    """SlotLru's arrays choose the same victims as the OrderedDict the slots kept before:
+    free slots first, then the least recently used, the batch's hits stamped in ascending
+    order, then its uploads (issue 48: the layout a full hit in C will read)."""
+    import numpy as np
+
+    from moed.engines.device_lru import SlotLru, full_hit
+
+    rng = np.random.default_rng(7)
+    n_expert, n_slots = 32, 8
+    new, old, free = SlotLru(n_expert, n_slots), {}, list(range(n_slots))
+    hits = 0
+    for _ in range(400):
+        ids = rng.integers(0, n_expert, (int(rng.integers(1, 4)), 2), dtype=np.int32)
+        want = np.unique(ids)
+        if len(want) > n_slots:
+            continue
+        hits += sum(int(e) in old for e in want)
+        evicted = _old_lru_step(old, free, want.tolist())
+        slot_ids = full_hit(new, ids)
+        if slot_ids is None:
+            misses, slots, got = new.admit(want)
+            assert got == evicted
+            for e, s in zip(misses, slots):
+                new.assign(e, s)
+            slot_ids = new.slot_of_expert[ids]
+        else:
+            assert evicted == 0
+        assert new.resident() == list(old)  # the same experts, in the same order
+        np.testing.assert_array_equal(new.expert_of_slot[slot_ids], ids)
+        held = new.expert_of_slot >= 0
+        np.testing.assert_array_equal(new.slot_of_expert[new.expert_of_slot[held]], np.flatnonzero(held))
+    assert new.hits == hits
+
+
+def test_a_full_hit_changes_nothing_unless_every_expert_is_in_a_slot():
+    import numpy as np
+
+    from moed.engines.device_lru import SlotLru, full_hit
+
+    lru = SlotLru(8, 4)
+    for e, s in ((1, 0), (5, 3)):
+        lru.assign(e, s)
+    before = (lru.last_use.copy(), lru.clock.copy())
+    for ids in ([[1, 2]], [[1, 8]], [[-1, 5]]):  # a miss, past the experts, below them
+        assert full_hit(lru, np.array(ids, np.int32)) is None
+        np.testing.assert_array_equal(lru.last_use, before[0])
+        np.testing.assert_array_equal(lru.clock, before[1])
+    got = full_hit(lru, np.array([[5, 1], [1, 5]], np.int32))
+    assert got is not None and got.tolist() == [[3, 0], [0, 3]]
+    assert lru.hits == 2 and lru.clock[0] == before[1][0] + 2  # one tick a distinct expert
+    assert lru.resident() == [1, 5]  # stamped in ascending expert order
+
+
+def test_skip_ids_are_k_distinct_slots_a_row_spread_over_all():
+    import numpy as np
+
+    from moed.engines.device_placement import skip_ids
+
+    ids = skip_ids(5, 4, 6)
+    assert ids.shape == (5, 4) and ids.dtype == np.int32
+    assert all(len(set(row)) == 4 for row in ids.tolist()) and set(ids.ravel().tolist()) == set(range(6))

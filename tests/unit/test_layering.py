@@ -299,3 +299,21 @@ def test_one_module_wraps_libc():
             if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "find_library":
                 found.append(str(path.relative_to(ROOT)))
     assert found == []
+
+
+def test_one_module_binds_ggml():
+    """moed/engines/ggml_api.py binds every ggml symbol and declares every ggml struct: no
+    other module types a foreign function (`argtypes`, `restype`; moed/libc.py types libc's)
+    or declares a `Ggml*` ctypes struct, so no symbol is bound twice with other types."""
+    allowed = {"moed/engines/ggml_api.py", "moed/libc.py"}
+    found = []
+    for path in sorted((ROOT / "moed").rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            typed = isinstance(node, ast.Attribute) and node.attr in ("argtypes", "restype")
+            struct = isinstance(node, ast.ClassDef) and node.name.startswith("Ggml")
+            if (typed and isinstance(node.ctx, ast.Store) and rel not in allowed) or (
+                struct and rel != "moed/engines/ggml_api.py"
+            ):
+                found.append(f"{rel}:{node.lineno}")
+    assert found == []
