@@ -113,11 +113,11 @@ def test_an_expert_source_declares_a_default_for_every_optional_step():
         with pytest.raises(NotImplementedError):
             step()
     pytest.importorskip("llama_cpp")
-    from moed.engines.cycle import substituter_for
+    from moed.engines.streamer import _substituter
 
     with pytest.raises(ValueError, match="tells_residency"):
-        substituter_for(src, EngineOptions(subst=0.5))  # substitution needs residency it can read
-    assert substituter_for(src, EngineOptions()) is None
+        _substituter(src, EngineOptions(subst=0.5))  # substitution needs residency it can read
+    assert _substituter(src, EngineOptions()) is None
 
 
 def test_a_second_skeleton_writer_never_replaces_the_published_file(tmp_path):
