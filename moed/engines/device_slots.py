@@ -67,9 +67,6 @@ class SlotPlacement(DevicePlacement):
 
     what = "device slots"
 
-    def __init__(self, found: ModelTensors, gpu_slots: int, layers=None):
-        super().__init__(found, gpu_slots, layers)
-
     def _build_layer(self, found: ModelTensors, layer: int) -> _SlotLayer:
         """The layer's slot tensors in its device buffer type, the model's tensors pointed at them."""
         n = found.n_expert(layer)
@@ -92,8 +89,17 @@ class SlotPlacement(DevicePlacement):
         return self._slots(layer).lru.resident()
 
     def totals(self) -> dict:
-        self.counts.hits = sum(L.lru.hits for L in self._each())
+        self._count_hits()
         return super().totals()
+
+    def close(self) -> None:
+        self._count_hits()  # the LRUs go with the layers; their hits stay in the totals
+        super().close()
+
+    def _count_hits(self) -> None:
+        """The hits, counted by each layer's LRU (a full hit counts its own, as C will)."""
+        if self._layers:
+            self.counts.hits = sum(L.lru.hits for L in self._each())
 
     def rebind(self) -> None:
         """Nothing to do: the slots hold copies of the file's bytes, uploaded from grants long

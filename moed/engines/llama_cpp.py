@@ -57,7 +57,7 @@ from moed.engines.turns import ComputeTurns, check_counts
 from moed.protocol.errors import BudgetExhausted, RequestTooLarge
 
 if TYPE_CHECKING:
-    from moed.engines.placement import DeviceLayers
+    from moed.engines.placement import DeviceBuild
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 _HOOK_LOCK = threading.Lock()
@@ -275,15 +275,15 @@ def _skeleton(source, skeleton_dir: str | os.PathLike) -> list[str]:
         return list(source.files)
 
 
-def _device_slots(model, streamer: ExpertStreamer, zero_copy: bool) -> DeviceLayers | None:
-    """The offloaded layers' device placement (moed.engines.placement.device_layers: copied
+def _device_slots(model, streamer: ExpertStreamer, zero_copy: bool) -> DeviceBuild | None:
+    """The offloaded layers' device placement (moed.engines.placement.build_device: copied
     slots, or with `zero_copy` moed's segments imported into the device), switched in now;
     None without one. The streamer owns it from the moment it exists: it closes it after
     the model, before the client unmaps the segments."""
-    from moed.engines.placement import device_layers
+    from moed.engines.placement import build_device
 
     offload = streamer.layout.offload if streamer.layout is not None else None
-    built = device_layers(model.model, streamer.source, offload, zero_copy)
+    built = build_device(model.model, streamer.source, offload, zero_copy)
     if built is not None:
         streamer.adopt_slots(built.placement)
     return built

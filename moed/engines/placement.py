@@ -6,7 +6,7 @@ What this module owns: the `Placement` interface the per-layer cycle
 (moed.engines.expert_pages); the lane layers' addresses are mapped by the layer holds
 alone (moed.engines.holds: when they take a hit, or in the same call that hands them
 Python's grant), so `show` leaves those layers to them; and the builder of the device
-placement (`device_layers`): the offloaded layers' experts computed on the GPU, by copied
+placement (`build_device`): the offloaded layers' experts computed on the GPU, by copied
 slots (moed.engines.device_slots) or zero copy (moed.engines.device_host), both
 moed.engines.device_placement's `DevicePlacement`. A layer's placement is chosen at
 load, by where that layer's experts compute, and never changes.
@@ -133,8 +133,8 @@ class CpuPages:
 
 
 @dataclass(frozen=True)
-class DeviceLayers:
-    """What `device_layers` built: the placement, the layers it computes and their stop
+class DeviceBuild:
+    """What `build_device` built: the placement, the layers it computes and their stop
     nodes (layer L stops at `<stop>L`). The placement owns what it allocated until its
     `close()`, which must run after llama.cpp's model is freed and before the source's
     segments are unmapped."""
@@ -144,7 +144,7 @@ class DeviceLayers:
     stop: bytes
 
 
-def device_layers(model: int, source: ExpertSource, offload: Offload | None, zero_copy: bool) -> DeviceLayers | None:
+def build_device(model: int, source: ExpertSource, offload: Offload | None, zero_copy: bool) -> DeviceBuild | None:
     """The device placement of a loaded model's offloaded layers, or None without one
     (no offload, or `offload.gpu_slots` 0: their experts stay the CPU's). Between
     llama.cpp's model and its context: the expert tensors are found by a probe context and
@@ -162,7 +162,7 @@ def device_layers(model: int, source: ExpertSource, offload: Offload | None, zer
     else:
         _check_copies(found, source, n)
         placement = SlotPlacement(found, n)
-    return DeviceLayers(placement, placement.layers, WEIGHTS_PREFIX)
+    return DeviceBuild(placement, placement.layers, WEIGHTS_PREFIX)
 
 
 def _check_zero_copy(source: ExpertSource, n: int) -> None:
@@ -188,4 +188,4 @@ def _check_copies(found: ModelTensors, source: ExpertSource, n: int) -> None:
             )
 
 
-__all__ = ["CpuPages", "DeviceLayers", "Placement", "device_layers"]
+__all__ = ["CpuPages", "DeviceBuild", "Placement", "build_device"]
