@@ -152,3 +152,16 @@ def test_the_server_seam_passes_each_llama_setting_once(monkeypatch):
     app._served_llama(EngineOptions(n_gpu_layers=-1, n_threads=2), None, {"n_threads_batch"}, **server_passes)
     assert (made["n_gpu_layers"], made["n_threads"], made["n_threads_batch"]) == (-1, 2, 16)
     assert made["n_ctx"] == 64 and "use_mlock" not in made
+
+
+def test_llama_cpps_settings_among_the_options_are_llama_cpp_keywords():
+    """The options marked as llama.cpp's settings are handed to `llama_cpp.Llama` by name: each
+    must be one of its keywords (llama.cpp ignores a name it does not know)."""
+    import inspect
+
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from moed.engines.options import EngineOptions
+
+    llama = inspect.signature(llama_cpp.Llama.__init__).parameters
+    missing = [name for name in EngineOptions().llama_settings() if name not in llama]
+    assert EngineOptions().llama_settings() and missing == [], missing
