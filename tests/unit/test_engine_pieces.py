@@ -113,11 +113,11 @@ def test_an_expert_source_declares_a_default_for_every_optional_step():
         with pytest.raises(NotImplementedError):
             step()
     pytest.importorskip("llama_cpp")
-    from moed.engines.streamer import _substituter
+    from moed.engines.cycle import substituter_for
 
     with pytest.raises(ValueError, match="tells_residency"):
-        _substituter(src, EngineOptions(subst=0.5))  # substitution needs residency it can read
-    assert _substituter(src, EngineOptions()) is None
+        substituter_for(src, EngineOptions(subst=0.5))  # substitution needs residency it can read
+    assert substituter_for(src, EngineOptions()) is None
 
 
 def test_a_second_skeleton_writer_never_replaces_the_published_file(tmp_path):
@@ -226,3 +226,64 @@ def test_skip_ids_are_k_distinct_slots_a_row_spread_over_all():
     ids = skip_ids(5, 4, 6)
     assert ids.shape == (5, 4) and ids.dtype == np.int32
     assert all(len(set(row)) == 4 for row in ids.tolist()) and set(ids.ravel().tolist()) == set(range(6))
+
+
+# ---- the streamer: a composition root over parts with one job each (issue 48, item 1)
+
+STREAMER_PARTS = ("streamer", "mapping", "binding", "cycle", "steps", "grants", "report")
+
+
+def _engine_module(name: str):
+    import ast
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "moed" / "engines" / f"{name}.py"
+    return ast.parse(path.read_text(), str(path))
+
+
+def _engine_imports(tree) -> set[str]:
+    """The moed.engines modules `tree` imports, type-only imports included."""
+    import ast
+
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "moed.engines":
+            found |= {f"moed.engines.{a.name}" for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("moed.engines."):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("moed.engines.")}
+    return found
+
+
+def test_the_streamer_is_a_small_root_that_names_no_concrete_placement():
+    """streamer.py imports at most 8 engine modules, none of them a device placement (not even
+    for types); no class of the streamer's parts is over 300 lines, and the root at most 250."""
+    import ast
+
+    imported = _engine_imports(_engine_module("streamer"))
+    assert len(imported) <= 8, sorted(imported)
+    for name in STREAMER_PARTS:
+        tree = _engine_module(name)
+        assert not {m for m in _engine_imports(tree) if m.startswith("moed.engines.device")}, name
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef):
+                lines = node.end_lineno - node.lineno + 1
+                assert lines <= (250 if node.name == "ExpertStreamer" else 300), (name, node.name, lines)
+
+
+def test_every_release_of_a_grant_by_the_cycle_is_a_route_of_grants():
+    """The streamer's parts let a grant go only through moed.engines.grants (GrantRoutes): no
+    other part calls a `release` but the routes' own or passes one to an acquire, so who
+    releases a grant is decided in one place."""
+    import ast
+
+    for name in STREAMER_PARTS:
+        if name == "grants":
+            continue
+        for node in ast.walk(_engine_module(name)):
+            if not isinstance(node, ast.Call):
+                continue
+            if isinstance(node.func, ast.Attribute) and node.func.attr == "release":
+                assert ast.unparse(node.func.value).endswith("grants"), (name, ast.unparse(node))
+            assert all(k.arg != "release" for k in node.keywords), (name, ast.unparse(node))

@@ -1,0 +1,211 @@
+"""The binding: what the routed layers are bound to, over the source's live connection.
+
+What this module owns: the layer holds (moed.engines.holds) and the CPU placement
+built over the source's connection as it is now, rebuilt when the daemon comes back
+(`Binding.ensure_bound`); each routed layer's placement (moed.engines.placement,
+chosen at load by `place_on` and fixed) and the routed stop's node; the device
+placement the load adopted (`slots`); the counters of holds let go (`HoldLedger`). `Bound` is what the
+others read: the cycle, the decode steps and the report; only the Binding writes it.
+
+Invariants:
+- Every decode starts bound to the source's live connection (`ensure_bound`, first in
+  every decode and in warm). When the connection was lost (the daemon died;
+  `ExpertSource.connected`) or replaced (`generation`), nothing of the old one is read
+  or mapped again: the holds are let go (their hit grant released into its own, old,
+  region; the C lane's pointers to the old tables and segments freed with them), every
+  expert address is PROT_NONE again (ExpertPages.reset: the old segments' pages
+  unmapped, the "which slot is behind which address" memory cleared), then the source
+  reconnects (bounded: DaemonUnavailable when the daemon does not come back, and the
+  engine stays unbound until a later decode succeeds) and the holds and the CPU
+  placement are built again before anything is read. One holds object never spans two
+  connections; llama.cpp's model and context (the KV cache) are kept.
+- A device placement that copied its experts keeps them (the bytes are the file's); one
+  that imported the old daemon's segments (zero copy) is not imported again into a
+  running context: its `rebind` raises before the old segments are dropped, and every later
+  decode raises the same (`dead`: the engine must be built again).
+- A layer's placement is chosen at load and never changes, except the CPU placement
+  itself, rebuilt over each new holds object for the layers it had.
+- A different routed stop (a device placement's, after the routing weights) is refused
+  while the holds have lane layers: they read top-k nodes.
+- The counters of holds let go at a rebind are kept, so the engine's totals run on.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from moed.engines import ggml_tensor
+from moed.engines.holds import HoldStats, LayerHolds, RouteFn
+from moed.engines.placement import CpuPages, Placement
+from moed.engines.sources import ExpertSource, Grant
+
+if TYPE_CHECKING:
+    from moed.engines.mapping import ModelMapping
+
+
+class AdoptedDevice(Protocol):
+    """What a load's device placement (moed.engines.placement.build_device) is to the binding:
+    rebound after a daemon restart, counted, closed after the model."""
+
+    def totals(self) -> dict: ...
+
+    def rebind(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+AdoptedT = TypeVar("AdoptedT", bound=AdoptedDevice)
+
+
+class Bound:
+    """What the routed layers are bound to now: the layer holds (None while unbound), each
+    layer's placement and the routed stop's node prefix (`<stop><layer>`). Written by the
+    Binding alone."""
+
+    def __init__(self) -> None:
+        self.holds: LayerHolds | None = None
+        self.stop = ggml_tensor.TOPK_PREFIX  # or (device slots) the routing weights after it
+        self.by_layer: dict[int, Placement] = {}
+
+    def placement(self, layer: int) -> Placement:
+        return self.by_layer[layer]
+
+    def placements(self) -> list[Placement]:
+        """Every placement the model's layers use, each once."""
+        return list({id(p): p for p in self.by_layer.values()}.values())
+
+    def held(self) -> tuple[str, Any] | None:
+        """What the layer holds hold now: None (an idle engine holds nothing), ("hit", n),
+        ("grant", grant) or ("pin", model_id)."""
+        return self.holds.held() if self.holds is not None else None
+
+
+class HoldLedger:
+    """The counters of the layer holds let go (at a rebind, or at close), added to the live
+    holds' own."""
+
+    def __init__(self) -> None:
+        self.past = HoldStats()
+        self.layer_s: dict[int, float] = {}  # each lane layer's own stall, summed
+
+    def retire(self, holds: LayerHolds) -> None:
+        self.past = self.stats(holds)
+        for layer in holds.layers:
+            self.layer_s[layer] = self.layer_s.get(layer, 0.0) + holds.layer_acquire_s(layer)
+
+    def stats(self, holds: LayerHolds | None) -> HoldStats:
+        now = holds.stats() if holds is not None else HoldStats()
+        return HoldStats(*(a + b for a, b in zip(vars(self.past).values(), vars(now).values())))
+
+
+@dataclass
+class BindCounts:
+    rebinds: int = 0  # times bound again to a daemon that came back
+
+
+class Binding:
+    """Binds the routed layers to the source's connection, and again after a daemon restart."""
+
+    def __init__(
+        self,
+        source: ExpertSource,
+        model: ModelMapping,
+        bound: Bound,
+        route: RouteFn,
+        callback: ggml_tensor.EvalCallback,
+        release: Callable[[Grant], None],
+        offloaded: bool,
+    ):
+        """`route`: the cycle's half of a routed stop, called by the holds; `callback`: the eval
+        callback whose routed stops go to the holds; `release`: how a grant the holds give back
+        at their close is let go (moed.engines.grants); `offloaded`: a device computes part of
+        the graph (no lane: the top-k may be in device memory, which the holds do not read)."""
+        self._source, self._model, self._bound = source, model, bound
+        self._route, self._callback, self._release = route, callback, release
+        self._offloaded = offloaded
+        self._generation = 0  # the source's connection the holds are bound to
+        self._cpu: CpuPages | None = None
+        self.slots: AdoptedDevice | None = None
+        self.dead: BaseException | None = None  # why the engine cannot be bound again (None: it can)
+        self.counts = BindCounts()
+        self.ledger = HoldLedger()
+
+    def bind(self) -> None:
+        """The layer holds and the CPU placement over the source's connection as it is now (at
+        install, and again after the daemon came back). MOED_LANE=0: no lane layers, every
+        layer through Python's path (to measure the lane, or to rule it out)."""
+        model, src = self._model, self._source
+        assert model.pages is not None, "install builds the pages first"
+        self._generation = src.generation()
+        lane = model.zero_copy_layers if os.environ.get("MOED_LANE") != "0" and not self._offloaded else set()
+        lane_source = src.lane() if lane else None
+        lane_parts = {layer: model.parts[layer] for layer in lane} if lane_source is not None else {}
+        holds = LayerHolds(self._route, src.n_experts, lane_source, lane_parts)
+        self._bound.holds = holds
+        self._callback.set_holds(holds.handle)  # the path is chosen per decode (DecodeSteps.begin)
+        old, self._cpu = self._cpu, CpuPages(model.pages, model.parts, holds)
+        by_layer = self._bound.by_layer
+        for layer in model.parts:  # a device placement keeps its layers (chosen at load)
+            if by_layer.get(layer, old) is old:
+                by_layer[layer] = self._cpu
+
+    def ensure_bound(self) -> bool:
+        """Bound to the source's live connection (the module's first invariant says how); True
+        when it was bound again just now."""
+        if self.dead is not None:
+            raise self.dead
+        src = self._source
+        if self._bound.holds is not None and src.generation() == self._generation and src.connected():
+            return False
+        self.close_holds()
+        if self._model.pages is not None:
+            self._model.pages.reset()
+        if self.slots is not None:
+            try:
+                self.slots.rebind()  # before the client drops the old segments: an import reads them
+            except BaseException as exc:
+                self.dead = exc
+                raise
+        src.reconnect()
+        self.bind()
+        self.counts.rebinds += 1
+        return True
+
+    def close_holds(self) -> None:
+        """Give back what the layer holds hold, their buffers and hold indexes; their counters
+        go to the ledger."""
+        holds, self._bound.holds = self._bound.holds, None
+        if holds is None:
+            return
+        self.ledger.retire(holds)
+        self._callback.set_holds(None)
+        grant = holds.close()
+        if grant is not None:
+            self._release(grant)
+
+    def place_on(self, placement: Placement, layers: list[int], stop: bytes | None = None) -> None:
+        """`layers`' experts are made computable by `placement` (at load, before any decode);
+        `stop`: every routed layer's stop becomes `<stop><n>` (ggml_tensor.WEIGHTS_PREFIX: a
+        placement that rewrites the ids after the routing weights were gathered by them)."""
+        bound = self._bound
+        if stop is not None:
+            if bound.holds is not None and bound.holds.layers:
+                raise RuntimeError("the layer holds read top-k nodes on lane layers: no other stop with them")
+            bound.stop = stop
+            self._callback.set_route(stop)
+        for layer in layers:
+            if layer not in bound.by_layer:
+                raise ValueError(f"layer {layer} has no routed experts")
+            bound.by_layer[layer] = placement
+
+    def adopt(self, slots: AdoptedT) -> AdoptedT:
+        self.slots = slots
+        return slots
+
+    def close_slots(self) -> None:
+        slots, self.slots = self.slots, None
+        if slots is not None:
+            slots.close()
