@@ -115,7 +115,7 @@ class ModelMapping:
         self._drop_expert_cache()
         headers = read_split(self.mapped_files[0])  # one header read serves the three steps below
         self._lock_dense(bases, headers)
-        self._install_lookahead(headers, bases)
+        self._install_lookahead(headers)
         if self.kernels is not None:
             self._unlock_placed_dense(headers, bases)
             self._headers, self._bases = headers, bases
@@ -195,8 +195,9 @@ class ModelMapping:
                 libc.munlock(lo, hi - lo)
                 self.stats.dense_locked_bytes -= hi - lo
 
-    def _install_lookahead(self, headers: list, bases: list[int]) -> None:
-        """Read the routers from the (now locked) dense pages; fold nothing until first use."""
+    def _install_lookahead(self, headers: list) -> None:
+        """Read the routers from the model's files (predictor.load_routers: not through the mapping,
+        whose offloaded pages llama.cpp unmaps); fold nothing until first use."""
         from moed.engines.predictor import (
             GATING_SOFTMAX_WEIGHT,
             GatePredictor,
@@ -211,7 +212,7 @@ class ModelMapping:
         self.router = RouterFacts(router_input(arch).prefix, gating, gating == GATING_SOFTMAX_WEIGHT)
         layers = graph_moe_layers(headers[0], self.source.moe_layers)  # no prefetch into MTP layers
         try:
-            routers, router_gating = load_routers(headers, bases, layers)
+            routers, router_gating = load_routers(headers, self.mapped_files, layers)
             predictor = GatePredictor(routers, layers, router_gating)
         except (ValueError, KeyError, NotImplementedError) as exc:
             if self._prefetch != "off":

@@ -56,7 +56,7 @@ Invariants:
 
 from __future__ import annotations
 
-import ctypes
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -268,11 +268,16 @@ def top(scores: np.ndarray, width: int) -> np.ndarray:
 # ---- reading the routers out of llama.cpp's mapping ------------------------------
 
 
-def load_routers(headers, bases: list[int], moe_layers: list[int]) -> tuple[dict[int, Router], int]:
-    """Every MoE layer's Router, read from the mapped model (dense pages, resident), and the gating func.
+def load_routers(headers, files: list[str], moe_layers: list[int]) -> tuple[dict[int, Router], int]:
+    """Every MoE layer's Router, read from the model's files (a few MiB of dense weights, in
+    the page cache after llama.cpp's load), and the gating func.
 
-    `headers`: `moed.gguf.header.read_split` of the model (one per shard); `bases`:
-    the address at which each shard is mapped (file offset 0).
+    `headers`: `moed.gguf.header.read_split` of the model (one per shard); `files`: each
+    shard's path (the real file or its skeleton: the dense bytes at the same offsets).
+    Read from the files, never through llama.cpp's mapping: llama.cpp unmaps the pages of
+    the tensors it put in a device's memory (`n_gpu_layers`), and a page-aligned model's
+    router tensors (gemma4's `ffn_gate_inp.scale`) can sit on such pages alone (a read
+    through the mapping was SIGSEGV there).
     """
     infos = {}
     for shard, h in enumerate(headers):
@@ -285,8 +290,8 @@ def load_routers(headers, bases: list[int], moe_layers: list[int]) -> tuple[dict
     def read(name: str) -> np.ndarray | None:
         if name not in infos:
             return None
-        shard, t = infos[name]
-        return tensor_f32(bases[shard] + t.offset, t.n_bytes, t.ggml_type, t.dims)
+        t = infos[name][1]
+        return tensor_f32(_bytes_of(name, files, infos), t.ggml_type, t.dims)
 
     routers = {}
     for layer in moe_layers:
@@ -315,22 +320,32 @@ def load_routers(headers, bases: list[int], moe_layers: list[int]) -> tuple[dict
             None if logit_bias is None else logit_bias.reshape(-1),
             rms_eps,
             hc,
-            _token_table(f"blk.{layer}.{TOKEN_EXPERTS}", bases, infos),
+            _token_table(f"blk.{layer}.{TOKEN_EXPERTS}", files, infos),
             rms_sqrt_n=not arch_of(arch).rms_node,
         )
     return routers, gating
 
 
-def _token_table(name: str, bases: list[int], infos) -> np.ndarray | None:
-    """A hash layer's (n_vocab, k) int32 token -> experts table, copied out of the mapping; None if absent."""
+def _bytes_of(name: str, files: list[str], infos) -> bytes:
+    """Tensor `name`'s bytes, read from its shard's file at its offset."""
+    shard, t = infos[name]
+    with open(files[shard], "rb", buffering=0) as f:
+        raw = os.pread(f.fileno(), t.n_bytes, t.offset)
+    if len(raw) != t.n_bytes:
+        raise ValueError(f"{files[shard]}: {name} ends past the end of the file")
+    return raw
+
+
+def _token_table(name: str, files: list[str], infos) -> np.ndarray | None:
+    """A hash layer's (n_vocab, k) int32 token -> experts table, read from the file; None if absent."""
     if name not in infos:
         return None
     from gguf import GGMLQuantizationType
 
-    shard, t = infos[name]
+    t = infos[name][1]
     if int(t.ggml_type) != GGMLQuantizationType.I32:  # as llama.cpp's get_rows of it gives the top-k's I32
         raise ValueError(f"{name} has ggml type {t.ggml_type}, expected I32")
-    raw = (ctypes.c_char * t.n_bytes).from_address(bases[shard] + t.offset)
+    raw = _bytes_of(name, files, infos)
     return np.frombuffer(raw, dtype=np.int32).reshape(tuple(reversed(t.dims))).copy()
 
 
@@ -353,13 +368,12 @@ def _hc_mix(layer: int, norm: np.ndarray, hc: int, eps: float, read, infos) -> H
     return HcMix(norm.reshape(hc, -1), down, up, eps, *rounding)
 
 
-def tensor_f32(addr: int, n_bytes: int, ggml_type: int, dims: tuple[int, ...]) -> np.ndarray:
-    """A copy, as float32 in numpy order (dims reversed), of a tensor's bytes at `addr`."""
+def tensor_f32(data: bytes, ggml_type: int, dims: tuple[int, ...]) -> np.ndarray:
+    """A copy, as float32 in numpy order (dims reversed), of a tensor's bytes `data`."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    c_bytes = (ctypes.c_char * n_bytes).from_address(addr)
-    raw = np.frombuffer(c_bytes, dtype=np.uint8)  # type: ignore[call-overload]  # numpy's stubs list buffer types before 3.12; a ctypes array is one
+    raw = np.frombuffer(data, dtype=np.uint8)
     shape = tuple(reversed(dims))
     qtype = GGMLQuantizationType(ggml_type)
     if qtype == GGMLQuantizationType.F32:

@@ -62,3 +62,15 @@ def test_gpt_oss_300_token_prompt_split_after_failed_attempts_of_256_and_more(mo
     cases = gf.check_configs([config], str(model), daemon.socket, (300,), tmp_path)
     check(cases)
     assert cases[0].batches == [1] * 300, cases[0].row()
+
+
+def test_gemma4_zero_copy_loads_with_its_routers_on_the_device(model_factory, start_daemon, tmp_path):
+    """gemma4's page-aligned model, every layer offloaded: llama.cpp unmaps the pages of the
+    tensors it put in the device's memory, and the router scale (`ffn_gate_inp.scale`) sits
+    on such pages alone; the look-ahead read it through the mapping (SIGSEGV at load). It
+    reads the routers from the file: the engine loads, splits a 5-token prompt at S = 2x
+    top-k, bit-exact with stock on the same decodes."""
+    model = model_factory(**gf.model_kwargs("gemma4", True))
+    daemon = start_daemon(gf.ZERO_COPY_BUDGET)
+    config = gf.EngineSetup("gemma4", 2 * gf.USED, True, 8)
+    check(gf.check_configs([config], str(model), daemon.socket, (1, 5, 40), tmp_path))
