@@ -25,7 +25,7 @@ Engines:
   (resp. with gpu_zero_copy) with a budget that holds the model, warmed until every expert
   of every layer is in a device slot (resp. resident in moed); then `--tokens` pairs of
   tokens, one with the stop at every routed layer and one without any (the eval
-  callback's routed stop set to a name no node has, `EvalCallback.set_route`: the ask
+  callback's routed stops off, `EvalCallback.routed_stops(False)`: the ask
   pass wants no node, and ggml computes each split of the graph in one piece, as with no
   callback), in ABBA order. Without the
   stop the ids are not remapped: the same work over the wrong slots (finite weights:
@@ -69,7 +69,6 @@ ENGINES = ("stock", "hybrid", "slots", "zero-copy", "stop", "stop-zero-copy")
 AFTER_SPLIT = "after-split"  # --after-split: not a timed engine
 LONG_PROMPT = 300
 STOP_ENGINES = ("stop", "stop-zero-copy")
-NO_STOP = b"moed-bench-no-stop-"  # a routed stop no node is named after: the ask pass wants none
 LLAMA_KW = dict(n_ctx=512, n_batch=64, n_ubatch=64, n_threads=2, verbose=False, seed=0, n_gpu_layers=-1)
 PROMPT_TOKENS = 4
 SEED = 1234
@@ -155,8 +154,6 @@ def child(args: argparse.Namespace) -> None:
 
 def stop_child(args: argparse.Namespace, llm, client, rng, n_vocab: int) -> None:
     """The stop against no stop, token pairs in ABBA order, once every expert is placed."""
-    from moed.engines.ggml_tensor import WEIGHTS_PREFIX
-
     streamer = llm.streamer
     want = args.layers * args.experts
 
@@ -187,14 +184,14 @@ def stop_child(args: argparse.Namespace, llm, client, rng, n_vocab: int) -> None
         pair = {}
         clean = True
         for stop in (True, False) if i % 2 == 0 else (False, True):
-            streamer.c_callback.set_route(WEIGHTS_PREFIX if stop else NO_STOP)
+            streamer.c_callback.routed_stops(stop)
             t = int(rng.integers(1, n_vocab))
             m0 = misses() if stop else 0
             t0 = time.perf_counter()
             llm.eval([t])
             pair[stop] = time.perf_counter() - t0
             clean = clean and (not stop or misses() == m0)
-        streamer.c_callback.set_route(WEIGHTS_PREFIX)
+        streamer.c_callback.routed_stops(True)
         if not clean:  # the stop fetched an expert: not the stop's cost alone
             dirty += 1
             continue

@@ -2,7 +2,7 @@
  *
  * One copy of the steps (moed/protocol/residency_words.py says why they are safe),
  * included by the two extensions that take hits: moed/_holds.c (the Python client's
- * calls) and moed/_evalcb.c (the engine's per-layer lane inside llama.cpp's eval
+ * calls) and moed/engines/_layer_holds.c (the engine's per-layer lane inside llama.cpp's eval
  * callback). Callers check every index against its buffer before calling; these
  * functions only order the loads and stores.
  *

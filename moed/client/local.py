@@ -139,7 +139,7 @@ class HoldRegion:
 
     def on_close(self, hook) -> None:
         """Call `hook()` when the connection closes, before anything else: whoever takes hits
-        outside this object (an engine's lane, moed/_evalcb.c) stops taking them then."""
+        outside this object (an engine's lane, moed/engines/_layer_holds.c) stops taking them then."""
         self._close_hooks.append(hook)
 
     def _counter(self, model_id: int) -> int | None:

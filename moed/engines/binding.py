@@ -3,7 +3,8 @@
 What this module owns: the layer holds (moed.engines.holds) and the CPU placement
 built over the source's connection as it is now, rebuilt when the daemon comes back
 (`Binding.ensure_bound`); each routed layer's placement (moed.engines.placement,
-chosen at load by `place_on` and fixed) and the routed stop's node; the device
+chosen at load by `place_on` and fixed) and its stop node (the holds carry it: its top-k,
+or a device placement's routing weights); the device
 placement the load adopted (`slots`); the counters of holds let go (`HoldLedger`). `Bound` is what the
 others read: the cycle, the decode steps and the report; only the Binding writes it.
 
@@ -25,8 +26,10 @@ Invariants:
   decode raises the same (`dead`: the engine must be built again).
 - A layer's placement is chosen at load and never changes, except the CPU placement
   itself, rebuilt over each new holds object for the layers it had.
-- A different routed stop (a device placement's, after the routing weights) is refused
-  while the holds have lane layers: they read top-k nodes.
+- Each layer stops at its own node: a device placement's layers at their routing
+  weights, every other layer at its top-k, so the CPU layers of a partial offload keep
+  the lane (the holds read an offloaded layer's top-k through ggml's backend). A device
+  placement's layers are no lane layers: `place_on` binds the holds again without them.
 - The counters of holds let go at a rebind are kept, so the engine's totals run on.
 """
 
@@ -38,7 +41,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from moed.engines import ggml_tensor
-from moed.engines.holds import HoldStats, LayerHolds, RouteFn
+from moed.engines.holds import OUTCOMES, Crossings, HoldStats, LayerHolds, RouteFn
 from moed.engines.placement import CpuPages, Placement
 from moed.engines.sources import ExpertSource, Grant
 
@@ -62,13 +65,13 @@ AdoptedT = TypeVar("AdoptedT", bound=AdoptedDevice)
 
 class Bound:
     """What the routed layers are bound to now: the layer holds (None while unbound), each
-    layer's placement and the routed stop's node prefix (`<stop><layer>`). Written by the
-    Binding alone."""
+    layer's placement, and the layers that stop at their routing weights (the others stop
+    at their top-k). Written by the Binding alone."""
 
     def __init__(self) -> None:
         self.holds: LayerHolds | None = None
-        self.stop = ggml_tensor.TOPK_PREFIX  # or (device slots) the routing weights after it
         self.by_layer: dict[int, Placement] = {}
+        self.weights_stops: set[int] = set()  # a device placement's layers
 
     def placement(self, layer: int) -> Placement:
         return self.by_layer[layer]
@@ -90,11 +93,18 @@ class HoldLedger:
     def __init__(self) -> None:
         self.past = HoldStats()
         self.layer_s: dict[int, float] = {}  # each lane layer's own stall, summed
+        self.past_crossings: dict[str, Crossings] = {}
 
     def retire(self, holds: LayerHolds) -> None:
         self.past = self.stats(holds)
+        self.past_crossings = self.crossings(holds)
         for layer in holds.layers:
             self.layer_s[layer] = self.layer_s.get(layer, 0.0) + holds.layer_acquire_s(layer)
+
+    def crossings(self, holds: LayerHolds | None) -> dict[str, Crossings]:
+        """Every routed stop by outcome (moed.engines.holds.OUTCOMES), the holds let go included."""
+        now = holds.crossings() if holds is not None else {}
+        return {k: self.past_crossings.get(k, Crossings()) + now.get(k, Crossings()) for k in OUTCOMES}
 
     def stats(self, holds: LayerHolds | None) -> HoldStats:
         now = holds.stats() if holds is not None else HoldStats()
@@ -122,7 +132,7 @@ class Binding:
         """`route`: the cycle's half of a routed stop, called by the holds; `callback`: the eval
         callback whose routed stops go to the holds; `release`: how a grant the holds give back
         at their close is let go (moed.engines.grants); `offloaded`: a device computes part of
-        the graph (no lane: the top-k may be in device memory, which the holds do not read)."""
+        the graph (a top-k may be in device memory: the holds read it through ggml's backend)."""
         self._source, self._model, self._bound = source, model, bound
         self._route, self._callback, self._release = route, callback, release
         self._offloaded = offloaded
@@ -135,15 +145,18 @@ class Binding:
 
     def bind(self) -> None:
         """The layer holds and the CPU placement over the source's connection as it is now (at
-        install, and again after the daemon came back). MOED_LANE=0: no lane layers, every
-        layer through Python's path (to measure the lane, or to rule it out)."""
-        model, src = self._model, self._source
+        install, and again after the daemon came back). The lane layers are the CPU
+        placement's relaxed zero-copy layers; MOED_LANE=0: none, every CPU layer through
+        Python's path (to measure the lane, or to rule it out)."""
+        model, src, bound = self._model, self._source, self._bound
         assert model.pages is not None, "install builds the pages first"
         self._generation = src.generation()
-        lane = model.zero_copy_layers if os.environ.get("MOED_LANE") != "0" and not self._offloaded else set()
+        lane = model.zero_copy_layers - bound.weights_stops if os.environ.get("MOED_LANE") != "0" else set()
         lane_source = src.lane() if lane else None
         lane_parts = {layer: model.parts[layer] for layer in lane} if lane_source is not None else {}
-        holds = LayerHolds(self._route, src.n_experts, lane_source, lane_parts)
+        holds = LayerHolds(self._route, src.n_experts, lane_source, lane_parts, device_nodes=self._offloaded)
+        for layer in sorted(bound.weights_stops):
+            holds.stop_at_weights(layer)
         self._bound.holds = holds
         self._callback.set_holds(holds.handle)  # the path is chosen per decode (DecodeSteps.begin)
         old, self._cpu = self._cpu, CpuPages(model.pages, model.parts, holds)
@@ -188,18 +201,21 @@ class Binding:
 
     def place_on(self, placement: Placement, layers: list[int], stop: bytes | None = None) -> None:
         """`layers`' experts are made computable by `placement` (at load, before any decode);
-        `stop`: every routed layer's stop becomes `<stop><n>` (ggml_tensor.WEIGHTS_PREFIX: a
-        placement that rewrites the ids after the routing weights were gathered by them)."""
+        `stop`: their routed stop becomes `<stop><n>` (ggml_tensor.WEIGHTS_PREFIX, the only
+        other stop: a placement that rewrites the ids after the routing weights were gathered
+        by them). The holds are bound again, without these layers among their lane layers."""
         bound = self._bound
-        if stop is not None:
-            if bound.holds is not None and bound.holds.layers:
-                raise RuntimeError("the layer holds read top-k nodes on lane layers: no other stop with them")
-            bound.stop = stop
-            self._callback.set_route(stop)
+        if stop not in (None, ggml_tensor.WEIGHTS_PREFIX):
+            raise ValueError(f"a routed layer stops at its top-k or at {ggml_tensor.WEIGHTS_PREFIX!r}, not {stop!r}")
         for layer in layers:
             if layer not in bound.by_layer:
                 raise ValueError(f"layer {layer} has no routed experts")
             bound.by_layer[layer] = placement
+            if stop is not None:
+                bound.weights_stops.add(layer)
+        if bound.holds is not None:
+            self.close_holds()
+            self.bind()
 
     def adopt(self, slots: AdoptedT) -> AdoptedT:
         self.slots = slots

@@ -3,11 +3,12 @@
 What this module owns: the eval callback (moed.engines.ggml_tensor.EvalCallback, its
 ask pass in C), the decode's stored error, the route hook, substitution
 (moed.engines.substitute) and the route observers, and what a stop does with what the
-layer holds (moed.engines.holds, in C) tell it. At every routed stop
-(`ffn_moe_topk-<layer>`, or the placement's own: moed.engines.binding's `Bound.stop`)
-the holds go first: a lane layer's hit, and with nothing for Python to do, the whole
-layer. Otherwise they call `on_route` once, saying what they did and handing over the
-grant held until then; Python reads the routed ids, acquires this layer's distinct
+layer holds (moed.engines.holds, in C) tell it. At every routed stop (each layer's
+own: its `ffn_moe_topk-<layer>`, or a device placement's `ffn_moe_weights-<layer>`) the
+holds go first: a lane layer's hit, a device layer's hit in its slots, and with nothing
+for Python to do, the whole layer. Otherwise they call `on_route` once, saying what they
+did and handing over the grant held until then (and the ids, where they read them);
+Python reads the routed ids (unless handed), acquires this layer's distinct
 experts (the earlier grant released in the same round trip), hands the grant to the
 holds in one call and makes the experts visible through the layer's placement
 (moed.engines.placement). The grant's routes out are moed.engines.grants'. When the
@@ -51,9 +52,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from moed.engines import ggml_tensor
+from moed.engines import ggml_api, ggml_tensor
 from moed.engines.grants import GrantRoutes
-from moed.engines.holds import LOST, MAP_FAILED, NOT_TRIED, lost
+from moed.engines.holds import DEVICE_MISSED, LOST, MAP_FAILED, NOT_TRIED, lost
 from moed.engines.options import EngineHooks, EngineOptions
 from moed.engines.predictor import GATING_SOFTMAX, gate
 from moed.engines.sources import ExpertSource, Grant
@@ -148,7 +149,7 @@ class StopCycle:
         holds, then `on_route`); False stops the graph."""
         try:
             model = self._model
-            found = ggml_tensor.node(tensor, model.router.input_prefix, self._bound.stop)
+            found = ggml_tensor.node(tensor, model.router.input_prefix)
             if found is None or found[0] != ggml_tensor.ROUTER_INPUT:
                 return True
             if self.error is not None:
@@ -163,17 +164,21 @@ class StopCycle:
         except BaseException as exc:  # noqa: BLE001 - must not unwind through C
             return self.fail(exc)
 
-    def on_route(self, tensor: int, layer: int, status: int, grant: Grant | None) -> bool:
-        """A computed routed stop, from the layer holds: `status` says what they did
-        (moed.engines.holds: a hit of that many experts, MISSED, NOT_TRIED, LOST, MAP_FAILED)
-        and `grant` is the grant they held until now, Python's to let go (None: none). False
-        stops the graph."""
+    def on_route(self, topk: int, layer: int, status: int, grant: Grant | None, ids: bytes | None) -> bool:
+        """A computed routed stop, from the layer holds: `topk` the layer's top-k node (its stop,
+        or the ids its `ffn_moe_weights-<n>` stop gathered by; 0: none, an unexpected graph),
+        `status` what they did (moed.engines.holds: a hit of that many experts, LANE_MISSED,
+        DEVICE_MISSED, NOT_TRIED, LOST, MAP_FAILED), `grant` the grant they held until now,
+        Python's to let go (None: none), `ids` the top-k's ids as they read them (None: not
+        read). False stops the graph."""
         stop: tuple[int, int] | None = None  # (layer, top-k node)
         try:
             try:
-                stop = (layer, ggml_tensor.topk_of(tensor, self._bound.stop))
+                if not topk:
+                    raise RuntimeError(f"the routing weights of layer {layer} have no ids source: unexpected graph")
+                stop = (layer, topk)
                 if self.error is None and self._model.experts_pending():
-                    self._model.switch_experts(tensor)
+                    self._model.switch_experts(topk)
             except BaseException:
                 if grant is not None:
                     self.grants.let_go_quietly(grant)
@@ -188,7 +193,7 @@ class StopCycle:
                 if self._offloaded:
                     self._bound.placement(layer).skip(*stop)
                 return self._offloaded
-            self._cycle(layer, stop[1], status, grant)
+            self._cycle(layer, topk, status, grant, ids)
             return True
         except BaseException as exc:  # noqa: BLE001 - must not unwind through C
             return self.fail(exc, stop)
@@ -218,8 +223,15 @@ class StopCycle:
         la = self._model.lookahead
         return la is not None and la.observing and layer in self._model.parts
 
-    def _route(self, layer: int, tensor: int) -> np.ndarray:
-        """The layer's routed ids, after the route hook and substitution; the observers see them."""
+    def _route(self, layer: int, tensor: int, read: bytes | None = None) -> np.ndarray:
+        """The layer's routed ids, after the route hook and substitution; the observers see them.
+        `read`: the holds' copy, where they read them (the ids were final: no hook, no
+        substitution), so the node is not read twice (and a device hit rewrote it already)."""
+        if read is not None:
+            ids = np.frombuffer(read, np.int32).reshape(-1, int(ggml_api.GgmlTensor.from_address(tensor).ne[0]))
+            for observer in self.observers:
+                observer.route(layer, ids)
+            return ids
         if self._route_hook is not None:
             self._route_hook(layer, ggml_tensor.topk_view(tensor))
         # A layer whose experts a table chose by token id (deepseek4's hash layers) is left
@@ -236,14 +248,15 @@ class StopCycle:
             observer.route(layer, ids)
         return ids
 
-    def _cycle(self, layer: int, topk: int, status: int, prev: Grant | None) -> None:
+    def _cycle(self, layer: int, topk: int, status: int, prev: Grant | None, read: bytes | None = None) -> None:
         """Python's half of layer `layer`'s stop (`topk`: its top-k node): `status` from the
         holds, `prev` the grant held until now, let go here (hidden, then released with this
-        layer's acquire, or handed back to the holds when it acquires nothing)."""
+        layer's acquire, or handed back to the holds when it acquires nothing); `read`: the
+        ids as the holds read them."""
         holds = self._bound.holds
         assert holds is not None, "install builds the layer holds"
         try:
-            ids = self._route(layer, topk)
+            ids = self._route(layer, topk, read)
             if status == LOST:
                 raise lost()
             if status == MAP_FAILED:
@@ -262,7 +275,8 @@ class StopCycle:
                 la.routed(layer, ids, status, 0.0)  # the holds count their own stall
             return
         t0 = time.perf_counter()
-        grant = self.grants.acquire(layer, experts, prev, try_hit=status == NOT_TRIED) if experts else None
+        try_hit = status in (NOT_TRIED, DEVICE_MISSED)  # the holds tried no hit on the daemon's slots
+        grant = self.grants.acquire(layer, experts, prev, try_hit) if experts else None
         t1 = time.perf_counter()
         if grant is not None:
             holds.hold(grant)  # held by the holds (a lane layer's slots mapped): the one call back

@@ -68,6 +68,9 @@ class GgmlTensor(ctypes.Structure):
 
 
 NAME_OFFSET = GgmlTensor.name.offset
+# What the layer holds (moed/engines/_layer_holds.c) read of a node, as offsets: (name, type,
+# buffer, ne, nb, src, data).
+HOLDS_LAYOUT = tuple(getattr(GgmlTensor, f).offset for f in ("name", "type", "buffer", "ne", "nb", "src", "data"))
 
 
 class GgmlObject(ctypes.Structure):
@@ -201,6 +204,12 @@ def api() -> Api:
     return Api()
 
 
+def address(name: str) -> int:
+    """The address of C function `name` (a row of SIGNATURES), for C that calls it itself (the
+    layer holds read and write nodes in a device's memory through ggml's backend)."""
+    return ctypes.cast(getattr(api(), name), ctypes.c_void_p).value or 0
+
+
 def reg_proc(reg: int, name: bytes, restype: Any, *argtypes: Any) -> Callable[..., Any] | None:
     """A backend registry's own entry point by name (ggml_backend_reg_get_proc_address),
     typed; None where the backend has none."""
@@ -248,9 +257,11 @@ __all__ = [
     "GGML_OBJECT_SIZE",
     "GGML_TYPE_F32",
     "GGML_TYPE_I32",
+    "HOLDS_LAYOUT",
     "NAME_OFFSET",
     "SIGNATURES",
     "Api",
+    "address",
     "GgmlInitParams",
     "GgmlObject",
     "GgmlTensor",

@@ -32,8 +32,6 @@ import numpy as np
 from moed.engines.ggml_api import GGML_TYPE_F32, GGML_TYPE_I32, NAME_OFFSET, GgmlTensor, api
 from moed.engines.ggml_api import layout_matches as layout_matches  # the streamer's check, where it always was
 
-# What the layer holds (moed/_evalcb.c) read of a topk node: (name, type, ne, nb, data) offsets.
-LANE_LAYOUT = (NAME_OFFSET, GgmlTensor.type.offset, GgmlTensor.ne.offset, GgmlTensor.nb.offset, GgmlTensor.data.offset)
 TOPK_PREFIX = b"ffn_moe_topk-"
 # The routing weights gathered by the top-k's ids (llama-graph.cpp: before any expert matmul,
 # forced by ggml_build_forward_expand); its src[1] is the top-k. Device slots stop here.
@@ -47,33 +45,36 @@ ROUTER_INPUT = 2
 
 
 class EvalCallback:
-    """llama.cpp's `cb_eval` with the ask pass in C (moed._evalcb): `fn(tensor_address)`
-    is called only for computed `ffn_moe_topk-<n>` nodes (and the router's input ones,
-    `ffn_norm-<n>` by default, while `stop_at_router_input(True)`); its bool says whether the graph goes on. With layer holds set
-    (moed.engines.holds), the routed stops go to them instead, and while they hold a
-    whole step's pin hold the ask pass wants no node at all."""
+    """llama.cpp's `cb_eval` with the ask pass in C (moed.engines._layer_holds): `fn(tensor_address)`
+    is called only for the router's input nodes (`ffn_norm-<n>` by default) while
+    `stop_at_router_input(True)`, and for computed `ffn_moe_topk-<n>` nodes while no layer holds
+    are set; its bool says whether the graph goes on. With layer holds set
+    (moed.engines.holds), each routed layer's stop goes to them (its top-k, or the routing
+    weights where the holds say so), and while they hold a whole step's pin hold the ask pass
+    wants no node at all."""
 
     def __init__(self, fn: Callable[[int], bool]):
         import llama_cpp
 
-        from moed import _evalcb
+        from moed.engines import _layer_holds
 
-        self._evalcb = _evalcb
-        self.handle = _evalcb.make(fn, NAME_OFFSET)
-        self.function = ctypes.cast(_evalcb.callback_address(), llama_cpp.ggml_backend_sched_eval_callback)
-        self.user_data = ctypes.c_void_p(_evalcb.user_data(self.handle))
+        self._c = _layer_holds
+        self.handle = _layer_holds.callback_new(fn, NAME_OFFSET)
+        self.function = ctypes.cast(_layer_holds.callback_address(), llama_cpp.ggml_backend_sched_eval_callback)
+        self.user_data = ctypes.c_void_p(_layer_holds.callback_user_data(self.handle))
 
     def set_holds(self, holds) -> None:
-        """Give the routed stops to `holds` (a moed._evalcb layer holds, or None: to `fn`)."""
-        self._evalcb.set_holds(self.handle, holds)
+        """Give the routed stops to `holds` (a moed.engines._layer_holds holds, or None: to `fn`)."""
+        self._c.callback_holds(self.handle, holds)
 
     def stop_at_router_input(self, on: bool, prefix: bytes = ROUTER_INPUT_PREFIX) -> None:
         """Also stop at `<prefix><n>` nodes (the router's input) while `on`."""
-        self._evalcb.set_router_input(self.handle, on, prefix)
+        self._c.callback_router_input(self.handle, on, prefix)
 
-    def set_route(self, prefix: bytes) -> None:
-        """Stop each routed layer at `<prefix><n>`: TOPK_PREFIX (default) or WEIGHTS_PREFIX."""
-        self._evalcb.set_route(self.handle, prefix)
+    def routed_stops(self, on: bool) -> None:
+        """Stop at the routed layers' stops (on by default); off, the ask pass wants none of them
+        (bench/gpu_slots.py: a graph computed in one piece, to measure what a stop costs)."""
+        self._c.callback_routed(self.handle, on)
 
     def install(self, params) -> None:
         """Put it in a llama_context_params (the object must outlive the context)."""
@@ -115,8 +116,7 @@ def node(
     tensor_ptr: int, router_input_prefix: bytes = ROUTER_INPUT_PREFIX, route_prefix: bytes = TOPK_PREFIX
 ) -> tuple[int, int] | None:
     """(TOPK or ROUTER_INPUT, layer) for `<route_prefix><layer>` (`ffn_moe_topk-`, or
-    `ffn_moe_weights-` whose src[1] is the top-k: `topk_of`) / `<router_input_prefix><layer>`,
-    else None.
+    `ffn_moe_weights-` whose src[1] is the top-k) / `<router_input_prefix><layer>`, else None.
 
     One `string_at` of the longer prefix per graph node; parsing only on a match.
     """
@@ -129,16 +129,6 @@ def node(
         return None
     match = pattern.match(ctypes.string_at(tensor_ptr + NAME_OFFSET))
     return (kind, int(match.group(1))) if match else None
-
-
-def topk_of(tensor_ptr: int, route_prefix: bytes) -> int:
-    """The top-k node of a routed layer's stop: itself, or the weights' ids (src[1])."""
-    if route_prefix == TOPK_PREFIX:
-        return tensor_ptr
-    src = GgmlTensor.from_address(tensor_ptr).src[1]
-    if not src:
-        raise RuntimeError(f"{name(tensor_ptr)!r} has no ids source: not the routing weights' get_rows")
-    return int(src)
 
 
 @functools.cache

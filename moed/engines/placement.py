@@ -115,6 +115,8 @@ class CpuPages:
 
     def failed(self) -> None:
         self.pages.open_zeros()
+        if self.holds is not None:  # the lane layers read zeros now, PROT_NONE after: map them again
+            self.holds.forget()
 
     def skip(self, layer: int, topk: int) -> None:
         """Every expert reads zeros already (failed): the ids index the model's own tensor."""

@@ -78,6 +78,7 @@ class StreamReport:
         out["stall_s_per_token"] = s.acquire_s / s.tokens if s.tokens else 0.0
         out.update(self.placement_stats())
         out["lane_layers"] = self._ledger.stats(self._bound.holds).layers
+        out["crossings"] = {k: c.row() for k, c in self._ledger.crossings(self._bound.holds).items()}
         la = self._model.lookahead
         if la is not None:
             out.update(la.totals())

@@ -107,7 +107,9 @@ def test_dense_on_the_gpu_experts_from_moed_match_stock_with_the_same_offload(
     assert stats["engines"] == [
         f"experts on the CPU; layers {first}-{n_layer - 1} and the output layer on {vulkan_device}"
     ]
-    assert stats["lane_layers"] == 0  # the top-k is in the device's memory: Python's path reads it
+    # The top-k of an offloaded layer is in the device's memory: the holds read it through
+    # ggml's backend, so an aligned model's layers (relaxed zero copy) keep the lane.
+    assert (stats["lane_layers"] > 0) == aligned, stats["crossings"]
     assert daemon.client("check").stats()["evictions"] > 0, "the budget must force eviction"
 
 

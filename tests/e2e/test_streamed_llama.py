@@ -156,12 +156,17 @@ def test_a_layer_tries_its_hit_once_before_asking_the_daemon(start_daemon, refer
         assert holds.stats().misses > 0, "the holds tried hits that missed"
         assert tries <= python_layers, f"{tries} hit tries for {python_layers} layers sent on"
         cross = holds.crossings()
-        missed, alone = cross["missed"], cross["alone"]
+        missed, alone = cross["lane_miss"], cross["lane_hit"]
         assert missed.stops == holds.stats().misses > 0
         assert missed.to_python == missed.stops, f"{missed}: one call into Python a missed layer"
         assert missed.most_from_python <= 1 and missed.from_python <= missed.stops, f"{missed}: at most one back"
         assert alone.stops > 0 and (alone.to_python, alone.from_python) == (0, 0), alone  # a hit: C alone
         assert cross["failed"].stops == 0 and llm.streamer.held is None  # an idle engine holds nothing
+        # Every routed stop under exactly one outcome: each layer of each decode.
+        stats = llm.stream_stats()
+        per_decode = len(llm.streamer.source.moe_layers)
+        assert sum(c["stops"] for c in stats["crossings"].values()) == stats["decodes"] * per_decode
+        assert stats["crossings"]["lane_miss"]["stops"] == missed.stops
     finally:
         llm.close()
         client.close()

@@ -1,14 +1,17 @@
-"""The layer holds (moed/_evalcb.c) on real shared words and a real memfd, without llama.cpp.
+"""The layer holds (moed/engines/_layer_holds.c) on real shared words and a real memfd, without llama.cpp.
 
 The one owner of what a model's routed layers hold, driven through the C eval
-callback itself (called through ctypes with a fake top-k node, as ggml's scheduler
-calls it): a lane layer's hit taken in C (the ids read through the node's strides,
+callback itself (called through ctypes with fake nodes, as ggml's scheduler calls
+it): each layer stops at its own node (its top-k, or a device layer's routing
+weights); a lane layer's hit taken in C (the ids read through the node's strides,
 holds and the state check of moed/_hitproto.h, the earlier hit grant released, touches
-and the hit counter left in the region, each expert's slot mapped at its
-addresses), done alone or told to Python; a miss handed to Python once, with the
-grant to let go, and Python's grant handed back in one call; a whole step on the
-region's pin hold; the release after a decode. Anything but a plain hit changes
-nothing.
+and the hit counter left in the region, each expert's slot mapped at its addresses),
+done alone or told to Python; a device layer's hit taken in C over the device LRU's
+arrays (last use bumped, the slot ids written over the top-k, in host memory or
+through ggml's backend functions); a miss handed to Python once, with the grant to let
+go and the ids read, and Python's grant handed back in one call; every stop counted
+under exactly one outcome; a whole step on the region's pin hold; the release after a
+decode. Anything but a plain hit changes nothing.
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ import os
 import numpy as np
 import pytest
 
-from moed import _evalcb, libc
-from moed.engines import ggml_tensor, holds
+from moed import libc
+from moed.engines import _layer_holds as lh
+from moed.engines import ggml_api, holds
+from moed.engines.device_lru import SlotLru, full_hit
 from moed.protocol import residency_words as rz
 
 N_EXPERTS, SLOTS, PAGE = 8, 4, mmap.PAGESIZE
@@ -66,28 +71,28 @@ class Rig:
         # streamer leaves llama.cpp's model mapping).
         self.addrs = [libc.mmap(N_EXPERTS * PAGE, libc.PROT_NONE, libc.MAP_PRIVATE | libc.MAP_ANONYMOUS) for _ in "ab"]
         self.ids = np.zeros((4, 2), dtype=np.int32)
-        self.tensor = ggml_tensor.GgmlTensor()
-        self.tensor.type = ggml_tensor.GGML_TYPE_I32
+        self.tensor = ggml_api.GgmlTensor()
+        self.tensor.type = ggml_api.GGML_TYPE_I32
         self.tensor.name = f"ffn_moe_topk-{LAYER}".encode()
         self.tensor.data = self.ids.ctypes.data
         # Python's half of a stop: what it was told, and what it does (`act`, per call).
         self.calls: list[tuple[int, int, object, list[int]]] = []
+        self.read: list[np.ndarray | None] = []  # the ids the holds handed Python at each call
         self.act = lambda layer, status, grant: None
         self.norms: list[int] = []
         words = (self.region, self.table) if region else (None, None)
-        self.h = _evalcb.holds_new(
-            self._route, *words, N_EXPERTS, HOLDS if region else [], COUNTER, ggml_tensor.LANE_LAYOUT
-        )
+        self.h = lh.new(self._route, *words, N_EXPERTS, HOLDS if region else [], COUNTER, ggml_api.HOLDS_LAYOUT)
         parts = [(self.addrs[p], PAGE, p * PAGE, 2 * PAGE) for p in range(2)]
-        _evalcb.holds_layer(self.h, LAYER, 0, CLASS, self.states if region else None, self.fd, parts)
-        self.cfg = _evalcb.make(self._norm, ggml_tensor.NAME_OFFSET)
-        _evalcb.set_holds(self.cfg, self.h)
-        self.cb = CALLBACK(_evalcb.callback_address())
-        self.ud = _evalcb.user_data(self.cfg)
+        lh.lane_layer(self.h, LAYER, 0, CLASS, self.states if region else None, self.fd, parts)
+        self.cfg = lh.callback_new(self._norm, ggml_api.NAME_OFFSET)
+        lh.callback_holds(self.cfg, self.h)
+        self.cb = CALLBACK(lh.callback_address())
+        self.ud = lh.callback_user_data(self.cfg)
 
-    def _route(self, tensor: int, layer: int, status: int, grant) -> bool:
-        assert tensor == ctypes.addressof(self.tensor)
+    def _route(self, topk: int, layer: int, status: int, grant, ids: bytes | None) -> bool:
+        assert topk == ctypes.addressof(self.tensor)  # the stop's top-k, whichever node the stop is
         self.calls.append((layer, status, grant, self.held()))  # what the region held during the call
+        self.read.append(None if ids is None else np.frombuffer(ids, np.int32).reshape(-1, int(self.tensor.ne[0])))
         self.act(layer, status, grant)
         return True
 
@@ -122,15 +127,15 @@ class Rig:
         return [ctypes.string_at(self.addrs[p] + expert * PAGE, 8) for p in range(2)]
 
     def crossings(self, outcome: str) -> tuple[int, int, int, int]:
-        return _evalcb.holds_crossings(self.h)[outcome]
+        return lh.crossings(self.h)[outcome]
 
     def hand(self, grant: Grant) -> None:
         """Python's one call back: the grant held, its slots mapped on the lane layer."""
-        _evalcb.holds_hold(self.h, grant, LAYER, grant.experts, grant.slots)
+        lh.hold(self.h, grant, LAYER, grant.experts, grant.slots)
 
     def close(self) -> None:
-        _evalcb.set_holds(self.cfg, None)
-        _evalcb.holds_free(self.h)
+        lh.callback_holds(self.cfg, None)
+        lh.free(self.h)
         os.close(self.fd)
         for addr in self.addrs:
             libc.munmap(addr, N_EXPERTS * PAGE)
@@ -147,19 +152,21 @@ def hold_word(slot: int, gen: int = 7) -> int:
     return (CLASS << 48) | (slot << 24) | gen
 
 
-def test_the_status_constants_are_the_extensions():
-    assert (holds.NOT_TRIED, holds.LOST, holds.MAP_FAILED, holds.MISSED) == (
-        _evalcb.NOT_TRIED,
-        _evalcb.LOST,
-        _evalcb.MAP_FAILED,
-        _evalcb.MISSED,
+def test_the_status_constants_and_outcomes_are_the_extensions():
+    assert (holds.NOT_TRIED, holds.LOST, holds.MAP_FAILED, holds.LANE_MISSED, holds.DEVICE_MISSED) == (
+        lh.NOT_TRIED,
+        lh.LOST,
+        lh.MAP_FAILED,
+        lh.LANE_MISSED,
+        lh.DEVICE_MISSED,
     )
+    assert holds.OUTCOMES == lh.OUTCOMES
 
 
 def test_a_hit_with_nothing_for_python_is_the_whole_layer_in_c(rig):
     rig.resident(1, slot=2)
     rig.resident(4, slot=0)
-    _evalcb.holds_begin(rig.h, True, True, True)
+    lh.begin(rig.h, True, True, True)
     assert rig.stop([4, 1], [1, -1])  # two tokens; -1 ids are not experts
     assert rig.calls == []  # Python never ran
     assert sorted(rig.held()) == sorted([hold_word(0), hold_word(2)])
@@ -168,80 +175,80 @@ def test_a_hit_with_nothing_for_python_is_the_whole_layer_in_c(rig):
     assert int(rig.r[COUNTER]) == 2
     assert rig.shows(1) == [bytes([33]) * 8, bytes([34]) * 8]  # slot 2's two parts
     assert rig.shows(4) == [bytes([1]) * 8, bytes([2]) * 8]
-    stats = _evalcb.holds_stats(rig.h)
+    stats = lh.stats(rig.h)
     assert (stats["layers"], stats["experts"], stats["maps"]) == (1, 2, 2)
-    assert _evalcb.holds_held(rig.h) == ("hit", 2)
-    assert rig.crossings("alone") == (1, 0, 0, 0)
-    assert _evalcb.holds_take_log(rig.h) == ([(LAYER, [1, 4])], False)
-    assert _evalcb.holds_end(rig.h) == (None, True)  # after the decode: the hit grant let go
-    assert rig.held() == [] and _evalcb.holds_held(rig.h) is None
+    assert lh.held(rig.h) == ("hit", 2)
+    assert rig.crossings("lane_hit") == (1, 0, 0, 0)
+    assert lh.take_log(rig.h) == ([(LAYER, [1, 4])], False)
+    assert lh.end(rig.h) == (None, True)  # after the decode: the hit grant let go
+    assert rig.held() == [] and lh.held(rig.h) is None
 
 
 def test_the_next_layer_releases_the_earlier_hit_grant_and_maps_only_a_changed_slot(rig):
     rig.resident(1, slot=2)
-    _evalcb.holds_begin(rig.h, True, True, False)
+    lh.begin(rig.h, True, True, False)
     assert rig.stop([1])
     first = rig.held()
     rig.resident(5, slot=3)
     assert rig.stop([1, 5])
-    assert len(rig.held()) == 2 and _evalcb.holds_stats(rig.h)["maps"] == 2  # expert 1 not mapped again
+    assert len(rig.held()) == 2 and lh.stats(rig.h)["maps"] == 2  # expert 1 not mapped again
     assert set(first) <= set(rig.held())  # the same residency held again, in the other hold set
-    assert _evalcb.holds_take_log(rig.h) == ([], False)  # not logging
-    assert _evalcb.holds_end(rig.h) == (None, True) and rig.held() == []
+    assert lh.take_log(rig.h) == ([], False)  # not logging
+    assert lh.end(rig.h) == (None, True) and rig.held() == []
 
 
 def test_a_hit_python_must_see_is_told_once_and_needs_no_call_back(rig):
     rig.resident(1, slot=2)
-    _evalcb.holds_begin(rig.h, True, False, True)  # e.g. the look-ahead predicts this step
+    lh.begin(rig.h, True, False, True)  # e.g. the look-ahead predicts this step
     assert rig.stop([1])
     assert rig.calls == [(LAYER, 1, None, [hold_word(2)])]  # held before Python heard of it
-    assert rig.crossings("hit") == (1, 1, 0, 0)
-    assert _evalcb.holds_take_log(rig.h) == ([], False)  # Python scored it itself
+    assert rig.crossings("lane_hit_python") == (1, 1, 0, 0)
+    assert lh.take_log(rig.h) == ([], False)  # Python scored it itself
 
 
 def test_a_miss_is_one_call_into_python_and_one_back(rig):
     """The hit grant of the layer before is let go before Python asks the daemon; Python hands
     its grant back in one call, which maps it; the next stop hands it to Python to let go."""
     rig.resident(1, slot=2)
-    _evalcb.holds_begin(rig.h, True, True, False)
+    lh.begin(rig.h, True, True, False)
     assert rig.stop([1])  # a hit: the holds' hit grant
     granted = Grant([6], [1])
-    rig.act = lambda layer, status, grant: rig.hand(granted) if status == holds.MISSED else None
+    rig.act = lambda layer, status, grant: rig.hand(granted) if status == holds.LANE_MISSED else None
     assert rig.stop([6])  # expert 6 is not resident
-    assert rig.calls == [(LAYER, holds.MISSED, None, [])]  # the earlier hit grant released first
-    assert _evalcb.holds_held(rig.h) == ("grant", granted)
+    assert rig.calls == [(LAYER, holds.LANE_MISSED, None, [])]  # the earlier hit grant released first
+    assert lh.held(rig.h) == ("grant", granted)
     assert rig.shows(6) == [bytes([17]) * 8, bytes([18]) * 8]  # slot 1, mapped by the hand-back
-    assert rig.crossings("missed") == (1, 1, 1, 1)
-    assert _evalcb.holds_stats(rig.h)["misses"] == 1
+    assert rig.crossings("lane_miss") == (1, 1, 1, 1)
+    assert lh.stats(rig.h)["misses"] == 1
     # A miss after a grant: the grant goes to Python (piggybacked on its acquire), and the
     # new one comes back.
     second = Grant([7], [3])
     rig.act = lambda layer, status, grant: rig.hand(second)
     assert rig.stop([7])
-    assert rig.calls[-1] == (LAYER, holds.MISSED, granted, [])
-    assert _evalcb.holds_held(rig.h) == ("grant", second)
-    assert rig.crossings("missed") == (2, 2, 2, 1)  # each missed layer: one call each way
+    assert rig.calls[-1] == (LAYER, holds.LANE_MISSED, granted, [])
+    assert lh.held(rig.h) == ("grant", second)
+    assert rig.crossings("lane_miss") == (2, 2, 2, 1)  # each missed layer: one call each way
     # The next layer's hit: the holds take it, and Python is told, with the grant to let go.
     rig.act = lambda layer, status, grant: None
     rig.resident(4, slot=0)
     assert rig.stop([4])
     assert rig.calls[-1] == (LAYER, 1, second, [hold_word(0)])
-    assert _evalcb.holds_held(rig.h) == ("hit", 1)
-    assert rig.crossings("hit") == (1, 1, 0, 0)
+    assert lh.held(rig.h) == ("hit", 1)
+    assert rig.crossings("lane_hit_python") == (1, 1, 0, 0)
 
 
 def test_with_the_ids_not_final_nothing_is_tried_and_the_grant_comes_back_after_the_decode(rig):
     rig.resident(1, slot=2)
-    _evalcb.holds_begin(rig.h, False, True, False)  # a route hook or substitution this decode
+    lh.begin(rig.h, False, True, False)  # a route hook or substitution this decode
     granted = Grant([1], [2])
     rig.act = lambda layer, status, grant: rig.hand(granted)
     assert rig.stop([1])
     assert rig.calls == [(LAYER, holds.NOT_TRIED, None, [])]
-    assert int(rig.r[rz.W_RING_HEAD]) == 0 and _evalcb.holds_stats(rig.h)["misses"] == 0  # no hp_hit
+    assert int(rig.r[rz.W_RING_HEAD]) == 0 and lh.stats(rig.h)["misses"] == 0  # no hp_hit
     assert rig.shows(1) == [bytes([33]) * 8, bytes([34]) * 8]
     assert rig.crossings("not_tried") == (1, 1, 1, 1)
-    assert _evalcb.holds_end(rig.h) == (granted, True)  # Python lets it go
-    assert _evalcb.holds_held(rig.h) is None
+    assert lh.end(rig.h) == (granted, True)  # Python lets it go
+    assert lh.held(rig.h) is None
 
 
 @pytest.mark.parametrize("how", ["not resident", "state moved", "region revoked", "disabled", "id too large"])
@@ -256,22 +263,22 @@ def test_anything_but_a_plain_hit_changes_nothing(rig, how):
     elif how == "region revoked":
         rig.r[rz.W_CLOSED] = 1
     elif how == "disabled":
-        _evalcb.holds_disable(rig.h)
+        lh.disable(rig.h)
     else:
         ids = [1, N_EXPERTS]
-    _evalcb.holds_begin(rig.h, True, True, False)
+    lh.begin(rig.h, True, True, False)
     assert rig.stop(ids)
     # MISSED: the hit itself was tried and missed, so Python asks the daemon without trying
     # again; NOT_TRIED: the holds did not try, and Python's acquire may.
     tried = how in ("not resident", "state moved", "region revoked")
-    assert [c[1] for c in rig.calls] == [holds.MISSED if tried else holds.NOT_TRIED]
+    assert [c[1] for c in rig.calls] == [holds.LANE_MISSED if tried else holds.NOT_TRIED]
     assert rig.held() == [] and int(rig.r[rz.W_RING_HEAD]) == 0 and int(rig.r[COUNTER]) == 0
-    assert _evalcb.holds_stats(rig.h)["maps"] == 0  # nothing mapped: still PROT_NONE
+    assert lh.stats(rig.h)["maps"] == 0  # nothing mapped: still PROT_NONE
 
 
 def test_a_refilled_slot_under_a_hit_grant_is_reported_lost(rig):
     rig.resident(1, slot=2)
-    _evalcb.holds_begin(rig.h, True, True, False)
+    lh.begin(rig.h, True, True, False)
     assert rig.stop([1])
     rig.s[2] = ready(9)  # the daemon refilled it: only after a revoke whose grace ended
     rig.resident(5, slot=3)
@@ -279,48 +286,48 @@ def test_a_refilled_slot_under_a_hit_grant_is_reported_lost(rig):
     assert rig.calls[-1][1] == holds.LOST  # the new hit grant is held; the old was lost
     assert len(rig.held()) == 1
     rig.s[3] = ready(9)
-    assert _evalcb.holds_end(rig.h) == (None, False)
+    assert lh.end(rig.h) == (None, False)
     assert rig.held() == []
 
 
 def test_after_a_failure_nothing_is_tried_or_handed_over_until_the_end(rig):
     rig.resident(1, slot=2)
-    _evalcb.holds_begin(rig.h, False, False, False)
+    lh.begin(rig.h, False, False, False)
     granted = Grant([1], [2])
     rig.act = lambda layer, status, grant: rig.hand(granted)
     assert rig.stop([1])
     rig.act = lambda layer, status, grant: None
-    _evalcb.holds_fail(rig.h)
+    lh.fail(rig.h)
     assert rig.stop([1])
     assert rig.calls[-1] == (LAYER, holds.NOT_TRIED, None, [])  # the grant stays with the holds
-    assert _evalcb.holds_end(rig.h) == (granted, True)
+    assert lh.end(rig.h) == (granted, True)
 
 
 def test_a_whole_step_holds_the_pin_hold_and_makes_no_stop(rig):
     for e in range(N_EXPERTS):
         rig.resident(e, slot=e % SLOTS)
-    _evalcb.holds_pins(rig.h, MODEL, PIN_WORD)
-    assert _evalcb.holds_whole_begin(rig.h) is False  # the pin word says not every expert is pinned
+    lh.pins(rig.h, MODEL, PIN_WORD)
+    assert lh.whole_begin(rig.h) is False  # the pin word says not every expert is pinned
     assert int(rig.r[rz.W_PIN_HOLD]) == 0
     rig.t[PIN_WORD] = 1
-    _evalcb.holds_begin(rig.h, False, False, False)
+    lh.begin(rig.h, False, False, False)
     granted = Grant([1], [1])
     rig.hand(granted)  # a grant held (outside a stop, as a test may): no whole step over it
-    assert _evalcb.holds_whole_begin(rig.h) is False
-    assert _evalcb.holds_end(rig.h) == (granted, True)
-    assert _evalcb.holds_whole_begin(rig.h) is True
-    assert int(rig.r[rz.W_PIN_HOLD]) == MODEL + 1 and _evalcb.holds_held(rig.h) == ("pin", MODEL)
+    assert lh.whole_begin(rig.h) is False
+    assert lh.end(rig.h) == (granted, True)
+    assert lh.whole_begin(rig.h) is True
+    assert int(rig.r[rz.W_PIN_HOLD]) == MODEL + 1 and lh.held(rig.h) == ("pin", MODEL)
     assert rig.shows(5) == [bytes([17]) * 8, bytes([18]) * 8]  # every expert mapped at its slot
     assert rig.stop([5]) is False and rig.calls == []  # the ask pass wants no node
     assert rig.held() == []  # no per-layer hold
-    _evalcb.holds_whole_end(rig.h, 12)
+    lh.whole_end(rig.h, 12)
     assert int(rig.r[rz.W_PIN_HOLD]) == 0 and int(rig.r[COUNTER]) == 12
-    assert _evalcb.holds_held(rig.h) is None and _evalcb.holds_stats(rig.h)["whole_decodes"] == 1
+    assert lh.held(rig.h) is None and lh.stats(rig.h)["whole_decodes"] == 1
     assert rig.stop([5]) is True  # stops again
 
 
 def test_the_norm_stop_goes_to_the_node_function(rig):
-    _evalcb.set_router_input(rig.cfg, True)
+    lh.callback_router_input(rig.cfg, True)
     rig.tensor.name = b"ffn_norm-3"
     assert rig.stop([1]) and rig.norms == [ctypes.addressof(rig.tensor)] and rig.calls == []
 
@@ -331,7 +338,7 @@ def test_an_exception_in_python_stops_the_graph(rig):
         raise RuntimeError("a bug")
 
     rig.act = boom
-    _evalcb.holds_begin(rig.h, False, False, False)
+    lh.begin(rig.h, False, False, False)
     assert rig.stop([1]) is False
 
 
@@ -339,61 +346,336 @@ def test_without_a_region_every_stop_is_pythons_and_the_hand_back_maps():
     rig = Rig(region=False)
     try:
         rig.resident(1, slot=2)
-        _evalcb.holds_begin(rig.h, True, True, False)
+        lh.begin(rig.h, True, True, False)
         granted = Grant([1], [2])
         rig.act = lambda layer, status, grant: rig.hand(granted)
         assert rig.stop([1])
         assert rig.calls == [(LAYER, holds.NOT_TRIED, None, [])]
         assert rig.shows(1) == [bytes([33]) * 8, bytes([34]) * 8]
-        assert _evalcb.holds_whole_begin(rig.h) is False
-        assert _evalcb.holds_end(rig.h) == (granted, True)
+        assert lh.whole_begin(rig.h) is False
+        assert lh.end(rig.h) == (granted, True)
     finally:
         rig.close()
 
 
 def test_hold_takes_one_grant_at_a_time(rig):
     a = Grant([1], [2])
-    _evalcb.holds_hold(rig.h, a)
+    lh.hold(rig.h, a)
     with pytest.raises(ValueError, match="already"):
-        _evalcb.holds_hold(rig.h, Grant([2], [3]))
-    assert _evalcb.holds_end(rig.h) == (a, True)
+        lh.hold(rig.h, Grant([2], [3]))
+    assert lh.end(rig.h) == (a, True)
     with pytest.raises(ValueError, match="not a lane layer"):
-        _evalcb.holds_hold(rig.h, a, LAYER + 1, [1], [2])
-    assert _evalcb.holds_held(rig.h) is None
+        lh.hold(rig.h, a, LAYER + 1, [1], [2])
+    assert lh.held(rig.h) is None
 
 
 def test_place_maps_once_per_slot_and_free_ends_the_holds(rig):
-    assert _evalcb.holds_place(rig.h, LAYER, 6, 1) is True
-    assert _evalcb.holds_place(rig.h, LAYER, 6, 1) is False
+    assert lh.place(rig.h, LAYER, 6, 1) is True
+    assert lh.place(rig.h, LAYER, 6, 1) is False
     assert rig.shows(6) == [bytes([17]) * 8, bytes([18]) * 8]
-    assert _evalcb.holds_place(rig.h, LAYER, 6, 1, True) is True  # populate maps it again
+    assert lh.place(rig.h, LAYER, 6, 1, True) is True  # populate maps it again
     with pytest.raises(ValueError, match="not a lane layer"):
-        _evalcb.holds_place(rig.h, LAYER + 1, 6, 1)
+        lh.place(rig.h, LAYER + 1, 6, 1)
     granted = Grant([1], [2])
-    _evalcb.holds_hold(rig.h, granted)
-    assert _evalcb.holds_free(rig.h) is granted  # given back, for Python to let go
+    lh.hold(rig.h, granted)
+    assert lh.free(rig.h) is granted  # given back, for Python to let go
     with pytest.raises(ValueError, match="freed"):
-        _evalcb.holds_begin(rig.h, True, True, False)
-    _evalcb.holds_disable(rig.h)  # a freed holds takes it: a no-op
+        lh.begin(rig.h, True, True, False)
+    lh.disable(rig.h)  # a freed holds takes it: a no-op
     assert rig.stop([1]) is False  # freed: nobody may compute from these pages
 
 
 def test_bad_holds_are_refused():
     region, table = mmap.mmap(-1, rz.REGION_WORDS * 8), mmap.mmap(-1, 64)
-    layout = ggml_tensor.LANE_LAYOUT
+    layout = ggml_api.HOLDS_LAYOUT
 
     def route(*args):
         return True
 
     with pytest.raises(ValueError, match="even"):
-        _evalcb.holds_new(route, region, table, 8, HOLDS[:3], -1, layout)
+        lh.new(route, region, table, 8, HOLDS[:3], -1, layout)
     with pytest.raises(ValueError, match="route callable"):
-        _evalcb.holds_new(None, region, table, 8, HOLDS[:2], -1, layout)
+        lh.new(None, region, table, 8, HOLDS[:2], -1, layout)
     with pytest.raises(ValueError, match="hold index"):
-        _evalcb.holds_new(route, region, table, 8, [0, 1], -1, layout)  # the region's header words
+        lh.new(route, region, table, 8, [0, 1], -1, layout)  # the region's header words
     with pytest.raises(ValueError, match="hold region"):
-        _evalcb.holds_new(route, mmap.mmap(-1, 4096), table, 8, HOLDS[:2], -1, layout)
-    h = _evalcb.holds_new(route, region, table, 8, HOLDS[:2], -1, layout)
+        lh.new(route, mmap.mmap(-1, 4096), table, 8, HOLDS[:2], -1, layout)
+    h = lh.new(route, region, table, 8, HOLDS[:2], -1, layout)
     with pytest.raises(ValueError, match="page-aligned"):
-        _evalcb.holds_layer(h, 1, 0, 0, mmap.mmap(-1, 64), 0, [(4097, 4096, 0, 4096)])
-    _evalcb.holds_free(h)
+        lh.lane_layer(h, 1, 0, 0, mmap.mmap(-1, 64), 0, [(4097, 4096, 0, 4096)])
+    lh.free(h)
+
+
+# ---------------------------------------------------------------------- stops and device layers
+
+DEV = 5  # the device layer: it stops at its routing weights
+F32 = 0
+
+
+def node(name: str) -> ggml_api.GgmlTensor:
+    t = ggml_api.GgmlTensor()
+    t.type, t.name = F32, name.encode()
+    return t
+
+
+def asked(rig, name: str) -> bool:
+    """The ask pass's answer for a node of this name."""
+    t = node(name)
+    return bool(rig.cb(ctypes.addressof(t), True, rig.ud))
+
+
+class Device:
+    """A device layer's LRU (moed.engines.device_lru's SlotLru: the policy's own arrays) and its
+    routing-weights node, whose ids source (src[1]) is the rig's top-k."""
+
+    def __init__(self, rig, n_slots: int = 4):
+        self.rig = rig
+        self.lru = SlotLru(N_EXPERTS, n_slots)
+        self.slot_of, self.expert_of = self.lru.slot_of_expert, self.lru.expert_of_slot
+        self.last_use, self.clock = self.lru.last_use, self.lru.clock
+        lh.device_layer(rig.h, DEV, self.slot_of, self.expert_of, self.last_use, self.clock)
+        self.weights = node(f"ffn_moe_weights-{DEV}")
+        self.weights.src[1] = ctypes.addressof(rig.tensor)
+
+    def put(self, expert: int, slot: int) -> None:
+        self.slot_of[expert], self.expert_of[slot] = slot, expert
+
+    def stop(self, *rows: list[int]) -> bool:
+        """The device layer's stop as the scheduler makes it: its top-k is computed (and asked
+        about: no stop there), then its routing weights."""
+        rig, name = self.rig, self.rig.tensor.name
+        rig.tensor.name = f"ffn_moe_topk-{DEV}".encode()
+        try:
+            topk = rig.route(*rows)
+            assert not rig.cb(topk, True, rig.ud), "a device layer's top-k is not its stop"
+            w = ctypes.addressof(self.weights)
+            return bool(rig.cb(w, True, rig.ud)) and bool(rig.cb(w, False, rig.ud))
+        finally:
+            rig.tensor.name = name
+
+
+def test_each_layer_stops_at_its_own_node(rig):
+    lh.stop_at(rig.h, 7, True)  # layer 7 stops at its routing weights
+    assert asked(rig, f"ffn_moe_topk-{LAYER}") and not asked(rig, f"ffn_moe_weights-{LAYER}")
+    assert asked(rig, "ffn_moe_weights-7") and not asked(rig, "ffn_moe_topk-7")
+    assert asked(rig, "ffn_moe_topk-9") and not asked(rig, "ffn_moe_weights-9")  # the default: its top-k
+    assert not asked(rig, "ffn_moe_topk-") and not asked(rig, "ffn_moe_topk-3a") and not asked(rig, "ffn_norm-3")
+    lh.stop_at(rig.h, 7, False)
+    assert asked(rig, "ffn_moe_topk-7") and not asked(rig, "ffn_moe_weights-7")
+    lh.callback_routed(rig.cfg, False)  # a benchmark's graph with no routed stop
+    assert not asked(rig, f"ffn_moe_topk-{LAYER}") and not asked(rig, "ffn_moe_weights-7")
+    lh.callback_routed(rig.cfg, True)
+    with pytest.raises(ValueError, match="lane layer stops at its top-k"):
+        lh.stop_at(rig.h, LAYER, True)
+    dev = Device(rig)
+    assert asked(rig, f"ffn_moe_weights-{DEV}") and not asked(rig, f"ffn_moe_topk-{DEV}")
+    with pytest.raises(ValueError, match="device layer at its weights"):
+        lh.stop_at(rig.h, DEV, False)
+    with pytest.raises(ValueError, match="not a lane layer"):
+        lh.device_layer(rig.h, LAYER, dev.slot_of, dev.expert_of, dev.last_use, dev.clock)
+
+
+def test_a_device_hit_is_the_whole_layer_in_c(rig):
+    dev = Device(rig)
+    dev.put(1, 2)
+    dev.put(4, 0)
+    dev.put(6, 3)
+    lh.begin(rig.h, True, True, True)
+    assert dev.stop([4, 1], [1, 6])
+    assert rig.calls == []  # Python never ran
+    assert rig.ids[:2].tolist() == [[0, 2], [2, 3]]  # slot ids over the top-k, in place
+    # The clock ticks once per expert, ascending: 1 (slot 2), 4 (slot 0), 6 (slot 3); 3 hits.
+    assert dev.clock.tolist() == [3, 3] and dev.last_use.tolist() == [2, 0, 1, 3]
+    assert dev.slot_of.tolist()[:7] == [-1, 2, -1, -1, 0, -1, 3]  # the policy's maps untouched
+    assert rig.crossings("device_hit") == (1, 0, 0, 0)
+    stats = lh.stats(rig.h)
+    assert (stats["device_layers"], stats["device_experts"], stats["layers"]) == (1, 3, 0)
+    assert lh.take_log(rig.h) == ([(DEV, [1, 4, 6])], False)
+    assert lh.end(rig.h) == (None, True) and lh.held(rig.h) is None  # nothing was held
+
+
+def test_a_device_hit_in_c_is_the_policys_full_hit(rig):
+    """C's device hit over the policy's arrays is device_lru.full_hit step for step: the same
+    slot ids, stamps, clock and hits, batch after batch (and the same misses, changing nothing)."""
+    dev = Device(rig)
+    twin = SlotLru(N_EXPERTS, 4)
+    for lru in (dev.lru, twin):
+        for e, slot in ((1, 2), (4, 0), (6, 3), (0, 1)):
+            lru.assign(e, slot)
+    lh.begin(rig.h, True, True, False)
+    for rows in ([[4, 1], [1, 6]], [[0, 0]], [[6, 4], [0, 1]], [[5, 1]], [[1, 4]]):
+        want = full_hit(twin, np.array(rows, np.int32))
+        assert dev.stop(*rows)
+        got = rig.ids[: len(rows), :2].tolist()
+        assert got == (rows if want is None else want.tolist())
+        for a, b in ((dev.slot_of, twin.slot_of_expert), (dev.last_use, twin.last_use), (dev.clock, twin.clock)):
+            assert a.tolist() == b.tolist()
+    assert dev.lru.hits == twin.hits == 10 and dev.lru.resident() == twin.resident()
+
+
+def test_a_device_hit_leaves_the_argsorts_other_columns(rig):
+    dev = Device(rig)
+    dev.put(3, 1)
+    rig.ids[:] = 99
+    lh.begin(rig.h, True, True, False)
+    assert dev.stop([3], [3])  # k = 1: a view of the first column, rows 8 bytes apart
+    assert rig.ids[:2].tolist() == [[1, 99], [1, 99]]
+
+
+def test_a_device_hit_python_must_see_hands_over_the_experts_not_the_slots(rig):
+    dev = Device(rig)
+    dev.put(1, 2)
+    lh.begin(rig.h, True, False, False)  # e.g. the look-ahead predicts this step
+    assert dev.stop([1])
+    assert rig.calls == [(DEV, 1, None, [])]
+    assert rig.read[-1].tolist() == [[1]] and int(rig.ids[0, 0]) == 2  # the node holds the slot now
+    assert rig.crossings("device_hit_python") == (1, 1, 0, 0)
+
+
+def test_a_device_miss_is_one_call_with_the_ids_read_and_changes_nothing(rig):
+    dev = Device(rig)
+    dev.put(1, 2)
+    dev.put(5, 1)
+    dev.slot_of[5] = 3  # the maps disagree: no slot of the layer holds 5 for sure
+    lh.begin(rig.h, True, True, False)
+    for ids in ([1, 6], [1, 5]):
+        assert dev.stop(ids)
+        assert rig.calls[-1] == (DEV, holds.DEVICE_MISSED, None, [])
+        assert rig.read[-1].tolist() == [ids] and rig.ids[0, :2].tolist() == ids  # Python writes the slots
+    assert dev.clock.tolist() == [0, 0] and not dev.last_use.any()
+    assert rig.crossings("device_miss") == (2, 2, 0, 0)
+    # Ids no expert has: not tried (Python's path raises), the ids still handed over.
+    assert dev.stop([1, N_EXPERTS]) and dev.stop([-1, 1])
+    assert [c[1] for c in rig.calls[-2:]] == [holds.NOT_TRIED] * 2 and rig.read[-1].tolist() == [[-1, 1]]
+    # With the ids not final (a hook), nothing is read or tried.
+    lh.begin(rig.h, False, False, False)
+    assert dev.stop([1])
+    assert rig.calls[-1] == (DEV, holds.NOT_TRIED, None, []) and rig.read[-1] is None
+
+
+def test_a_device_hit_releases_the_earlier_lane_hit_grant(rig):
+    dev = Device(rig)
+    dev.put(1, 0)
+    rig.resident(1, slot=2)
+    lh.begin(rig.h, True, True, False)
+    assert rig.stop([1])  # the lane layer's hit: held
+    assert rig.held() == [hold_word(2)]
+    assert dev.stop([1])  # the lane layer's matmuls have run: its hit grant goes
+    assert rig.held() == [] and lh.held(rig.h) is None
+    assert rig.crossings("lane_hit")[0] == rig.crossings("device_hit")[0] == 1
+
+
+def test_a_grant_to_let_go_sends_a_device_hit_to_python(rig):
+    dev = Device(rig)
+    dev.put(1, 0)
+    lh.begin(rig.h, True, True, False)
+    granted = Grant([6], [1])
+    lh.hold(rig.h, granted)  # a Python grant (an earlier layer's acquire)
+    assert dev.stop([1])
+    assert rig.calls == [(DEV, 1, granted, [])]  # handed over to let go
+    assert rig.crossings("device_hit_python") == (1, 1, 0, 0) and lh.held(rig.h) is None
+
+
+GET_2D = ctypes.CFUNCTYPE(
+    None, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_size_t] * 5
+)  # (tensor, data, offset, size, n_copies, stride_tensor, stride_data)
+IS_HOST = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p)
+DEVICE_BUFFER = 0x5EED  # a device buffer: its data is read only through the backend
+
+
+class FakeBackend:
+    """ggml_backend_tensor_{get,set}_2d over the rig's ids (the "device memory"), recorded."""
+
+    def __init__(self, rig):
+        self.calls: list[tuple] = []
+
+        def copy(tensor, data, offset, size, n, stride_tensor, stride_data, to_device):
+            self.calls.append(("set" if to_device else "get", offset, size, n, stride_tensor, stride_data))
+            base = ggml_api.GgmlTensor.from_address(tensor).data
+            for r in range(n):
+                dev, host = base + offset + r * stride_tensor, data + r * stride_data
+                ctypes.memmove(dev if to_device else host, host if to_device else dev, size)
+
+        self.get = GET_2D(lambda t, d, o, s, n, st, sd: copy(t, d, o, s, n, st, sd, False))
+        self.set = GET_2D(lambda t, d, o, s, n, st, sd: copy(t, d, o, s, n, st, sd, True))
+        self.is_host = IS_HOST(lambda buffer: buffer != DEVICE_BUFFER)
+        addr = [ctypes.cast(f, ctypes.c_void_p).value for f in (self.get, self.set, self.is_host)]
+        lh.backend(rig.h, *addr)
+        rig.tensor.buffer = DEVICE_BUFFER
+
+
+def test_a_node_in_device_memory_is_read_and_written_through_the_backend(rig):
+    backend = FakeBackend(rig)
+    dev = Device(rig)
+    dev.put(4, 1)
+    dev.put(2, 3)
+    rig.resident(1, slot=2)
+    lh.begin(rig.h, True, True, False)
+    assert dev.stop([4, 2], [2, 4])
+    stride = rig.ids.strides[0]
+    assert backend.calls == [("get", 0, 8, 2, stride, 8), ("set", 0, 8, 2, stride, 8)]  # one copy each way
+    assert rig.ids[:2].tolist() == [[1, 3], [3, 1]]
+    assert rig.stop([1])  # a lane layer whose top-k sits on the device (an offloaded layer's)
+    assert backend.calls[-1][0] == "get" and rig.shows(1) == [bytes([33]) * 8, bytes([34]) * 8]
+    assert rig.crossings("lane_hit")[0] == rig.crossings("device_hit")[0] == 1 and rig.calls == []
+
+
+def test_every_stop_is_counted_under_exactly_one_outcome(rig):
+    dev = Device(rig)
+    dev.put(1, 0)
+    rig.resident(1, slot=2)
+    granted = Grant([7], [3])
+    rig.act = lambda layer, status, grant: rig.hand(granted) if status in (holds.LANE_MISSED,) else None
+    lh.begin(rig.h, True, True, False)
+    stops = [
+        lambda: rig.stop([7]),  # lane_miss: Python hands a grant back
+        lambda: rig.stop([1]),  # lane_hit_python: the grant to let go
+        lambda: dev.stop([1]),  # device_hit
+        lambda: dev.stop([3]),  # device_miss
+        lambda: dev.stop([N_EXPERTS]),  # not_tried
+        lambda: rig.stop([1]),  # lane_hit: its hit grant held
+    ]
+    for stop in stops:
+        assert stop()
+    rig.s[2] = ready(9)  # the daemon refilled the lane hit's slot (after a revoke's grace)
+    rig.resident(5, slot=3)
+    assert rig.stop([5])  # failed: the earlier hit grant was lost
+    lh.begin(rig.h, True, False, False)
+    assert dev.stop([1])  # device_hit_python
+    cross = lh.crossings(rig.h)
+    assert tuple(cross) == holds.OUTCOMES
+    assert {k: v[0] for k, v in cross.items()} == dict.fromkeys(holds.OUTCOMES, 1)
+    assert sum(v[1] for v in cross.values()) == len(rig.calls) == 6  # every stop but the two in C alone
+    assert sum(v[2] for v in cross.values()) == 1  # the one hand-back, at the lane miss
+
+
+def test_forget_maps_every_lane_expert_again_at_its_next_use(rig):
+    rig.resident(1, slot=2)
+    lh.begin(rig.h, True, True, False)
+    assert rig.stop([1])
+    assert lh.stats(rig.h)["maps"] == 1
+    assert rig.stop([1]) and lh.stats(rig.h)["maps"] == 1  # the same slot: no mapping
+    lh.forget(rig.h)  # e.g. zeros over every expert after a failed decode under an offload
+    assert rig.stop([1]) and lh.stats(rig.h)["maps"] == 2
+
+
+def test_bad_device_layers_are_refused(rig):
+    ok = dict(
+        slot_of_expert=np.full(N_EXPERTS, -1, np.int32),
+        expert_of_slot=np.full(4, -1, np.int32),
+        last_use=np.zeros(4, np.int64),
+        clock=np.zeros(2, np.int64),
+    )
+    for key, bad in [
+        ("slot_of_expert", np.full(N_EXPERTS, -1, np.int64)),  # int64: not the layout
+        ("slot_of_expert", np.full(N_EXPERTS + 1, -1, np.int32)),  # not one a model expert
+        ("last_use", np.zeros(3, np.int64)),  # not one a slot
+        ("clock", np.zeros(2, np.float64)),
+        ("clock", np.zeros(1, np.int64)),  # [0] the clock, [1] the hits
+        ("expert_of_slot", np.full(8, -1, np.int32)[::2]),  # not contiguous
+    ]:
+        with pytest.raises(ValueError, match=key):
+            lh.device_layer(rig.h, DEV, *{**ok, key: bad}.values())
+    lh.device_layer(rig.h, DEV, *ok.values())
+    with pytest.raises(ValueError, match="a new layer"):
+        lh.device_layer(rig.h, DEV, *ok.values())
