@@ -62,8 +62,8 @@
  * `end`.
  *
  * CROSSINGS: every routed stop is counted under exactly one outcome, with its calls
- * into Python (route_fn), its calls from Python to the holds while it was under way, and
- * the most from Python at one stop (`crossings`):
+ * into Python (route_fn), its calls from Python to the holds while it was under way, the
+ * most from Python at one stop, and its host time, Python's part included (`crossings`):
  *   lane_hit            a lane layer's hit, the whole layer in C (no Python);
  *   lane_hit_python     a lane layer's hit taken in C, then Python called;
  *   lane_miss           a lane layer's hit tried and missed (LANE_MISSED);
@@ -213,6 +213,7 @@ typedef struct {
     int in_stop;         /* inside route_fn: calls from Python count against the stop */
     uint64_t stop_calls; /* calls from Python during the stop under way */
     uint64_t stops[N_OUT], to_python[N_OUT], from_python[N_OUT], most_from_python[N_OUT];
+    uint64_t stop_ns[N_OUT]; /* host time in the stops, Python's part included */
     /* While logging: the (layer, experts) of every layer done alone, for the engine's cache
      * estimate (take_log); a full log drops the rest and says so. */
     int logging, log_full;
@@ -477,21 +478,28 @@ static bool call_python(Holds *H, const char *topk, long layer, int rc, int out)
     return ok;
 }
 
-/* One routed stop (the module comment); the GIL is held and the caller keeps H alive. */
+/* One routed stop (the module comment), counted and timed under its outcome; the GIL is held
+ * and the caller keeps H alive. */
 static bool holds_stop(Holds *H, const char *node, long layer) {
     if (H->route_fn == NULL || !H->live) return false; /* freed: nobody may compute from these pages */
+    uint64_t t0 = now_ns();
     const char *topk = stop_topk(H, node, layer_stop(H, layer));
-    int device;
+    int device, out;
+    bool ok = true;
     H->n_ids = -1;
     int rc = try_hit(H, topk, layer, &device);
     if (rc > 0 && H->alone && H->grant == NULL) {
         log_layer(H, layer, rc);
-        H->stops[device ? OUT_DEVICE_HIT : OUT_LANE_HIT]++;
-        return true;
+        out = device ? OUT_DEVICE_HIT : OUT_LANE_HIT;
+        H->stops[out]++;
+    } else {
+        bool asks = rc == ST_LANE_MISSED || rc == ST_DEVICE_MISSED || rc == ST_NOT_TRIED;
+        if (asks && !H->stopped && !drop_hit(H)) rc = ST_LOST; /* the earlier hit grant, let go before Python asks */
+        out = outcome(rc, device);
+        ok = call_python(H, topk, layer, rc, out);
     }
-    bool asks = rc == ST_LANE_MISSED || rc == ST_DEVICE_MISSED || rc == ST_NOT_TRIED;
-    if (asks && !H->stopped && !drop_hit(H)) rc = ST_LOST; /* the earlier hit grant, let go before Python asks */
-    return call_python(H, topk, layer, rc, outcome(rc, device));
+    H->stop_ns[out] += now_ns() - t0;
+    return ok;
 }
 
 /* ---- whole steps ---------------------------------------------------------- */
@@ -1201,14 +1209,15 @@ static PyObject *holds_stats(PyObject *self, PyObject *args) {
                          H->device_layers, "device_experts", H->device_experts, "device_ns", H->device_ns);
 }
 
-/* crossings(holds) -> {outcome: (stops, to_python, from_python, most_from_python)} */
+/* crossings(holds) -> {outcome: (stops, to_python, from_python, most_from_python, ns)} */
 static PyObject *holds_crossings(PyObject *self, PyObject *args) {
     Holds *H = holds_args(args, ANY, "");
     if (H == NULL) return NULL;
     PyObject *out = PyDict_New();
     if (out == NULL) return NULL;
     for (int i = 0; i < N_OUT; i++) {
-        PyObject *v = Py_BuildValue("(KKKK)", H->stops[i], H->to_python[i], H->from_python[i], H->most_from_python[i]);
+        PyObject *v = Py_BuildValue("(KKKKK)", H->stops[i], H->to_python[i], H->from_python[i],
+                                    H->most_from_python[i], H->stop_ns[i]);
         if (v == NULL || PyDict_SetItemString(out, OUT_NAMES[i], v) < 0) { Py_XDECREF(v); Py_DECREF(out); return NULL; }
         Py_DECREF(v);
     }

@@ -124,6 +124,7 @@ class Crossings:
     to_python: int = 0  # calls C -> Python (the route function)
     from_python: int = 0  # calls Python -> the holds while a stop was under way
     most_from_python: int = 0  # the most at one stop
+    ns: int = 0  # host time in these stops (the callback's work, Python's part included)
 
     def __add__(self, other: Crossings) -> Crossings:
         return Crossings(
@@ -131,11 +132,17 @@ class Crossings:
             self.to_python + other.to_python,
             self.from_python + other.from_python,
             max(self.most_from_python, other.most_from_python),
+            self.ns + other.ns,
         )
 
-    def row(self) -> dict[str, int]:
+    def row(self) -> dict[str, int | float]:
         """As stream_stats()["crossings"] gives it."""
-        return {"stops": self.stops, "to_python": self.to_python, "from_python": self.from_python}
+        return {
+            "stops": self.stops,
+            "to_python": self.to_python,
+            "from_python": self.from_python,
+            "host_s": self.ns / 1e9,
+        }
 
 
 class LayerHolds:

@@ -127,7 +127,8 @@ class Rig:
         return [ctypes.string_at(self.addrs[p] + expert * PAGE, 8) for p in range(2)]
 
     def crossings(self, outcome: str) -> tuple[int, int, int, int]:
-        return lh.crossings(self.h)[outcome]
+        """(stops, to_python, from_python, most_from_python) of one outcome (its ns aside)."""
+        return lh.crossings(self.h)[outcome][:4]
 
     def hand(self, grant: Grant) -> None:
         """Python's one call back: the grant held, its slots mapped on the lane layer."""
@@ -644,6 +645,7 @@ def test_every_stop_is_counted_under_exactly_one_outcome(rig):
     assert dev.stop([1])  # device_hit_python
     cross = lh.crossings(rig.h)
     assert tuple(cross) == holds.OUTCOMES
+    assert all(v[4] > 0 for v in cross.values())  # each outcome's stops timed
     assert {k: v[0] for k, v in cross.items()} == dict.fromkeys(holds.OUTCOMES, 1)
     assert sum(v[1] for v in cross.values()) == len(rig.calls) == 6  # every stop but the two in C alone
     assert sum(v[2] for v in cross.values()) == 1  # the one hand-back, at the lane miss
