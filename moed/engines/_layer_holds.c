@@ -54,12 +54,17 @@
  * piggybacked on its acquire; `ids` the top-k's ids as read here (bytes of (rows, k)
  * int32, row-major; None when not read), so Python reads no node twice, and after a
  * device hit they are the experts, where the node now holds slots. Before Python asks
- * the daemon (every status but a hit) the holds' own hit grant is released. Python
- * hands its grant back with ONE call, `hold`, which records it as held and maps its
- * experts on a lane layer. A missed layer: one call C->Python, one Python->C. A Python
- * grant is let go by Python: at the next stop (passed to it) or after the decode (`end`
- * gives it back). After a failure (`fail`) no hit is tried and no grant is passed until
- * `end`.
+ * the daemon (every status but a hit) the holds' own hit grant is released.
+ *
+ * ONE OWNER FOR A GRANT: route_fn answers whether the graph goes on, and with the grant it
+ * acquired: `(go_on, grant | None[, experts, slots])`. The holds hold that grant from the
+ * moment the call returns, and map a lane layer's experts at their slots then (a failed
+ * mapping keeps the grant and tells Python in one more call, MAP_FAILED): a missed layer
+ * is one call C->Python and none back. (`hold`, Python handing a grant over in a call of
+ * its own, is the older way.) A Python grant is released by Python alone, at the next stop
+ * (passed to it) or after the decode (`end` gives it back); the holds' own hit grant and
+ * pin hold are released by one function here (`let_go`). After a failure (`fail`) no hit
+ * is tried and no grant is passed until `end`.
  *
  * CROSSINGS: every routed stop is counted under exactly one outcome, with its calls
  * into Python (route_fn), its calls from Python to the holds while it was under way, the
@@ -333,16 +338,52 @@ static int lane_map(Holds *H, LaneLayer *ly, int64_t expert, uint64_t slot, int 
     return 1;
 }
 
-static int release_set(Holds *H, LaneLayer *ly, int set, Py_ssize_t n) {
-    return hp_release((const uint64_t *)ly->states.buf, (size_t)(ly->states.len / 8), (uint64_t *)H->region.buf,
-                      H->holds[set], (size_t)n);
+/* THE RELEASE in C (the only one): let go of what the holds hold of their own, the hit grant
+ * (its hold words cleared, moed/_hitproto.h) and the pin hold (its word zeroed; after the
+ * step's reads: ggml's threads are joined, so they came first). 0: the hit grant was lost (a
+ * slot refilled while held). A Python grant is Python's to release (moed.engines.holds). */
+static int let_go(Holds *H) {
+    int ok = 1;
+    if (H->cur_n)
+        ok = hp_release((const uint64_t *)H->cur->states.buf, (size_t)(H->cur->states.len / 8),
+                        (uint64_t *)H->region.buf, H->holds[H->cur_set], (size_t)H->cur_n);
+    H->cur_n = 0; H->cur = NULL;
+    if (H->whole) {
+        H->whole = 0;
+        __atomic_store_n(&((uint64_t *)H->region.buf)[HP_W_PIN_HOLD], 0, __ATOMIC_SEQ_CST);
+    }
+    return ok;
 }
 
-/* Release the held hit grant, if any; 0: it was lost (a slot refilled while held). */
-static int drop_hit(Holds *H) {
-    int ok = H->cur_n ? release_set(H, H->cur, H->cur_set, H->cur_n) : 1;
-    H->cur_n = 0; H->cur = NULL;
-    return ok;
+/* hold's lane layer and lists: a lane layer, as many experts as slots (or no layer); 0 with an error set. */
+static int listed(Holds *H, Py_ssize_t layer, PyObject *experts, PyObject *slots) {
+    if (layer < 0) return 1;
+    if (lane_of(H, layer) != NULL && PyList_Check(experts) && PyList_Check(slots) &&
+        PyList_GET_SIZE(experts) == PyList_GET_SIZE(slots))
+        return 1;
+    PyErr_Format(PyExc_ValueError, "layer %zd is not a lane layer, or experts and slots differ", layer);
+    return 0;
+}
+
+/* Map lane layer `layer`'s experts at `slots` (checked by `listed`): 1, or with an error set
+ * 0 (a bad list) or -1 (a mapping failed: map_errno says why). */
+static int map_listed(Holds *H, Py_ssize_t layer, PyObject *experts, PyObject *slots) {
+    LaneLayer *ly = lane_of(H, layer);
+    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(experts); j++) {
+        long long e = PyLong_AsLongLong(PyList_GET_ITEM(experts, j));
+        unsigned long long s = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(slots, j));
+        if (PyErr_Occurred()) return 0;
+        if (e < 0 || e >= H->n_experts) {
+            PyErr_Format(PyExc_ValueError, "expert %lld out of range", e);
+            return 0;
+        }
+        if (lane_map(H, ly, (int64_t)e, (uint64_t)s, 0) < 0) {
+            H->map_errno = errno;
+            PyErr_SetFromErrno(PyExc_OSError);
+            return -1;
+        }
+    }
+    return 1;
 }
 
 /* The hit of H->experts[0..m) on lane layer `ly`: held in the other hold set, the earlier hit
@@ -362,7 +403,7 @@ static int lane_take(Holds *H, LaneLayer *ly, int64_t m) {
         H->misses++;
         return ST_LANE_MISSED;
     }
-    int lost = H->cur_n && !release_set(H, H->cur, H->cur_set, H->cur_n);
+    int lost = !let_go(H); /* the earlier hit grant, after the new one holds what both share */
     H->cur_set = next; H->cur_n = m; H->cur = ly;
     hp_record(region, ly->class_id, H->slots, (size_t)m, H->counter_word);
     uint64_t t1 = now_ns();
@@ -403,7 +444,7 @@ static int device_try(Holds *H, const char *topk, DeviceLayer *dv) {
     clock[1] += m;
     for (int64_t i = 0; i < H->n_ids; i++) H->slot_ids[i] = slot_of[H->ids[i]];
     write_slot_ids(H, topk);
-    int lost = !drop_hit(H); /* the earlier layers' matmuls have run: their hit grant may go */
+    int lost = !let_go(H); /* the earlier layers' matmuls have run: their hit grant may go */
     uint64_t dt = now_ns() - t0;
     H->device_layers++; H->device_experts += (uint64_t)m; H->device_ns += dt; dv->ns += dt;
     return lost ? ST_LOST : (int)m;
@@ -444,11 +485,29 @@ static int outcome(int rc, int device) {
     }
 }
 
-/* route_fn(topk, layer, rc, grant, ids), counted as one crossing of `out`; its bool. */
-static bool call_python(Holds *H, const char *topk, long layer, int rc, int out) {
+/* Hold the grant route_fn answered with (None: nothing), its experts mapped on a lane layer
+ * (experts None: no mapping). 1, or with an error set 0 (a bad answer: a bug) or -1 (a
+ * mapping failed; the grant is held). */
+static int take_grant(Holds *H, long layer, PyObject *grant, PyObject *experts, PyObject *slots) {
+    if (grant == Py_None) return 1;
+    if (H->grant != NULL || H->cur_n || H->whole) {
+        PyErr_SetString(PyExc_ValueError, "route_fn answered a grant while the layer holds hold one");
+        return 0;
+    }
+    if (experts != Py_None && !listed(H, layer, experts, slots)) return 0;
+    Py_INCREF(grant);
+    H->grant = grant; /* held from now, before anything is mapped */
+    return experts == Py_None ? 1 : map_listed(H, layer, experts, slots);
+}
+
+/* route_fn(topk, layer, rc, grant, ids), one crossing of `out`. Its answer: the graph goes on
+ * (a bool), or (goes on, grant | None[, experts, slots]): the grant is the holds' from the
+ * moment the call returns (no window with no owner); `may_map`: a lane layer's experts may be
+ * mapped. After a mapping failed, Python hears it in one more call (MAP_FAILED). */
+static bool call_python(Holds *H, const char *topk, long layer, int rc, int out, int may_map) {
     PyObject *grant = Py_None, *ids = Py_None;
-    if (H->grant != NULL && !H->stopped) {
-        grant = H->grant; /* Python's to let go now: the reference moves with it */
+    if (H->grant != NULL && !H->stopped && may_map) { /* (a mapping's failure keeps it here) */
+        grant = H->grant; /* Python's now: the reference moves with it */
         H->grant = NULL;
     } else {
         Py_INCREF(grant);
@@ -456,7 +515,7 @@ static bool call_python(Holds *H, const char *topk, long layer, int rc, int out)
     if (H->n_ids >= 0) ids = PyBytes_FromStringAndSize((const char *)H->ids, (Py_ssize_t)H->n_ids * 4);
     else Py_INCREF(ids);
     PyObject *r = NULL;
-    H->stops[out]++;
+    H->stops[out] += may_map; /* the stop once, however many calls it makes */
     H->to_python[out]++;
     if (ids != NULL) {
         H->in_stop = 1;
@@ -468,13 +527,20 @@ static bool call_python(Holds *H, const char *topk, long layer, int rc, int out)
     }
     Py_DECREF(grant);
     Py_XDECREF(ids);
-    bool ok = false;
-    if (r == NULL) {
-        PyErr_WriteUnraisable(H->route_fn); /* the Python side catches its own errors; a bug stops the graph */
-    } else {
-        ok = PyObject_IsTrue(r) == 1;
-        Py_DECREF(r);
+    int taken = r != NULL;
+    PyObject *go = r, *answered = Py_None, *experts = Py_None, *slots = Py_None;
+    if (r != NULL && PyTuple_Check(r)) {
+        taken = PyArg_ParseTuple(r, "OO|OO", &go, &answered, &experts, &slots);
+        if (taken) taken = take_grant(H, layer, answered, may_map ? experts : Py_None, slots);
     }
+    bool ok = taken > 0 && PyObject_IsTrue(go) == 1;
+    Py_XDECREF(r);
+    if (taken < 0) { /* the grant is held; Python hears why once more, and answers for the graph */
+        PyErr_Clear();
+        H->n_ids = -1;
+        return call_python(H, topk, layer, ST_MAP_FAILED, out, 0);
+    }
+    if (!taken) PyErr_WriteUnraisable(H->route_fn); /* the Python side catches its own errors; a bug stops the graph */
     return ok;
 }
 
@@ -494,22 +560,15 @@ static bool holds_stop(Holds *H, const char *node, long layer) {
         H->stops[out]++;
     } else {
         bool asks = rc == ST_LANE_MISSED || rc == ST_DEVICE_MISSED || rc == ST_NOT_TRIED;
-        if (asks && !H->stopped && !drop_hit(H)) rc = ST_LOST; /* the earlier hit grant, let go before Python asks */
+        if (asks && !H->stopped && !let_go(H)) rc = ST_LOST; /* the earlier hit grant, let go before Python asks */
         out = outcome(rc, device);
-        ok = call_python(H, topk, layer, rc, out);
+        ok = call_python(H, topk, layer, rc, out, 1);
     }
     H->stop_ns[out] += now_ns() - t0;
     return ok;
 }
 
 /* ---- whole steps ---------------------------------------------------------- */
-
-/* Let the pin hold go (after the step's reads: ggml's threads are joined, so they came first). */
-static void pin_release(Holds *H) {
-    if (!H->whole) return;
-    H->whole = 0;
-    __atomic_store_n(&((uint64_t *)H->region.buf)[HP_W_PIN_HOLD], 0, __ATOMIC_SEQ_CST);
-}
 
 /* Every expert of lane layer `ly` READY at its entry's slot, and mapped there; 0: not so. */
 static int lane_whole(Holds *H, LaneLayer *ly) {
@@ -545,7 +604,7 @@ static int whole_core(Holds *H) {
     for (int i = 0; ok && i < MAX_LAYERS; i++)
         if (H->lanes[i] != NULL) ok = lane_whole(H, H->lanes[i]);
     if (!ok) {
-        pin_release(H);
+        let_go(H);
         return 0;
     }
     H->whole_decodes++;
@@ -1012,35 +1071,6 @@ static PyObject *holds_begin(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* hold's lane layer and lists: a lane layer, as many experts as slots (or no layer); 0 with an error set. */
-static int listed(Holds *H, Py_ssize_t layer, PyObject *experts, PyObject *slots) {
-    if (layer < 0) return 1;
-    if (lane_of(H, layer) != NULL && PyList_Check(experts) && PyList_Check(slots) &&
-        PyList_GET_SIZE(experts) == PyList_GET_SIZE(slots))
-        return 1;
-    PyErr_Format(PyExc_ValueError, "layer %zd is not a lane layer, or experts and slots differ", layer);
-    return 0;
-}
-
-/* Map lane layer `layer`'s experts at `slots` (checked by `listed`); 0 with an error set. */
-static int map_listed(Holds *H, Py_ssize_t layer, PyObject *experts, PyObject *slots) {
-    LaneLayer *ly = lane_of(H, layer);
-    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(experts); j++) {
-        long long e = PyLong_AsLongLong(PyList_GET_ITEM(experts, j));
-        unsigned long long s = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(slots, j));
-        if (PyErr_Occurred()) return 0;
-        if (e < 0 || e >= H->n_experts) {
-            PyErr_Format(PyExc_ValueError, "expert %lld out of range", e);
-            return 0;
-        }
-        if (lane_map(H, ly, (int64_t)e, (uint64_t)s, 0) < 0) {
-            PyErr_SetFromErrno(PyExc_OSError);
-            return 0;
-        }
-    }
-    return 1;
-}
-
 /* hold(holds, grant[, layer, experts, slots]): `grant` is held now (Python's acquire); with a
  * layer, its experts are mapped at `slots` (a lane layer: the holds map it). Python times this
  * call as its show: not added to show_ns, which would count it twice. */
@@ -1055,7 +1085,7 @@ static PyObject *holds_hold(PyObject *self, PyObject *args) {
     if (!listed(H, layer, experts, slots)) return NULL;
     Py_INCREF(grant);
     H->grant = grant; /* held before anything is mapped: a failure below still lets it go at the end */
-    if (layer >= 0 && !map_listed(H, layer, experts, slots)) return NULL;
+    if (layer >= 0 && map_listed(H, layer, experts, slots) <= 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -1109,7 +1139,7 @@ static PyObject *give_grant(Holds *H) {
 static PyObject *holds_end(PyObject *self, PyObject *args) {
     Holds *H = holds_args(args, ANY, "");
     if (H == NULL) return NULL;
-    int ok = H->live ? drop_hit(H) : 1;
+    int ok = H->live ? let_go(H) : 1;
     H->try_hits = 0; H->alone = 0; H->stopped = 0;
     return Py_BuildValue("(NO)", give_grant(H), ok ? Py_True : Py_False);
 }
@@ -1157,7 +1187,7 @@ static PyObject *holds_take_log(PyObject *self, PyObject *args) {
 static PyObject *holds_free(PyObject *self, PyObject *args) {
     Holds *H = holds_args(args, ANY, "");
     if (H == NULL) return NULL;
-    if (H->live) { drop_hit(H); pin_release(H); }
+    if (H->live) let_go(H);
     release_buffers(H);
     Py_CLEAR(H->route_fn); /* the streamer's bound method: no cycle outlives the model */
     return give_grant(H);
@@ -1193,7 +1223,7 @@ static PyObject *holds_whole_end(PyObject *self, PyObject *args) {
     Holds *H = holds_args(args, ANY, "K", &uses);
     if (H == NULL) return NULL;
     if (!H->live || !H->whole) Py_RETURN_NONE;
-    pin_release(H);
+    let_go(H);
     hp_count((uint64_t *)H->region.buf, H->counter_word, uses);
     Py_RETURN_NONE;
 }

@@ -89,12 +89,12 @@ class Rig:
         self.cb = CALLBACK(lh.callback_address())
         self.ud = lh.callback_user_data(self.cfg)
 
-    def _route(self, topk: int, layer: int, status: int, grant, ids: bytes | None) -> bool:
+    def _route(self, topk: int, layer: int, status: int, grant, ids: bytes | None):
         assert topk == ctypes.addressof(self.tensor)  # the stop's top-k, whichever node the stop is
         self.calls.append((layer, status, grant, self.held()))  # what the region held during the call
         self.read.append(None if ids is None else np.frombuffer(ids, np.int32).reshape(-1, int(self.tensor.ne[0])))
-        self.act(layer, status, grant)
-        return True
+        answer = self.act(layer, status, grant)
+        return True if answer is None else answer
 
     def _norm(self, tensor: int) -> bool:
         self.norms.append(tensor)
@@ -681,3 +681,53 @@ def test_bad_device_layers_are_refused(rig):
     lh.device_layer(rig.h, DEV, *ok.values())
     with pytest.raises(ValueError, match="a new layer"):
         lh.device_layer(rig.h, DEV, *ok.values())
+
+
+# ---------------------------------------------------------------------- the grant in route_fn's answer
+
+
+def test_a_miss_answered_with_its_grant_is_held_from_the_return_with_no_call_back(rig):
+    """route_fn returns the grant (and a lane layer's experts and slots): the holds own it from
+    the moment the call returns, and map it, with no second crossing."""
+    granted = Grant([6], [1])
+    rig.act = lambda layer, status, grant: (True, granted, granted.experts, granted.slots)
+    lh.begin(rig.h, True, True, False)
+    assert rig.stop([6])
+    assert rig.calls == [(LAYER, holds.LANE_MISSED, None, [])]
+    assert lh.held(rig.h) == ("grant", granted) and rig.shows(6) == [bytes([17]) * 8, bytes([18]) * 8]
+    assert rig.crossings("lane_miss") == (1, 1, 0, 0)  # one call in, none back
+    # The next stop hands it to Python, which answers with nothing to hold: it let it go.
+    rig.act = lambda layer, status, grant: (True, None)
+    assert rig.stop([7])
+    assert rig.calls[-1] == (LAYER, holds.LANE_MISSED, granted, []) and lh.held(rig.h) is None
+    # A device layer's grant: held, nothing mapped.
+    dev = Device(rig)
+    second = Grant([3], [0])
+    rig.act = lambda layer, status, grant: (False, second)  # False: the graph stops (a failure)
+    assert not dev.stop([3])
+    assert lh.held(rig.h) == ("grant", second) and lh.stats(rig.h)["maps"] == 1
+    assert lh.end(rig.h) == (second, True)
+
+
+def test_a_mapping_that_fails_keeps_the_grant_and_tells_python_once_more(rig):
+    granted = Grant([6], [2**50])  # an offset past any file: mmap refuses it
+    answers = iter([(True, granted, granted.experts, granted.slots), False])
+    rig.act = lambda layer, status, grant: next(answers)
+    lh.begin(rig.h, True, True, False)
+    assert rig.stop([6]) is False  # Python's answer to MAP_FAILED: the graph stops
+    assert [c[1:3] for c in rig.calls] == [(holds.LANE_MISSED, None), (holds.MAP_FAILED, None)]
+    assert lh.held(rig.h) == ("grant", granted)  # still the holds', given back after the decode
+    assert lh.stats(rig.h)["map_errno"] != 0
+    assert rig.crossings("lane_miss") == (1, 2, 0, 0)  # one stop, two calls
+    assert lh.end(rig.h) == (granted, True)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_grant_answered_over_one_held_is_a_bug_that_stops_the_graph(rig):
+    held, second = Grant([1], [2]), Grant([5], [3])
+    lh.begin(rig.h, True, True, False)
+    lh.fail(rig.h)  # after a failure the holds keep their grant at a stop
+    lh.hold(rig.h, held)
+    rig.act = lambda layer, status, grant: (True, second)
+    assert rig.stop([5]) is False
+    assert lh.held(rig.h) == ("grant", held)
