@@ -33,7 +33,11 @@ Engines:
   layers, the median over pairs, is what a stop costs a layer: the graph split there and
   the device's synchronize, the eval callback, reading the ids and writing the slot ids
   back; with zero copy also moed's acquire and release every layer (local hits). The
-  reference page's "host round trip at each layer" is 0.37 ms on a real GPU.
+  reference page's "host round trip at each layer" is 0.37 ms on a real GPU. With copied
+  slots a full hit is the layer holds' own, in C; `stop` then also prints the host time
+  an offloaded layer costs at a full hit, in C against Python's path (the same engine,
+  `hits_in_c` toggled, MOED_HITS_IN_C=0's path, tokens alternated ABBA), as the holds
+  time the whole stop (`stream_stats()["crossings"]`' `host_s`).
 
 `--after-split` runs one `slots` engine instead (issue 47): a call too large for its slots
 (`--n-batch` pseudo-random tokens, more distinct experts a layer than S), then, after
@@ -215,9 +219,40 @@ def stop_child(args: argparse.Namespace, llm, client, rng, n_vocab: int) -> None
         "acquire_ms_a_stop": 1e3 * (after["acquire_s"] - before["acquire_s"]) / max(layers, 1),
         "cycle_ms_a_stop": 1e3 * (g1["cycle_s"] - g0["cycle_s"]) / max(g1["cycles"] - g0["cycles"], 1),
     }
+    if not zero_copy:  # copied slots: their full hits are the layer holds' (zero copy acquires every layer)
+        out.update(host_a_layer(args, llm, rng, n_vocab, misses))
     llm.close()
     client.close()
     print(json.dumps(out))
+
+
+def host_a_layer(args: argparse.Namespace, llm, rng, n_vocab: int, misses) -> dict:
+    """The host time a device layer's stop costs at a full hit, in C against Python's path, in
+    the same engine: tokens in ABBA order, the holds taking the hit (read the top-k, the device
+    LRU, write the slot ids; `device_hit`) or not (`hits_in_c` off, MOED_HITS_IN_C=0: the stop
+    calls Python, whose cycle does the same: `not_tried`), each stop's time as the holds measure
+    it around the whole stop (Python's part included). Medians over tokens of that token's
+    time a stop; a token that uploaded an expert is left out."""
+    streamer = llm.streamer
+    outcome = {True: "device_hit", False: "not_tried"}
+    per_stop: dict[bool, list[float]] = {True: [], False: []}
+    for i in range(args.tokens):
+        for in_c in (True, False) if i % 2 == 0 else (False, True):
+            streamer.hits_in_c = in_c
+            c0, m0 = llm.stream_stats()["crossings"][outcome[in_c]], misses()
+            llm.eval([int(rng.integers(1, n_vocab))])
+            c1 = llm.stream_stats()["crossings"][outcome[in_c]]
+            if llm.n_tokens > llm.n_ctx() - 8:
+                llm.reset()
+            if misses() != m0 or c1["stops"] == c0["stops"]:
+                continue  # an upload: not a full hit's cost alone
+            per_stop[in_c].append((c1["host_s"] - c0["host_s"]) / (c1["stops"] - c0["stops"]))
+    streamer.hits_in_c = True
+    return {
+        "host_us_a_layer_c": 1e6 * med(per_stop[True]),
+        "host_us_a_layer_python": 1e6 * med(per_stop[False]),
+        "host_tokens": [len(per_stop[True]), len(per_stop[False])],
+    }
 
 
 def after_split_child(args: argparse.Namespace, kw: dict) -> None:
@@ -433,6 +468,13 @@ def report(device: str, engines: list[str], runs: dict, ratios: dict, args: argp
                 f"ms; pairs {sum(x['pairs'] for x in rs)} (left out: {sum(x['pairs_with_a_fetch'] for x in rs)}, whose stop "
                 "fetched an expert)"
             )
+            if "host_us_a_layer_c" in rs[0]:
+                c, py = [x["host_us_a_layer_c"] for x in rs], [x["host_us_a_layer_python"] for x in rs]
+                print(
+                    f"{e}: host time an offloaded layer costs at a full hit: {fmt(c, '.1f')} us in C, "
+                    f"{fmt(py, '.1f')} us through Python (MOED_HITS_IN_C=0), the same engine, tokens alternated "
+                    f"(rounds: {', '.join(f'{a:.1f}/{b:.1f}' for a, b in zip(c, py))})"
+                )
     for e in ("slots", "zero-copy", "hybrid"):
         rs = [x for x in runs.get(e, []) if x.get("layers")]
         if rs:

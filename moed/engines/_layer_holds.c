@@ -5,7 +5,7 @@
  * at most one of three things:
  *   - their own hit grant (a lane layer's hit taken here: hold words in the connection's
  *     region, moed/_hitproto.h, the same steps as moed._holds);
- *   - a Python grant they were handed (`hold`: what Python acquired from moed);
+ *   - a Python grant (what Python acquired from moed, handed over in route_fn's answer);
  *   - the whole step's pin hold (every expert pinned: no per-layer stop at all).
  * Every streamed model has holds, lane layers or not, local hits or not.
  *
@@ -60,11 +60,10 @@
  * acquired: `(go_on, grant | None[, experts, slots])`. The holds hold that grant from the
  * moment the call returns, and map a lane layer's experts at their slots then (a failed
  * mapping keeps the grant and tells Python in one more call, MAP_FAILED): a missed layer
- * is one call C->Python and none back. (`hold`, Python handing a grant over in a call of
- * its own, is the older way.) A Python grant is released by Python alone, at the next stop
- * (passed to it) or after the decode (`end` gives it back); the holds' own hit grant and
- * pin hold are released by one function here (`let_go`). After a failure (`fail`) no hit
- * is tried and no grant is passed until `end`.
+ * is one call C->Python and none back. A Python grant is released by Python alone
+ * (moed.engines.grants), at the next stop (passed to it) or after the decode (`end` gives
+ * it back); the holds' own hit grant and pin hold are released by one function here
+ * (`let_go`). After a failure (`fail`) no hit is tried and no grant is passed until `end`.
  *
  * CROSSINGS: every routed stop is counted under exactly one outcome, with its calls
  * into Python (route_fn), its calls from Python to the holds while it was under way, the
@@ -97,7 +96,7 @@
  * graph in one piece as it does with no callback; `whole_end` lets the hold go.
  *
  * INVARIANTS. One owner for each thing the holds touch: they alone map the addresses of
- * their lane layers (Python's path maps them through `hold`, warm through `place`); a
+ * their lane layers (Python's grant as its answer hands it over, warm through `place`); a
  * device hit writes only slots the layer's LRU says hold the expert; their hold indexes
  * were handed to them by the client's region and are their own; the ring's head is the
  * region's word, which every recorder writes holding the GIL (the holds always run
@@ -195,7 +194,7 @@ typedef struct {
     int cur_set;        /* the set the held hit grant uses */
     Py_ssize_t cur_n;   /* experts in the held hit grant (0: none) */
     LaneLayer *cur;     /* its layer */
-    PyObject *grant;    /* a Python grant handed by `hold` (NULL: none) */
+    PyObject *grant;    /* a Python grant, route_fn's answer (NULL: none) */
     int whole;          /* the region's pin hold is ours: a whole step is under way */
     /* ---- the decode's path choice (begin) ---- */
     int try_hits, alone, stopped, disabled;
@@ -355,7 +354,7 @@ static int let_go(Holds *H) {
     return ok;
 }
 
-/* hold's lane layer and lists: a lane layer, as many experts as slots (or no layer); 0 with an error set. */
+/* An answer's lane layer and lists: a lane layer, as many experts as slots (or no layer); 0 with an error set. */
 static int listed(Holds *H, Py_ssize_t layer, PyObject *experts, PyObject *slots) {
     if (layer < 0) return 1;
     if (lane_of(H, layer) != NULL && PyList_Check(experts) && PyList_Check(slots) &&
@@ -497,7 +496,11 @@ static int take_grant(Holds *H, long layer, PyObject *grant, PyObject *experts, 
     if (experts != Py_None && !listed(H, layer, experts, slots)) return 0;
     Py_INCREF(grant);
     H->grant = grant; /* held from now, before anything is mapped */
-    return experts == Py_None ? 1 : map_listed(H, layer, experts, slots);
+    if (experts == Py_None) return 1;
+    uint64_t t0 = now_ns();
+    int rc = map_listed(H, layer, experts, slots);
+    H->show_ns += now_ns() - t0; /* Python's show no longer times it: the holds map it */
+    return rc;
 }
 
 /* route_fn(topk, layer, rc, grant, ids), one crossing of `out`. Its answer: the graph goes on
@@ -1071,24 +1074,6 @@ static PyObject *holds_begin(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* hold(holds, grant[, layer, experts, slots]): `grant` is held now (Python's acquire); with a
- * layer, its experts are mapped at `slots` (a lane layer: the holds map it). Python times this
- * call as its show: not added to show_ns, which would count it twice. */
-static PyObject *holds_hold(PyObject *self, PyObject *args) {
-    PyObject *grant, *experts = Py_None, *slots = Py_None; Py_ssize_t layer = -1;
-    Holds *H = holds_args(args, LIVE, "O|nOO", &grant, &layer, &experts, &slots);
-    if (H == NULL) return NULL;
-    if (H->grant != NULL || H->cur_n || H->whole || grant == Py_None) {
-        PyErr_SetString(PyExc_ValueError, "the layer holds hold something already (or no grant was given)");
-        return NULL;
-    }
-    if (!listed(H, layer, experts, slots)) return NULL;
-    Py_INCREF(grant);
-    H->grant = grant; /* held before anything is mapped: a failure below still lets it go at the end */
-    if (layer >= 0 && map_listed(H, layer, experts, slots) <= 0) return NULL;
-    Py_RETURN_NONE;
-}
-
 /* place(holds, layer, expert, slot[, populate]): map outside a decode (warm); populate maps it
  * again, page-table entries made now, so its first use in a matmul takes no fault. */
 static PyObject *holds_place(PyObject *self, PyObject *args) {
@@ -1278,7 +1263,6 @@ static PyMethodDef methods[] = {
     {"stop_at", holds_stop_at, METH_VARARGS, "stop_at(holds, layer, weights): the layer's stop node"},
     {"backend", holds_backend, METH_VARARGS, "backend(holds, get_2d, set_2d, is_host): ggml's backend calls"},
     {"begin", holds_begin, METH_VARARGS, "begin(holds, try_hits, alone, log): a decode's path choice"},
-    {"hold", holds_hold, METH_VARARGS, "hold(holds, grant[, layer, experts, slots]): a grant held"},
     {"place", holds_place, METH_VARARGS, "map an expert's slot at its addresses if it changed (outside a decode)"},
     {"forget", holds_forget, METH_VARARGS, "the lane layers' addresses were remapped: map each again at its use"},
     {"fail", holds_fail, METH_VARARGS, "the decode failed: no hit, no grant passed until end"},

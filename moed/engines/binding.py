@@ -29,7 +29,8 @@ Invariants:
 - Each layer stops at its own node: a device placement's layers at their routing
   weights, every other layer at its top-k, so the CPU layers of a partial offload keep
   the lane (the holds read an offloaded layer's top-k through ggml's backend). A device
-  placement's layers are no lane layers: `place_on` binds the holds again without them.
+  placement's layers are no lane layers: `place_on` binds the holds again without them,
+  giving them each such layer's device LRU (`Placement.lru`) so its full hits are C's.
 - The counters of holds let go at a rebind are kept, so the engine's totals run on.
 """
 
@@ -126,7 +127,7 @@ class Binding:
         bound: Bound,
         route: RouteFn,
         callback: ggml_tensor.EvalCallback,
-        release: Callable[[Grant], None],
+        release: Callable[[Grant], object],
         offloaded: bool,
     ):
         """`route`: the cycle's half of a routed stop, called by the holds; `callback`: the eval
@@ -155,8 +156,12 @@ class Binding:
         lane_source = src.lane() if lane else None
         lane_parts = {layer: model.parts[layer] for layer in lane} if lane_source is not None else {}
         holds = LayerHolds(self._route, src.n_experts, lane_source, lane_parts, device_nodes=self._offloaded)
-        for layer in sorted(bound.weights_stops):
-            holds.stop_at_weights(layer)
+        for layer in sorted(bound.weights_stops):  # a device placement's: its full hits C's where it has an LRU
+            lru = bound.by_layer[layer].lru(layer)
+            if lru is not None:
+                holds.device_layer(layer, lru)
+            else:
+                holds.stop_at_weights(layer)
         self._bound.holds = holds
         self._callback.set_holds(holds.handle)  # the path is chosen per decode (DecodeSteps.begin)
         old, self._cpu = self._cpu, CpuPages(model.pages, model.parts, holds)

@@ -9,9 +9,12 @@ holds go first: a lane layer's hit, a device layer's hit in its slots, and with 
 for Python to do, the whole layer. Otherwise they call `on_route` once, saying what they
 did and handing over the grant held until then (and the ids, where they read them);
 Python reads the routed ids (unless handed), acquires this layer's distinct
-experts (the earlier grant released in the same round trip), hands the grant to the
-holds in one call and makes the experts visible through the layer's placement
-(moed.engines.placement). The grant's routes out are moed.engines.grants'. When the
+experts (the earlier grant released in the same round trip), makes them visible through
+the layer's placement (moed.engines.placement), and answers the holds with the grant it
+holds then, which they own from the return (and map, on a lane layer). A placement that
+copies a grant's bytes (`copies_grant`: device slots) has its grant let go as soon as
+`show` returned, so the holds hold nothing of that layer's. The one route a grant is
+released by is moed.engines.grants'. When the
 look-ahead is on (prefetch or a trace recording predictions), the callback also stops
 at the router's input (`moed.gguf.archs.RouterInput`: `ffn_norm-<layer>`; gpt-oss's is
 `attn_post_norm-<layer>`, glm4moe's `post_attn_norm-<layer>`, and for gemma4, llama4
@@ -40,6 +43,9 @@ Invariants:
   computed, so every id a CPU matmul reads is in range), and the decode's end hides
   them all. The holds try no hit and hand over no grant after a failure
   (`LayerHolds.fail`); what they hold is let go at the decode's end.
+- A grant has one owner at every instant: what Python holds during a stop (`Held`: the
+  grant handed over, or the one acquired in its place) goes back to the holds with the
+  answer on every path, errors included, so no error path releases a grant.
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from moed.engines import ggml_api, ggml_tensor
-from moed.engines.grants import GrantRoutes
+from moed.engines.grants import GrantRoutes, Held
 from moed.engines.holds import DEVICE_MISSED, LOST, MAP_FAILED, NOT_TRIED, lost
 from moed.engines.options import EngineHooks, EngineOptions
 from moed.engines.predictor import GATING_SOFTMAX, gate
@@ -65,6 +71,10 @@ if TYPE_CHECKING:
     from moed.engines.mapping import ModelMapping
 
 log = logging.getLogger("moed.engine")
+
+# What the route function answers the holds: the graph goes on, the grant they hold from the
+# return (None: none), and a lane layer's new grant's experts and slots, for them to map.
+Answer = tuple[bool, Grant | None] | tuple[bool, Grant | None, list[int] | None, list[int] | None]
 
 
 class RouteObserver(Protocol):
@@ -164,39 +174,45 @@ class StopCycle:
         except BaseException as exc:  # noqa: BLE001 - must not unwind through C
             return self.fail(exc)
 
-    def on_route(self, topk: int, layer: int, status: int, grant: Grant | None, ids: bytes | None) -> bool:
+    def on_route(self, topk: int, layer: int, status: int, grant: Grant | None, ids: bytes | None) -> Answer:
         """A computed routed stop, from the layer holds: `topk` the layer's top-k node (its stop,
         or the ids its `ffn_moe_weights-<n>` stop gathered by; 0: none, an unexpected graph),
         `status` what they did (moed.engines.holds: a hit of that many experts, LANE_MISSED,
         DEVICE_MISSED, NOT_TRIED, LOST, MAP_FAILED), `grant` the grant they held until now,
-        Python's to let go (None: none), `ids` the top-k's ids as they read them (None: not
-        read). False stops the graph."""
+        Python's now (None: none), `ids` the top-k's ids as they read them (None: not read).
+
+        Answers (the graph goes on, the grant the holds hold from the return, and for a grant
+        of a lane layer acquired here its experts and slots, which they map): whatever
+        happened, the grant Python holds at the end goes back to the holds with the answer,
+        so no error path releases one (after a failure they give it back after the decode)."""
+        held = Held(grant)
         stop: tuple[int, int] | None = None  # (layer, top-k node)
         try:
-            try:
-                if not topk:
-                    raise RuntimeError(f"the routing weights of layer {layer} have no ids source: unexpected graph")
-                stop = (layer, topk)
-                if self.error is None and self._model.experts_pending():
-                    self._model.switch_experts(topk)
-            except BaseException:
-                if grant is not None:
-                    self.grants.let_go_quietly(grant)
-                raise
+            if not topk:
+                raise RuntimeError(f"the routing weights of layer {layer} have no ids source: unexpected graph")
+            stop = (layer, topk)
+            if self.error is None and self._model.experts_pending():
+                self._model.switch_experts(topk)
             if self.error is not None:
                 # An earlier layer failed (the holds hand over no grant since). On the CPU:
                 # stop this graph at its next stop, before any expert matmul could read pages
                 # nobody acquired. Offloaded: the experts read zeros (open_zeros), and the
                 # graph runs to its end.
-                if grant is not None:
-                    self.grants.let_go_quietly(grant)
                 if self._offloaded:
                     self._bound.placement(layer).skip(*stop)
-                return self._offloaded
-            self._cycle(layer, topk, status, grant, ids)
-            return True
+                return self._offloaded, held.grant
+            acquired = self._cycle(layer, topk, status, held, ids)
+            return True, held.grant, *self._lane_mapping(layer, held.grant if acquired else None)
         except BaseException as exc:  # noqa: BLE001 - must not unwind through C
-            return self.fail(exc, stop)
+            return self.fail(exc, stop), held.grant
+
+    def _lane_mapping(self, layer: int, grant: Grant | None) -> tuple[list[int] | None, list[int] | None]:
+        """A lane layer's new grant, as the holds map it: its experts and their slots."""
+        holds = self._bound.holds
+        if grant is None or holds is None or layer not in holds.layers:
+            return None, None
+        experts = list(grant.experts)
+        return experts, [grant.slot(e) for e in experts]
 
     def fail(self, exc: BaseException, stop: tuple[int, int] | None = None) -> bool:
         """Store the decode's error; the callback's answer: stop (CPU) or go on over zeros
@@ -248,41 +264,36 @@ class StopCycle:
             observer.route(layer, ids)
         return ids
 
-    def _cycle(self, layer: int, topk: int, status: int, prev: Grant | None, read: bytes | None = None) -> None:
+    def _cycle(self, layer: int, topk: int, status: int, held: Held, read: bytes | None = None) -> bool:
         """Python's half of layer `layer`'s stop (`topk`: its top-k node): `status` from the
-        holds, `prev` the grant held until now, let go here (hidden, then released with this
-        layer's acquire, or handed back to the holds when it acquires nothing); `read`: the
-        ids as the holds read them."""
+        holds; `held` the grant held until now, let go here (hidden, then released with this
+        layer's acquire, or alone at a hit), or kept for the holds when this layer acquires
+        nothing; `read`: the ids as the holds read them. True when `held` is now this layer's
+        own grant (acquired here, for the holds to map on a lane layer)."""
         holds = self._bound.holds
         assert holds is not None, "install builds the layer holds"
-        try:
-            ids = self._route(layer, topk, read)
-            if status == LOST:
-                raise lost()
-            if status == MAP_FAILED:
-                raise holds.map_error()
-            placement = self._bound.placement(layer)
-            experts = placement.needs(layer, ids) if status <= 0 else []
-        except BaseException:
-            if prev is not None:
-                self.grants.let_go_quietly(prev)
-            raise
+        ids = self._route(layer, topk, read)
+        if status == LOST:
+            raise lost()
+        if status == MAP_FAILED:
+            raise holds.map_error()
+        placement = self._bound.placement(layer)
+        experts = placement.needs(layer, ids) if status <= 0 else []
         la = self._model.lookahead
-        if status > 0:  # a hit the holds took and hold: Python scores it and lets `prev` go
-            if prev is not None:
-                self.grants.let_go(prev)
+        if status > 0:  # a hit the holds took and hold: Python scores it and lets the grant go
+            self.grants.swap(held.take())
             if la is not None:
                 la.routed(layer, ids, status, 0.0)  # the holds count their own stall
-            return
+            return False
         t0 = time.perf_counter()
-        try_hit = status in (NOT_TRIED, DEVICE_MISSED)  # the holds tried no hit on the daemon's slots
-        grant = self.grants.acquire(layer, experts, prev, try_hit) if experts else None
+        if experts:
+            try_hit = status in (NOT_TRIED, DEVICE_MISSED)  # the holds tried no hit on the daemon's slots
+            held.grant = self.grants.swap(held.take(), layer, experts, try_hit)
         t1 = time.perf_counter()
-        if grant is not None:
-            holds.hold(grant)  # held by the holds (a lane layer's slots mapped): the one call back
-        elif prev is not None:
-            self.grants.hand_back(holds, prev)  # released with a later acquire
+        grant = held.grant if experts else None  # else the one handed over, kept: released with a later acquire
         placement.show(grant, topk, layer)
+        if grant is not None and placement.copies_grant:  # its bytes are copies now: it may go
+            self.grants.swap(held.take())
         c = self.counts
         c.acquire_s += t1 - t0
         c.show_s += time.perf_counter() - t1
@@ -290,3 +301,4 @@ class StopCycle:
         c.experts += len(experts)
         if la is not None:
             la.routed(layer, ids, len(experts), t1 - t0)
+        return held.grant is not None and bool(experts)

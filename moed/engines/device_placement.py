@@ -54,6 +54,7 @@ from typing import Any
 
 import numpy as np
 
+from moed.engines.device_lru import SlotLru
 from moed.engines.device_probe import ExpertTensor, ModelTensors
 from moed.engines.ggml_api import (
     GGML_BACKEND_BUFFER_USAGE_WEIGHTS,
@@ -169,6 +170,7 @@ class DevicePlacement:
     """
 
     what = "a device placement"  # names the placement in its errors
+    copies_grant = False  # the Placement's: a strategy that copies what its tensors read says True
 
     def __init__(self, found: ModelTensors, gpu_slots: int, layers=None):
         if gpu_slots < 1:
@@ -200,6 +202,10 @@ class DevicePlacement:
 
     def _full_hit(self, layer: int, ids: np.ndarray) -> np.ndarray | None:
         """The batch's slot ids where nothing need be acquired or moved (default: never)."""
+        return None
+
+    def lru(self, layer: int) -> SlotLru | None:
+        """The layer's device LRU, whose full hits the layer holds take in C (default: none)."""
         return None
 
     def _to_acquire(self, layer: int, want: np.ndarray) -> list[int]:

@@ -25,7 +25,11 @@ Invariants:
 - A slot the batch in flight uses is never evicted; an expert enters its slot's LRU
   entry only once all its parts are on the device, and a failed upload leaves the slots
   it was filling free.
-- The grant's bytes are on the device when `show` returns: the grant may go at once.
+- The grant's bytes are on the device when `show` returns: the grant may go at once, and
+  the cycle lets it go then (`copies_grant`), so the holds hold nothing of a copied-slot
+  layer's and the next layer's hit may be C's alone.
+- A full hit is C's (moed.engines.holds, `device_layer` over each layer's `lru`): Python
+  sees only the misses, and its own `full_hit` only where the holds did not try.
 - Uploads use the plain layout (ggml's device kernels read the file's bytes): a file
   repacked for the CPU (`moectl align --repack`) cannot feed slots.
 - The slots hold copies of the file's bytes and read nothing of the daemon's after an
@@ -66,6 +70,7 @@ class SlotPlacement(DevicePlacement):
     """
 
     what = "device slots"
+    copies_grant = True  # the misses' bytes are on the device when show returns: the grant goes then
 
     def _build_layer(self, found: ModelTensors, layer: int) -> _SlotLayer:
         """The layer's slot tensors in its device buffer type, the model's tensors pointed at them."""
@@ -109,6 +114,10 @@ class SlotPlacement(DevicePlacement):
 
     def _full_hit(self, layer: int, ids: np.ndarray) -> np.ndarray | None:
         return full_hit(self._slots(layer).lru, np.asarray(ids))
+
+    def lru(self, layer: int) -> SlotLru:
+        """The layer's LRU: the layer holds take its full hits in C, over these very arrays."""
+        return self._slots(layer).lru
 
     def _to_acquire(self, layer: int, want: np.ndarray) -> list[int]:
         return self._slots(layer).lru.misses(want)

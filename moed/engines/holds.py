@@ -3,7 +3,7 @@
 What this module owns: the Python face of one streamer's layer holds
 (moed/engines/_layer_holds.c, whose module comment has the whole cycle). The holds hold at
 most one thing at a time: their own hit grant (a lane layer's hit, taken in C inside the
-eval callback), a Python grant they were handed (`hold`), or, for a whole step, the
+eval callback), a Python grant (the route function's answer), or, for a whole step, the
 region's pin hold. They know each routed layer's stop node (its top-k, or for a device
 layer the routing weights: `stop_at_weights`, `device_layer`), choose each routed stop's
 path and let go of what they held; Python is called once a stop, and only when it has
@@ -13,18 +13,18 @@ something to do:
        lane layer:   hp_hit on the daemon's slots, the earlier hit grant released, mapped
        device layer: every routed expert in a device slot? bump the LRU, write slot ids
        a hit, nothing for Python this step   -> done in C (lane_hit, device_hit)
-       otherwise: route(topk, layer, status, grant, ids)   one call C -> Python
+       otherwise: route(topk, layer, status, grant, ids)   one call C -> Python, none back
          status > 0     a hit taken in C: Python scores and prefetches, lets `grant` go
-         LANE_MISSED    Python asks the daemon (source.acquire), then `hold(grant)`
+         LANE_MISSED    Python asks the daemon (source.acquire)
          DEVICE_MISSED  Python acquires what no slot holds (source.hit first), uploads,
-                        writes the slot ids, then `hold(grant)`
-         NOT_TRIED      Python tries source.hit, then source.acquire on a miss,
-                        then `hold(grant)`
-                        (one call Python -> C, which maps a lane layer's slots)
-       `ids`: the top-k's ids as C read them (None: not read), so no node is read twice.
+                        writes the slot ids (and lets that grant go: its bytes are copies)
+         NOT_TRIED      Python tries source.hit, then source.acquire on a miss
+       `ids`: the top-k's ids as C read them (None: not read), so no node is read twice;
+       Python answers (goes on, grant | None[, experts, slots]): the holds own that grant
+       from the return, and map a lane layer's experts at their slots then.
 
 Lane layers are the relaxed zero-copy layers whose experts compute on the CPU: their
-expert addresses are mapped by the holds alone (a hit, `hold`, `place` for warm). Device
+expert addresses are mapped by the holds alone (a hit, an answer's grant, `place` for warm). Device
 layers are device slots' (moed.engines.device_slots), whose LRU arrays C reads and bumps.
 A node in a device's memory (an offloaded layer's top-k) is read and written through
 ggml's backend functions, which the holds are given at construction.
@@ -48,9 +48,12 @@ Invariants:
   `ModelHandle.acquire`'s local path: moed/_hitproto.h) and the region is live, and a
   device hit only when every routed expert is in a slot both LRU maps agree on;
   otherwise nothing is changed;
-- their hit grant is released before Python asks for the next layer, at a device hit and
-  after every decode (`end`), and a Python grant is let go by Python at the next stop or
-  after the decode (`end` gives it back), so an idle engine holds nothing;
+- a grant has one owner at every instant: the holds hand a Python grant over (to the
+  route function, `end`, `close`) and take one back only in the route function's answer,
+  so no call leaves it unowned; their own hit grant and pin hold are released by one C
+  function (`let_go`), before Python asks for the next layer, at a device hit and after
+  every decode (`end`), and a Python grant by Python (moed.engines.grants) at the next
+  stop or after the decode, so an idle engine holds nothing;
 - every routed stop is counted under exactly one outcome (`crossings`, OUTCOMES);
 - the connection closing disables the lane hits first (`HoldRegion.on_close`), so no
   hit is taken on a region the daemon no longer counts; after a daemon restart the
@@ -83,8 +86,9 @@ MAP_FAILED = -3  # a hit was taken, but mapping its slots failed
 LANE_MISSED = -4  # a lane layer's hit was tried and missed: Python asks the daemon without trying again
 DEVICE_MISSED = -5  # a device layer's expert is in no slot: Python acquires what no slot holds
 
-# route(topk, layer, status, grant, ids) -> whether the graph goes on.
-RouteFn = Callable[[int, int, int, Any, bytes | None], bool]
+# route(topk, layer, status, grant, ids) -> whether the graph goes on, or (goes on, grant | None
+# [, experts, slots]): the grant the holds hold from the return (a lane layer's mapped at slots).
+RouteFn = Callable[[int, int, int, Any, bytes | None], bool | tuple[Any, ...]]
 
 # ggml's functions the holds call for a node in a device's memory, in `backend`'s order.
 BACKEND = ("ggml_backend_tensor_get_2d", "ggml_backend_tensor_set_2d", "ggml_backend_buffer_is_host")
@@ -214,15 +218,6 @@ class LayerHolds:
         substitution), so the layer's hit is tried in C first; `alone`, nothing for Python at a
         stop either; `log`, list the layers done alone (`take_log`)."""
         self._lib.begin(self._c, try_hits, alone, log)
-
-    def hold(self, grant: Grant, show: bool = True) -> None:
-        """`grant` is held by the holds from now (Python's acquire of a layer); on a lane layer
-        with `show`, its experts are mapped at their slots in the same call."""
-        if show and grant.layer in self.layers:
-            experts = list(grant.experts)
-            self._lib.hold(self._c, grant, grant.layer, experts, [grant.slot(e) for e in experts])
-        else:
-            self._lib.hold(self._c, grant)
 
     def place(self, layer: int, expert: int, slot: int, populate: bool = False) -> None:
         """Map `slot` at a lane layer's expert addresses outside a decode, unless they show it

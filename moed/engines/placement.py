@@ -46,10 +46,19 @@ from moed.engines.sources import ExpertSource, Grant
 from moed.gguf.layouts import PLAIN
 
 if TYPE_CHECKING:
+    from moed.engines.device_lru import SlotLru
     from moed.engines.holds import LayerHolds
 
 
 class Placement(Protocol):
+    # When a layer's grant may go: True, once `show` returned (it copied what the layer's
+    # matmuls read: the cycle releases the grant at once); False, at the next routed stop
+    # (the matmuls read the granted slots in place, and have run by then).
+    copies_grant: bool
+
+    def lru(self, layer: int) -> SlotLru | None:
+        """The layer's device LRU, whose full hits the layer holds take in C (None: none)."""
+
     def needs(self, layer: int, ids: np.ndarray) -> list[int]:
         """The experts of the batch's `ids` ((n_tokens, k), as routed) to acquire from moed."""
 
@@ -81,6 +90,8 @@ class CpuPages:
     their last slot when released, so a repeated hit costs no syscall.
     """
 
+    copies_grant = False  # the CPU's matmuls read the pages after the stop (copied or mapped)
+
     def __init__(self, pages: ExpertPages, parts: dict[int, list[PartSpan]], holds: LayerHolds | None = None):
         self.pages = pages
         self.parts = parts
@@ -90,6 +101,9 @@ class CpuPages:
         self.relaxed_layers = (
             set() if pages.strict else {layer for layer, ss in parts.items() if all(s.zero_copy for s in ss)}
         )
+
+    def lru(self, layer: int) -> SlotLru | None:
+        return None
 
     def needs(self, layer: int, ids: np.ndarray) -> list[int]:
         return [int(e) for e in np.unique(ids) if e >= 0]

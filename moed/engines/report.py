@@ -95,6 +95,10 @@ class StreamReport:
         out: dict = {}
         for placement in self._bound.placements():
             out.update(placement.stats())
+        if "gpu_slots" in out:  # the layers whose ids the holds rewrote in C (full hits) were shown too
+            hs = self._ledger.stats(self._bound.holds)
+            out["gpu_slots"]["cycles"] += hs.device_layers
+            out["gpu_slots"]["cycle_s"] += hs.device_s
         if "pages_maps" in out:
             out["pages_maps"] += self._ledger.past.maps  # mapped by layer holds let go at a rebind
         return out

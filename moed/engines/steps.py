@@ -58,6 +58,10 @@ class DecodeSteps:
         # (to measure them). Whether one can be taken is the holds' (`has_pin_word`); how
         # many were is their counter (`whole_decodes`).
         self.whole_steps_allowed = os.environ.get("MOED_WHOLE_STEPS", "1") != "0"
+        # MOED_HITS_IN_C=0: the holds try no hit (lane or device) and every routed stop goes
+        # through Python's path, as before the holds took them (to measure what C saves:
+        # bench/gpu_slots.py toggles it between decodes).
+        self.hits_in_c = os.environ.get("MOED_HITS_IN_C", "1") != "0"
 
     def begin(self, n_tokens: int, tokens: np.ndarray | None = None) -> None:
         """Before llama_decode of a batch of `n_tokens` (`tokens`: their ids, None for embeddings)."""
@@ -77,7 +81,7 @@ class DecodeSteps:
             # in C, and the look-ahead's cache estimate hears the layers done alone from the
             # holds' log at the end of the decode (`finish`). A hit only maps pages, which the
             # expert switch does not move.
-            final = cycle.ids_final()
+            final = cycle.ids_final() and self.hits_in_c
             alone = final and cycle.quiet() and not observing and not model.experts_pending()
             holds.begin(final, alone, alone and la is not None and la.mode != "off")
 
@@ -92,8 +96,7 @@ class DecodeSteps:
             la.end_decode()
         grant, hit_ok = holds.end() if holds is not None else (None, True)
         try:
-            if grant is not None:
-                self._grants.let_go(grant)
+            self._grants.swap(grant)
         finally:
             for placement in self._bound.placements():
                 placement.end_decode()  # after a failure under an offload: all hidden again
@@ -150,12 +153,13 @@ class DecodeSteps:
         for layer in sorted(holds.layers):
             experts = [int(e) for e in (every if everything else every[src.resident(layer, every.tolist())])]
             for i in range(0, len(experts), src.n_expert_used):
-                grant = self._grants.acquire(layer, experts[i : i + src.n_expert_used], None, try_hit=True)
+                grant = self._grants.swap(None, layer, experts[i : i + src.n_expert_used], try_hit=True)
+                assert grant is not None, "an acquire of experts grants them"
                 try:
                     for expert in grant.experts:
                         holds.place(layer, expert, grant.slot(expert), populate=True)
                 finally:
-                    self._grants.release(grant)
+                    self._grants.swap(grant)
                 n += len(grant.experts)
         return n
 

@@ -32,6 +32,7 @@ Invariants kept here:
 from __future__ import annotations
 
 import contextlib
+import functools
 
 from moed.engines.binding import AdoptedDevice, AdoptedT, Binding, Bound
 from moed.engines.cycle import RouteObserver, StopCycle, check_tensor_layout, substituter_for
@@ -75,7 +76,7 @@ class ExpertStreamer:
         self.gpu_slots = offload.gpu_slots if offload is not None else 0
         self._bound = bound = Bound()
         self._cycle = cycle = StopCycle(source, hooks, self.substituter, model, bound, offload is not None)
-        release = cycle.grants.release_quietly  # what the holds give back at their close
+        release = functools.partial(cycle.grants.swap, closing=True)  # what the holds give back at their close
         self._binding = Binding(source, model, bound, cycle.on_route, cycle.callback, release, offload is not None)
         self._steps = steps = DecodeSteps(source, cycle, model, bound)
         counts = (cycle.counts, steps.counts, model.stats, self._binding.counts)
@@ -132,6 +133,16 @@ class ExpertStreamer:
         """What the layer holds hold now: None (an idle engine holds nothing), ("hit", n),
         ("grant", grant) or ("pin", model_id)."""
         return self._bound.held()
+
+    @property
+    def hits_in_c(self) -> bool:
+        """Whether the holds try each layer's hit in C (moed.engines.steps; MOED_HITS_IN_C=0:
+        every stop through Python's path, to measure what C saves)."""
+        return self._steps.hits_in_c
+
+    @hits_in_c.setter
+    def hits_in_c(self, on: bool) -> None:
+        self._steps.hits_in_c = on
 
     @property
     def slots(self) -> AdoptedDevice | None:

@@ -362,3 +362,89 @@ def test_slots_above_the_expert_count_are_the_count_in_every_key(
     assert stats["gpu_slots"]["slots"] == 16 and stats["daemon_device_rows"][0]["slots"] == 16
     assert stats["engines"] and all("in 16 device slots a layer" in e for e in stats["engines"]), stats["engines"]
     assert np.isfinite(got).all()
+
+
+# ---------------------------------------------------------------------- no Python at a warm hit (issue 48)
+
+WARM_STEPS = 8
+HITS_IN_C = """
+import json, sys
+import numpy as np
+from moed.client import Client
+from moed.engines.llama_cpp import StreamedLlama
+from tests.e2e.conftest import LLAMA_KW, PROMPT
+
+model, sock, out, n_gpu, steps, n_expert = sys.argv[1], sys.argv[2], sys.argv[3], *map(int, sys.argv[4:7])
+client = Client(sock, "hits-in-c")
+llm = StreamedLlama(model, client=client, n_gpu_layers=n_gpu, gpu_slots=n_expert, prefetch="off", **LLAMA_KW)
+tokens = llm.tokenize(PROMPT)[:4]
+
+
+def crossings():
+    return llm.stream_stats()["crossings"]
+
+
+def greedy(feed=None):
+    # the prompt, then `steps` tokens: greedy (feed None) or the ones given; their logits and tokens
+    llm.reset()
+    llm.eval(tokens)
+    rows, fed = [llm.scores[: llm.n_tokens].copy()], []
+    before = crossings()
+    for i in range(steps):
+        t = int(np.argmax(llm.scores[llm.n_tokens - 1])) if feed is None else feed[i]
+        fed.append(t)
+        llm.eval([t])
+        rows.append(llm.scores[llm.n_tokens - 1 : llm.n_tokens].copy())
+    after = crossings()
+    delta = {k: {f: after[k][f] - before[k][f] for f in ("stops", "to_python", "from_python")} for k in after}
+    return np.concatenate(rows), fed, delta
+
+
+# A first pass fills the device slots and moed's RAM tier; the second takes the very same
+# routes (the same tokens from a reset context), so every routed expert is a hit.
+cold, fed, _ = greedy()
+warm, _, delta = greedy(fed)
+np.save(out, np.stack([cold, warm]))
+st = llm.stream_stats()
+holds = llm.streamer.holds
+print(json.dumps({
+    "crossings": delta,
+    "lane_layers": sorted(holds.layers),
+    "device_layers": sorted(holds.device_layers),
+    "moe_layers": len(llm.streamer.source.moe_layers),
+    "gpu_layers": st["devices"]["gpu_layers"],
+}))
+llm.close()
+client.close()
+"""
+
+
+def test_warm_decode_steps_of_a_partial_offload_make_no_call_into_python(
+    vulkan_device, model_factory, start_daemon, tmp_path
+):
+    """A model aligned to pages (its CPU layers are lane layers), the last two of four layers
+    offloaded with a device slot for every expert, a budget that holds the model, look-ahead
+    off: once the slots and moed hold what the decode routes to, 8 decode steps make no call
+    into Python at all, every routed stop counted once (a lane layer's hit or a device layer's,
+    each in C alone), and the logits are those of the first pass, which went through Python."""
+    from moed.modelgen.makemodel import aligned_geometry
+
+    model = model_factory(**{**aligned_geometry(), **GEOMETRY})
+    daemon = start_daemon("64MiB")
+    out = tmp_path / "hits-in-c.npy"
+    env = {**os.environ, **VULKAN_ENV, "PYTHONPATH": str(ROOT)}
+    args = [str(model), daemon.socket, str(out), "3", str(WARM_STEPS), str(GEOMETRY["experts"])]
+    proc = subprocess.run(
+        [sys.executable, "-c", HITS_IN_C, *args], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    cold, warm = np.load(out)
+    assert_bit_equal(warm, cold)  # the hits in C compute what Python's path did
+    assert got["lane_layers"] == [0, 1] and got["device_layers"] == [2, 3], got
+    cross = got["crossings"]
+    print("\ncrossings over the warm steps:", json.dumps(cross))
+    assert sum(c["to_python"] for c in cross.values()) == 0, cross
+    assert sum(c["from_python"] for c in cross.values()) == 0, cross
+    assert sum(c["stops"] for c in cross.values()) == WARM_STEPS * got["moe_layers"], cross
+    assert cross["lane_hit"]["stops"] == WARM_STEPS * 2 and cross["device_hit"]["stops"] == WARM_STEPS * 2, cross
