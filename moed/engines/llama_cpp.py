@@ -704,7 +704,9 @@ class StreamedLlama(_OwnedLlama):
         (distinct missing experts per layer whose every use went to a stand-in, so no
         read), `subst_weight_share` (routing probability on stand-ins over all chosen).
         Compute turns (moed.engines.turns): `turns` taken, `turn_wait_s` waited for them,
-        `threads_auto` (the daemon decides a thread count).
+        `threads_auto` (the daemon decides a thread count). `crossings[outcome]`: the routed
+        stops of each outcome (moed.engines.holds.OUTCOMES: `lane_hit` and `device_hit` are
+        done in C alone), their calls into Python and from it, and their host time `host_s`.
         """
         return {**self.streamer.report(), **self.compute_turns.stats()}
 
