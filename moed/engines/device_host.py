@@ -43,8 +43,9 @@ hands layer L's grant to the layer holds (moed.engines.holds), which hand it bac
 next routed stop, where it is released in the round trip of that layer's acquire, made
 inside the eval callback at its `ffn_moe_weights` node (or handed on, unreleased, when
 that layer acquires nothing), or after `llama_decode` returned (`finish`). Every layer
-this placement serves acquires (`needs` names every routed expert), and under an offload
-every stop comes to Python (the holds take no hit: no lane layers). With an eval callback set, ggml's scheduler
+this placement serves acquires (`needs` names every routed expert), so every one of its
+stops comes to Python (it gives the holds no LRU: `lru` is None, and `copies_grant` False:
+its grant goes at the next stop). With an eval callback set, ggml's scheduler
 (`ggml_backend_sched_compute_splits`) computes each split in pieces that end at a node the
 callback asked for, and calls `ggml_backend_synchronize` on the split's backend after every
 piece, before the callback sees the node; splits run one after the other. Layer L's expert
