@@ -4,8 +4,9 @@ What this module owns: the layer holds (moed.engines.holds) and the CPU placemen
 built over the source's connection as it is now, rebuilt when the daemon comes back
 (`Binding.ensure_bound`); each routed layer's placement (moed.engines.placement,
 chosen at load by `place_on` and fixed) and its stop node (the holds carry it: its top-k,
-or a device placement's routing weights); the device
-placement the load adopted (`slots`); the counters of holds let go (`HoldLedger`). `Bound` is what the
+or a device placement's routing weights); the lifetime of each placement `place_on` was
+handed (`placed`: its `rebind` at a rebind, its `close` at `close_placed`); the counters of
+holds let go (`HoldLedger`). `Bound` is what the
 others read: the cycle, the decode steps and the report; only the Binding writes it.
 
 Invariants:
@@ -39,7 +40,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from moed.engines import ggml_tensor
 from moed.engines.holds import OUTCOMES, Crossings, HoldStats, LayerHolds, RouteFn
@@ -48,20 +49,6 @@ from moed.engines.sources import ExpertSource, Grant
 
 if TYPE_CHECKING:
     from moed.engines.mapping import ModelMapping
-
-
-class AdoptedDevice(Protocol):
-    """What a load's device placement (moed.engines.placement.build_device) is to the binding:
-    rebound after a daemon restart, counted, closed after the model."""
-
-    def totals(self) -> dict: ...
-
-    def rebind(self) -> None: ...
-
-    def close(self) -> None: ...
-
-
-AdoptedT = TypeVar("AdoptedT", bound=AdoptedDevice)
 
 
 class Bound:
@@ -139,7 +126,7 @@ class Binding:
         self._offloaded = offloaded
         self._generation = 0  # the source's connection the holds are bound to
         self._cpu: CpuPages | None = None
-        self.slots: AdoptedDevice | None = None
+        self.placed: list[Placement] = []  # handed to place_on: rebound and closed here
         self.dead: BaseException | None = None  # why the engine cannot be bound again (None: it can)
         self.counts = BindCounts()
         self.ledger = HoldLedger()
@@ -181,12 +168,12 @@ class Binding:
         self.close_holds()
         if self._model.pages is not None:
             self._model.pages.reset()
-        if self.slots is not None:
-            try:
-                self.slots.rebind()  # before the client drops the old segments: an import reads them
-            except BaseException as exc:
-                self.dead = exc
-                raise
+        try:
+            for placement in self.placed:
+                placement.rebind()  # before the client drops the old segments: an import reads them
+        except BaseException as exc:
+            self.dead = exc
+            raise
         src.reconnect()
         self.bind()
         self.counts.rebinds += 1
@@ -208,8 +195,12 @@ class Binding:
         """`layers`' experts are made computable by `placement` (at load, before any decode);
         `stop`: their routed stop becomes `<stop><n>` (ggml_tensor.WEIGHTS_PREFIX, the only
         other stop: a placement that rewrites the ids after the routing weights were gathered
-        by them). The holds are bound again, without these layers among their lane layers."""
+        by them). The holds are bound again, without these layers among their lane layers.
+        The binding owns `placement` from the call on, whatever it raises: its `rebind` runs
+        at each rebind, its `close` at `close_placed`."""
         bound = self._bound
+        if not any(p is placement for p in self.placed):
+            self.placed.append(placement)
         if stop not in (None, ggml_tensor.WEIGHTS_PREFIX):
             raise ValueError(f"a routed layer stops at its top-k or at {ggml_tensor.WEIGHTS_PREFIX!r}, not {stop!r}")
         for layer in layers:
@@ -222,11 +213,8 @@ class Binding:
             self.close_holds()
             self.bind()
 
-    def adopt(self, slots: AdoptedT) -> AdoptedT:
-        self.slots = slots
-        return slots
-
-    def close_slots(self) -> None:
-        slots, self.slots = self.slots, None
-        if slots is not None:
-            slots.close()
+    def close_placed(self) -> None:
+        """Close every placement `place_on` was handed, after llama.cpp's model is freed and
+        before the source's segments are unmapped (an import reads them)."""
+        while self.placed:
+            self.placed.pop().close()

@@ -96,7 +96,7 @@ class CycleCounts:
 
 
 def check_tensor_layout() -> None:
-    if not ggml_tensor.layout_matches():
+    if not ggml_api.layout_matches():
         raise RuntimeError(
             "struct ggml_tensor layout does not match this llama.cpp; moed supports llama-cpp-python==0.3.36"
         )

@@ -372,8 +372,4 @@ class ZeroCopyPlacement(DevicePlacement):
         super().close()
 
 
-# The name streamer.py's type-only import gives an adopted device placement, either strategy
-# (`ExpertStreamer.adopt_slots`): goes when the streamer no longer names it.
-HostSlots = DevicePlacement
-
-__all__ = ["HostImportUnavailable", "HostSlots", "ZeroCopyPlacement", "ZeroCopyStats", "mapping_perms"]
+__all__ = ["HostImportUnavailable", "ZeroCopyPlacement", "ZeroCopyStats", "mapping_perms"]

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moed.engines.device_lru import SlotLru, full_hit
-from moed.engines.device_placement import DeviceLayer, DevicePart, DevicePlacement, SlotsExceeded
+from moed.engines.device_placement import DeviceLayer, DevicePart, DevicePlacement
 from moed.engines.device_probe import ModelTensors
 from moed.engines.ggml_api import api
 from moed.engines.sources import Grant
@@ -178,8 +178,4 @@ def _grant_reader(grant: Grant, sizes: dict[str, int]) -> ExpertBytes:
     return read
 
 
-# The name streamer.py's type-only import gives an adopted device placement, either strategy
-# (`ExpertStreamer.adopt_slots`): goes when the streamer no longer names it.
-DeviceSlots = DevicePlacement
-
-__all__ = ["DeviceSlots", "ExpertBytes", "SlotPlacement", "SlotsExceeded"]
+__all__ = ["ExpertBytes", "SlotPlacement"]

@@ -30,7 +30,6 @@ from collections.abc import Callable
 import numpy as np
 
 from moed.engines.ggml_api import GGML_TYPE_F32, GGML_TYPE_I32, NAME_OFFSET, GgmlTensor, api
-from moed.engines.ggml_api import layout_matches as layout_matches  # the streamer's check, where it always was
 
 TOPK_PREFIX = b"ffn_moe_topk-"
 # The routing weights gathered by the top-k's ids (llama-graph.cpp: before any expert matmul,

@@ -34,7 +34,7 @@ import traceback
 import types
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import llama_cpp
 import llama_cpp.llama as _llama_module
@@ -57,6 +57,7 @@ from moed.engines.turns import ComputeTurns, check_counts
 from moed.protocol.errors import BudgetExhausted, RequestTooLarge
 
 if TYPE_CHECKING:
+    from moed.engines.device_placement import DevicePlacement
     from moed.engines.placement import DeviceBuild
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
@@ -275,20 +276,6 @@ def _skeleton(source, skeleton_dir: str | os.PathLike) -> list[str]:
         return list(source.files)
 
 
-def _device_slots(model, streamer: ExpertStreamer, zero_copy: bool) -> DeviceBuild | None:
-    """The offloaded layers' device placement (moed.engines.placement.build_device: copied
-    slots, or with `zero_copy` moed's segments imported into the device), switched in now;
-    None without one. The streamer owns it from the moment it exists: it closes it after
-    the model, before the client unmaps the segments."""
-    from moed.engines.placement import build_device
-
-    offload = streamer.layout.offload if streamer.layout is not None else None
-    built = build_device(model.model, streamer.source, offload, zero_copy)
-    if built is not None:
-        streamer.adopt_slots(built.placement)
-    return built
-
-
 def _hooked_internals(
     streamer: ExpertStreamer, zero_copy: bool = False, turns: ComputeTurns | None = None
 ) -> types.ModuleType:
@@ -311,15 +298,24 @@ def _hooked_internals(
             streamer.kernels.dense.install(params)  # stock's CPU_REPACK weights, placed by llama.cpp's loader
         before = snapshot_bases(streamer.mapped_files)
         model = real.LlamaModel(path_model=path_model, params=params, verbose=verbose)
+        device: DeviceBuild | None = None
         try:
-            # Device slots replace the offloaded layers' expert tensors before any context
-            # exists: ggml's scheduler places a MUL_MAT_ID when it splits a graph.
-            device = _device_slots(model, streamer, zero_copy)
+            # The device placement (moed.engines.placement.build_device: copied slots, or with
+            # `zero_copy` moed's segments imported into the device) replaces the offloaded
+            # layers' expert tensors before any context exists: ggml's scheduler places a
+            # MUL_MAT_ID when it splits a graph. Closed here until the streamer takes it over.
+            from moed.engines.placement import build_device
+
+            offload = streamer.layout.offload if streamer.layout is not None else None
+            device = build_device(model.model, streamer.source, offload, zero_copy)
             streamer.install(before)
             if device is not None:
-                streamer.place_on(device.placement, device.layers, stop=device.stop)
+                built, device = device, None  # the streamer's from place_on's first line, whatever it raises
+                streamer.place_on(built.placement, built.layers, stop=built.stop)
         except BaseException:
-            model.close()  # first: the slots (the streamer's, closed with it) outlive the model
+            model.close()  # first: a device placement outlives the model
+            if device is not None:  # built, not yet the streamer's
+                device.placement.close()
             raise
         return model
 
@@ -653,7 +649,7 @@ class StreamedLlama(_OwnedLlama):
 
     def _split(self, exc: BaseException, asked: int) -> None:
         """Halve this call's batches after `exc`, saying which limit the batch met."""
-        from moed.engines.device_slots import SlotsExceeded
+        from moed.engines.device_placement import SlotsExceeded
 
         if isinstance(exc, SlotsExceeded):
             limit = f"the device slots (gpu_slots={self.options.gpu_slots} a layer)"
@@ -673,12 +669,14 @@ class StreamedLlama(_OwnedLlama):
         """The device slots' counters to the daemon (`moectl stats`, /metrics): after an eval at
         most every DEVICE_REPORT_S, and once more at close (`final`), fire and forget, so the
         cost is a frame a second; nothing without device slots."""
-        slots = self.streamer.slots if getattr(self, "streamer", None) is not None else None
+        # The one placement the load hands the streamer (`place_on`) is the device's; none
+        # once the streamer closed it.
+        placed = self.streamer.placed if getattr(self, "streamer", None) is not None else []
         now = time.monotonic()
-        if slots is None or (not final and now - self._device_reported_at < DEVICE_REPORT_S):
+        if not placed or (not final and now - self._device_reported_at < DEVICE_REPORT_S):
             return
         self._device_reported_at = now
-        t = slots.totals()
+        t = cast("DevicePlacement", placed[0]).totals()
         counters = {k: int(t[k]) for k in ("slots", "layers", "hits", "uploads", "upload_bytes", "evictions")}
         # At close nothing may stop the unwinding; after an eval a failure here is a bug, raised.
         with contextlib.suppress(Exception) if final else contextlib.nullcontext():

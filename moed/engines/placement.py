@@ -81,6 +81,14 @@ class Placement(Protocol):
     def stats(self) -> dict[str, Any]:
         """This placement's counters, for stream_stats."""
 
+    def rebind(self) -> None:
+        """The daemon came back (the binding's `ensure_bound`), before the source drops the old
+        segments; raises where this placement cannot go on over a new daemon."""
+
+    def close(self) -> None:
+        """Free what the placement allocated: after llama.cpp's model is freed, before the
+        source's segments are unmapped. Idempotent."""
+
 
 class CpuPages:
     """The CPU placement: each expert at its own address in the model's mapping.
@@ -138,6 +146,12 @@ class CpuPages:
     def end_decode(self) -> None:
         self.pages.close_zeros()  # after a failure under an offload: every expert hidden again
 
+    def rebind(self) -> None:
+        """Nothing: the binding builds a new CpuPages over the new holds."""
+
+    def close(self) -> None:
+        """Nothing: the pages are the mapping's (moed.engines.mapping), the holds the binding's."""
+
     def stats(self) -> dict[str, Any]:
         out = {f"pages_{k}": v for k, v in vars(self.pages.stats).items()}
         if self.holds is not None:
@@ -153,7 +167,8 @@ class DeviceBuild:
     """What `build_device` built: the placement, the layers it computes and their stop
     nodes (layer L stops at `<stop>L`). The placement owns what it allocated until its
     `close()`, which must run after llama.cpp's model is freed and before the source's
-    segments are unmapped."""
+    segments are unmapped: the streamer's `place_on` takes that over (its `close` at the
+    streamer's, its `rebind` at a rebind); until then the builder's caller closes it."""
 
     placement: DevicePlacement
     layers: list[int]

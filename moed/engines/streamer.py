@@ -26,7 +26,7 @@ Invariants kept here:
   before the source reconnects, and built again before anything is read.
 - What the streamer owns is let go by `close`, after llama.cpp's model is freed,
   in the reverse order it was made: the layer holds (their grant, buffers and hold
-  indexes), then the device slots, then the kernels.
+  indexes), then the placements `place_on` took over (the device's), then the kernels.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 
-from moed.engines.binding import AdoptedDevice, AdoptedT, Binding, Bound
+from moed.engines.binding import Binding, Bound
 from moed.engines.cycle import RouteObserver, StopCycle, check_tensor_layout, substituter_for
 from moed.engines.mapping import ModelMapping, snapshot_bases
 from moed.engines.options import NO_HOOKS, EngineHooks, EngineOptions
@@ -69,15 +69,16 @@ class ExpertStreamer:
         self.kernels = model.kernels
         if self.kernels is not None:
             self._teardown.callback(self.kernels.close)  # after the model: nothing computes with them
-        # Device expert slots a layer for the offloaded layers, made by the load between
-        # llama.cpp's model and its context (`adopt_slots`); a device computes part of the
-        # graph: no lane, and a failed decode runs on to its end (moed.engines.cycle).
+        # A device computes part of the graph (its placement made by the load between
+        # llama.cpp's model and its context, handed over by `place_on`): a failed decode
+        # runs on to its end (moed.engines.cycle).
         offload = layout.offload if layout is not None else None
-        self.gpu_slots = offload.gpu_slots if offload is not None else 0
         self._bound = bound = Bound()
         self._cycle = cycle = StopCycle(source, hooks, self.substituter, model, bound, offload is not None)
         release = functools.partial(cycle.grants.swap, closing=True)  # what the holds give back at their close
         self._binding = Binding(source, model, bound, cycle.on_route, cycle.callback, release, offload is not None)
+        # The placements place_on took over: after the holds (registered at install), before the kernels.
+        self._teardown.callback(self._binding.close_placed)
         self._steps = steps = DecodeSteps(source, cycle, model, bound)
         counts = (cycle.counts, steps.counts, model.stats, self._binding.counts)
         self._report = StreamReport(counts, bound, self._binding.ledger, model, self.substituter, layout)
@@ -91,7 +92,10 @@ class ExpertStreamer:
         self.observers = cycle.observers  # RouteObserver: traces, tests
         self.begin, self.finish, self.take_error = steps.begin, steps.finish, cycle.take_error
         self.record_predictions, self.stop_recording = steps.record_predictions, steps.stop_recording
+        # place_on: the streamer owns the placement from the call on (moed.engines.binding: its
+        # `rebind` at a rebind, its `close` at the streamer's); `placed`: those it took over.
         self.place_on, self.placements = self._binding.place_on, self._bound.placements
+        self.placed = self._binding.placed
         self.totals, self.report, self.placement_stats = (
             self._report.totals,
             self._report.report,
@@ -145,10 +149,6 @@ class ExpertStreamer:
         self._steps.hits_in_c = on
 
     @property
-    def slots(self) -> AdoptedDevice | None:
-        return self._binding.slots
-
-    @property
     def dead(self) -> BaseException | None:
         """Why the engine cannot be bound again (None: it can)."""
         return self._binding.dead
@@ -179,14 +179,8 @@ class ExpertStreamer:
         self.ensure_bound()
         return self._steps.warm(everything)
 
-    def adopt_slots(self, slots: AdoptedT) -> AdoptedT:
-        """`slots` (the offloaded layers' device slots, made by the load) are the streamer's
-        from now: closed with it, after the model and before the source's segments go."""
-        self._teardown.callback(self._binding.close_slots)
-        return self._binding.adopt(slots)
-
     def close(self) -> None:
         """Let go of what the streamer owns, after llama.cpp's model is freed (nothing reads
         the experts or computes with the kernels any more): the layer holds' grants, buffers
-        and hold indexes, then the device slots, then the kernels. Idempotent."""
+        and hold indexes, then the placements `place_on` took over, then the kernels. Idempotent."""
         self._teardown.close()

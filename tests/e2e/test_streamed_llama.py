@@ -35,11 +35,11 @@ def run_streamed(daemon, path) -> tuple[np.ndarray, dict, dict]:
 
 
 def test_ggml_layout_and_pinned_version(llama_cpp):
-    from moed.engines import ggml_tensor
+    from moed.engines import ggml_api
     from moed.engines.llama_cpp import LLAMA_CPP_PYTHON_VERSION
 
     assert llama_cpp.__version__ == LLAMA_CPP_PYTHON_VERSION
-    assert ggml_tensor.layout_matches()
+    assert ggml_api.layout_matches()
 
 
 @pytest.mark.parametrize(
