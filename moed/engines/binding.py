@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from moed.engines import ggml_tensor
-from moed.engines.holds import OUTCOMES, Crossings, HoldStats, LayerHolds, RouteFn
+from moed.engines.holds import OUTCOMES, Crossings, HoldStats, LayerHolds, StopFn
 from moed.engines.placement import CpuPages, Placement
 from moed.engines.sources import ExpertSource, Grant
 
@@ -112,17 +112,17 @@ class Binding:
         source: ExpertSource,
         model: ModelMapping,
         bound: Bound,
-        route: RouteFn,
+        on_stop: StopFn,
         callback: ggml_tensor.EvalCallback,
         release: Callable[[Grant], object],
         offloaded: bool,
     ):
-        """`route`: the cycle's half of a routed stop, called by the holds; `callback`: the eval
+        """`on_stop`: the cycle's half of a routed stop, called by the holds; `callback`: the eval
         callback whose routed stops go to the holds; `release`: how a grant the holds give back
         at their close is let go (moed.engines.grants); `offloaded`: a device computes part of
         the graph (a top-k may be in device memory: the holds read it through ggml's backend)."""
         self._source, self._model, self._bound = source, model, bound
-        self._route, self._callback, self._release = route, callback, release
+        self._on_stop, self._callback, self._release = on_stop, callback, release
         self._offloaded = offloaded
         self._generation = 0  # the source's connection the holds are bound to
         self._cpu: CpuPages | None = None
@@ -142,7 +142,7 @@ class Binding:
         lane = model.zero_copy_layers - bound.weights_stops if os.environ.get("MOED_LANE") != "0" else set()
         lane_source = src.lane() if lane else None
         lane_parts = {layer: model.parts[layer] for layer in lane} if lane_source is not None else {}
-        holds = LayerHolds(self._route, src.n_experts, lane_source, lane_parts, device_nodes=self._offloaded)
+        holds = LayerHolds(self._on_stop, src.n_experts, lane_source, lane_parts, device_nodes=self._offloaded)
         for layer in sorted(bound.weights_stops):  # a device placement's: its full hits C's where it has an LRU
             lru = bound.by_layer[layer].lru(layer)
             if lru is not None:

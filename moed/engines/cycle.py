@@ -6,14 +6,14 @@ ask pass in C), the decode's stored error, the route hook, substitution
 layer holds (moed.engines.holds, in C) tell it. At every routed stop (each layer's
 own: its `ffn_moe_topk-<layer>`, or a device placement's `ffn_moe_weights-<layer>`) the
 holds go first: a lane layer's hit, a device layer's hit in its slots, and with nothing
-for Python to do, the whole layer. Otherwise they call `on_route` once, saying what they
+for Python to do, the whole layer. Otherwise they call `on_stop` once, saying what they
 did and handing over the grant held until then (and the ids, where they read them);
 Python reads the routed ids (unless handed), acquires this layer's distinct
 experts (the earlier grant released in the same round trip), makes them visible through
 the layer's placement (moed.engines.placement), and answers the holds with the grant it
 holds then, which they own from the return (and map, on a lane layer). A placement that
 copies a grant's bytes (`copies_grant`: device slots) has its grant let go as soon as
-`show` returned, so the holds hold nothing of that layer's. The one route a grant is
+`show` returned, so the holds hold nothing of that layer's. The one path a grant is
 released by is moed.engines.grants'. When the
 look-ahead is on (prefetch or a trace recording predictions), the callback also stops
 at the router's input (`moed.gguf.archs.RouterInput`: `ffn_norm-<layer>`; gpt-oss's is
@@ -72,7 +72,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("moed.engine")
 
-# What the route function answers the holds: the graph goes on, the grant they hold from the
+# What the stop function answers the holds: the graph goes on, the grant they hold from the
 # return (None: none), and a lane layer's new grant's experts and slots, for them to map.
 Answer = tuple[bool, Grant | None] | tuple[bool, Grant | None, list[int] | None, list[int] | None]
 
@@ -133,7 +133,7 @@ class StopCycle:
         self.counts = CycleCounts()
         self.error: BaseException | None = None
         # Its ask pass (every graph node) runs in C; the routed stops go to the layer holds
-        # (then `on_route`), the router-input stops to `on_node`. Kept referenced for as long
+        # (then `on_stop`), the router-input stops to `on_node`. Kept referenced for as long
         # as llama.cpp may call it.
         self.callback = ggml_tensor.EvalCallback(self.on_node)
 
@@ -156,14 +156,14 @@ class StopCycle:
 
     def on_node(self, tensor: int) -> bool:
         """A computed router-input node (while observing; the routed stops go to the layer
-        holds, then `on_route`); False stops the graph."""
+        holds, then `on_stop`); False stops the graph."""
         try:
             model = self._model
             found = ggml_tensor.node(tensor, model.router.input_prefix)
             if found is None or found[0] != ggml_tensor.ROUTER_INPUT:
                 return True
             if self.error is not None:
-                return self._offloaded  # see on_route
+                return self._offloaded  # see on_stop
             if model.experts_pending():
                 model.switch_experts(tensor)
             layer = found[1]
@@ -174,7 +174,7 @@ class StopCycle:
         except BaseException as exc:  # noqa: BLE001 - must not unwind through C
             return self.fail(exc)
 
-    def on_route(self, topk: int, layer: int, status: int, grant: Grant | None, ids: bytes | None) -> Answer:
+    def on_stop(self, topk: int, layer: int, status: int, grant: Grant | None, ids: bytes | None) -> Answer:
         """A computed routed stop, from the layer holds: `topk` the layer's top-k node (its stop,
         or the ids its `ffn_moe_weights-<n>` stop gathered by; 0: none, an unexpected graph),
         `status` what they did (moed.engines.holds: a hit of that many experts, LANE_MISSED,
@@ -239,7 +239,7 @@ class StopCycle:
         la = self._model.lookahead
         return la is not None and la.observing and layer in self._model.parts
 
-    def _route(self, layer: int, tensor: int, read: bytes | None = None) -> np.ndarray:
+    def _routed_ids(self, layer: int, tensor: int, read: bytes | None = None) -> np.ndarray:
         """The layer's routed ids, after the route hook and substitution; the observers see them.
         `read`: the holds' copy, where they read them (the ids were final: no hook, no
         substitution), so the node is not read twice (and a device hit rewrote it already)."""
@@ -272,13 +272,13 @@ class StopCycle:
         own grant (acquired here, for the holds to map on a lane layer)."""
         holds = self._bound.holds
         assert holds is not None, "install builds the layer holds"
-        ids = self._route(layer, topk, read)
+        ids = self._routed_ids(layer, topk, read)
         if status == LOST:
             raise lost()
         if status == MAP_FAILED:
             raise holds.map_error()
         placement = self._bound.placement(layer)
-        experts = placement.needs(layer, ids) if status <= 0 else []
+        experts = placement.to_acquire(layer, ids) if status <= 0 else []
         la = self._model.lookahead
         if status > 0:  # a hit the holds took and hold: Python scores it and lets the grant go
             self.grants.swap(held.take())

@@ -43,7 +43,7 @@ hands layer L's grant to the layer holds (moed.engines.holds), which hand it bac
 next routed stop, where it is released in the round trip of that layer's acquire, made
 inside the eval callback at its `ffn_moe_weights` node (or handed on, unreleased, when
 that layer acquires nothing), or after `llama_decode` returned (`finish`). Every layer
-this placement serves acquires (`needs` names every routed expert), so every one of its
+this placement serves acquires (`to_acquire` names every routed expert), so every one of its
 stops comes to Python (it gives the holds no LRU: `lru` is None, and `copies_grant` False:
 its grant goes at the next stop). With an eval callback set, ggml's scheduler
 (`ggml_backend_sched_compute_splits`) computes each split in pieces that end at a node the
@@ -57,7 +57,7 @@ flight at a release. (Without a callback, ggml computes a split asynchronously: 
 placement is never used without one.)
 
 Invariants:
-- Every routed expert of the batch is acquired at every layer (`needs`: all distinct ids),
+- Every routed expert of the batch is acquired at every layer (`to_acquire`: all distinct ids),
   as on the CPU; S (`gpu_slots`) bounds the distinct experts one batch may name in a layer,
   as it does for the copying slots (`SlotsExceeded`, on which the engine lowers `n_batch`),
   so both feeds split a prompt alike. The moed slots themselves are the whole class's.
@@ -133,8 +133,8 @@ def mapping_perms(addr: int) -> str:
 @dataclass
 class ZeroCopyStats(DeviceStats):
     """stream_stats()["gpu_slots"] under zero copy: the copying slots' keys (nothing uploaded,
-    nothing evicted on the device; `hits` every (layer, expert) a batch used, each read in
-    place from a moed slot; `device_bytes` the bias and scale rows only) and the imports'."""
+    nothing evicted on the device; `hits` is ZeroCopyPlacement.uses: every (layer, expert) a
+    batch used, each read in place from a moed slot; `device_bytes` the bias and scale rows only) and the imports'."""
 
     zero_copy: bool = True
     segments: int = 0  # segments imported (one per size class an offloaded layer uses)
@@ -171,7 +171,7 @@ class ZeroCopyPlacement(DevicePlacement):
     Segment)); `gpu_slots`: S, the bound on a batch's distinct experts in one layer;
     `layers`: default every layer on a device.
 
-    `needs` names every distinct routed expert, so every layer acquires; `show` rewrites the
+    `to_acquire` names every distinct routed expert, so every layer acquires; `show` rewrites the
     ids into the grant's moed slots. `hide` has nothing to do: the grant stays held until
     the streamer releases it at the next layer's acquire or after the decode, when the
     device has run this layer's matmuls (the module docstring says why).
@@ -187,12 +187,18 @@ class ZeroCopyPlacement(DevicePlacement):
         self._segments = segments
         self._imports: dict[int, _Import] = {}
         self._class_ctx = 0  # the class tensors' headers (their data: the imports)
+        # Every (layer, expert) a batch used, each read in place from a moed slot: reported
+        # under the copying slots' key `hits` (totals), though nothing here can miss.
+        self.uses = 0
         super().__init__(found, gpu_slots, layers)
         self.counts.segments = len(self._imports)
         self.counts.imported_bytes = sum(i.size for i in self._imports.values())
 
     def _new_counts(self) -> ZeroCopyStats:
         return ZeroCopyStats()
+
+    def totals(self) -> dict:
+        return {**super().totals(), "hits": self.uses}
 
     # ---- load
 
@@ -312,7 +318,7 @@ class ZeroCopyPlacement(DevicePlacement):
         """The moed slots the layer's class tensors cover (its segment's capacity)."""
         return self._layers[layer].n_ids
 
-    def _to_acquire(self, layer: int, want: np.ndarray) -> list[int]:
+    def _distinct_to_acquire(self, layer: int, want: np.ndarray) -> list[int]:
         return want.tolist()  # all: the device reads them in moed's slots
 
     def _slot_ids(self, layer: int, ids: np.ndarray, grant: Grant | None) -> np.ndarray:
@@ -328,7 +334,7 @@ class ZeroCopyPlacement(DevicePlacement):
         self._rows_for(L, want, slots)
         lut = np.zeros(L.n_expert, np.int32)
         lut[want] = slots
-        self.counts.hits += len(want)
+        self.uses += len(want)
         return lut[ids]
 
     def _rows_for(self, L: _ZeroCopyLayer, want: np.ndarray, slots: np.ndarray) -> None:

@@ -7,7 +7,7 @@ layer's stop (`ffn_moe_weights-L`) it rewrites the top-k's expert ids into indic
 those tensors. Two strategies subclass `DevicePlacement`: copied slots
 (moed.engines.device_slots: S slots a layer, misses uploaded) and zero copy
 (moed.engines.device_host: moed's RAM tier imported, ids become moed slots). A new one
-(a CUDA one, say) implements `_build_layer`, `_to_acquire`, `_slot_ids` and `rebind`.
+(a CUDA one, say) implements `_build_layer`, `_distinct_to_acquire`, `_slot_ids` and `rebind`.
 
 What this module owns:
 - building a placement over `probe`'s find (moed.engines.device_probe), one layer at a time;
@@ -17,7 +17,7 @@ What this module owns:
   biases' and scales' rows (dense and small: 0.26% of gpt-oss-20b's expert bytes);
 - the top-k, read and written through its strides (`TopK`), and a failed decode's ids
   (`skip_ids`);
-- the Placement verbs (`needs`, `show`, `hide`, `failed`, `skip`, `end_decode`, `stats`)
+- the Placement verbs (`to_acquire`, `show`, `hide`, `failed`, `skip`, `end_decode`, `stats`)
   and the lifetime: every ggml context and buffer made here is freed by `close()`.
 
 Invariants:
@@ -35,7 +35,7 @@ Invariants:
   row by row through those strides (ggml_backend_tensor_{get,set}_2d, one copy each), and
   the argsort's other columns are never written.
 - A batch naming more distinct experts in a layer than S raises `SlotsExceeded` (a
-  `RequestTooLarge`, on which the engine splits the call) from `needs`, before anything
+  `RequestTooLarge`, on which the engine splits the call) from `to_acquire`, before anything
   is acquired. A failed `show`, and `skip` at every later stop of a failed decode, write k
   distinct in-range ids a row (`skip_ids`), so no matmul reads past one of our tensors;
   our tensors start zeroed, so nothing it computes is NaN from what the allocator left.
@@ -166,7 +166,7 @@ class DevicePlacement:
     `found`: `probe(model)`, before any context of the model exists; `gpu_slots`: S, the
     most distinct experts one batch may name in a layer; `layers`: default every layer on a
     device. A strategy builds each layer (`_build_layer`), says what a batch must acquire
-    (`_to_acquire`), and turns a batch's ids into ids of its tensors (`_slot_ids`).
+    (`_distinct_to_acquire`), and turns a batch's ids into ids of its tensors (`_slot_ids`).
     """
 
     what = "a device placement"  # names the placement in its errors
@@ -180,7 +180,7 @@ class DevicePlacement:
         self._layers: dict[int, DeviceLayer] = {}
         self._contexts: list[int] = []
         self._buffers: list[int] = []
-        # What `needs` read of the layer at the stop, for `show` of the same layer:
+        # What `to_acquire` read of the layer at the stop, for `show` of the same layer:
         # (layer, ids, slot ids where a full hit found them all on the device).
         self._pending: tuple[int, np.ndarray, np.ndarray | None] | None = None
         try:
@@ -208,7 +208,7 @@ class DevicePlacement:
         """The layer's device LRU, whose full hits the layer holds take in C (default: none)."""
         return None
 
-    def _to_acquire(self, layer: int, want: np.ndarray) -> list[int]:
+    def _distinct_to_acquire(self, layer: int, want: np.ndarray) -> list[int]:
         """Which of `want` (the batch's distinct experts, checked) to acquire from moed."""
         raise NotImplementedError
 
@@ -229,16 +229,16 @@ class DevicePlacement:
     def __contains__(self, layer: int) -> bool:
         return layer in self._layers
 
-    def needs(self, layer: int, ids: np.ndarray) -> list[int]:
+    def to_acquire(self, layer: int, ids: np.ndarray) -> list[int]:
         """The experts of the batch's `ids` ((n_tokens, k), read at the stop) to acquire."""
         self._pending = None
         hit = self._full_hit(layer, ids)
         self._pending = (layer, ids, hit)
-        return [] if hit is not None else self._to_acquire(layer, self.distinct(layer, ids))
+        return [] if hit is not None else self._distinct_to_acquire(layer, self.distinct(layer, ids))
 
     def show(self, grant: Grant | None, node: int | None, layer: int | None = None) -> None:
         """Make the layer's experts readable on the device and rewrite the ids of `node`, its
-        top-k (`grant`: what `needs` named, None when it named none)."""
+        top-k (`grant`: what `to_acquire` named, None when it named none)."""
         layer = grant.layer if grant is not None else layer
         if layer is None or node is None:
             raise ValueError(f"{self.what} needs the layer's top-k node (and the layer, without a grant)")

@@ -20,7 +20,7 @@ What this module owns, for one loaded model:
   the counters.
 
 Invariants:
-- `needs` names only the experts no slot holds: a full hit (`device_lru.full_hit`)
+- `to_acquire` names only the experts no slot holds: a full hit (`device_lru.full_hit`)
   acquires nothing and `show` only writes the slot ids it found.
 - A slot the batch in flight uses is never evicted; an expert enters its slot's LRU
   entry only once all its parts are on the device, and a failed upload leaves the slots
@@ -119,7 +119,7 @@ class SlotPlacement(DevicePlacement):
         """The layer's LRU: the layer holds take its full hits in C, over these very arrays."""
         return self._slots(layer).lru
 
-    def _to_acquire(self, layer: int, want: np.ndarray) -> list[int]:
+    def _distinct_to_acquire(self, layer: int, want: np.ndarray) -> list[int]:
         return self._slots(layer).lru.misses(want)
 
     def _slot_ids(self, layer: int, ids: np.ndarray, grant: Grant | None) -> np.ndarray:

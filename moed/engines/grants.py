@@ -1,4 +1,4 @@
-"""How Python lets a layer's grant go: the one release route of the streamer's parts.
+"""How Python lets a layer's grant go: the one release path of the streamer's parts.
 
 What this module owns: the only function of the layer cycle (moed.engines.cycle), the
 decode steps (moed.engines.steps) and the binding (moed.engines.binding) that releases
@@ -7,9 +7,9 @@ stop. What a layer holds has one owner at every instant, the layer holds
 (moed.engines.holds): at most one of their own hit grant, a Python grant and the pin
 hold. A Python grant moves between them and Python by handing it over, never by copy:
 
-- the holds hand it to Python at the next routed stop (the route function's `grant`),
+- the holds hand it to Python at the next routed stop (the stop function's `grant`),
   after the decode (`LayerHolds.end`) or at their close (`LayerHolds.close`);
-- Python answers the route function with the grant it holds then (`Held`: the one it
+- Python answers the stop function with the grant it holds then (`Held`: the one it
   was handed, or the one it acquired), and the holds own it from the moment the call
   returns: no window where it has no owner, and no release guarding an error (after
   an error the holds keep it and give it back after the decode);
@@ -65,7 +65,7 @@ class GrantRoutes:
         try_hit: bool = False,
         closing: bool = False,
     ) -> Grant | None:
-        """THE release route: `prev` (None: none) hidden, then released, inside the acquire of
+        """THE release path: `prev` (None: none) hidden, then released, inside the acquire of
         `experts` of `layer` when there are any (one round trip; the source's hit first when
         `try_hit`, the holds having tried none), else alone. Returns what was acquired (None:
         nothing). When a step fails, `prev` is still released (once; whatever that says: it

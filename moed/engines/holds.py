@@ -3,7 +3,7 @@
 What this module owns: the Python face of one streamer's layer holds
 (moed/engines/_layer_holds.c, whose module comment has the whole cycle). The holds hold at
 most one thing at a time: their own hit grant (a lane layer's hit, taken in C inside the
-eval callback), a Python grant (the route function's answer), or, for a whole step, the
+eval callback), a Python grant (the stop function's answer), or, for a whole step, the
 region's pin hold. They know each routed layer's stop node (its top-k, or for a device
 layer the routing weights: `stop_at_weights`, `device_layer`), choose each routed stop's
 path and let go of what they held; Python is called once a stop, and only when it has
@@ -13,7 +13,7 @@ something to do:
        lane layer:   hp_hit on the daemon's slots, the earlier hit grant released, mapped
        device layer: every routed expert in a device slot? bump the LRU, write slot ids
        a hit, nothing for Python this step   -> done in C (lane_hit, device_hit)
-       otherwise: route(topk, layer, status, grant, ids)   one call C -> Python, none back
+       otherwise: on_stop(topk, layer, status, grant, ids) one call C -> Python, none back
          status > 0     a hit taken in C: Python scores and prefetches, lets `grant` go
          LANE_MISSED    Python asks the daemon (source.acquire)
          DEVICE_MISSED  Python acquires what no slot holds (source.hit first), uploads,
@@ -49,7 +49,7 @@ Invariants:
   device hit only when every routed expert is in a slot both LRU maps agree on;
   otherwise nothing is changed;
 - a grant has one owner at every instant: the holds hand a Python grant over (to the
-  route function, `end`, `close`) and take one back only in the route function's answer,
+  route function, `end`, `close`) and take one back only in the stop function's answer,
   so no call leaves it unowned; their own hit grant and pin hold are released by one C
   function (`let_go`), before Python asks for the next layer, at a device hit and after
   every decode (`end`), and a Python grant by Python (moed.engines.grants) at the next
@@ -86,9 +86,10 @@ MAP_FAILED = -3  # a hit was taken, but mapping its slots failed
 LANE_MISSED = -4  # a lane layer's hit was tried and missed: Python asks the daemon without trying again
 DEVICE_MISSED = -5  # a device layer's expert is in no slot: Python acquires what no slot holds
 
-# route(topk, layer, status, grant, ids) -> whether the graph goes on, or (goes on, grant | None
+# The stop function (the cycle's `on_stop`; the C calls it `route_fn`):
+# on_stop(topk, layer, status, grant, ids) -> whether the graph goes on, or (goes on, grant | None
 # [, experts, slots]): the grant the holds hold from the return (a lane layer's mapped at slots).
-RouteFn = Callable[[int, int, int, Any, bytes | None], bool | tuple[Any, ...]]
+StopFn = Callable[[int, int, int, Any, bytes | None], bool | tuple[Any, ...]]
 
 # ggml's functions the holds call for a node in a device's memory, in `backend`'s order.
 BACKEND = ("ggml_backend_tensor_get_2d", "ggml_backend_tensor_set_2d", "ggml_backend_buffer_is_host")
@@ -125,7 +126,7 @@ class Crossings:
     """Routed stops of one outcome, and the calls across C and Python they made."""
 
     stops: int = 0
-    to_python: int = 0  # calls C -> Python (the route function)
+    to_python: int = 0  # calls C -> Python (the stop function)
     from_python: int = 0  # calls Python -> the holds while a stop was under way
     most_from_python: int = 0  # the most at one stop
     ns: int = 0  # host time in these stops (the callback's work, Python's part included)
@@ -152,7 +153,7 @@ class Crossings:
 class LayerHolds:
     def __init__(
         self,
-        route: RouteFn,
+        on_stop: StopFn,
         n_experts: int,
         source: LaneSource | None,
         parts: dict[int, list[PartSpan]],
@@ -173,7 +174,7 @@ class LayerHolds:
         self._hits = hits
         counter = hits.counter_word if hits is not None else None
         self._c = _layer_holds.new(
-            route,
+            on_stop,
             hits.region.map if hits is not None else None,
             hits.table.map if hits is not None else None,
             n_experts,

@@ -6,8 +6,10 @@ daemon (docs/design.md, "Engine technique"), and keeping `Llama`'s whole API
 
 How it hooks in without copying `Llama.__init__`: while the base constructor
 runs, `llama_cpp.llama.internals` is swapped (under a lock) for a copy whose
-`LlamaModel` forces `load_mode=MMAP`, `use_extra_bufts=False`, no GPU layers, and
-installs the expert pages right after the load, and whose `LlamaContext` sets
+`LlamaModel` forces `load_mode=MMAP`, `use_extra_bufts=False`, no GPU layers unless the
+layout plan offloads some (`n_gpu_layers`, moed.engines.devices), lazy per-layer embeddings,
+builds the offloaded layers' device placement (with `gpu_slots`), and installs the expert
+pages right after the load, and whose `LlamaContext` sets
 `cb_eval` and finishes every `decode` by releasing the last layer.
 
 Invariants:

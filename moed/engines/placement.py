@@ -13,7 +13,7 @@ load, by where that layer's experts compute, and never changes.
 
 Invariants (the cycle keeps them; each placement relies on them):
 - At a routed stop the layer holds go first (a lane layer's hit, in C); when they
-  leave the layer to Python, the cycle asks `needs(layer, ids)` which experts to
+  leave the layer to Python, the cycle asks `to_acquire(layer, ids)` which experts to
   acquire (the CPU: every distinct expert; device slots: those no slot holds, none on
   a full hit), acquires exactly those (no acquire, and no grant, when none), hands the
   grant to the layer holds (which own it from then on and hand it back for its
@@ -59,11 +59,11 @@ class Placement(Protocol):
     def lru(self, layer: int) -> SlotLru | None:
         """The layer's device LRU, whose full hits the layer holds take in C (None: none)."""
 
-    def needs(self, layer: int, ids: np.ndarray) -> list[int]:
+    def to_acquire(self, layer: int, ids: np.ndarray) -> list[int]:
         """The experts of the batch's `ids` ((n_tokens, k), as routed) to acquire from moed."""
 
     def show(self, grant: Grant | None, node: int | None, layer: int) -> None:
-        """Make the layer's routed experts computable (`grant`: what `needs` named, None when
+        """Make the layer's routed experts computable (`grant`: what `to_acquire` named, None when
         it named none; `node`: the layer's top-k node, or None outside a graph)."""
 
     def hide(self, grant: Grant) -> None:
@@ -113,7 +113,7 @@ class CpuPages:
     def lru(self, layer: int) -> SlotLru | None:
         return None
 
-    def needs(self, layer: int, ids: np.ndarray) -> list[int]:
+    def to_acquire(self, layer: int, ids: np.ndarray) -> list[int]:
         return [int(e) for e in np.unique(ids) if e >= 0]
 
     def show(self, grant: Grant | None, node: int | None = None, layer: int = -1) -> None:

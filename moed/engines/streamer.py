@@ -76,7 +76,7 @@ class ExpertStreamer:
         self._bound = bound = Bound()
         self._cycle = cycle = StopCycle(source, hooks, self.substituter, model, bound, offload is not None)
         release = functools.partial(cycle.grants.swap, closing=True)  # what the holds give back at their close
-        self._binding = Binding(source, model, bound, cycle.on_route, cycle.callback, release, offload is not None)
+        self._binding = Binding(source, model, bound, cycle.on_stop, cycle.callback, release, offload is not None)
         # The placements place_on took over: after the holds (registered at install), before the kernels.
         self._teardown.callback(self._binding.close_placed)
         self._steps = steps = DecodeSteps(source, cycle, model, bound)
