@@ -384,6 +384,58 @@ def _slots_repack(repack: str, offload, path: str) -> str:
     return "dense"
 
 
+def _engine_plan(model_path: str, options: EngineOptions, hooks: EngineHooks):
+    """Where the layers compute and on which kernels (moed.engines.repack.LayoutPlan, its
+    `offload` the GPU's share): what the options ask of this file on this host, checked."""
+    from moed.engines import repack as kernel_layout
+    from moed.gguf.header import read_split
+
+    headers = read_split(model_path)
+    offload = offload_for(headers, options.n_gpu_layers, options.gpu_slots)  # for_model checked the slots
+    if offload is not None and (hooks.route is not None or options.subst is not None):
+        what = "route_hook" if hooks.route is not None else "subst"
+        raise ValueError(
+            f"{what} rewrites the router's ids in place: not with n_gpu_layers (they are in the GPU's "
+            "memory); use n_gpu_layers=0 for it"
+        )
+    return kernel_layout.plan(headers, _slots_repack(options.repack, offload, model_path), model_path, offload)
+
+
+def _check_llama_kwargs(kwargs: dict) -> None:
+    """llama.cpp settings a streamed engine cannot run with (refused) or ignores (warned)."""
+    if kwargs.get("use_mmap") is False:
+        raise ValueError("StreamedLlama needs use_mmap=True: the experts are mapped into llama.cpp's mapping")
+    if kwargs.pop("use_mlock", False):
+        warnings.warn(
+            "StreamedLlama ignores use_mlock: it locks the dense weights itself "
+            "(locking the experts would read the whole model)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    if kwargs.get("n_gpu_layers", 0) and not gpu_devices():
+        warnings.warn(
+            "moed: n_gpu_layers is set but this llama.cpp sees no GPU device; everything runs on the CPU",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    if kwargs.get("op_offload"):
+        raise ValueError(
+            "StreamedLlama needs op_offload off: a prompt batch would copy whole expert tensors to the "
+            "GPU, experts moed has not mapped"
+        )
+
+
+def _check_capacity(src) -> None:
+    """A single token's experts must fit in one acquire of `src`, or nothing can ever run."""
+    for layer in src.moe_layers:
+        cap = src.capacity(layer)
+        if cap is not None and cap < src.n_expert_used:
+            raise RequestTooLarge(
+                f"layer {layer}: the daemon holds at most {cap} experts of this size, "
+                f"one token needs {src.n_expert_used}"
+            )
+
+
 class StreamedLlama(_OwnedLlama):
     """A drop-in for `llama_cpp.Llama(model_path=..., ...)` whose routed experts come from moed.
 
@@ -524,9 +576,9 @@ class StreamedLlama(_OwnedLlama):
         # The options that are llama.cpp's settings too (n_gpu_layers, the thread counts) are
         # its keywords as well: checked above, passed on from here.
         llama_kwargs = {**llama_kwargs, **options.llama_settings()}
-        self._check_kwargs(llama_kwargs)
+        _check_llama_kwargs(llama_kwargs)
         own_threads = check_counts(llama_kwargs)  # counts left to the daemon are None from here
-        layout = self._plan(model_path, options, hooks)
+        layout = _engine_plan(model_path, options, hooks)
         offload = layout.offload
         # Zero copy (moed.engines.device_host) where the experts are on a device at all.
         zero_copy = bool(options.gpu_zero_copy and offload is not None and offload.gpu_slots)
@@ -565,60 +617,9 @@ class StreamedLlama(_OwnedLlama):
             # The load above ran streamer.install, which builds the look-ahead.
             assert self.streamer.lookahead is not None
             self.streamer.lookahead.expect_output_rows(1)
-        self._check_capacity()
+        _check_capacity(self.streamer.source)
         if options.warm != "off":
             self.warm(everything=options.warm == "all")
-
-    @staticmethod
-    def _plan(model_path: str, options: EngineOptions, hooks: EngineHooks):
-        """Where the layers compute and on which kernels (moed.engines.repack.LayoutPlan, its
-        `offload` the GPU's share): what the options ask of this file on this host, checked."""
-        from moed.engines import repack as kernel_layout
-        from moed.gguf.header import read_split
-
-        headers = read_split(model_path)
-        offload = offload_for(headers, options.n_gpu_layers, options.gpu_slots)  # for_model checked the slots
-        if offload is not None and (hooks.route is not None or options.subst is not None):
-            what = "route_hook" if hooks.route is not None else "subst"
-            raise ValueError(
-                f"{what} rewrites the router's ids in place: not with n_gpu_layers (they are in the GPU's "
-                "memory); use n_gpu_layers=0 for it"
-            )
-        return kernel_layout.plan(headers, _slots_repack(options.repack, offload, model_path), model_path, offload)
-
-    @staticmethod
-    def _check_kwargs(kwargs: dict) -> None:
-        if kwargs.get("use_mmap") is False:
-            raise ValueError("StreamedLlama needs use_mmap=True: the experts are mapped into llama.cpp's mapping")
-        if kwargs.pop("use_mlock", False):
-            warnings.warn(
-                "StreamedLlama ignores use_mlock: it locks the dense weights itself "
-                "(locking the experts would read the whole model)",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-        if kwargs.get("n_gpu_layers", 0) and not gpu_devices():
-            warnings.warn(
-                "moed: n_gpu_layers is set but this llama.cpp sees no GPU device; everything runs on the CPU",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-        if kwargs.get("op_offload"):
-            raise ValueError(
-                "StreamedLlama needs op_offload off: a prompt batch would copy whole expert tensors to the "
-                "GPU, experts moed has not mapped"
-            )
-
-    def _check_capacity(self) -> None:
-        """A single token's experts must fit in one acquire, or nothing can ever run."""
-        src = self.streamer.source
-        for layer in src.moe_layers:
-            cap = src.capacity(layer)
-            if cap is not None and cap < src.n_expert_used:
-                raise RequestTooLarge(
-                    f"layer {layer}: the daemon holds at most {cap} experts of this size, "
-                    f"one token needs {src.n_expert_used}"
-                )
 
     # ---- evaluation with batch lowering ----------------------------------
 

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from moed.engines.cycle import CycleCounts
+
 if TYPE_CHECKING:
     from moed.engines.binding import Bound, HoldLedger
     from moed.engines.mapping import ModelMapping
@@ -23,11 +25,10 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class StreamStats:
-    layers: int = 0  # acquires
-    experts: int = 0  # experts acquired, summed over acquires
-    acquire_s: float = 0.0  # time inside acquire (round trip + daemon reads)
-    show_s: float = 0.0  # time mapping / copying pages
+class StreamStats(CycleCounts):
+    """Every part's counters in one: the cycle's (its fields first), then the decode steps',
+    the install's and the binding's, as `counters()` gathers them by name."""
+
     decodes: int = 0
     whole_decodes: int = 0  # decodes with no per-layer stop (every expert pinned: the holds count them)
     tokens: int = 0  # tokens in all decodes (prompt and generated)

@@ -287,3 +287,18 @@ def test_every_release_of_a_grant_by_the_cycle_is_a_route_of_grants():
             if isinstance(node.func, ast.Attribute) and node.func.attr == "release":
                 assert ast.unparse(node.func.value).endswith("grants"), (name, ast.unparse(node))
             assert all(k.arg != "release" for k in node.keywords), (name, ast.unparse(node))
+
+
+def test_no_class_in_the_engine_room_is_over_300_lines():
+    """Every class of moed/engines (the streamer's parts, the placements, StreamedLlama, the
+    look-ahead, the option table) at most 300 lines, docstring included."""
+    import ast
+    import pathlib
+
+    room = pathlib.Path(__file__).resolve().parents[2] / "moed" / "engines"
+    big = []
+    for path in sorted(room.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 300:
+                big.append((path.name, node.name, node.end_lineno - node.lineno + 1))
+    assert big == []

@@ -272,7 +272,7 @@ def test_streamed_llama_hands_llama_cpp_its_settings_from_the_options(monkeypatc
         seen["llama"] = dict(kwargs)
         return (0, 0)
 
-    monkeypatch.setattr(engines.StreamedLlama, "_plan", staticmethod(plan))
+    monkeypatch.setattr(engines, "_engine_plan", plan)
     monkeypatch.setattr(engines, "check_counts", check_counts)
     with pytest.raises(Stop):
         engines.StreamedLlama("/nonexistent/model.gguf", n_gpu_layers=2, n_threads=3, n_ctx=64)
