@@ -90,10 +90,8 @@ def measure(model: str, tokens: int, eps: float) -> dict:
             model_path=model, n_ctx=tokens + 64, n_batch=1, n_ubatch=1, n_threads=1, verbose=False, logits_all=True
         )
     headers = read_split(model)
-    data = np.fromfile(model, dtype=np.uint8)  # kept referenced while the routers are read
-    base = data.ctypes.data
     layers = list(range(int(headers[0].get(f"{headers[0].get('general.architecture')}.block_count"))))
-    routers, gating = load_routers(headers, [base], layers)
+    routers, gating = load_routers(headers, [model], layers)
     pred = GatePredictor(routers, layers, gating)
     llm.eval(llm.tokenize(b"the expert model reads memory pages from the drive"))
     obs.steps.clear()
