@@ -70,7 +70,10 @@ class DaemonProcess:
             cmd,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
+            # The repack cache goes in this daemon's directory (as systemd's CacheDirectory= would
+            # name one), so tests and benches never share one by accident; a restart given the same
+            # `socket_dir` finds it again.
+            env={**os.environ, "CACHE_DIRECTORY": str(self.dir / "cache"), **(env or {})},
             preexec_fn=_die_with_starter,
         )
         deadline = time.monotonic() + start_timeout_s

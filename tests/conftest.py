@@ -247,6 +247,14 @@ def llama_cpp():
     return pytest.importorskip("llama_cpp")
 
 
+@pytest.fixture(autouse=True)
+def _repack_cache_dir(tmp_path_factory, monkeypatch):
+    """Every test's daemons keep their repack cache (moed.daemon.repackcache) in a directory of
+    that test's own, as systemd's CacheDirectory= names one: none is shared between tests, and
+    none is left in the home directory."""
+    monkeypatch.setenv("CACHE_DIRECTORY", str(tmp_path_factory.mktemp("cache")))
+
+
 @pytest.fixture
 def start_daemon():
     """`start_daemon(budget="64MiB", *extra_args, **kw)` -> DaemonProcess, killed after the test."""

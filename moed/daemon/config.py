@@ -86,6 +86,13 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # engine is alone, and is the most it gets while others compute (its share of the cores);
     # "keep": always granted as given (engines given every core then take turns).
     turn_user_threads: Literal["keep", "ceiling"] = "ceiling"
+    # The repack cache (moed.daemon.repackcache): experts made on read kept on disk, so a plain
+    # file reads like its `moectl align --repack` copy once they were read. Directory "" (default):
+    # systemd's CacheDirectory= ($CACHE_DIRECTORY), else ~/.cache/moed; `repack` in it. Size None
+    # ("auto", default): no fixed size, only the filesystem's free space kept above 5% (at least
+    # 1 GiB); 0: off.
+    repack_cache_dir: str = ""
+    repack_cache_bytes: int | None = None
 
     def __post_init__(self):
         checks = [
@@ -103,7 +110,10 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             (self.shutdown_grace_s >= 0, "shutdown_grace_s must not be negative"),
             (self.mem_sample_s > 0, "mem_sample_s must be positive"),
             (0 <= self.socket_mode <= 0o777, "socket_mode must be a permission mode like 0o660"),
-            ((self.mem_floor_bytes or 0) >= 0 and self.pin_budget_bytes >= 0, "sizes must not be negative"),
+            (
+                (self.mem_floor_bytes or 0) >= 0 and self.pin_budget_bytes >= 0 and (self.repack_cache_bytes or 0) >= 0,
+                "sizes must not be negative",
+            ),
             (self.max_clients >= 1, "max_clients must be at least 1"),
             (self.max_clients_per_tenant >= 1, "max_clients_per_tenant must be at least 1"),
             (self.hello_timeout_s > 0, "hello_timeout_s must be positive"),
@@ -176,7 +186,7 @@ def _sizes(raw: dict[str, Any], where: str = "") -> dict[str, Any]:
     for key, value in raw.items():
         if isinstance(value, dict):
             value = _sizes(value, f"{where}{key}.")
-        elif not where and key == "mem_floor_bytes" and value == "auto":
+        elif not where and key in ("mem_floor_bytes", "repack_cache_bytes") and value == "auto":
             value = None  # the default floor, also where a file gave one and a flag says auto
         elif key.endswith("_bytes") and isinstance(value, (str, int)):
             try:

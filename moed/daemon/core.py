@@ -47,6 +47,7 @@ from moed.cache.store import Slot, Store, Want
 from moed.protocol import errors
 from moed.protocol.sizes import format_size
 
+from . import repackcache
 from .access import Peer
 from .config import Config
 from .counters import Counters, Tenant
@@ -171,7 +172,13 @@ class Daemon:
         )
         self.pins = Pins(s, self.memguard)
         opener = Opener(config.max_opens_per_tenant, config.open_timeout_s)
-        self.registry = Registry(config, s, opener, self.counters, self._models_in_use, on_added=self._model_added)
+        self.repack_caches = repackcache.from_config(
+            config.repack_cache_dir, config.repack_cache_bytes, config.direct_io
+        )
+        self.registry = Registry(
+            config, s, opener, self.counters, self._models_in_use, self._model_added, self.repack_caches
+        )
+        s.on_unheld = self.registry.drop_if_drained  # a stale model's last written slot let go
         self.holds = LocalHolds(config, s, self.registry, self.counters)
         self.prefetches = Prefetches(s)
         # Compute turns: which engines compute now, with how many threads (moed.daemon.turns)
@@ -429,6 +436,8 @@ class Daemon:
         self.turns.close()
         self.prefault.close()
         self.reader.close()
+        if self.repack_caches is not None:
+            self.repack_caches.close()  # what is queued is written, every index saved
         self.registry.close()
         self.ramtier.close()
         self.residency.close()

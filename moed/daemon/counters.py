@@ -94,6 +94,7 @@ class Counters:
     stale_detected: int = 0  # models found changed on disk (fstat) while open
     repacked_bytes: int = 0  # expert bytes transformed on read (moed.daemon.onread)
     repack_cpu_s: float = 0.0  # the reader threads' CPU time spent on it
+    repack_wait_cpu_s: float = 0.0  # of it, on reads an engine waited on (demand, or promoted)
     # Engines' device slots (DeviceReport): each report's increase over that engine's last,
     # so the sums only grow, and an engine that closes keeps what it counted.
     device_hits: int = 0
@@ -118,6 +119,20 @@ class Counters:
 
 # Counters whose wire name is not their own (None: not on the wire).
 WIRE: dict[str, str | None] = {"timed_out": "timed_out_connections", "connections": None, "errors_sent": None}
+
+
+def repack_cache_row(caches) -> dict:
+    """The repack cache's counters (moed.daemon.repackcache); zeros when it is off."""
+    if caches is None:
+        return {
+            "repack_cache_reads": 0,
+            "repack_cache_writes": 0,
+            "repack_cache_skipped": 0,
+            "repack_cache_dropped": 0,
+            "repack_cache_bytes": 0,
+            "repack_cache_dir": "",
+        }
+    return caches.stats()
 
 
 def _row(schema: type[msgspec.Struct], source: object, **computed) -> dict:
@@ -252,6 +267,7 @@ def snapshot(daemon) -> dict:
         "unpins_held": len(daemon.store.unpin_waiting),
         "revoked_regions": len(daemon.residency.revoked),
         **daemon.prefault.stats(),
+        **repack_cache_row(daemon.repack_caches),
         **daemon.turns.stats(),  # turns, turn_waits, turn_wait_s, turns_overdue, engines_active
         "engines": daemon.turns.rows(),
         "limits": limits(daemon.config),

@@ -100,6 +100,18 @@ def parse_args(argv):
     p.add_argument("--reader-threads", type=int)
     p.add_argument("--policy", choices=list(POLICIES))
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--repack-cache",
+        dest="repack_cache_bytes",
+        type=_floor,
+        help="disk the repack cache may take (plain files' experts kept in the layout made on read), "
+        "e.g. 20GiB; default (or 'auto'): no fixed size, the filesystem kept 5%% free; 0 turns it off",
+    )
+    p.add_argument(
+        "--repack-cache-dir",
+        dest="repack_cache_dir",
+        help="where the repack cache lives (default: $CACHE_DIRECTORY/repack under systemd, else ~/.cache/moed/repack)",
+    )
     p.add_argument("--metrics-listen", help="serve Prometheus metrics on HOST:PORT, e.g. 127.0.0.1:9477 (default: off)")
     return p.parse_args(argv)
 

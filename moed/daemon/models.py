@@ -38,6 +38,7 @@ from .reader import ModelFile
 
 if TYPE_CHECKING:
     from .ramtier import TierSegment
+    from .repackcache import RepackCache
 
 
 @dataclass(eq=False)
@@ -64,6 +65,7 @@ class Model:
     leases: int = 0  # leases held on it now, by every connection (kept by core)
     read_errors: int = 0  # reads of its experts that failed (after their retries)
     layouts: dict[str, str] = field(default_factory=dict)  # {type: layout} made on read; empty: the file's bytes
+    repack_cache: RepackCache | None = None  # made on read: its experts kept on disk (moed.daemon.repackcache)
 
     @property
     def key(self) -> tuple:
@@ -89,6 +91,8 @@ class Model:
         return next((f for f in self.files if f.changed()), None)
 
     def close(self) -> None:
+        if self.repack_cache is not None:
+            self.repack_cache.close()
         for f in self.files:
             f.close()
 

@@ -141,6 +141,10 @@ class ReadJob:
     # `into(src, dest, n)` writing n transformed bytes at dest), or None; and what the
     # transforms cost, summed over the job's chunks: bytes, the reader threads' CPU seconds
     repacks: list | None = None
+    # the files whose change fails the read (None: the pieces' files): a read from the repack
+    # cache (moed.daemon.repackcache) answers for its model's files, not for the cache's own
+    watch: list | None = None
+    from_cache: bool = False  # its pieces are the repack cache's, not the model file's
     repacked_bytes: int = 0
     repack_cpu_s: float = 0.0
     _left: int = 0

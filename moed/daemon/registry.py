@@ -39,6 +39,7 @@ from .onread import layout_key, repacks_for, served_layouts
 from .opener import Opener
 from .ramtier import RamTier
 from .reader import ModelFile
+from .repackcache import CacheGeometry, RepackCaches
 from .residency import Residency
 from .slots import Slots
 from .verify import Verifier
@@ -55,6 +56,7 @@ class Registry:
         counters: Counters,
         models_in_use: Callable[[], set[int]],
         on_added: Callable[[Model], object],
+        repack_caches: RepackCaches | None = None,
     ):
         self.config, self.slots, self.opener, self.counters = config, slots, opener, counters
         self.store: Store = slots.store
@@ -63,6 +65,7 @@ class Registry:
         self.verifier: Verifier | None = slots.verifier
         self._models_in_use = models_in_use  # ids of the models some connection opened
         self._on_added = on_added  # a new model is in: the pinned partition may mirror it
+        self.repack_caches = repack_caches  # a made-on-read model's experts kept on disk
         self.tenant_quotas = resolve_tenants(config.tenants)
         self.tenants: dict[int, Tenant] = {}
         self.models: dict[int, Model] = {}
@@ -148,6 +151,17 @@ class Registry:
             parts = [(files[entry.parts[p].shard], entry.parts[p].offset, size) for p, size in key]
             layers[layer] = LayerPlan(class_id, parts, repacks_for(entry, made) if made else [])
         model = Model(next(self._model_ids), path, catalog, identity, files, layers, domain=domain, layouts=made)
+        if made and self.repack_caches is not None:
+            model.repack_cache = self.repack_caches.open_cache(
+                [f.path for f in files],
+                [list(i) for i in catalog.identity],
+                [list(kv) for kv in layout_key(made)],
+                CacheGeometry(
+                    sorted(layers),
+                    [[size for _, _, size in layers[k].parts] for k in sorted(layers)],
+                    catalog.n_experts,
+                ),
+            )
         model.wants = {
             layer: [Want(ExpertKey(model.model_id, layer, e), plan.class_id) for e in range(catalog.n_experts)]
             for layer, plan in layers.items()

@@ -44,6 +44,7 @@ from .heat import Heat
 from .models import Model
 from .ramtier import RamTier
 from .reader import ReaderPool, ReadJob
+from .repackcache import RepackCache
 from .residency import Residency
 from .verify import Verifier, digest
 
@@ -99,6 +100,7 @@ class Slots:
         self.residency, self.faults, self.counters = residency, faults, counters
         self.verifier, self.heat = verifier, heat
         self._on_stale = on_stale  # a read found its model's file changed
+        self.on_unheld: Callable[[Model], object] | None = None  # a slot the repack cache wrote let go
         self._loading: dict[Slot, Loading] = {}
         self._room_waiters: list[asyncio.Future] = []
         self.waiting: dict[Tenant, int] = {}  # tenant -> its acquires waiting for room now
@@ -127,33 +129,35 @@ class Slots:
         self.reader.promote(self._loading[slot].job)
 
     def start_read(self, model: Model, slot: Slot, demand: bool) -> None:
-        key = slot.key
-        assert key is not None  # a reserved (LOADING) slot always has its key
-        plan = model.layers[key.layer]
-        seg = self.ramtier.segments[slot.class_id]
-        pieces = [
-            (f, off + key.expert * size, size, seg.part_addr(slot.index, k))
-            for k, (f, off, size) in enumerate(plan.parts)
-        ]
-        job = ReadJob(
-            pieces,
-            self._read_done_thread,
-            demand=demand,
-            tag=slot,
-            what=f"model {key.model_id} layer {key.layer} expert {key.expert}",
-            repacks=plan.repacks or None,
-        )
+        job = self._job(model, slot, demand, model.repack_cache is not None)
         self._loading[slot] = Loading(job, model, self.loop.create_future())
         if not demand and not slot.pinned:
             self.counters.prefetches += 1
         self.reader.submit(job)
+
+    def _job(self, model: Model, slot: Slot, demand: bool, cached: bool) -> ReadJob:
+        """The read of a slot's expert: from the repack cache when it has it (and `cached`),
+        else from the model's files, each part transformed as it is read when made on read."""
+        key = slot.key
+        assert key is not None  # a reserved (LOADING) slot always has its key
+        plan = model.layers[key.layer]
+        seg = self.ramtier.segments[slot.class_id]
+        dests = [seg.part_addr(slot.index, k) for k in range(len(plan.parts))]
+        what = f"model {key.model_id} layer {key.layer} expert {key.expert}"
+        cache = model.repack_cache
+        if cached and cache is not None and cache.has(key.layer, key.expert):
+            pieces = cache.pieces(key.layer, key.expert, dests)
+            return ReadJob(pieces, self._read_done_thread, demand, slot, what, watch=model.files, from_cache=True)
+        pieces = [(f, off + key.expert * size, size, dest) for (f, off, size), dest in zip(plan.parts, dests)]
+        return ReadJob(pieces, self._read_done_thread, demand, slot, what, repacks=plan.repacks or None)
 
     def _read_done_thread(self, job: ReadJob, err: BaseException | None) -> None:
         """Reader thread: lock the filled pages, then hand over to the loop."""
         slot = cast(Slot, job.tag)
         if err is None:
             # Bytes read after the file changed (or while it changed) are never served.
-            changed = next((f for f in {p[0] for p in job.pieces} if f.changed()), None)
+            watch = job.watch if job.watch is not None else {p[0] for p in job.pieces}
+            changed = next((f for f in watch if f.changed()), None)
             if changed is not None:
                 err = errors.ModelStale(f"{changed.path} changed on disk while {job.what} was read")
         if err is None:
@@ -166,25 +170,61 @@ class Slots:
         loading = self._loading.get(slot)
         if loading is None or loading.job is not job:
             return
+        key = slot.key
+        assert key is not None  # still LOADING: nothing vacated it (cancel removes _loading first)
+        if err is None and self.verifier is not None:
+            err = self.verifier.check(key, job.digest, job.what)
+        cache = loading.model.repack_cache
+        if job.from_cache and cache is not None:
+            if err is not None and not isinstance(err, errors.ModelStale):
+                # The cache failed, not the file: read the file instead, and stop using the cache.
+                cache.turn_off(f"reading {job.what} from it failed: {err}")
+                loading.job = self._job(loading.model, slot, job.demand, cached=False)
+                self.reader.submit(loading.job)
+                return
+            cache.owner.counts["read"] += 1
         del self._loading[slot]
         self.counters.read_latency_s.observe(time.perf_counter() - loading.started_s)
         self.counters.bytes_read += job.bytes_total
         self.counters.repacked_bytes += job.repacked_bytes
         self.counters.repack_cpu_s += job.repack_cpu_s
-        key, owner = slot.key, cast("Tenant | None", slot.owner)
-        assert key is not None  # still LOADING: nothing vacated it (cancel removes _loading first)
+        if job.demand:  # an engine waited on it: the transform sat inside that wait
+            self.counters.repack_wait_cpu_s += job.repack_cpu_s
+        owner = cast("Tenant | None", slot.owner)
         if owner is not None:
             owner.bytes_read += job.bytes_total
             owner.use(key.model_id).bytes_read += job.bytes_total
-        if err is None and self.verifier is not None:
-            err = self.verifier.check(key, job.digest, job.what)
         if err is None:
+            if cache is not None and not job.from_cache:
+                self._write_back(cache, slot, loading.model)
             self.store.loaded(slot)
             self.residency.publish(slot)
             loading.done.set_result(None)
         else:
             self._read_failed(slot, loading, err)
         self.room_changed()
+
+    def _write_back(self, cache: RepackCache, slot: Slot, model: Model) -> None:
+        """Offer a slot just made on read to the repack cache, holding it until written (the
+        hold is taken first: the writer's answer comes back through the loop, after this)."""
+        key = slot.key
+        assert key is not None
+        if not cache.wants(key.layer, key.expert):
+            return
+        self.store.hold(slot)
+        gen, seg = slot.generation, self.ramtier.segments[slot.class_id]
+        srcs = [seg.part_addr(slot.index, k) for k in range(len(model.layers[key.layer].parts))]
+
+        def written() -> None:
+            self.loop.call_soon_threadsafe(self._unhold, slot, gen, model)
+
+        if not cache.offer(key.layer, key.expert, srcs, written):
+            self.store.release(slot, gen)  # not loaded yet: the release only drops the count
+
+    def _unhold(self, slot: Slot, gen: int, model: Model) -> None:
+        self.unref([slot], [gen])
+        if model.stale and self.on_unheld is not None:
+            self.on_unheld(model)  # a retired model may have been waiting for this slot
 
     def _read_failed(self, slot: Slot, loading: Loading, err: BaseException) -> None:
         key, model = slot.key, loading.model

@@ -310,6 +310,20 @@ class Stats(_Row):
     # Repack on read (moed.daemon.onread): plain experts made in an engine's layout as they are read
     repacked_bytes: Annotated[int, counter("repacked_bytes", "Expert bytes repacked on read")] = 0
     repack_cpu_s: Annotated[float, counter("repack_cpu_seconds", "Reader threads' CPU time repacking on read")] = 0.0
+    repack_wait_cpu_s: Annotated[
+        float, counter("repack_wait_cpu_seconds", "Of it, on reads an engine waited on (demand or promoted)")
+    ] = 0.0
+    # The repack cache (moed.daemon.repackcache): experts made on read kept on disk
+    repack_cache_reads: Annotated[int, counter("repack_cache_reads", "Experts read from the repack cache")] = 0
+    repack_cache_writes: Annotated[int, counter("repack_cache_writes", "Experts written to the repack cache")] = 0
+    repack_cache_skipped: Annotated[
+        int, counter("repack_cache_skipped", "Experts not written to the repack cache (budget, or writer busy)")
+    ] = 0
+    repack_cache_dropped: Annotated[
+        int, counter("repack_cache_dropped", "Repack caches deleted (their file changed, or for room)")
+    ] = 0
+    repack_cache_bytes: Annotated[int, gauge("repack_cache_bytes", "Disk the repack cache takes")] = 0
+    repack_cache_dir: str = ""  # where it lives ("" : off)
     # Prefault (moed.daemon.prefault): RAM-tier pages made ahead of their first fill
     prefaulted_bytes: Annotated[
         int, gauge("prefaulted_bytes", "RAM-tier bytes made ahead of their first fill (given back first)")
