@@ -17,6 +17,12 @@ Engines (each in its own process; the capped ones inside one cgroup v1 memory gr
   with `@KEY=VALUE[+KEY=VALUE]`, e.g. `moed-gate@prefault=false`: one daemon config key;
   then `%NAME=VALUE[+NAME=VALUE]`: the engine process's environment, e.g. `%GOMP_SPINCOUNT=0`)
   mmap       llama.cpp's mmap path (UnpackedLlama, use_mmap, no repack), in the cap
+  NAME/copy  that engine on the model's `moectl align --repack` copy (NAME-repacked.gguf)
+  NAME/cold  that engine with the repack cache emptied first (`--repack-cache`, the daemons'
+             `repack_cache_dir`): the first use of a plain file. Any other moed run on the
+             plain file finds the cache warm: `--warm full` (default) reads every expert into
+             it once a round before the first such run (a model in daily use); `--warm runs`
+             leaves it as the runs before left it.
   stock      stock llama_cpp.Llama as users run it (resident, every repacked kernel), no
              cap; skipped with the reason when the box's MemAvailable cannot hold the model
 
@@ -40,13 +46,14 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import statistics
 import subprocess
 import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from engine_vs_mmap import Cgroup, drop_page_cache, with_daemon  # noqa: E402
+from engine_vs_mmap import Cgroup, drop_page_cache, repacked_path, with_daemon  # noqa: E402
 
 from moed.protocol.sizes import parse_size  # noqa: E402
 
@@ -123,21 +130,25 @@ def run_engine(kind: str, model: str, socket: str | None, prompt_n: int, tokens:
         t = os.times()
         return t.user + t.system
 
-    d0, s0, c0 = daemon(), stall(), cpu()
+    d0, s0, c0, q0 = daemon(), stall(), cpu(), runq_s()
     t = time.perf_counter()
     llm.eval(prompt)
     prefill_s = time.perf_counter() - t
-    d1, s1, c1 = daemon(), stall(), cpu()
+    d1, s1, c1, q1 = daemon(), stall(), cpu(), runq_s()
     t = time.perf_counter()
     for _ in range(tokens):
         tok = llm.sample(temp=TEMPERATURE, top_k=0, top_p=1.0, min_p=0.0)
         llm.eval([int(tok)])
     decode_s = time.perf_counter() - t
-    d2, s2, c2 = daemon(), stall(), cpu()
+    d2, s2, c2, q2 = daemon(), stall(), cpu(), runq_s()
+    # Preemption: how long the engine's threads (ggml's workers among them) were runnable
+    # and not running, the daemon's readers and transforms on their cores.
+    out.update(prefill_runq_s=round(q1 - q0, 3), decode_runq_s=round(q2 - q1, 3))
     # Where the two cores went: the engine's CPU and the daemon's (readers, transforms, loop).
     out.update(prefill_engine_cpu_s=round(c1 - c0, 2), decode_engine_cpu_s=round(c2 - c1, 2))
     if client is not None:
         out.update(prefill_daemon_cpu_s=_cpu_s(d0, d1), decode_daemon_cpu_s=_cpu_s(d1, d2))
+        out.update(prefill_daemon_sys_s=round(d1["cpu_system_s"] - d0["cpu_system_s"], 2))
     out.update(prefill_tok_s=round(prompt_n / prefill_s, 3), decode_tok_s=round(tokens / decode_s, 3))
     out.update(prefill_s=round(prefill_s, 2), decode_s=round(decode_s, 2))
     if client is not None:
@@ -148,6 +159,12 @@ def run_engine(kind: str, model: str, socket: str | None, prompt_n: int, tokens:
             prefill_stall_s=round(s1 - s0, 2),
             decode_stall_s=round(s2 - s1, 2),
             decode_hit_rate=_rate(d1, d2),
+            decode_repack_cpu_s=round(d2["repack_cpu_s"] - d1["repack_cpu_s"], 3),
+            decode_repack_wait_cpu_s=round(d2["repack_wait_cpu_s"] - d1["repack_wait_cpu_s"], 3),
+            decode_cache_reads=d2["repack_cache_reads"] - d1["repack_cache_reads"],
+            decode_misses=d2["misses"] - d1["misses"],
+            cache_writes=d2["repack_cache_writes"] - d0["repack_cache_writes"],
+            prefill_repack_cpu_s=round(d1["repack_cpu_s"] - d0["repack_cpu_s"], 3),
             governor={
                 k: v
                 for k, v in llm.stream_stats().items()
@@ -164,9 +181,22 @@ def run_engine(kind: str, model: str, socket: str | None, prompt_n: int, tokens:
     return out
 
 
+def runq_s() -> float:
+    """Seconds this process's threads have been runnable but not running (schedstat's run
+    delay, summed over the live threads): the time the scheduler gave their cores to others."""
+    total = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):  # a thread that ended meanwhile
+            continue
+    return total / 1e9
+
+
 def base(kind: str) -> str:
     """The engine a kind names, without its daemon config (`@`) and environment (`%`)."""
-    return kind.split("@", 1)[0].split("%", 1)[0]
+    return kind.split("@", 1)[0].split("%", 1)[0].removesuffix("/copy").removesuffix("/cold")
 
 
 def _cpu_s(a: dict, b: dict) -> float:
@@ -246,15 +276,73 @@ def daemon_config(kind: str) -> tuple[str, ...]:
             key, value = "chunk_bytes", item
         toml = value if value in ("true", "false") or value.lstrip("-").isdigit() else f'"{value}"'
         lines.append(f"{key} = {toml}\n")
-    path = pathlib.Path(f"/tmp/moed-real-{os.getpid()}-{kind.replace('@', '-')}.toml")
+    path = pathlib.Path(f"/tmp/moed-real-{os.getpid()}-{slug(kind)}.toml")
     path.write_text("".join(lines))
     return ("--config", str(path))
 
 
-def run_once(args, model: str, kinds: list[str]) -> list[dict]:
+def slug(kind: str) -> str:
+    """A kind as one path component (cgroup and config file names)."""
+    return "".join(c if c.isalnum() or c in "-_=." else "-" for c in kind)
+
+
+def model_for(kind: str, model: str) -> str:
+    """The file a kind runs on: `moed-gate/copy` runs on the model's `moectl align --repack`
+    copy (`NAME-repacked.gguf` beside it), so plain and copy alternate in one run."""
+    kind = kind.split("@", 1)[0].split("%", 1)[0]
+    return repacked_path(model) if kind.endswith("/copy") else model
+
+
+def fill_cache(args, plain: str) -> dict:
+    """Every expert of the plain file read once through a daemon on `--repack-cache`, in the
+    layout the copy records (this CPU's), until the cache holds them all: the steady state of a
+    model in daily use. Returns what it took."""
+    from moed.client import Client
+    from moed.gguf.catalog import Catalog
+
+    layout = Catalog.open(repacked_path(plain)).expert_layout
+    cat = Catalog.open(plain)
+    want = len(cat.layers) * cat.n_experts
+    t0 = time.perf_counter()
+
+    def body(sock: str) -> dict:
+        with Client(sock, "fill") as c:
+            m = c.open_model(plain, expert_layout=layout)
+            for _ in range(4):  # a write skipped while the writer was busy is made on the next pass
+                for layer in sorted(cat.layers):
+                    for e in range(cat.n_experts):
+                        with m.acquire(layer, [e]):
+                            pass
+                last, since = -1, time.monotonic()
+                while time.monotonic() - since < 1.0:  # the writer's queue drains (16 experts at most)
+                    if (w := c.stats()["repack_cache_writes"]) != last:
+                        last, since = w, time.monotonic()
+                    time.sleep(0.2)
+                s = c.stats()
+                if s["repack_cache_writes"] >= want or not s["repack_cache_dir"]:
+                    break
+            return s
+
+    s = with_daemon(args, args.budget, None, body, extra=("--repack-cache-dir", args.repack_cache))
+    return {"filled_s": round(time.perf_counter() - t0, 1), "writes": s["repack_cache_writes"], "of": want}
+
+
+def run_once(args, plain: str, kinds: list[str]) -> list[dict]:
     results = []
+    filled = False
     for kind in kinds:
+        model = model_for(kind, plain)
+        cold = kind.split("@", 1)[0].split("%", 1)[0].endswith("/cold")
+        if cold:
+            shutil.rmtree(args.repack_cache, ignore_errors=True)
+            filled = False
+        elif args.warm == "full" and not filled and model == plain and base(kind).startswith("moed"):
+            print(json.dumps({"fill_cache": fill_cache(args, plain)}), flush=True)
+            filled = True
         drop_page_cache(model)
+        if not cold and os.path.isdir(args.repack_cache):
+            for name in os.listdir(args.repack_cache):  # a warm cache is on the drive, not in RAM
+                drop_page_cache(os.path.join(args.repack_cache, name))
         if base(kind) == "stock":
             need = os.path.getsize(model) * 1.1
             if mem_available() < need:
@@ -262,7 +350,7 @@ def run_once(args, model: str, kinds: list[str]) -> list[dict]:
                 continue
             results.append(child(args, kind, model, None, None))
             continue
-        group = Cgroup(f"moed-real-{os.getpid()}-{kind}", parse_size(args.cap))
+        group = Cgroup(f"moed-real-{os.getpid()}-{slug(kind)}", parse_size(args.cap))
         try:
             if base(kind) == "mmap":
                 results.append(child(args, kind, model, group, None))
@@ -272,8 +360,8 @@ def run_once(args, model: str, kinds: list[str]) -> list[dict]:
                         args,
                         args.budget,
                         group,
-                        lambda sock, k=kind, g=group: child(args, k, model, g, sock),
-                        extra=daemon_config(kind),
+                        lambda sock, k=kind, g=group, m=model: child(args, k, m, g, sock),
+                        extra=(*daemon_config(kind), "--repack-cache-dir", args.repack_cache),
                     )
                 )
         finally:
@@ -292,6 +380,18 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64, help="sampled decode tokens")
     ap.add_argument("--mmap-tokens", type=int, default=8, help="decode tokens for the (slow) mmap run")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--warm",
+        choices=["full", "runs"],
+        default="full",
+        help="the repack cache a plain-file run that is not NAME/cold finds: 'full' (every expert read "
+        "into it first, once a round: a model in daily use), or 'runs' (as the runs before left it)",
+    )
+    ap.add_argument(
+        "--repack-cache",
+        default="/tmp/moed-bench-real/repack-cache",
+        help="the daemons' repack cache directory (emptied before each NAME/cold run)",
+    )
     ap.add_argument("--engines", default="moed-gate,moed-off,mmap,stock")
     ap.add_argument("--rounds", type=int, default=1, help="repeat the set, engines interleaved; medians reported")
     ap.add_argument("--timeout-s", type=float, default=1800)
@@ -329,11 +429,32 @@ def main() -> int:
                 print(f"  moed-gate / {ref} {k}: {med['moed-gate'][k] / med[ref][k]:.3f}")
     if "moed-gate" in med and "prefill_read_gbps" in med["moed-gate"]:
         print(f"  prompt reads / raw drive: {med['moed-gate']['prefill_read_gbps'] / drive['raw_gbps']:.3f}")
+    print("\nwhere a decode token's time goes (ms a token, medians):")
+    for kind in kinds:
+        rows = [r for rnd in rounds for r in rnd if r["engine"] == kind and "decode_stall_s" in r]
+        if rows:
+            print(f"  {kind:10s} {json.dumps(token_time(rows, args.tokens))}")
     for kind, row in med.items():
         if kind.startswith("moed") and "stock" in med:
             for phase, b in bounds(row, med["stock"], drive["raw_gbps"]).items():
                 print(f"  {kind} {phase} bounds: {json.dumps(b)}")
     return 0
+
+
+def token_time(rows: list[dict], tokens: int) -> dict:
+    """A decode token's time, split (medians over rounds, ms): `token` its wall time; `wait` in
+    acquires (reads the engine waited on, and the round trips); `compute` the rest; `transform`
+    the daemon's repack CPU, `in_wait` the part of it on reads an engine waited on; `runq` the
+    engine's threads runnable but preempted; `engine_cpu`, `daemon_cpu` what each used."""
+
+    def per(key: str) -> float:
+        return round(statistics.median(r[key] for r in rows) * 1e3 / tokens, 1)
+
+    out = {"token": per("decode_s"), "wait": per("decode_stall_s")}
+    out["compute"] = round(out["token"] - out["wait"], 1)
+    out.update(transform=per("decode_repack_cpu_s"), in_wait=per("decode_repack_wait_cpu_s"))
+    out.update(runq=per("decode_runq_s"), engine_cpu=per("decode_engine_cpu_s"), daemon_cpu=per("decode_daemon_cpu_s"))
+    return out
 
 
 def bounds(moed: dict, stock: dict, raw_gbps: float) -> dict[str, dict]:

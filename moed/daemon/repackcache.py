@@ -302,7 +302,8 @@ class RepackCaches:
 
     def write_index(self, index: Index) -> None:
         tmp = self.index_path(index.key) + ".tmp"
-        with open(tmp, "wb") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with open(fd, "wb") as f:
             f.write(msgspec.msgpack.encode(index))
             f.flush()
             os.fsync(f.fileno())
