@@ -80,10 +80,20 @@ def default_dir() -> str:
     return os.path.join(base, "repack")
 
 
-def min_free_bytes(path: str) -> int:
+def min_free_bytes(st: os.statvfs_result) -> int:
     """The free space a cache write never takes the filesystem under: 5% of it, at least 1 GiB."""
-    st = os.statvfs(path)
     return max(1 << 30, st.f_blocks * st.f_frsize // 20)
+
+
+def _check_writable(directory: str) -> None:
+    """OSError unless `directory` is, or could be made as, a folder this process writes in."""
+    probe = os.path.abspath(directory)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise OSError(errno.ENOTDIR, f"{probe} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise OSError(errno.EACCES, f"{probe} is not writable")
 
 
 class Index(msgspec.Struct, forbid_unknown_fields=True):
@@ -256,8 +266,9 @@ class RepackCaches:
         self.dir = directory
         self.budget_bytes = budget_bytes
         self.direct_io = direct_io
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        self.min_free_bytes = min_free_bytes(directory)
+        # Made at the first model made on read (a daemon that never repacks leaves no trace);
+        # here only found usable: the directory, or the nearest folder above it, is writable.
+        _check_writable(directory)
         # each key is counted by one thread: read and busy on the loop, the others by the writer
         self.counts = {"read": 0, "written": 0, "busy": 0, "full": 0, "dropped": 0}
         self.open: dict[str, RepackCache] = {}
@@ -265,7 +276,9 @@ class RepackCaches:
         self._queue: queue.Queue = queue.Queue(MAX_PENDING)
         self._stop = False
         self._closed: dict[str, tuple[str, list[list[int]], int, float]] = {}  # key -> path, identity, bytes, used
-        self._scan()
+        self._made = os.path.isdir(directory)
+        if self._made:
+            self._scan()
         self._thread = threading.Thread(target=self._run, name="moed-repack-cache", daemon=True)
         self._thread.start()
 
@@ -338,6 +351,13 @@ class RepackCaches:
         path = files[0]
         key = cache_key(path, identity, layouts, geo)
         with self._lock:
+            if not self._made:
+                try:
+                    os.makedirs(self.dir, mode=0o700, exist_ok=True)
+                except OSError as exc:
+                    log.warning("repack cache of %s not used: %s: %s", path, self.dir, exc.strerror)
+                    return None
+                self._made = True
             for other, (p, ident, _, _) in list(self._closed.items()):
                 if p == path and ident != identity:  # the file changed since: that cache is void
                     self._remove_files(other)
@@ -407,7 +427,7 @@ class RepackCaches:
             if used + need > self.budget_bytes:
                 return False
         st = os.statvfs(self.dir)
-        return st.f_bavail * st.f_frsize - need >= self.min_free_bytes
+        return st.f_bavail * st.f_frsize - need >= min_free_bytes(st)
 
     # ---- the writer thread --------------------------------------------------------
 

@@ -217,6 +217,18 @@ def test_off_makes_no_directory_and_reads_as_before(plain, tmp_path):
     assert not d.exists()
 
 
+def test_a_daemon_that_makes_nothing_on_read_leaves_no_directory(plain, tmp_path):
+    d = tmp_path / "cache"
+
+    async def body(daemon: Daemon):
+        model = await daemon.open_model(plain)  # the file's own layout: nothing made on read
+        daemon.release(await lease_of(daemon, model, 0, [0]))
+        assert model.repack_cache is None
+
+    run(body, repack_cache_dir=str(d))
+    assert not d.exists()
+
+
 def test_a_damaged_cache_is_read_from_the_file_instead_and_turned_off(plain, tmp_path):
     d = str(tmp_path / "cache")
 
