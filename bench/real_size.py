@@ -23,6 +23,10 @@ Engines (each in its own process; the capped ones inside one cgroup v1 memory gr
              plain file finds the cache warm: `--warm full` (default) reads every expert into
              it once a round before the first such run (a model in daily use); `--warm runs`
              leaves it as the runs before left it.
+  peer       BigMoeOnEdge, the other CPU expert streamer (`--peer-cli`, its bmoe-cli: llama.cpp's
+             CLI with `--moe-stream`), in the cap with a cache of `--budget` and 4 I/O threads;
+             skipped with the reason when `--peer-cli` is not given or not there. Its figures
+             are its own llama.cpp timings (a text prompt of about `--prompt` tokens)
   stock      stock llama_cpp.Llama as users run it (resident, every repacked kernel), no
              cap; skipped with the reason when the box's MemAvailable cannot hold the model
 
@@ -46,6 +50,7 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import shutil
 import statistics
 import subprocess
@@ -327,6 +332,31 @@ def fill_cache(args, plain: str) -> dict:
     return {"filled_s": round(time.perf_counter() - t0, 1), "writes": s["repack_cache_writes"], "of": want}
 
 
+PERF_LINE = re.compile(r"(prompt eval|eval) time\s*=\s*([\d.]+) ms /\s*(\d+) (?:tokens|runs)")
+
+
+def run_peer(args, model: str, group: Cgroup | None) -> dict:
+    """BigMoeOnEdge's bmoe-cli on the plain file, as its README runs it; its llama.cpp timings."""
+    if not args.peer_cli or not os.access(args.peer_cli, os.X_OK):
+        return {"engine": "peer", "skipped": f"no BigMoeOnEdge bmoe-cli (--peer-cli {args.peer_cli or 'not given'})"}
+    cache_gib = max(1, parse_size(args.budget) >> 30)
+    words = " ".join(["the"] * max(1, args.prompt - 1))
+    cmd = [*(group.prefix() if group else []), args.peer_cli, "-m", model, "-p", words, "-n", str(args.tokens)]
+    cmd += ["-t", str(args.threads), "--temp", str(TEMPERATURE), "--seed", str(SEED), "-no-cnv"]
+    cmd += ["--moe-stream", "--moe-stream-cache", str(cache_gib), "--moe-stream-io-threads", "4", "--moe-stream-direct"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
+    if proc.returncode != 0:
+        return {"engine": "peer", "error": f"exit {proc.returncode}: {proc.stderr[-1200:]}"}
+    out: dict = {"engine": "peer", "wall_s": round(time.perf_counter() - t0, 2)}
+    for what, ms, n in PERF_LINE.findall(proc.stderr):
+        phase = "prefill" if what == "prompt eval" else "decode"
+        out[f"{phase}_s"], out[f"{phase}_tok_s"] = round(float(ms) / 1e3, 2), round(int(n) / (float(ms) / 1e3), 3)
+    if "decode_tok_s" not in out:
+        out["error"] = "no llama.cpp timings in its output: " + proc.stderr[-600:]
+    return out
+
+
 def run_once(args, plain: str, kinds: list[str]) -> list[dict]:
     results = []
     filled = False
@@ -343,6 +373,14 @@ def run_once(args, plain: str, kinds: list[str]) -> list[dict]:
         if not cold and os.path.isdir(args.repack_cache):
             for name in os.listdir(args.repack_cache):  # a warm cache is on the drive, not in RAM
                 drop_page_cache(os.path.join(args.repack_cache, name))
+        if base(kind) == "peer":
+            group = Cgroup(f"moed-real-{os.getpid()}-peer", parse_size(args.cap))
+            try:
+                results.append(run_peer(args, model, group))
+            finally:
+                group.remove()
+            print(json.dumps(results[-1]), flush=True)
+            continue
         if base(kind) == "stock":
             need = os.path.getsize(model) * 1.1
             if mem_available() < need:
@@ -380,6 +418,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64, help="sampled decode tokens")
     ap.add_argument("--mmap-tokens", type=int, default=8, help="decode tokens for the (slow) mmap run")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--peer-cli", help="BigMoeOnEdge's bmoe-cli, for the `peer` engine (skipped without it)")
     ap.add_argument(
         "--warm",
         choices=["full", "runs"],
@@ -423,7 +462,7 @@ def main() -> int:
     if "moed-gate" in med and "moed-off" in med:
         for k in ("prefill_tok_s", "decode_tok_s"):
             print(f"  gate / off {k}: {med['moed-gate'][k] / med['moed-off'][k]:.3f}")
-    for ref in ("mmap", "stock"):
+    for ref in ("mmap", "stock", "peer"):
         if ref in med and "moed-gate" in med:
             for k in ("prefill_tok_s", "decode_tok_s"):
                 print(f"  moed-gate / {ref} {k}: {med['moed-gate'][k] / med[ref][k]:.3f}")

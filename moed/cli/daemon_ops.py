@@ -38,6 +38,17 @@ def cmd_ping(args) -> int:
     return 0
 
 
+def _repack_line(s: dict) -> str:
+    """Repack on read and its cache on disk (moed.daemon.onread, moed.daemon.repackcache)."""
+    made = f"{format_size(s.get('repacked_bytes', 0))} made on read ({s.get('repack_cpu_s', 0.0):.1f} CPU-s)"
+    if not s.get("repack_cache_dir"):
+        return made + "; cache off"
+    return (
+        made + f"; cache {format_size(s['repack_cache_bytes'])} in {s['repack_cache_dir']}: "
+        f"{s['repack_cache_reads']} read, {s['repack_cache_writes']} written, {s['repack_cache_skipped']} skipped"
+    )
+
+
 def _drive_line(s: dict) -> str:
     """How the drive does: behind or not, quarantined experts, stuck reads (docs/design.md §12)."""
     parts = [
@@ -99,6 +110,7 @@ def print_stats(s: dict) -> None:
             f"{'O_DIRECT' if s['direct_io'] else 'buffered'}, {s['reads_in_flight']} in flight",
         ),
         ("drive", _drive_line(s)),
+        ("repack", _repack_line(s)),
         ("evictions", str(s["evictions"])),
         (
             "memory",

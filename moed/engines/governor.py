@@ -21,13 +21,16 @@ The rule.
    what is read: gate2 and wider rows name more than they hit. While below the
    floor, probes are shadow probes: they predict and name but send nothing, so
    the precision is re-measured without reading a byte. A shadow probe is
-   `shadow_probe` (2) shadow steps in a row, not a timed pairing: nothing is
-   timed below the floor, and 2 steps name k experts for every layer twice,
-   plenty for a precision. Each costs a decode step that stops at every router
-   input in Python; on the Qwen3-30B geometry in its cap (random weights: the
-   precision stays near 0.3) the 20 shadow steps of a 64-token decode under the
-   old schedule (8 cold ones, then half of each 16-step probe) made it 0.96x
-   prefetch off, and 7 make it 0.99x (bench/RESULTS.md, issue 32).
+   `shadow_probe` (1) shadow step, not a timed pairing: nothing is timed below
+   the floor, and one step names k experts for every layer. So is a probe while
+   no precision is known (the steps named nothing the cache lacked, as right
+   after a prompt that read the predicted experts in): nothing is read on a
+   guess. Each shadow step stops at every router input in Python (about 40 ms of
+   a 190 ms token on the Qwen3-30B geometry in its cap, where random weights keep
+   the precision near 0.46): the 16 shadow and 2 sent steps the old schedule ran
+   in a 64-token decode (unknown precision counted as good) made it 0.94x prefetch
+   off; 4 shadow steps (2 cold, then one a probe) cost about 1.5% (bench/RESULTS.md,
+   issue 49).
 2. Paired A/B. At or above the floor the engine alternates between a probe and
    a stint. A probe is `probe` decode steps that alternate on, off, on, off, ...;
    its verdict is the log of the ratio of the two arms' median step times. A
@@ -41,11 +44,11 @@ The rule.
    an outlier, not a trend; several probes, because eight steps of each arm
    differ by their tokens' routes alone by ~10%.
 The first `skip` decode steps (cold cache, first-touch costs) are not timed; the
-first `skip_shadow` of them are shadow steps that measure the precision before
+first `skip_shadow` (2) of them are shadow steps that measure the precision before
 anything is sent (running them on, a recall-0.6 engine at a 25% budget read
 enough wrong experts during those steps to stay 3-4% behind an engine that never
-prefetched), and the rest stay shadow only while the precision is not known to
-be below the floor (off otherwise). An arm kept on whose precision falls below
+prefetched), and the rest stay shadow only while the precision is known to be at
+or above the floor (off otherwise). An arm kept on whose precision falls below
 the floor turns off at once.
 
 Why measure instead of modelling the drive: prefetch pays when the reads it moves
@@ -94,8 +97,8 @@ class PrefetchGovernor:
     stint: int = 32
     stint_max: int = 128
     skip: int = 8
-    skip_shadow: int = 3  # of the skip steps, how many shadow ones measure the precision first
-    shadow_probe: int = 2  # steps of a probe below the floor (all shadow, not timed)
+    skip_shadow: int = 2  # of the skip steps, how many shadow ones measure the precision first
+    shadow_probe: int = 1  # steps of a probe below the floor or without a precision (shadow, not timed)
     memory: int = 4
     precision_floor: float = 0.65
     precision_alpha: float = 0.1  # weight of the newest step in the running precision
@@ -137,7 +140,7 @@ class PrefetchGovernor:
             return SHADOW if self._batches % self.batch_probe_every == 0 else OFF
         self._step += 1
         if self._step <= self.skip:
-            self.mode = SHADOW if self._step <= self.skip_shadow or not self._below_floor() else OFF
+            self.mode = SHADOW if self._step <= self.skip_shadow or self._above_floor() else OFF
         else:
             if self._phase_left == 0 or (self.mode == ON and not self._probing and self._below_floor()):
                 self._next_phase()
@@ -184,18 +187,23 @@ class PrefetchGovernor:
     def _below_floor(self) -> bool:
         return self.precision is not None and self.precision < self.precision_floor
 
+    def _above_floor(self) -> bool:
+        return self.precision is not None and self.precision >= self.precision_floor
+
     def _next_phase(self) -> None:
         if self._probing:
             self._run_winner()
         else:
             self._times = {ON: [], OFF: []}
-            self._shadow_probing = self._below_floor()
+            # Below the floor, or no precision yet (its steps named nothing the cache lacked:
+            # nothing to read ahead): shadow steps measure it; nothing is read on a guess.
+            self._shadow_probing = not self._above_floor()
             length = self.shadow_probe if self._shadow_probing else self.probe + self.probe % 2
             self._probing, self._phase_left = True, length
 
     def _run_winner(self) -> None:
         self.probes += 1
-        if self._below_floor() or not self._times[ON]:
+        if not self._above_floor() or not self._times[ON]:
             winner = OFF  # a shadow probe, or the precision fell: not timed
         else:
             on, off = (statistics.median(self._times[a]) for a in (ON, OFF))
