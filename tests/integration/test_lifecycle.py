@@ -44,6 +44,8 @@ def test_shipped_example_config_is_valid():
     assert cfg.ram_budget_bytes == 64 << 30
     unit = open(os.path.join(root, "systemd", "moed.service")).read()
     assert "Type=notify" in unit and "LimitMEMLOCK=infinity" in unit
+    # the repack cache's directory: writable under ProtectSystem=strict, named by $CACHE_DIRECTORY
+    assert "CacheDirectory=moed" in unit and cfg.repack_cache_dir == "" and cfg.repack_cache_bytes is None
 
 
 def test_ready_is_notified_to_systemd_after_bind():
