@@ -313,6 +313,7 @@ def fill_cache(args, plain: str) -> dict:
     def body(sock: str) -> dict:
         with Client(sock, "fill") as c:
             m = c.open_model(plain, expert_layout=layout)
+            written = 0
             for _ in range(4):  # a write skipped while the writer was busy is made on the next pass
                 for layer in sorted(cat.layers):
                     for e in range(cat.n_experts):
@@ -324,8 +325,9 @@ def fill_cache(args, plain: str) -> dict:
                         last, since = w, time.monotonic()
                     time.sleep(0.2)
                 s = c.stats()
-                if s["repack_cache_writes"] >= want or not s["repack_cache_dir"]:
-                    break
+                if s["repack_cache_writes"] == written or not s["repack_cache_dir"]:
+                    break  # a pass that wrote nothing: every expert is in the cache
+                written = s["repack_cache_writes"]
             return s
 
     s = with_daemon(args, args.budget, None, body, extra=("--repack-cache-dir", args.repack_cache))

@@ -401,10 +401,15 @@ class RepackCaches:
         return cache
 
     def closed(self, cache: RepackCache) -> None:
+        """A cache let go: kept for the next open of its model, or deleted if its file changed
+        (a model retired for that: its cache could never be used again)."""
         with self._lock:
             if self.open.get(cache.key) is cache:
                 del self.open[cache.key]
                 self._closed[cache.key] = (cache.path, cache.index.identity, cache.bytes_on_disk, cache.index.used_s)
+                if not _same_files(cache.index):
+                    self._remove_files(cache.key)
+                    self.counts["dropped"] += 1
 
     # ---- the disk budget ------------------------------------------------------------
 

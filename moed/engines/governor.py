@@ -47,8 +47,12 @@ The first `skip` decode steps (cold cache, first-touch costs) are not timed; the
 first `skip_shadow` (2) of them are shadow steps that measure the precision before
 anything is sent (running them on, a recall-0.6 engine at a 25% budget read
 enough wrong experts during those steps to stay 3-4% behind an engine that never
-prefetched), and the rest stay shadow only while the precision is known to be at
-or above the floor (off otherwise). An arm kept on whose precision falls below
+prefetched), and the rest run off. The precision is the plain ratio of what was
+named until `precision_min_named` (512) experts were, then an exponential mean: the
+few experts the first steps after a prompt name read high (most predicted experts
+are resident), and a probe that began on that figure ran 16 steps of shadow and sent
+steps before the mean came down (issue 49). A timed probe whose precision falls
+below the floor ends at once, off. An arm kept on whose precision falls below
 the floor turns off at once.
 
 Why measure instead of modelling the drive: prefetch pays when the reads it moves
@@ -102,6 +106,7 @@ class PrefetchGovernor:
     memory: int = 4
     precision_floor: float = 0.65
     precision_alpha: float = 0.1  # weight of the newest step in the running precision
+    precision_min_named: int = 512  # until this many were named, the precision is their plain ratio
     mode: str = ON
     precision: float | None = None
     batch_precision: float | None = None  # the same, over prompt batches' prefetches
@@ -140,10 +145,11 @@ class PrefetchGovernor:
             return SHADOW if self._batches % self.batch_probe_every == 0 else OFF
         self._step += 1
         if self._step <= self.skip:
-            self.mode = SHADOW if self._step <= self.skip_shadow or self._above_floor() else OFF
+            self.mode = SHADOW if self._step <= self.skip_shadow else OFF
         else:
-            if self._phase_left == 0 or (self.mode == ON and not self._probing and self._below_floor()):
-                self._next_phase()
+            fell = self._probing and not self._shadow_probing and not self._above_floor()
+            if self._phase_left == 0 or fell or (self.mode == ON and not self._probing and self._below_floor()):
+                self._next_phase()  # a probe whose precision fell below the floor ends at once, off
             if self._shadow_probing:
                 self.mode = SHADOW
             elif self._probing:
@@ -162,7 +168,10 @@ class PrefetchGovernor:
             b = self.batch_precision
             self.batch_precision = p if b is None else 0.5 * p + 0.5 * b  # few batches: weigh them alike
             return
-        if self._step <= self.skip:  # cold steps: the plain ratio over all of them, not one step's
+        if self._step <= self.skip or self._cold[1] < self.precision_min_named:
+            # Cold steps, and until enough was named: the plain ratio over all of them. The few
+            # experts the first steps after a prompt name (most are resident) read high, and an
+            # exponential mean would carry that into several wasted steps sent.
             self._cold[0] += used
             self._cold[1] += named
             self.precision = self._cold[0] / self._cold[1]

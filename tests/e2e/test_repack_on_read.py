@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import subprocess
 import sys
 
@@ -204,3 +205,39 @@ def test_stats_name_the_layout_made_on_read(model_factory, start_daemon):
         )
     assert proc.returncode == 0, proc.stderr
     assert f"{expected_layout(src)} (made on read)" in proc.stdout
+
+
+def test_a_restarted_daemon_serves_its_repack_cache_bit_exact(model_factory, tmp_path):
+    """The repack cache (issue 49): an engine process on a plain file through a daemon that
+    makes and caches its experts, then another through a new daemon on the same cache (a
+    restart): the second reads experts from the cache instead of transforming them, and both
+    equal stock bit for bit. The budget evicts, so the first daemon reads from its cache too."""
+    import tempfile
+
+    from moed.testing import DaemonProcess, wait_for
+
+    src = model_factory(quant="q4_0")
+    need_repack(src)
+    tokens, want = stock_logits(src)
+    sock_dir = tempfile.mkdtemp(prefix="moed-", dir="/tmp")  # the daemons' cache lives in it
+    try:
+        seen = []
+        for run in range(2):
+            d = DaemonProcess("96KiB", socket_dir=sock_dir)
+            try:
+                out = str(tmp_path / f"r{run}.npy")
+                cmd = [sys.executable, "-c", ENGINE, d.socket, str(src), out, "auto", repr(tokens)]
+                assert subprocess.run(cmd, cwd=os.getcwd(), timeout=300).returncode == 0
+                assert_bit_equal(np.load(out), want)
+                with d.client("check") as c:
+                    if run == 0:
+                        wait_for(lambda: c.stats()["repack_cache_writes"] > 0, 30, what="experts cached")
+                    seen.append(c.stats())
+                assert d.stop() == 0  # SIGTERM: what is queued is written, the index saved
+            finally:
+                d.close()
+        first, second = seen
+        assert first["repacked_bytes"] > 0 and first["repack_cache_writes"] > 0
+        assert second["repack_cache_reads"] > 0 and second["repacked_bytes"] < first["repacked_bytes"]
+    finally:
+        shutil.rmtree(sock_dir, ignore_errors=True)

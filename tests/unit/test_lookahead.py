@@ -266,11 +266,27 @@ def test_governor_without_a_precision_reads_nothing_ahead_and_probes_with_shadow
     assert "on" in later  # the next probe pairs the arms
 
 
-def test_governor_cold_steps_stay_shadow_while_the_precision_is_good():
+def test_governor_cold_steps_after_the_shadow_ones_run_off_then_a_good_precision_probes():
     g = PrefetchGovernor(probe=4, stint=8, skip=5, skip_shadow=2)
     modes = drive_governor(g, 0.010, 0.012, 9, precision=0.9)
-    assert modes[:5] == ["shadow"] * 5  # nothing sent cold, the precision measured throughout
+    assert modes[:5] == ["shadow", "shadow", "off", "off", "off"]  # measured cold, nothing sent
     assert modes[5:9] == ["on", "off", "on", "off"]
+
+
+def test_a_probe_ends_off_as_soon_as_its_precision_falls_below_the_floor():
+    """The first steps after a prompt name few experts and read high; the probe that begins on
+    that figure stops sending at the first step that brings the ratio under the floor."""
+    g = PrefetchGovernor(probe=16, stint=32, skip=3, skip_shadow=2, precision_min_named=512)
+    modes = []
+    for i in range(40):
+        mode = g.begin(decode_step=True)
+        modes.append(mode)
+        if mode != "off":
+            g.scored(*((18, 20) if i < 2 else (80, 172)))  # cold: 0.9 on 40 named; then 0.47
+        g.end(0.01)
+    assert modes[:3] == ["shadow", "shadow", "off"]
+    assert modes[3] == "on" and modes.count("on") == 1  # one step sent, then the ratio is 0.46
+    assert set(modes[4:36]) == {"off"} and g.precision < g.precision_floor
 
 
 def test_governor_turns_off_at_once_when_precision_drops_during_a_stint():

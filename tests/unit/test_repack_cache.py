@@ -135,7 +135,11 @@ def test_a_file_changed_while_open_retires_its_model_and_voids_its_cache(plain, 
         newer = await daemon.open_model(plain, layout=LAYOUT)
         assert model.stale and newer is not model
         await read_all(daemon, newer)  # transformed from the file again, never the old cache
-        assert daemon.stats()["repack_cache_dropped"] >= 1
+        assert model.repack_cache.key != newer.repack_cache.key
+        daemon.registry.drop_if_drained(model)  # no lease left: it goes, and its cache with it
+        assert model.model_id not in daemon.models
+        assert not any(n.startswith(model.repack_cache.key) for n in cache_files(d))
+        assert daemon.stats()["repack_cache_dropped"] == 1
 
     run(body, budget_bytes=6 * slot_bytes_of(plain), repack_cache_dir=str(d))
 
