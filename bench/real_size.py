@@ -17,6 +17,7 @@ Engines (each in its own process; the capped ones inside one cgroup v1 memory gr
   with `@KEY=VALUE[+KEY=VALUE]`, e.g. `moed-gate@prefault=false`: one daemon config key;
   then `%NAME=VALUE[+NAME=VALUE]`: the engine process's environment, e.g. `%GOMP_SPINCOUNT=0`)
   mmap       llama.cpp's mmap path (UnpackedLlama, use_mmap, no repack), in the cap
+  NAME#T     that engine on T threads (`--threads` otherwise), e.g. `moed-gate#1/cold`
   NAME/copy  that engine on the model's `moectl align --repack` copy (NAME-repacked.gguf)
   NAME/cold  that engine with the repack cache emptied first (`--repack-cache`, the daemons'
              `repack_cache_dir`): the first use of a plain file. Any other moed run on the
@@ -201,7 +202,13 @@ def runq_s() -> float:
 
 def base(kind: str) -> str:
     """The engine a kind names, without its daemon config (`@`) and environment (`%`)."""
-    return kind.split("@", 1)[0].split("%", 1)[0].removesuffix("/copy").removesuffix("/cold")
+    return kind.split("@", 1)[0].split("%", 1)[0].removesuffix("/copy").removesuffix("/cold").split("#", 1)[0]
+
+
+def threads_of(kind: str, default: int) -> int:
+    """`moed-gate#1/cold`: that engine computes on 1 thread (else `--threads`)."""
+    name = kind.split("@", 1)[0].split("%", 1)[0].removesuffix("/copy").removesuffix("/cold")
+    return int(name.split("#", 1)[1]) if "#" in name else default
 
 
 def _cpu_s(a: dict, b: dict) -> float:
@@ -220,7 +227,7 @@ def _rate(a: dict, b: dict) -> float | None:
 def child(args, kind: str, model: str, group: Cgroup | None, socket: str | None) -> dict:
     cmd = [*(group.prefix() if group else []), sys.executable, __file__, "--child", kind, "--model", model]
     tokens = args.mmap_tokens if base(kind) == "mmap" else args.tokens  # the mmap path in the cap is slow
-    cmd += ["--prompt", str(args.prompt), "--tokens", str(tokens), "--threads", str(args.threads)]
+    cmd += ["--prompt", str(args.prompt), "--tokens", str(tokens), "--threads", str(threads_of(kind, args.threads))]
     if socket:
         cmd += ["--socket", socket]
     peak = 0
