@@ -205,6 +205,8 @@ def test_stats_name_the_layout_made_on_read(model_factory, start_daemon):
         )
     assert proc.returncode == 0, proc.stderr
     assert f"{expected_layout(src)} (made on read)" in proc.stdout
+    # the repack line: what was made on read, and the cache on disk (issue 49)
+    assert "made on read (" in proc.stdout and " written, " in proc.stdout
 
 
 def test_a_restarted_daemon_serves_its_repack_cache_bit_exact(model_factory, tmp_path):
