@@ -325,13 +325,6 @@ class Store:
         elif slot.unpin_pending and not slot.refs:
             self._unpin_free(slot)
 
-    def hold(self, slot: Slot) -> None:
-        """A reference of the daemon's own on a slot whose read is ending (the repack cache
-        writes its bytes out): taken before `loaded`, so the slot never enters the policy
-        until `release`d, and its bytes cannot be replaced under the write."""
-        assert slot.state == SlotState.LOADING
-        slot.refs += 1
-
     def failed(self, slot: Slot) -> None:
         """A read failed: the slot is dropped; every holder's reference dies with it."""
         if slot.state != SlotState.LOADING:

@@ -178,7 +178,6 @@ class Daemon:
         self.registry = Registry(
             config, s, opener, self.counters, self._models_in_use, self._model_added, self.repack_caches
         )
-        s.on_unheld = self.registry.drop_if_drained  # a stale model's last written slot let go
         self.holds = LocalHolds(config, s, self.registry, self.counters)
         self.prefetches = Prefetches(s)
         # Compute turns: which engines compute now, with how many threads (moed.daemon.turns)

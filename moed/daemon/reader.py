@@ -145,6 +145,7 @@ class ReadJob:
     # cache (moed.daemon.repackcache) answers for its model's files, not for the cache's own
     watch: list | None = None
     from_cache: bool = False  # its pieces are the repack cache's, not the model file's
+    write_back: tuple | None = None  # (repack cache, layer, expert): offered a copy once read
     repacked_bytes: int = 0
     repack_cpu_s: float = 0.0
     _left: int = 0

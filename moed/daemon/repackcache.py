@@ -18,10 +18,10 @@ What it owns:
 - the one writer thread and its bounded queue.
 
 Invariants:
-- An expert is read from the cache only once every part of it was written from a
-  READY slot of that model (the transform of the file's bytes, read while the file
-  was unchanged). The slot layer holds the slot while it is written
-  (moed.daemon.slots, `Store.hold`), so its bytes cannot change under the write.
+- An expert is read from the cache only once every part of it was written from a copy
+  of its slot taken by the reader thread that made it, before the slot was READY (the
+  transform of the file's bytes, read while the file was unchanged); the copy is the
+  writer's, so no slot is held for the cache.
 - A cache is keyed by the sha256 of the model's resolved path, its files' identity
   (device, inode, size, mtime, ctime of every shard), the layouts made and the expert
   geometry: a changed file gets a new key, and opening it deletes the caches of every
@@ -33,8 +33,8 @@ Invariants:
   write leaves the filesystem's free space under `min_free_bytes`. A write that would
   pass either first deletes whole caches no open model uses, least recently used
   first, and is skipped if that is not enough (counted, `repack_cache_skipped`).
-- At most `MAX_PENDING` experts wait to be written (each holds a slot): beyond that an
-  expert is not cached this time, and the read that made it is not slowed.
+- At most `MAX_PENDING` experts' copies wait to be written: beyond that an expert is not
+  cached this time, and the read that made it is not slowed.
 - Two daemons never share a cache: each takes an exclusive flock on the data file, and
   one that cannot goes on without the cache for that model.
 - Nothing here fails a read: a cache that cannot be opened or written is turned off
@@ -48,11 +48,11 @@ import errno
 import fcntl
 import hashlib
 import logging
+import mmap
 import os
 import queue
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -66,7 +66,7 @@ from .reader import ModelFile
 log = logging.getLogger("moed.repackcache")
 
 VERSION = 1
-MAX_PENDING = 16  # experts queued for writing (each holds its slot until written)
+MAX_PENDING = 16  # experts' copies queued for writing
 INDEX_EVERY = 32  # experts written between two index saves (and at most INDEX_EVERY_S apart)
 INDEX_EVERY_S = 2.0
 
@@ -182,32 +182,43 @@ class RepackCache:
         i = self._slot_of(layer, expert)
         return self.on and not self.present[i] and i not in self._queued
 
-    def offer(self, layer: int, expert: int, srcs: list[int], done: Callable[[], object]) -> bool:
-        """Queue the expert's parts, at `srcs` (a READY slot the caller holds), for writing;
-        `done()` is called from the writer thread once the slot is no longer read. False: not
-        queued (the cache is full, off, or MAX_PENDING are waiting): the caller lets go at once."""
+    def offer(self, layer: int, expert: int, parts: list[tuple[int, int]]) -> bool:
+        """Queue a copy of an expert just made on read, its parts `(address, bytes)` in a slot
+        still LOADING (a reader thread, before the slot is READY: nothing else writes it), for
+        writing. False: not queued (on disk or queued already, the cache off, or MAX_PENDING
+        waiting). The copy costs a memcpy once per expert; it leaves the slot to the store."""
         i = self._slot_of(layer, expert)
         if not self.wants(layer, expert):
             return False
-        if not self.owner.enqueue((self, i, srcs, done)):
+        li = self._pos[layer]
+        strides = [round_up(size) for size in self.geo.sizes[li]]
+        buf = mmap.mmap(-1, sum(strides))  # page-aligned: written with O_DIRECT as it is
+        pos = 0
+        for (addr, size), stride in zip(parts, strides):
+            buf[pos : pos + size] = libc.buffer_at(addr, size)
+            pos += stride
+        if not self.owner.enqueue((self, i, buf)):
+            buf.close()
             return False
         self._queued.add(i)
         return True
 
     # ---- the writer thread ----------------------------------------------------
 
-    def write(self, i: int, srcs: list[int]) -> None:
-        """Write one expert (writer thread) and mark it on disk; the index follows in batches."""
+    def write(self, i: int, buf: mmap.mmap) -> None:
+        """Write one expert's copy (writer thread) and mark it on disk; the index follows in batches."""
         li, expert = divmod(i, self.geo.n_experts)
         try:
             if self.on and not self.present[i]:
                 need = self.geo.expert_bytes(li)
                 if not self.owner.take(need, self):
                     return
-                for base, size, src in zip(self._bases[li], self.geo.sizes[li], srcs):
-                    n = round_up(size) if self._direct_write else size  # a slot's part stride is page-rounded
-                    off = base + expert * round_up(size)
-                    _pwrite_all(self._write_fd, libc.buffer_at(src, n), off)
+                view, pos = memoryview(buf), 0
+                for base, size in zip(self._bases[li], self.geo.sizes[li]):
+                    n = round_up(size) if self._direct_write else size  # the copy's parts are page-strided
+                    _pwrite_all(self._write_fd, view[pos : pos + n], base + expert * round_up(size))
+                    pos += round_up(size)
+                view.release()
                 self.present[i] = 1
                 self.bytes_on_disk += need
                 self.owner.counts["written"] += 1
@@ -218,6 +229,7 @@ class RepackCache:
             self.turn_off(f"writing it failed: {exc}")
         finally:
             self._queued.discard(i)
+            buf.close()
 
     def save(self) -> None:
         """Make the written experts durable, then list them in the index (writer thread, or close)."""
@@ -448,27 +460,25 @@ class RepackCaches:
 
     def _run(self) -> None:
         while True:
+            # Timed only while an index is behind what was written: an idle daemon sleeps.
+            dirty = any(c._dirty for c in list(self.open.values()))
             try:
-                item = self._queue.get(timeout=INDEX_EVERY_S)
+                item = self._queue.get(timeout=INDEX_EVERY_S if dirty else None)
             except queue.Empty:
                 for cache in list(self.open.values()):
                     cache.save()  # what was written while idle is listed within INDEX_EVERY_S
                 continue
             if item is None:
                 return
-            cache, i, srcs, done = item
+            cache, i, buf = item
             try:
-                cache.write(i, srcs)
-            except Exception:  # noqa: BLE001 - a bug here must not keep a slot held
+                cache.write(i, buf)
+            except Exception:  # noqa: BLE001 - a bug here must not stop the writer
                 log.exception("repack cache write failed")
                 cache.turn_off("a write failed")
-            try:
-                done()  # the slot is let go on the loop
-            except RuntimeError:  # the loop closed first (shutdown): nothing is held any more
-                pass
 
     def close(self) -> None:
-        """Write what is queued (each holds a slot), then close every cache (saving its index)."""
+        """Write what is queued, then close every cache (saving its index)."""
         self._stop = True
         self._queue.put(None)
         self._thread.join(timeout=30)

@@ -44,7 +44,6 @@ from .heat import Heat
 from .models import Model
 from .ramtier import RamTier
 from .reader import ReaderPool, ReadJob
-from .repackcache import RepackCache
 from .residency import Residency
 from .verify import Verifier, digest
 
@@ -100,7 +99,6 @@ class Slots:
         self.residency, self.faults, self.counters = residency, faults, counters
         self.verifier, self.heat = verifier, heat
         self._on_stale = on_stale  # a read found its model's file changed
-        self.on_unheld: Callable[[Model], object] | None = None  # a slot the repack cache wrote let go
         self._loading: dict[Slot, Loading] = {}
         self._room_waiters: list[asyncio.Future] = []
         self.waiting: dict[Tenant, int] = {}  # tenant -> its acquires waiting for room now
@@ -149,7 +147,10 @@ class Slots:
             pieces = cache.pieces(key.layer, key.expert, dests)
             return ReadJob(pieces, self._read_done_thread, demand, slot, what, watch=model.files, from_cache=True)
         pieces = [(f, off + key.expert * size, size, dest) for (f, off, size), dest in zip(plan.parts, dests)]
-        return ReadJob(pieces, self._read_done_thread, demand, slot, what, repacks=plan.repacks or None)
+        job = ReadJob(pieces, self._read_done_thread, demand, slot, what, repacks=plan.repacks or None)
+        if cache is not None and cached:
+            job.write_back = (cache, key.layer, key.expert)
+        return job
 
     def _read_done_thread(self, job: ReadJob, err: BaseException | None) -> None:
         """Reader thread: lock the filled pages, then hand over to the loop."""
@@ -164,6 +165,9 @@ class Slots:
             self.ramtier.lock_slot(self.ramtier.segments[slot.class_id], slot.index)
             if self.verifier is not None:
                 job.digest = digest(job.pieces)  # hashed here, off the event loop
+            if job.write_back is not None:  # made on read: a copy of its bytes goes to the repack cache
+                cache, layer, expert = job.write_back
+                cache.offer(layer, expert, [(p[3], p[2]) for p in job.pieces])
         self.loop.call_soon_threadsafe(self._read_done, slot, job, err)
 
     def _read_done(self, slot: Slot, job: ReadJob, err: BaseException | None) -> None:
@@ -195,36 +199,12 @@ class Slots:
             owner.bytes_read += job.bytes_total
             owner.use(key.model_id).bytes_read += job.bytes_total
         if err is None:
-            if cache is not None and not job.from_cache:
-                self._write_back(cache, slot, loading.model)
             self.store.loaded(slot)
             self.residency.publish(slot)
             loading.done.set_result(None)
         else:
             self._read_failed(slot, loading, err)
         self.room_changed()
-
-    def _write_back(self, cache: RepackCache, slot: Slot, model: Model) -> None:
-        """Offer a slot just made on read to the repack cache, holding it until written (the
-        hold is taken first: the writer's answer comes back through the loop, after this)."""
-        key = slot.key
-        assert key is not None
-        if not cache.wants(key.layer, key.expert):
-            return
-        self.store.hold(slot)
-        gen, seg = slot.generation, self.ramtier.segments[slot.class_id]
-        srcs = [seg.part_addr(slot.index, k) for k in range(len(model.layers[key.layer].parts))]
-
-        def written() -> None:
-            self.loop.call_soon_threadsafe(self._unhold, slot, gen, model)
-
-        if not cache.offer(key.layer, key.expert, srcs, written):
-            self.store.release(slot, gen)  # not loaded yet: the release only drops the count
-
-    def _unhold(self, slot: Slot, gen: int, model: Model) -> None:
-        self.unref([slot], [gen])
-        if model.stale and self.on_unheld is not None:
-            self.on_unheld(model)  # a retired model may have been waiting for this slot
 
     def _read_failed(self, slot: Slot, loading: Loading, err: BaseException) -> None:
         key, model = slot.key, loading.model
