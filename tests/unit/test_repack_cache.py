@@ -45,6 +45,20 @@ def settled(daemon: Daemon, model) -> bool:
     return s["repack_cache_writes"] + s["repack_cache_skipped"] >= n_experts(model)
 
 
+async def filled(daemon: Daemon, path: str):
+    """The model made on read, every expert of it read once and written to the cache."""
+    model = await daemon.open_model(path, layout=LAYOUT)
+    await read_all(daemon, model, check=False)
+    wait_for(lambda: written_all(daemon, model), 30, what="every expert written")
+    return model
+
+
+def touch(path: str) -> None:
+    """A new identity for the same bytes (mtime one second later)."""
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+
+
 def cache_files(directory) -> list[str]:
     return sorted(os.listdir(directory))
 
@@ -103,15 +117,11 @@ def test_a_changed_file_voids_its_cache(plain, tmp_path):
     d = tmp_path / "cache"
 
     async def fill(daemon: Daemon):
-        model = await daemon.open_model(plain, layout=LAYOUT)
-        await read_all(daemon, model, check=False)
-        wait_for(lambda: written_all(daemon, model), 30, what="every expert written")
+        await filled(daemon, plain)
 
     run(fill, budget_bytes=6 * slot_bytes_of(plain), repack_cache_dir=str(d))
     before = cache_files(d)
-    # Same bytes, new identity (as a rewrite in place would leave it): the cache is void.
-    st = os.stat(plain)
-    os.utime(plain, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    touch(plain)  # same bytes, new identity (as a rewrite in place would leave it): the cache is void
 
     async def after(daemon: Daemon):
         model = await daemon.open_model(plain, layout=LAYOUT)
@@ -127,11 +137,8 @@ def test_a_file_changed_while_open_retires_its_model_and_voids_its_cache(plain, 
     d = tmp_path / "cache"
 
     async def body(daemon: Daemon):
-        model = await daemon.open_model(plain, layout=LAYOUT)
-        await read_all(daemon, model, check=False)
-        wait_for(lambda: written_all(daemon, model), 30, what="every expert written")
-        st = os.stat(plain)
-        os.utime(plain, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+        model = await filled(daemon, plain)
+        touch(plain)
         newer = await daemon.open_model(plain, layout=LAYOUT)
         assert model.stale and newer is not model
         await read_all(daemon, newer)  # transformed from the file again, never the old cache
