@@ -202,12 +202,17 @@ def runq_s() -> float:
 
 def base(kind: str) -> str:
     """The engine a kind names, without its daemon config (`@`) and environment (`%`)."""
-    return kind.split("@", 1)[0].split("%", 1)[0].removesuffix("/copy").removesuffix("/cold").split("#", 1)[0]
+    return name_of(kind).removesuffix("/copy").removesuffix("/cold").split("#", 1)[0]
+
+
+def name_of(kind: str) -> str:
+    """A kind without its daemon config (`@`) and environment (`%`): `moed-gate#1/cold`."""
+    return kind.split("@", 1)[0].split("%", 1)[0]
 
 
 def threads_of(kind: str, default: int) -> int:
     """`moed-gate#1/cold`: that engine computes on 1 thread (else `--threads`)."""
-    name = kind.split("@", 1)[0].split("%", 1)[0].removesuffix("/copy").removesuffix("/cold")
+    name = name_of(kind).removesuffix("/copy").removesuffix("/cold")
     return int(name.split("#", 1)[1]) if "#" in name else default
 
 
@@ -301,8 +306,7 @@ def slug(kind: str) -> str:
 def model_for(kind: str, model: str) -> str:
     """The file a kind runs on: `moed-gate/copy` runs on the model's `moectl align --repack`
     copy (`NAME-repacked.gguf` beside it), so plain and copy alternate in one run."""
-    kind = kind.split("@", 1)[0].split("%", 1)[0]
-    return repacked_path(model) if kind.endswith("/copy") else model
+    return repacked_path(model) if name_of(kind).endswith("/copy") else model
 
 
 def fill_cache(args, plain: str) -> dict:
@@ -371,7 +375,7 @@ def run_once(args, plain: str, kinds: list[str]) -> list[dict]:
     filled = False
     for kind in kinds:
         model = model_for(kind, plain)
-        cold = kind.split("@", 1)[0].split("%", 1)[0].endswith("/cold")
+        cold = name_of(kind).endswith("/cold")
         if cold:
             shutil.rmtree(args.repack_cache, ignore_errors=True)
             filled = False

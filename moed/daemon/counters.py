@@ -25,6 +25,7 @@ import msgspec
 
 from moed.protocol.stats import ModelRow, TenantModelRow, TenantRow
 
+from . import repackcache
 from .bounds import limits
 
 # Upper bounds of the latency histograms' buckets, in seconds (a hit is tens of µs,
@@ -119,20 +120,6 @@ class Counters:
 
 # Counters whose wire name is not their own (None: not on the wire).
 WIRE: dict[str, str | None] = {"timed_out": "timed_out_connections", "connections": None, "errors_sent": None}
-
-
-def repack_cache_row(caches) -> dict:
-    """The repack cache's counters (moed.daemon.repackcache); zeros when it is off."""
-    if caches is None:
-        return {
-            "repack_cache_reads": 0,
-            "repack_cache_writes": 0,
-            "repack_cache_skipped": 0,
-            "repack_cache_dropped": 0,
-            "repack_cache_bytes": 0,
-            "repack_cache_dir": "",
-        }
-    return caches.stats()
 
 
 def _row(schema: type[msgspec.Struct], source: object, **computed) -> dict:
@@ -267,7 +254,7 @@ def snapshot(daemon) -> dict:
         "unpins_held": len(daemon.store.unpin_waiting),
         "revoked_regions": len(daemon.residency.revoked),
         **daemon.prefault.stats(),
-        **repack_cache_row(daemon.repack_caches),
+        **repackcache.stats_row(daemon.repack_caches),
         **daemon.turns.stats(),  # turns, turn_waits, turn_wait_s, turns_overdue, engines_active
         "engines": daemon.turns.rows(),
         "limits": limits(daemon.config),

@@ -4,7 +4,7 @@ Repack on read (moed.daemon.onread) costs the reader threads CPU on every read o
 plain file's expert, and on a small box that CPU sits inside the engine's wait for
 its misses (bench/RESULTS.md, issue 49: 26-30 ms of a 230 ms decode token on two
 cores). This module keeps what the transform made: the first read of an expert is
-transformed as before, then written from its slot to a cache file; every later read
+transformed as before, then a copy of it is written to a cache file; every later read
 of it (after an eviction, after a restart) is a plain O_DIRECT read of repacked
 bytes, as from a `moectl align --repack` copy. The user's plain file stays the only
 input: no step is added to their set-up.
@@ -154,7 +154,7 @@ class RepackCache:
         self.owner, self.index, self.geo = owner, index, geo
         self.key, self.path = index.key, index.path
         self._pos = {layer: i for i, layer in enumerate(geo.layers)}
-        self._bases, self.size_bytes = geo.bases()
+        self._bases, _ = geo.bases()
         self.present = bytearray(index.present)  # written by the writer thread, read on the loop
         self._fd, self._write_fd, self._direct_write = data_fd, write_fd, direct
         self.reader = ModelFile(owner.data_path(self.key), owner.direct_io)
@@ -351,7 +351,10 @@ class RepackCaches:
     def used_bytes(self) -> int:
         """What the directory's caches take on disk now."""
         with self._lock:
-            return sum(c.bytes_on_disk for c in self.open.values()) + sum(v[2] for v in self._closed.values())
+            return self._used()
+
+    def _used(self) -> int:  # with the lock held
+        return sum(c.bytes_on_disk for c in self.open.values()) + sum(v[2] for v in self._closed.values())
 
     # ---- opening -----------------------------------------------------------------
 
@@ -439,10 +442,8 @@ class RepackCaches:
         return True
 
     def _fits(self, need: int) -> bool:
-        if self.budget_bytes is not None:
-            used = sum(c.bytes_on_disk for c in self.open.values()) + sum(v[2] for v in self._closed.values())
-            if used + need > self.budget_bytes:
-                return False
+        if self.budget_bytes is not None and self._used() + need > self.budget_bytes:
+            return False
         st = os.statvfs(self.dir)
         return st.f_bavail * st.f_frsize - need >= min_free_bytes(st)
 
@@ -485,15 +486,18 @@ class RepackCaches:
         for cache in list(self.open.values()):
             cache.close()
 
-    def stats(self) -> dict:
-        return {
-            "repack_cache_reads": self.counts["read"],
-            "repack_cache_writes": self.counts["written"],
-            "repack_cache_skipped": self.counts["busy"] + self.counts["full"],
-            "repack_cache_dropped": self.counts["dropped"],
-            "repack_cache_bytes": self.used_bytes(),
-            "repack_cache_dir": self.dir,
-        }
+
+def stats_row(caches: RepackCaches | None) -> dict:
+    """The repack cache's keys of `moectl stats` (moed.protocol.stats); zeros when it is off."""
+    counts = caches.counts if caches is not None else dict.fromkeys(("read", "written", "busy", "full", "dropped"), 0)
+    return {
+        "repack_cache_reads": counts["read"],
+        "repack_cache_writes": counts["written"],
+        "repack_cache_skipped": counts["busy"] + counts["full"],
+        "repack_cache_dropped": counts["dropped"],
+        "repack_cache_bytes": caches.used_bytes() if caches is not None else 0,
+        "repack_cache_dir": caches.dir if caches is not None else "",
+    }
 
 
 def from_config(directory: str, budget_bytes: int | None, direct_io: str = "auto") -> RepackCaches | None:
@@ -520,4 +524,4 @@ def _same_files(index: Index) -> bool:
         return False
 
 
-__all__ = ["CacheGeometry", "RepackCache", "RepackCaches", "default_dir", "from_config"]
+__all__ = ["CacheGeometry", "RepackCache", "RepackCaches", "default_dir", "from_config", "stats_row"]

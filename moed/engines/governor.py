@@ -152,9 +152,8 @@ class PrefetchGovernor:
                 self._next_phase()  # a probe whose precision fell below the floor ends at once, off
             if self._shadow_probing:
                 self.mode = SHADOW
-            elif self._probing:
-                first = SHADOW if self._below_floor() else ON
-                self.mode = first if self._phase_left % 2 == 0 else OFF  # alternate (probe is even)
+            elif self._probing:  # a timed probe, at or above the floor (`fell` ends it otherwise)
+                self.mode = ON if self._phase_left % 2 == 0 else OFF  # alternate (probe is even)
             self._phase_left -= 1
         self.steps[self.mode] += 1
         return self.mode
